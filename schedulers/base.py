@@ -1,0 +1,68 @@
+"""The FrequencyScheduler interface.
+
+A scheduler decides the frequency schedule of every rank for the next round of iterations and
+learns from the profiling results of the previous round. Schedulers are plain deterministic
+objects: rq workers rebuild one from Redis by constructing it and replaying every observation
+in order (see :mod:`coordinator.tasks`), so the same inputs must always give the same schedules.
+Randomness, wall-clock time and I/O outside the constructor break that replay.
+
+Two ways to write one, as in Zeus:
+
+* override :meth:`FrequencyScheduler.observe` and :meth:`FrequencyScheduler.next_schedule`; or
+* implement the generator :meth:`FrequencyScheduler._run`, which ``yield``s the next schedules
+  and receives the profiling results of those schedules from the ``yield``. When the generator
+  returns, its last schedule is served forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+
+
+class FrequencyScheduler:
+    """Base class of frequency schedulers.
+
+    Args:
+        job_info: The training job.
+        rank_infos: Every rank of the job, in any order.
+    """
+
+    def __init__(self, job_info: JobInfo, rank_infos: list[RankInfo]) -> None:
+        self.job_info = job_info
+        self.rank_infos = sorted(rank_infos, key=lambda r: r.rank)
+        self.world_size = job_info.world_size
+        self._generator: Generator[list[FrequencySchedule], list[ProfilingResult], None] | None
+        self._generator = None
+        self._next: list[FrequencySchedule] | None = None
+        self._pending_results: list[ProfilingResult] | None = None
+
+    def observe(self, profiling_results: list[ProfilingResult]) -> None:
+        """Take in the profiling results of the schedule last returned by next_schedule.
+
+        Args:
+            profiling_results: One per rank, in any order.
+        """
+        self._pending_results = profiling_results
+
+    def next_schedule(self) -> list[FrequencySchedule]:
+        """Return the schedules of the next round, one per rank (any order)."""
+        if self._generator is None:
+            self._generator = self._run()
+            self._next = next(self._generator)
+        elif self._pending_results is not None:
+            try:
+                self._next = self._generator.send(self._pending_results)
+            except StopIteration:
+                pass  # Converged: keep serving the last schedule.
+        self._pending_results = None
+        assert self._next is not None
+        return self._next
+
+    def _run(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
+        """Yield schedules and receive their profiling results (generator style)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement _run or override observe/next_schedule"
+        )
+        yield []  # pragma: no cover - makes this a generator function for type checkers
