@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 
+from coordinator.exceptions import ConfigError
 from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 
 
@@ -59,6 +60,14 @@ class FrequencyScheduler:
         self._pending_results = None
         assert self._next is not None
         return self._next
+
+    def set_target(self, iteration_time: float) -> None:
+        """Aim at a new iteration time in seconds (e.g. a straggler's). Optional.
+
+        Called by the rq worker, in arrival order, before the next schedule is computed.
+        Schedulers that have no notion of a target reject it.
+        """
+        raise ConfigError(f"scheduler {type(self).__name__} does not take a target iteration time")
 
     def _run(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
         """Yield schedules and receive their profiling results (generator style)."""
