@@ -71,13 +71,18 @@ def job_updates(job_id: str) -> str:
     return job_key(job_id, "updates")
 
 
+def job_journal(job_id: str) -> str:
+    """List of msgpack JournalEntry, one per published version (scheduler replay log)."""
+    return job_key(job_id, "journal")
+
+
 def job_lease(job_id: str) -> str:
     """String with a TTL, held by the rq worker that is advancing the job."""
     return job_key(job_id, "lease")
 
 
 def job_control(job_id: str) -> str:
-    """List of control messages (e.g. a new target iteration time), in arrival order."""
+    """Stream of control messages (new target iteration times); entry ids = source ids."""
     return job_key(job_id, "control")
 
 

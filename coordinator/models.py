@@ -205,6 +205,32 @@ class OfflineProfilingResult(_Model):
         return self
 
 
+class JobConfig(_Model):
+    """How the coordinator serves a job, fixed when the job is registered.
+
+    Stored with the job so that any rq worker, whatever its own environment, schedules the
+    job the same way.
+    """
+
+    scheduler: str
+    scheduler_args: dict[str, Any] = Field(default_factory=dict)
+    dump_dir: str = ""
+
+
+class JournalEntry(_Model):
+    """What went into computing one schedule version; replaying these rebuilds a scheduler.
+
+    Attributes:
+        version: The schedule version this entry produced.
+        observed_version: Results of this version were observed first (None: none were).
+        controls_upto: Number of the job's control messages applied so far (cumulative).
+    """
+
+    version: int = Field(ge=1)
+    observed_version: int | None = None
+    controls_upto: int = Field(default=0, ge=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Messages on the input streams. Each has a ``kind`` so one decoder handles every stream.
 

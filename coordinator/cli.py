@@ -1,0 +1,219 @@
+"""The ``perseus`` command line.
+
+Settings come from ``PERSEUS_*`` environment variables and are built here, in the entry
+point; command-line flags override them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+import click
+import redis
+
+from coordinator.exceptions import PerseusError
+
+REDIS_URL_HELP = "Redis URL, e.g. redis://localhost:6379/0 or unix:///path/redis.sock."
+
+
+def _settings(**overrides: Any) -> Any:
+    from pydantic import ValidationError
+
+    from coordinator.settings import PerseusSettings
+
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return PerseusSettings(**given)
+    except ValidationError as exc:
+        raise click.UsageError(f"invalid settings:\n{exc}") from None
+    except PerseusError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _connect(url: str) -> redis.Redis:
+    conn = redis.Redis.from_url(url, socket_connect_timeout=5)
+    try:
+        conn.ping()
+    except redis.RedisError as exc:
+        raise click.ClickException(f"cannot reach Redis at {url}: {exc}") from None
+    return conn
+
+
+def redis_url_option(func: Any) -> Any:
+    """``--redis-url`` (env ``PERSEUS_REDIS_URL``)."""
+    return click.option(
+        "--redis-url", envvar="PERSEUS_REDIS_URL", default=None, show_envvar=True,
+        help=REDIS_URL_HELP + " Default: redis://localhost:6379/0.",
+    )(func)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """perseus-mq: remove energy bloat from pipeline-parallel training through Redis.
+
+    Ranks publish registrations and profiling results to Redis streams; the coordinator
+    validates them and enqueues scheduler work on rq; rq workers publish versioned frequency
+    schedules that the ranks' training hook picks up between steps.
+    """
+
+
+@main.command()
+@redis_url_option
+@click.option("--scheduler", default=None, help="Scheduler for new jobs (env PERSEUS_SCHEDULER).")
+@click.option(
+    "--scheduler-args", default=None,
+    help='JSON keyword arguments for the scheduler, e.g. \'{"solution_path": "plan.py"}\'.',
+)
+@click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
+@click.option("--dump-dir", default=None, help="Also dump job data here (sets dump_data).")
+def coordinator(
+    redis_url: str | None,
+    scheduler: str | None,
+    scheduler_args: str | None,
+    log_level: str | None,
+    dump_dir: str | None,
+) -> None:
+    """Consume registrations and results, and enqueue scheduler work (runs until stopped).
+
+    The scheduler and its arguments are checked against the scheduler's constructor before
+    anything starts. Run several coordinators for availability: they share one consumer group.
+    """
+    from coordinator.service import Coordinator
+
+    args = None
+    if scheduler_args is not None:
+        try:
+            args = json.loads(scheduler_args)
+        except json.JSONDecodeError as exc:
+            raise click.BadParameter(f"not JSON: {exc}", param_hint="--scheduler-args")
+    settings = _settings(
+        redis_url=redis_url, scheduler=scheduler, scheduler_args=args, log_level=log_level,
+        dump_dir=dump_dir, dump_data=True if dump_dir else None,
+    )
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    service = Coordinator(_connect(settings.redis_url), settings)
+    signal.signal(signal.SIGTERM, lambda *_: service.stop_event.set())
+    click.echo(f"perseus coordinator: scheduler={settings.scheduler} redis={settings.redis_url}")
+    try:
+        service.run()
+    except KeyboardInterrupt:
+        pass
+
+
+def preload_schedulers() -> None:
+    """Import scheduler modules (and lowtime, ~0.8 s) once, before rq forks a job's process."""
+    import importlib
+
+    from schedulers.registry import BUILTIN
+
+    for target in BUILTIN.values():
+        try:
+            importlib.import_module(target.partition(":")[0])
+        except ImportError as exc:  # A missing optional module must not stop the worker.
+            logging.getLogger(__name__).warning("not preloaded: %s (%s)", target, exc)
+    importlib.import_module("coordinator.tasks")
+
+
+@main.command()
+@redis_url_option
+@click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
+@click.option("--simple", is_flag=True, help="Run jobs in this process (rq SimpleWorker), no fork.")
+@click.option("--name", default=None, help="Worker name (default: rq's).")
+@click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
+def worker(redis_url: str | None, burst: bool, simple: bool, name: str | None,
+           log_level: str | None) -> None:
+    """Run an rq worker for scheduler jobs, with the scheduler modules preloaded.
+
+    Start as many as you like (docker compose up --scale worker=N). Workers need no scheduler
+    settings: each job carries its own. A forking worker isolates jobs; --simple saves ~10 ms
+    per job.
+    """
+    from rq import SimpleWorker, Worker
+
+    from coordinator import keys
+
+    settings = _settings(redis_url=redis_url, log_level=log_level)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    preload_schedulers()
+    cls = SimpleWorker if simple else Worker
+    rq_worker = cls([keys.RQ_QUEUE], connection=_connect(settings.redis_url), name=name)
+    rq_worker.work(burst=burst, logging_level=settings.log_level)
+
+
+@main.command()
+@redis_url_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def status(redis_url: str | None, as_json: bool) -> None:
+    """Show jobs (ranks registered, schedule version, results), stream lag and rq state."""
+    from coordinator.status import format_snapshot, snapshot
+
+    settings = _settings(redis_url=redis_url)
+    snap = snapshot(_connect(settings.redis_url))
+    click.echo(json.dumps(snap, indent=1) if as_json else format_snapshot(snap))
+
+
+@main.command()
+@redis_url_option
+@click.argument("job_id")
+@click.option("--out", "out_dir", default="./dump", show_default=True, help="Folder to write to.")
+def dump(redis_url: str | None, job_id: str, out_dir: str) -> None:
+    """Write a job's ranks, schedules, results and journal to OUT/JOB_ID/ as JSON."""
+    from coordinator.dump import dump_job
+    from coordinator.store import JobStore
+
+    settings = _settings(redis_url=redis_url)
+    try:
+        folder = dump_job(JobStore(_connect(settings.redis_url)), job_id, out_dir)
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {folder}")
+
+
+@main.command()
+def schedulers() -> None:
+    """List the built-in scheduler names usable as PERSEUS_SCHEDULER."""
+    import inspect
+
+    from schedulers.registry import BUILTIN, resolve_scheduler
+
+    for name in sorted(BUILTIN):
+        try:
+            params = [
+                p for p in inspect.signature(resolve_scheduler(name)).parameters
+                if p not in ("job_info", "rank_infos")
+            ]
+            click.echo(f"{name:<22} args: {', '.join(params) or '-'}")
+        except PerseusError as exc:
+            click.echo(f"{name:<22} unavailable: {exc}")
+
+
+def _add_optional_commands() -> None:
+    """Commands that live in their own modules (one concept per module)."""
+    import importlib
+
+    for module_name, attrs in (
+        ("coordinator.cli_planner", ("optimize_command", "choose_command")),
+        ("coordinator.cli_power", ("power_limit_group",)),
+        ("coordinator.cli_demo", ("demo_command", "profile_p2p_command")),
+    ):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        for attr in attrs:
+            command = getattr(module, attr, None)
+            if command is not None:
+                main.add_command(command)
+
+
+_add_optional_commands()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

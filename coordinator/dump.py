@@ -1,0 +1,60 @@
+"""Write a job's ranks, schedules and profiling results to files for later inspection.
+
+Layout, one folder per job: ``<dump_dir>/<job_id>/ranks.json``, ``<version>.sched.json`` and
+``<version>.prof.json`` (the results measured while running that version), plus ``job.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from coordinator.store import JobRecord, JobStore
+
+
+def _write(path: Path, payload: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def _dump_models(models: list[BaseModel]) -> list[dict[str, Any]]:
+    return [m.model_dump(mode="json") for m in models]
+
+
+def dump_version(store: JobStore, record: JobRecord, version: int, out_dir: str = "") -> Path:
+    """Write the job's ranks and the schedule of ``version`` (and the results it observed)."""
+    folder = Path(out_dir or record.config.dump_dir) / record.job_id
+    folder.mkdir(parents=True, exist_ok=True)
+    _write(folder / "job.json", {"info": record.info.model_dump(mode="json"),
+                                 "config": record.config.model_dump(mode="json")})
+    _write(folder / "ranks.json", _dump_models(list(store.ranks(record.job_id))))
+    _write(folder / f"{version}.sched.json", _dump_models(list(store.schedules(record.job_id, version))))
+    if version > 1:
+        results = store.results(record.job_id, version - 1)
+        if results:
+            _write(folder / f"{version - 1}.prof.json", _dump_models(list(results)))
+    return folder
+
+
+def dump_job(store: JobStore, job_id: str, out_dir: str) -> Path:
+    """Write everything Redis holds about a job (``perseus dump``)."""
+    record = store.get_job(job_id)
+    folder = Path(out_dir) / job_id
+    latest = store.version(job_id)
+    for version in range(1, latest + 1):
+        dump_version(store, record, version, out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write(folder / "job.json", {"info": record.info.model_dump(mode="json"),
+                                 "config": record.config.model_dump(mode="json"),
+                                 "fields": record.fields})
+    _write(folder / "ranks.json", _dump_models(list(store.ranks(job_id))))
+    results = store.results(job_id, latest) if latest else []
+    if results:
+        _write(folder / f"{latest}.prof.json", _dump_models(list(results)))
+    journal = store.journal(job_id)
+    _write(folder / "journal.json", _dump_models(list(journal)))
+    return folder

@@ -1,0 +1,297 @@
+"""The coordinator: consumes the input streams, keeps job state, enqueues scheduler work.
+
+It reads registrations, profiling results and control messages through one consumer group,
+so several coordinators can share the load and a restarted one claims what a dead one left
+pending. Each entry is validated, applied to Redis idempotently, answered (registrations get a
+reply) and acknowledged; an entry that cannot be processed goes to the dead-letter stream with
+the reason and every original field, and the loop goes on. Redis errors are not acknowledged:
+the entry is retried. A periodic sweep re-enqueues stalled work and deletes idle jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import msgpack
+import redis
+from rq import Queue
+from rq.job import Job, JobStatus
+
+from coordinator import keys
+from coordinator.exceptions import PerseusError, ProtocolError
+from coordinator.models import (
+    JobConfig,
+    RegisterJob,
+    RegisterRank,
+    Reply,
+    ReportResult,
+    SetTarget,
+    decode_message,
+    make_job_id,
+    pack,
+)
+from coordinator.settings import PerseusSettings
+from coordinator.store import JobStore
+
+logger = logging.getLogger(__name__)
+
+_WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
+
+
+def ensure_groups(conn: redis.Redis) -> None:
+    """Create the consumer group on every input stream (from the start, so nothing is missed)."""
+    for stream in keys.INPUT_STREAMS:
+        try:
+            conn.xgroup_create(stream, keys.COORDINATOR_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
+def scheduler_name(settings: PerseusSettings) -> str:
+    """Short scheduler name for job ids (``pkg.mod:Class`` -> ``Class``)."""
+    return settings.scheduler.rpartition(":")[2] or settings.scheduler
+
+
+def _request_reply_key(fields: dict[bytes, bytes]) -> str | None:
+    """Reply key of a registration request, found even when the rest of it is invalid.
+
+    So that a client whose request is rejected gets the reason instead of a time-out.
+    """
+    try:
+        raw = msgpack.unpackb(fields[b"data"], raw=False, strict_map_key=False)
+        request_id = raw["request_id"]
+    except Exception:
+        return None
+    if isinstance(request_id, str) and 0 < len(request_id) <= 128:
+        return keys.reply_key(request_id)
+    return None
+
+
+class Coordinator:
+    """Consume the input streams and drive jobs.
+
+    Args:
+        conn: redis-py client (bytes responses).
+        settings: Coordinator settings.
+        consumer: Consumer name in the group (default: host-pid).
+        claim_idle_ms: Entries pending this long with another consumer are claimed.
+    """
+
+    def __init__(
+        self,
+        conn: redis.Redis,
+        settings: PerseusSettings,
+        consumer: str | None = None,
+        claim_idle_ms: int = 5_000,
+    ) -> None:
+        self.conn = conn
+        self.settings = settings
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.claim_idle_ms = claim_idle_ms
+        self.store = JobStore(conn, stream_maxlen=settings.stream_maxlen)
+        self.queue = Queue(keys.RQ_QUEUE, connection=conn)
+        self.stop_event = threading.Event()
+        self._last_sweep = 0.0
+        self.processed = 0
+        self.dead_lettered = 0
+
+    # --- main loop -------------------------------------------------------------------------
+    def run(self, block_ms: int = 1000) -> None:
+        """Process entries until :attr:`stop_event` is set."""
+        ensure_groups(self.conn)
+        logger.info("coordinator %s consuming %s", self.consumer, ", ".join(keys.INPUT_STREAMS))
+        # Our own unacknowledged entries first (we may be a restart under the same name).
+        self._consume("0", block_ms=None)
+        while not self.stop_event.is_set():
+            try:
+                self.step(block_ms)
+            except redis.ConnectionError as exc:
+                logger.warning("redis unavailable (%s); retrying in 1 s", exc)
+                self.stop_event.wait(1.0)
+
+    def step(self, block_ms: int | None = 1000) -> int:
+        """One round: claim stale entries, read new ones, maybe sweep. Returns entries handled."""
+        handled = self._claim_stale()
+        handled += self._consume(">", block_ms=block_ms)
+        if time.monotonic() - self._last_sweep >= self.settings.reconcile_interval:
+            self._last_sweep = time.monotonic()
+            self.sweep()
+        return handled
+
+    def _consume(self, start: str, block_ms: int | None) -> int:
+        streams = {s: start for s in keys.INPUT_STREAMS}
+        reply = self.conn.xreadgroup(
+            keys.COORDINATOR_GROUP, self.consumer, streams, count=100, block=block_ms
+        )
+        handled = 0
+        for stream, entries in reply or []:
+            for entry_id, fields in entries:
+                if fields is None:  # Trimmed away while pending: nothing left to process.
+                    self.conn.xack(stream, keys.COORDINATOR_GROUP, entry_id)
+                    continue
+                self.handle(stream.decode(), entry_id.decode(), fields)
+                handled += 1
+        return handled
+
+    def _claim_stale(self) -> int:
+        handled = 0
+        for stream in keys.INPUT_STREAMS:
+            _next, claimed, *_ = self.conn.xautoclaim(
+                stream, keys.COORDINATOR_GROUP, self.consumer, self.claim_idle_ms,
+                start_id="0-0", count=100,
+            )
+            for entry_id, fields in claimed:
+                logger.info("claimed stale entry %s %s", stream, entry_id.decode())
+                self.handle(stream, entry_id.decode(), fields)
+                handled += 1
+        return handled
+
+    # --- one entry -------------------------------------------------------------------------
+    def handle(self, stream: str, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        """Process one stream entry, then acknowledge it (or dead-letter it)."""
+        reply_to = _request_reply_key(fields)
+        try:
+            message = decode_message(fields)
+            reply = self._dispatch(message, entry_id)
+        except (PerseusError, ValueError) as exc:
+            reason = str(exc) or type(exc).__name__
+            logger.warning("dead-lettering %s %s: %s", stream, entry_id, reason)
+            self._dead_letter(stream, entry_id, fields, reason, reply_to)
+            return
+        with self.conn.pipeline(transaction=True) as pipe:
+            if reply is not None and reply_to is not None:
+                pipe.lpush(reply_to, pack(reply))
+                pipe.expire(reply_to, self.settings.reply_ttl)
+            pipe.xack(stream, keys.COORDINATOR_GROUP, entry_id)
+            pipe.execute()
+        self.processed += 1
+
+    def _dead_letter(
+        self,
+        stream: str,
+        entry_id: str,
+        fields: dict[bytes, bytes],
+        reason: str,
+        reply_to: str | None,
+    ) -> None:
+        entry: dict[Any, Any] = {
+            "reason": reason,
+            "source_stream": stream,
+            "source_id": entry_id,
+            "dead_at": f"{time.time():.3f}",
+        }
+        # Keep every original field byte for byte, so nothing is lost.
+        entry.update({b"orig:" + name: value for name, value in fields.items()})
+        with self.conn.pipeline(transaction=True) as pipe:
+            pipe.xadd(
+                keys.DEADLETTER_STREAM, entry,
+                maxlen=self.settings.stream_maxlen, approximate=True,
+            )
+            if reply_to is not None:
+                pipe.lpush(reply_to, pack(Reply(ok=False, error=reason)))
+                pipe.expire(reply_to, self.settings.reply_ttl)
+            pipe.xack(stream, keys.COORDINATOR_GROUP, entry_id)
+            pipe.execute()
+        self.dead_lettered += 1
+
+    def _dispatch(
+        self, message: RegisterJob | RegisterRank | ReportResult | SetTarget, entry_id: str
+    ) -> Reply | None:
+        if isinstance(message, RegisterJob):
+            return self._register_job(message, entry_id)
+        if isinstance(message, RegisterRank):
+            return self._register_rank(message)
+        if isinstance(message, ReportResult):
+            self._report_result(message)
+            return None
+        self._set_target(message, entry_id)
+        return None
+
+    def _register_job(self, message: RegisterJob, entry_id: str) -> Reply:
+        job = message.job
+        if job.job_id:
+            raise ProtocolError("job_id must be empty when registering a job; the coordinator sets it")
+        job = job.model_copy(
+            update={"job_id": make_job_id(job, scheduler_name(self.settings), entry_id)}
+        )
+        config = JobConfig(
+            scheduler=self.settings.scheduler,
+            scheduler_args=self.settings.scheduler_args,
+            dump_dir=self.settings.dump_dir if self.settings.dump_data else "",
+        )
+        if self.store.create_job(job, config, entry_id):
+            logger.info("registered job %s", job.job_id)
+        return Reply(ok=True, job_id=job.job_id)
+
+    def _register_rank(self, message: RegisterRank) -> Reply:
+        record = self.store.get_job(message.job_id)
+        count = self.store.add_rank(record.info, message.rank_info)
+        logger.info("job %s: rank %d registered (%d/%d)", record.job_id,
+                    message.rank_info.rank, count, record.info.world_size)
+        if count == record.info.world_size:
+            self.enqueue_advance(record.job_id)
+        return Reply(ok=True, job_id=record.job_id)
+
+    def _report_result(self, message: ReportResult) -> None:
+        record = self.store.get_job(message.job_id)
+        result = message.result
+        if result.rank >= record.info.world_size:
+            raise ProtocolError(f"rank {result.rank} is out of range for job {record.job_id}")
+        _added, latest, count = self.store.add_result(record.info, result)
+        if result.schedule_version == latest and count >= record.info.world_size:
+            self.enqueue_advance(record.job_id)
+
+    def _set_target(self, message: SetTarget, entry_id: str) -> None:
+        self.store.get_job(message.job_id)
+        self.store.add_control(message, entry_id)
+        self.enqueue_advance(message.job_id)
+
+    # --- scheduler work --------------------------------------------------------------------
+    def enqueue_advance(self, job_id: str) -> Job:
+        """Enqueue the rq job that computes ``job_id``'s next schedule version."""
+        lease_ms = max(1000, int(self.settings.stall_timeout * 1000))
+        job = self.queue.enqueue(
+            "coordinator.tasks.advance_job", job_id, lease_ms,
+            description=f"advance {job_id}", result_ttl=600, failure_ttl=24 * 3600,
+        )
+        self.store.set_fields(job_id, enqueued_at=f"{time.time():.3f}", rq_job=job.id)
+        return job
+
+    def sweep(self) -> None:
+        """Re-enqueue due work nobody is doing, and delete jobs idle too long."""
+        now = time.time()
+        for job_id in self.store.idle_jobs(self.settings.max_job_idle_time, now):
+            logger.info("deleting job %s: idle for more than %d s", job_id,
+                        self.settings.max_job_idle_time)
+            self.store.delete_job(job_id)
+        for job_id, _ in self.store.list_jobs():
+            try:
+                record = self.store.get_job(job_id)
+            except PerseusError:
+                continue
+            if record.error or not self.store.due(record):
+                continue
+            if self.store.lease_holder(job_id) is not None:
+                continue
+            enqueued_at = float(record.fields.get("enqueued_at", 0) or 0)
+            if now - enqueued_at < self.settings.stall_timeout:
+                continue
+            rq_id = record.fields.get("rq_job", "")
+            if rq_id and self._rq_waiting(rq_id):
+                continue  # Still in the queue: a worker will get to it.
+            logger.warning("job %s: due work unclaimed for %.1f s; enqueueing again",
+                           job_id, now - enqueued_at)
+            self.enqueue_advance(job_id)
+
+    def _rq_waiting(self, rq_id: str) -> bool:
+        try:
+            status = Job.fetch(rq_id, connection=self.conn).get_status()
+        except Exception:  # rq raises NoSuchJobError and friends: treat as gone.
+            return False
+        return status in _WAITING

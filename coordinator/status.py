@@ -1,0 +1,101 @@
+"""A snapshot of everything perseus-mq keeps in Redis, for ``perseus status``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+from rq import Queue, Worker
+
+from coordinator import keys
+from coordinator.exceptions import PerseusError
+from coordinator.store import JobStore
+
+
+def _stream_info(conn: redis.Redis, stream: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"stream": stream, "length": int(conn.xlen(stream))}
+    try:
+        groups = conn.xinfo_groups(stream)
+    except redis.ResponseError:  # Stream does not exist yet.
+        groups = []
+    last_id = b"0-0"
+    if info["length"]:
+        last_id = conn.xrevrange(stream, count=1)[0][0]
+    for group in groups:
+        if group["name"] in (keys.COORDINATOR_GROUP, keys.COORDINATOR_GROUP.encode()):
+            info["pending"] = int(group["pending"])
+            info["consumers"] = int(group["consumers"])
+            delivered = group["last-delivered-id"]
+            # Redis 7 reports the lag itself; on 6.2, count entries after the last delivered.
+            lag = group.get("lag")
+            if lag is None:
+                lag = len(conn.xrange(stream, min=f"({_text(delivered)}", max="+", count=10_000))
+            info["lag"] = int(lag)
+            info["caught_up"] = _text(delivered) == _text(last_id)
+    return info
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def snapshot(conn: redis.Redis) -> dict[str, Any]:
+    """Jobs, their progress, stream lag and rq queue state."""
+    store = JobStore(conn)
+    now = time.time()
+    jobs = []
+    for job_id, last_active in store.list_jobs():
+        try:
+            record = store.get_job(job_id)
+        except PerseusError:
+            continue
+        version = store.version(job_id)
+        jobs.append(
+            {
+                "job_id": job_id,
+                "scheduler": record.config.scheduler,
+                "ranks": store.rank_count(job_id),
+                "world_size": record.info.world_size,
+                "version": version,
+                "results_for_version": store.result_count(job_id, version) if version else 0,
+                "idle_s": round(now - last_active, 1),
+                "error": record.error,
+            }
+        )
+    queue = Queue(keys.RQ_QUEUE, connection=conn)
+    return {
+        "jobs": jobs,
+        "streams": [_stream_info(conn, s) for s in (*keys.INPUT_STREAMS, keys.DEADLETTER_STREAM)],
+        "rq": {
+            "queue": keys.RQ_QUEUE,
+            "queued": queue.count,
+            "workers": len(Worker.all(queue=queue)),
+            "failed": queue.failed_job_registry.count,
+        },
+    }
+
+
+def format_snapshot(snap: dict[str, Any]) -> str:
+    """Human-readable tables of :func:`snapshot`."""
+    lines = [f"jobs: {len(snap['jobs'])}"]
+    if snap["jobs"]:
+        lines.append(f"  {'JOB ID':<58} {'RANKS':>7} {'VER':>4} {'RESULTS':>8} {'IDLE s':>8}  ERROR")
+        for job in snap["jobs"]:
+            lines.append(
+                f"  {job['job_id']:<58} {job['ranks']:>3}/{job['world_size']:<3} "
+                f"{job['version']:>4} {job['results_for_version']:>4}/{job['world_size']:<3} "
+                f"{job['idle_s']:>8}  {job['error']}"
+            )
+    lines.append("streams:")
+    for s in snap["streams"]:
+        extra = ""
+        if "pending" in s:
+            extra = f" pending={s['pending']} lag={s['lag']} consumers={s['consumers']}"
+        lines.append(f"  {s['stream']:<32} length={s['length']}{extra}")
+    rq = snap["rq"]
+    lines.append(
+        f"rq queue '{rq['queue']}': queued={rq['queued']} workers={rq['workers']} "
+        f"failed={rq['failed']}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""Serve one fixed frequency plan, read from a Perseus plan file.
+
+``PointSolution`` is for pure pipeline-parallel jobs (one plan line per rank);
+``PointSolution3D`` serves the same kind of plan to a 3D-parallel job by giving every rank of a
+stage that stage's line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+from coordinator.exceptions import ConfigError
+from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from schedulers.base import FrequencyScheduler
+from schedulers.parallel3d import check_rank_infos, make_3d_parallel
+from schedulers.plan_file import PlanFile, read_plan_file
+
+
+class PointSolution(FrequencyScheduler):
+    """Runs the frequency plan in ``solution_path`` for the whole job.
+
+    The plan is read and checked against the job when the scheduler is built, so a bad file
+    fails the job at registration rather than mid-training.
+
+    Args:
+        job_info: The training job.
+        rank_infos: Every rank of the job, in any order.
+        solution_path: A plan file (``freqs_pipeline_%05d.py``) with one stage list per rank.
+
+    Raises:
+        ConfigError: The file is malformed, has the wrong number of stage lists, or uses a
+            frequency some rank's GPU does not support.
+
+    """
+
+    def __init__(self, job_info: JobInfo, rank_infos: list[RankInfo], solution_path: str) -> None:
+        super().__init__(job_info, rank_infos)
+        self.solution_path = solution_path
+        self.plan: PlanFile = read_plan_file(solution_path)
+        self._check_plan(check_rank_infos(job_info, rank_infos))
+
+    def _check_plan(self, ranks: list[RankInfo]) -> None:
+        plan, job = self.plan, self.job_info
+        if plan.num_stages != job.world_size:
+            hint = ""
+            if job.dp_degree > 1 or job.tp_degree > 1:
+                hint = " (for data or tensor parallel jobs use PointSolution3D)"
+            raise ConfigError(
+                f"{plan.source}: plan has {plan.num_stages} stage lists but job "
+                f"{job.job_id} needs {job.world_size}, one per rank (pp_degree={job.pp_degree}, "
+                f"dp_degree={job.dp_degree}, tp_degree={job.tp_degree}){hint}"
+            )
+        for info, stage in zip(ranks, plan.stages, strict=True):
+            available = set(info.available_frequencies)
+            for i, (name, freq) in enumerate(stage):
+                if freq not in available:
+                    raise ConfigError(
+                        f"{plan.source}: rank {info.rank}, instruction {i} ({name}): frequency "
+                        f"{freq} MHz is not among the rank's available frequencies "
+                        f"({max(available)}..{min(available)} MHz, {len(available)} values)"
+                    )
+
+    def _run(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
+        """Yield the plan once; the base class then serves it forever."""
+        yield [
+            FrequencySchedule(rank=rank, frequencies=list(stage))
+            for rank, stage in enumerate(self.plan.stages)
+        ]
+
+
+PointSolution3D = make_3d_parallel(PointSolution)

@@ -1,0 +1,318 @@
+"""Coordinator, store and rq task behaviour against a real Redis server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import pytest
+import redis
+from rq import Queue, SimpleWorker
+
+from coordinator import keys
+from coordinator.exceptions import (
+    PerseusError,
+    ProtocolError,
+    UnknownJobError,
+)
+from coordinator.models import (
+    FrequencySchedule,
+    JobInfo,
+    ProfilingResult,
+    RankInfo,
+    RegisterJob,
+    ReportResult,
+    encode_message,
+    pack,
+)
+from coordinator.service import Coordinator
+from coordinator.settings import PerseusSettings
+from coordinator.store import JobStore
+from coordinator.tasks import advance_job, rebuild_scheduler
+from worker_client.session import CoordinatorClient
+
+FREQS = [1980, 1965, 1950, 1935]
+
+
+def make_settings(redis_url: str, scheduler: str = "tests.toy_schedulers:StepDown", **kw):
+    return PerseusSettings(redis_url=redis_url, scheduler=scheduler, **kw)
+
+
+@pytest.fixture
+def service(r, redis_url):
+    """A coordinator consuming in a background thread."""
+    coord = Coordinator(r, make_settings(redis_url), claim_idle_ms=60_000)
+    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+    thread.start()
+    yield coord
+    coord.stop_event.set()
+    thread.join(timeout=5)
+
+
+def drain(r) -> None:
+    """Run every queued rq job in this process."""
+    SimpleWorker([Queue(keys.RQ_QUEUE, connection=r)], connection=r).work(burst=True)
+
+
+def wait_for(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def register(client: CoordinatorClient, pp: int = 2) -> str:
+    job_id = client.register_job(JobInfo(pp_degree=pp, dp_degree=1, tp_degree=1, world_size=pp))
+    for rank in range(pp):
+        client.register_rank(
+            job_id,
+            RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS),
+        )
+    return job_id
+
+
+def result(rank: int, version: int) -> ProfilingResult:
+    return ProfilingResult(rank=rank, schedule_version=version, iter_time=[1.0], iter_energy=[2.0])
+
+
+def test_register_schedule_report_advance(service, r, redis_url):
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    job_id = register(client)
+    assert "+dp1+pp2+tp1+StepDown" in job_id
+    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+    drain(r)
+    first = client.wait_schedule(job_id, rank=1, timeout=5)
+    assert first.version == 1 and first.rank == 1
+    assert first.frequencies == [("forward", 1980), ("backward", 1980)] * 2
+
+    for version in (1, 2):
+        for rank in range(2):
+            client.report(job_id, result(rank, version))
+        wait_for(lambda v=version: JobStore(r).result_count(job_id, v) == 2)
+        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+        drain(r)
+    store = JobStore(r)
+    assert store.version(job_id) == 3
+    assert store.schedule(job_id, 3, 0).frequencies[0] == ("forward", 1950)
+    assert [e.observed_version for e in store.journal(job_id)] == [None, 1, 2]
+    # Any worker can rebuild the scheduler from Redis alone.
+    scheduler, version = rebuild_scheduler(store, store.get_job(job_id))
+    assert version == 3 and len(scheduler.observed) == 2
+    assert [len(batch) for batch in scheduler.observed] == [2, 2]
+
+
+def test_two_jobs_registered_in_the_same_second_get_different_ids(service, redis_url):
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    ids = {client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+           for _ in range(5)}
+    assert len(ids) == 5
+
+
+def test_redelivered_entries_change_nothing_twice(r, redis_url):
+    coord = Coordinator(r, make_settings(redis_url))
+    job = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    fields = {k.encode(): (v.encode() if isinstance(v, str) else v)
+              for k, v in encode_message(RegisterJob(request_id="req1", job=job)).items()}
+    coord.handle(keys.REGISTRATIONS_STREAM, "1700000000000-0", fields)
+    coord.handle(keys.REGISTRATIONS_STREAM, "1700000000000-0", fields)
+    store = JobStore(r)
+    assert len(store.list_jobs()) == 1
+    job_id = store.list_jobs()[0][0]
+    assert r.llen(keys.reply_key("req1")) == 2  # answered twice, identically
+    replies = r.lrange(keys.reply_key("req1"), 0, -1)
+    assert replies[0] == replies[1]
+
+    store.add_rank(store.get_job(job_id).info, RankInfo(
+        rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS))
+    advance_job(job_id, conn=r)
+    report = {k.encode(): (v.encode() if isinstance(v, str) else v)
+              for k, v in encode_message(ReportResult(job_id=job_id, result=result(0, 1))).items()}
+    coord.handle(keys.RESULTS_STREAM, "1700000000001-0", report)
+    coord.handle(keys.RESULTS_STREAM, "1700000000001-0", report)
+    assert store.result_count(job_id, 1) == 1
+    # Two enqueued tasks, but the version moves exactly once.
+    drain(r)
+    assert store.version(job_id) == 2
+    assert [e.version for e in store.journal(job_id)] == [1, 2]
+
+
+def test_malformed_entries_go_to_dead_letter_and_loop_continues(r, redis_url):
+    coord = Coordinator(r, make_settings(redis_url))
+    bad = [
+        {"data": b"\xc1\xff\x00garbage"},
+        {"foo": "bar"},
+        {"data": msgpack.packb({"kind": "register_job", "request_id": "x", "job": {"pp_degree": 0}})},
+        {"data": msgpack.packb({"kind": "launch_rockets"})},
+    ]
+    for fields in bad:
+        r.xadd(keys.REGISTRATIONS_STREAM, fields)
+    good = encode_message(RegisterJob(request_id="ok", job=JobInfo(
+        pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)))
+    r.xadd(keys.REGISTRATIONS_STREAM, good)
+    from coordinator.service import ensure_groups
+
+    ensure_groups(r)
+    coord.step(block_ms=None)
+    dead = r.xrange(keys.DEADLETTER_STREAM)
+    assert len(dead) == 4
+    reasons = [fields[b"reason"].decode() for _, fields in dead]
+    assert "not valid msgpack" in reasons[0]
+    assert "no 'data' field" in reasons[1] and "foo" in reasons[1]
+    assert "job.pp_degree" in reasons[2]
+    assert "kind" in reasons[3]
+    # Nothing lost: every original field is kept byte for byte.
+    assert dead[0][1][b"orig:data"] == b"\xc1\xff\x00garbage"
+    assert dead[1][1][b"orig:foo"] == b"bar"
+    # The valid entry after them was still processed, and everything was acknowledged.
+    assert len(JobStore(r).list_jobs()) == 1
+    pending = r.xpending(keys.REGISTRATIONS_STREAM, keys.COORDINATOR_GROUP)
+    assert pending["pending"] == 0
+
+
+def test_unknown_job_id_is_a_clear_error(service, r, redis_url):
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    with pytest.raises(UnknownJobError, match="no-such-job"):
+        client.register_rank("no-such-job", RankInfo(
+            rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS))
+    dead = r.xrange(keys.DEADLETTER_STREAM)
+    assert b"unknown job id" in dead[-1][1][b"reason"]
+
+
+def test_invalid_job_info_is_rejected_on_both_sides(service, r, redis_url):
+    with pytest.raises(ValueError, match="world_size=7"):
+        JobInfo(pp_degree=4, dp_degree=2, tp_degree=1, world_size=7)
+    # A client that skips validation still gets a clear answer from the coordinator.
+    raw = {"kind": "register_job", "request_id": "bad1",
+           "job": {"pp_degree": 4, "dp_degree": 2, "tp_degree": 1, "world_size": 7}}
+    r.xadd(keys.REGISTRATIONS_STREAM, {"kind": "register_job", "data": msgpack.packb(raw)})
+    answer = r.blpop([keys.reply_key("bad1")], timeout=5)
+    assert answer is not None
+    assert b"world_size=7" in answer[1]
+
+
+def test_rank_out_of_range_and_result_for_unpublished_version(service, r, redis_url):
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    job_id = client.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+    with pytest.raises(ProtocolError, match="pp_rank=5"):
+        client.register_rank(job_id, RankInfo(
+            rank=1, dp_rank=0, pp_rank=5, tp_rank=0, available_frequencies=FREQS))
+    client.register_rank(job_id, RankInfo(
+        rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS))
+    client.report(job_id, result(0, 3))
+    reason = wait_for(lambda: [f[b"reason"] for _, f in r.xrange(keys.DEADLETTER_STREAM)
+                               if b"version 3" in f[b"reason"]])
+    assert b"latest published version is 0" in reason[0]
+
+
+def test_schedule_for_another_rank_is_refused(service, r, redis_url):
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    job_id = register(client)
+    drain(r)
+    # Tamper with the stored schedule: rank 1's slot now holds rank 0's schedule.
+    bad = FrequencySchedule(rank=0, version=1, frequencies=[("forward", 1980)])
+    r.hset(keys.job_schedule(job_id, 1), "1", pack(bad))
+    with pytest.raises(ProtocolError, match="schedule for rank 0 to rank 1"):
+        client.fetch_schedule(job_id, 1, 1)
+
+
+def test_invalid_scheduler_output_reaches_clients(r, redis_url):
+    for name, message in (("WrongRank", "ranks \\[0\\]"), ("Broken", "broken on purpose")):
+        r.flushdb()
+        coord = Coordinator(r, make_settings(redis_url, scheduler=f"tests.toy_schedulers:{name}"))
+        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+        thread.start()
+        try:
+            client = CoordinatorClient(redis_url, reply_timeout=5)
+            job_id = register(client)
+            with pytest.raises(Exception):
+                advance_job(job_id, conn=r)
+            with pytest.raises(PerseusError, match=message):
+                client.wait_schedule(job_id, rank=0, timeout=2)
+            # A deterministic failure is not re-enqueued forever.
+            assert not JobStore(r).due(JobStore(r).get_job(job_id)) or JobStore(r).get_job(job_id).error
+        finally:
+            coord.stop_event.set()
+            thread.join(timeout=5)
+
+
+def test_publish_is_compare_and_set(r, redis_url):
+    from coordinator.models import JobConfig, JournalEntry
+
+    store = JobStore(r)
+    job = JobInfo(job_id="j1", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    store.create_job(job, JobConfig(scheduler="x"), "1-0")
+    sched = [FrequencySchedule(rank=0, frequencies=[("forward", 1980)])]
+    assert store.publish("j1", sched, JournalEntry(version=1))
+    assert not store.publish("j1", sched, JournalEntry(version=1))
+    assert not store.publish("j1", sched, JournalEntry(version=3))
+    assert store.version("j1") == 1 and len(store.journal("j1")) == 1
+    assert [f[b"version"] for _, f in r.xrange(keys.job_updates("j1"))] == [b"1"]
+
+
+def test_idle_jobs_are_deleted_with_all_their_keys(service, r, redis_url):
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    job_id = register(client)
+    drain(r)
+    client.report(job_id, result(0, 1))
+    wait_for(lambda: JobStore(r).result_count(job_id, 1) == 1)
+    assert list(r.scan_iter(match=f"perseus:job:{job_id}:*"))
+    r.zadd(keys.JOBS_INDEX, {job_id: time.time() - 10})
+    service.settings = service.settings.model_copy(update={"max_job_idle_time": 5})
+    service.sweep()
+    assert list(r.scan_iter(match=f"perseus:job:{job_id}:*")) == []
+    assert r.zscore(keys.JOBS_INDEX, job_id) is None
+
+
+def test_sweep_reenqueues_stalled_work(r, redis_url):
+    coord = Coordinator(r, make_settings(redis_url, stall_timeout=0.1))
+    store = JobStore(r)
+    from coordinator.models import JobConfig
+
+    job = JobInfo(job_id="j2", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    store.create_job(job, JobConfig(scheduler="tests.toy_schedulers:StepDown"), "1-0")
+    store.add_rank(job, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0,
+                                 available_frequencies=FREQS))
+    # Due work with no rq job at all (e.g. the enqueue was lost): the sweep enqueues it.
+    coord.sweep()
+    assert Queue(keys.RQ_QUEUE, connection=r).count == 1
+    coord.sweep()  # still queued: not enqueued twice
+    assert Queue(keys.RQ_QUEUE, connection=r).count == 1
+    drain(r)
+    assert store.version("j2") == 1
+
+
+def test_stale_pending_entries_are_claimed(r, redis_url):
+    from coordinator.service import ensure_groups
+
+    ensure_groups(r)
+    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(RegisterJob(request_id="c1", job=JobInfo(
+        pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))))
+    # A coordinator that read the entry and died before acknowledging it.
+    r.xreadgroup(keys.COORDINATOR_GROUP, "dead-one", {keys.REGISTRATIONS_STREAM: ">"})
+    coord = Coordinator(r, make_settings(redis_url), consumer="alive", claim_idle_ms=0)
+    coord.step(block_ms=None)
+    assert len(JobStore(r).list_jobs()) == 1
+    assert r.xpending(keys.REGISTRATIONS_STREAM, keys.COORDINATOR_GROUP)["pending"] == 0
+
+
+def test_scheduler_args_are_checked_at_start(redis_url):
+    with pytest.raises(ValueError, match="solution_path"):
+        PerseusSettings(redis_url=redis_url, scheduler="PointSolution", scheduler_args={"x": 1})
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        PerseusSettings(redis_url=redis_url, scheduler="NoSuchScheduler")
+    with pytest.raises(ValueError, match="extra"):
+        PerseusSettings(redis_url=redis_url, bogus_field=1)
+
+
+def test_redis_down_is_reported_clearly():
+    client = CoordinatorClient("redis://127.0.0.1:1/0", reply_timeout=1)
+    from coordinator.exceptions import CoordinatorUnavailableError
+
+    with pytest.raises(CoordinatorUnavailableError, match="127.0.0.1:1"):
+        client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+    with pytest.raises(redis.ConnectionError):
+        client.latest_version("x")

@@ -1,0 +1,62 @@
+"""Small deterministic schedulers used by the coordinator tests (``tests.toy_schedulers:X``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+
+from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from schedulers.base import FrequencyScheduler
+
+
+class StepDown(FrequencyScheduler):
+    """Every rank runs ``forward, backward`` x microbatches; each round lowers the clock one step.
+
+    Deterministic, so replay from the journal reproduces every version exactly.
+    """
+
+    def __init__(
+        self, job_info: JobInfo, rank_infos: list[RankInfo], microbatches: int = 2,
+        delay: float = 0.0,
+    ) -> None:
+        super().__init__(job_info, rank_infos)
+        self.microbatches = microbatches
+        self.delay = delay
+        self.observed: list[list[ProfilingResult]] = []
+        self.targets: list[float] = []
+
+    def _schedules(self, step: int) -> list[FrequencySchedule]:
+        out = []
+        for info in self.rank_infos:
+            freqs = info.available_frequencies
+            freq = freqs[min(step, len(freqs) - 1)]
+            names = ["forward", "backward"] * self.microbatches
+            out.append(FrequencySchedule(rank=info.rank, frequencies=[(n, freq) for n in names]))
+        return out
+
+    def set_target(self, iteration_time: float) -> None:
+        self.targets.append(iteration_time)
+
+    def _run(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
+        step = 0
+        while True:
+            if self.delay:
+                time.sleep(self.delay)  # Gives fault tests time to kill a worker mid-job.
+            results = yield self._schedules(step + len(self.targets))
+            self.observed.append(results)
+            step += 1
+
+
+class Broken(FrequencyScheduler):
+    """Always fails, to check that scheduler errors reach the clients."""
+
+    def next_schedule(self) -> list[FrequencySchedule]:
+        raise RuntimeError("this scheduler is broken on purpose")
+
+
+class WrongRank(FrequencyScheduler):
+    """Returns rank 0's schedule under every rank's slot but labelled rank 0."""
+
+    def next_schedule(self) -> list[FrequencySchedule]:
+        freq = self.rank_infos[0].available_frequencies[0]
+        return [FrequencySchedule(rank=0, frequencies=[("forward", freq)])]

@@ -1,0 +1,254 @@
+"""PerseusOptimizer: the training hook that runs each instruction at its planned frequency.
+
+Rank 0 registers the job, the job id is broadcast with ``torch.distributed``, and every rank
+registers with its GPU's available frequencies. Each rank then follows its frequency schedule
+instruction by instruction, checks the instruction order against it, reports profiling results
+every ``report_every`` steps, and swaps in a newer schedule version only between steps. Clock
+changes go to a frequency controller in a side process; Redis I/O happens in background
+threads, so neither blocks a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from coordinator.exceptions import GPUError, PerseusError, ScheduleError
+from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from worker_client.callback import Callback
+from worker_client.nvml import NVML
+from worker_client.session import CoordinatorClient, ResultReporter, ScheduleWatcher
+
+logger = logging.getLogger(__name__)
+
+SIMULATED_NVML = "worker_client.simulated_gpu"
+
+
+class FrequencySetter(Protocol):
+    """What the hook needs from a frequency controller."""
+
+    def set_frequency(self, frequency: int) -> None:
+        """Request ``frequency`` MHz for what runs next."""
+
+    def stop(self) -> None:
+        """Stop controlling and restore the default clocks."""
+
+
+def _default_sync(device_id: int) -> Callable[[], None]:
+    if torch.cuda.is_available():
+        return lambda: torch.cuda.synchronize(device_id)
+    return lambda: None
+
+
+class PerseusOptimizer(Callback):
+    """Perseus frequency-plan hook for one rank.
+
+    Assumes ``torch.distributed`` is initialized (any backend); on GPUs, call
+    ``torch.cuda.set_device(device_id)`` first.
+
+    Args:
+        rank: Global rank.
+        dp_rank: Data parallel rank.
+        pp_rank: Pipeline parallel rank (stage).
+        tp_rank: Tensor parallel rank.
+        device_id: Index of the GPU this rank drives.
+        dp_degree: Data parallel degree.
+        pp_degree: Pipeline parallel degree.
+        tp_degree: Tensor parallel degree.
+        world_size: Number of ranks.
+        redis_url: The Redis the coordinator uses (instead of Zeus's server URL).
+        job_metadata: Optional tag appended to the job id.
+        nvml_module: NVML module to read clocks and energy from: ``"pynvml"`` (real GPU)
+            or ``"worker_client.simulated_gpu"``.
+        controller: Frequency controller, or one of ``"nvml"``, ``"dry-run"``,
+            ``"simulated"`` (see :func:`worker_client.frequency.make_controller`).
+        report_every: Steps per profiling window; one result is reported per schedule version.
+        schedule_timeout: Seconds to wait for the first schedule.
+        energy_fn: Returns this rank's cumulative GPU energy in Joules; default reads NVML's
+            energy counter at step boundaries (0 J if the GPU has none).
+        sync_fn: Waits for the GPU to finish queued work before timing an instruction.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        dp_rank: int,
+        pp_rank: int,
+        tp_rank: int,
+        device_id: int,
+        dp_degree: int,
+        pp_degree: int,
+        tp_degree: int,
+        world_size: int,
+        redis_url: str,
+        job_metadata: str | None = None,
+        *,
+        nvml_module: str = "pynvml",
+        controller: FrequencySetter | str = "nvml",
+        report_every: int = 10,
+        schedule_timeout: float = 120.0,
+        energy_fn: Callable[[], float] | None = None,
+        sync_fn: Callable[[], None] | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("Create PerseusOptimizer after torch.distributed.init_process_group")
+        if report_every < 1:
+            raise ValueError(f"report_every must be >= 1, got {report_every}")
+        self.rank, self.dp_rank, self.pp_rank, self.tp_rank = rank, dp_rank, pp_rank, tp_rank
+        self.device_id = device_id
+        self.report_every = report_every
+        self.client = CoordinatorClient(redis_url)
+        self._sync = sync_fn or _default_sync(device_id)
+
+        # Rank 0 registers the job; validation errors surface here, before any broadcast.
+        job_id: str | None = None
+        error: str | None = None
+        if rank == 0:
+            try:
+                info = JobInfo(
+                    pp_degree=pp_degree, dp_degree=dp_degree, tp_degree=tp_degree,
+                    world_size=world_size, job_metadata=job_metadata,
+                )
+                job_id = self.client.register_job(info)
+            except (PerseusError, ValueError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        box: list[Any] = [(job_id, error)]
+        dist.broadcast_object_list(box, src=0)
+        job_id, error = box[0]
+        if error is not None or job_id is None:
+            raise PerseusError(f"rank 0 could not register the job: {error}")
+        self.job_id: str = job_id
+
+        self.nvml = NVML(nvml_module)
+        frequencies = self.nvml.graphics_clocks(device_id)
+        self.client.register_rank(
+            self.job_id,
+            RankInfo(rank=rank, dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank,
+                     available_frequencies=frequencies),
+        )
+        self._energy = energy_fn or self._nvml_energy
+        if isinstance(controller, str):
+            from worker_client.frequency import make_controller
+
+            controller = make_controller(controller, device_id)  # type: ignore[arg-type]
+        self.controller: FrequencySetter = controller
+
+        self.schedule = self.client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
+        self._iter: Iterator[tuple[str, int]] = iter(self.schedule.frequencies)
+        self.watcher = ScheduleWatcher(self.client, self.job_id, rank, self.schedule.version)
+        self.watcher.start()
+        self.reporter = ResultReporter(self.client, self.job_id)
+        self.reporter.start()
+        self._reset_window()
+        self.steps = 0
+        self.swaps: list[tuple[int, int]] = []  # (step, version) of every swap, for inspection
+        self._in_step = False
+        self._closed = False
+
+    # --- measurement -----------------------------------------------------------------------
+    def _nvml_energy(self) -> float:
+        try:
+            mj = self.nvml.total_energy_mj(self.device_id)
+        except GPUError:
+            return 0.0
+        return 0.0 if mj is None else mj / 1000.0
+
+    def _reset_window(self) -> None:
+        self._iter_time: list[float] = []
+        self._iter_energy: list[float] = []
+        self._breakdown: dict[str, list[list[float]]] = {}
+        self._reported = False
+
+    # --- hooks -----------------------------------------------------------------------------
+    def on_step_begin(self) -> None:
+        """Start timing a step."""
+        self._sync()
+        self._in_step = True
+        self._step_time = time.perf_counter()
+        self._step_energy = self._energy()
+        self._step_breakdown: dict[str, list[float]] = {}
+
+    def on_instruction_begin(self, name: str) -> None:
+        """Check ``name`` against the schedule and set its frequency."""
+        self._sync()
+        item = next(self._iter, None)
+        if item is None:
+            raise ScheduleError(
+                f"rank {self.rank}: instruction {name!r} but schedule version "
+                f"{self.schedule.version} has only {len(self.schedule.frequencies)} instructions"
+            )
+        expected, frequency = item
+        if expected != name:
+            raise ScheduleError(
+                f"rank {self.rank}: expected instruction {expected!r} but got {name!r} "
+                f"(schedule version {self.schedule.version})"
+            )
+        self.controller.set_frequency(frequency)
+        self._inst_start = time.perf_counter()
+
+    def on_instruction_end(self, name: str) -> None:
+        """Record the instruction's duration."""
+        self._sync()
+        elapsed = time.perf_counter() - self._inst_start
+        self._step_breakdown.setdefault(name, []).append(elapsed)
+
+    def on_step_end(self) -> None:
+        """Check the schedule was used up, report if due, and swap in a newer version."""
+        self._sync()
+        leftover = next(self._iter, None)
+        if leftover is not None:
+            raise ScheduleError(
+                f"rank {self.rank}: step ended but schedule version {self.schedule.version} "
+                f"still expects {leftover[0]!r} at {leftover[1]} MHz"
+            )
+        self.steps += 1
+        if self._in_step:
+            self._iter_time.append(time.perf_counter() - self._step_time)
+            self._iter_energy.append(max(0.0, self._energy() - self._step_energy))
+            for name, times in self._step_breakdown.items():
+                self._breakdown.setdefault(name, []).append(times)
+        self._in_step = False
+        if not self._reported and len(self._iter_time) >= self.report_every:
+            self.reporter.submit(self._result())
+            self._reported = True
+        for worker in (self.watcher, self.reporter):
+            if worker.error is not None:
+                raise worker.error
+        newer = self.watcher.take()
+        if newer is not None:
+            self._swap(newer)
+        self._iter = iter(self.schedule.frequencies)
+
+    def _result(self) -> ProfilingResult:
+        return ProfilingResult(
+            rank=self.rank,
+            schedule_version=self.schedule.version,
+            iter_time=self._iter_time[: self.report_every],
+            iter_energy=self._iter_energy[: self.report_every],
+            time_breakdown={k: v[: self.report_every] for k, v in self._breakdown.items()},
+        )
+
+    def _swap(self, schedule: FrequencySchedule) -> None:
+        self.schedule = schedule
+        self.swaps.append((self.steps, schedule.version))
+        self._reset_window()
+        logger.debug("rank %d: now running schedule version %d", self.rank, schedule.version)
+
+    def on_train_end(self) -> None:
+        """Flush results, stop background threads and the frequency controller."""
+        self.close()
+
+    def close(self) -> None:
+        """Same as :meth:`on_train_end`; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.reporter.stop()
+        self.watcher.stop()
+        self.controller.stop()
+        self.client.close()

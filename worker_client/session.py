@@ -1,0 +1,241 @@
+"""The rank side of the Redis protocol: register, wait for schedules, report results.
+
+:class:`CoordinatorClient` does request/reply over streams (registrations get an answer on a
+short-lived list) and reads published schedules. :class:`ScheduleWatcher` and
+:class:`ResultReporter` run in background threads so the training thread never waits on Redis:
+it only picks up what they left at step boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+
+import redis
+
+from coordinator import keys
+from coordinator.exceptions import (
+    CoordinatorUnavailableError,
+    PerseusError,
+    ProtocolError,
+    UnknownJobError,
+)
+from coordinator.models import (
+    FrequencySchedule,
+    JobInfo,
+    ProfilingResult,
+    RankInfo,
+    RegisterJob,
+    RegisterRank,
+    Reply,
+    ReportResult,
+    SetTarget,
+    encode_message,
+    unpack,
+)
+
+logger = logging.getLogger(__name__)
+
+STREAM_MAXLEN = 100_000
+
+
+class CoordinatorClient:
+    """Talks to the coordinator through Redis.
+
+    Args:
+        redis_url: The Redis the coordinator uses.
+        reply_timeout: Seconds to wait for a registration reply.
+    """
+
+    def __init__(self, redis_url: str, reply_timeout: float = 60.0) -> None:
+        self.redis_url = redis_url
+        self.reply_timeout = reply_timeout
+        self.conn = redis.Redis.from_url(redis_url, socket_connect_timeout=10)
+
+    def _request(self, message: RegisterJob | RegisterRank) -> Reply:
+        try:
+            self.conn.xadd(
+                keys.REGISTRATIONS_STREAM, encode_message(message),
+                maxlen=STREAM_MAXLEN, approximate=True,
+            )
+            answer = self.conn.blpop(
+                [keys.reply_key(message.request_id)], timeout=self.reply_timeout
+            )
+        except redis.RedisError as exc:
+            raise CoordinatorUnavailableError(f"redis at {self.redis_url}: {exc}") from None
+        if answer is None:
+            raise CoordinatorUnavailableError(
+                f"no coordinator answered {message.kind} within {self.reply_timeout:.0f} s; "
+                f"is `perseus coordinator --redis-url {self.redis_url}` running?"
+            )
+        reply = unpack(Reply, answer[1])
+        if not reply.ok:
+            if "unknown job id" in reply.error:
+                raise UnknownJobError(reply.error)
+            raise ProtocolError(f"coordinator rejected {message.kind}: {reply.error}")
+        return reply
+
+    def register_job(self, job: JobInfo) -> str:
+        """Register a job; return the job id the coordinator assigned."""
+        reply = self._request(RegisterJob(request_id=uuid.uuid4().hex, job=job))
+        return reply.job_id
+
+    def register_rank(self, job_id: str, rank: RankInfo) -> None:
+        """Register one rank with a job."""
+        self._request(RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=rank))
+
+    def report(self, job_id: str, result: ProfilingResult) -> None:
+        """Publish a profiling result (fire and forget)."""
+        self.conn.xadd(
+            keys.RESULTS_STREAM, encode_message(ReportResult(job_id=job_id, result=result)),
+            maxlen=STREAM_MAXLEN, approximate=True,
+        )
+
+    def set_target(self, job_id: str, iteration_time: float) -> None:
+        """Ask the job's scheduler for a new target iteration time."""
+        self.conn.xadd(
+            keys.CONTROL_STREAM,
+            encode_message(SetTarget(job_id=job_id, iteration_time=iteration_time)),
+            maxlen=STREAM_MAXLEN, approximate=True,
+        )
+
+    def latest_version(self, job_id: str) -> int:
+        """Latest published schedule version (0 if none yet)."""
+        raw = self.conn.get(keys.job_version(job_id))
+        return int(raw) if raw is not None else 0
+
+    def job_error(self, job_id: str) -> str:
+        """The job's scheduling error, if the scheduler failed."""
+        raw = self.conn.hget(keys.job_info(job_id), "error")
+        return raw.decode() if raw else ""
+
+    def fetch_schedule(self, job_id: str, version: int, rank: int) -> FrequencySchedule:
+        """Read and check one rank's schedule of ``version``."""
+        raw = self.conn.hget(keys.job_schedule(job_id, version), str(rank))
+        if raw is None:
+            raise ProtocolError(f"job {job_id} has no schedule version {version} for rank {rank}")
+        schedule = unpack(FrequencySchedule, raw)
+        if schedule.rank != rank:
+            raise ProtocolError(
+                f"coordinator returned a schedule for rank {schedule.rank} to rank {rank} "
+                f"(job {job_id}, version {version})"
+            )
+        if schedule.version != version:
+            raise ProtocolError(
+                f"schedule stored as version {version} says it is version {schedule.version}"
+            )
+        return schedule
+
+    def wait_schedule(
+        self, job_id: str, rank: int, newer_than: int = 0, timeout: float = 120.0
+    ) -> FrequencySchedule:
+        """Block until a version newer than ``newer_than`` is published; return it."""
+        deadline = time.monotonic() + timeout
+        last_id = "0"
+        while True:
+            version = self.latest_version(job_id)
+            if version > newer_than:
+                return self.fetch_schedule(job_id, version, rank)
+            error = self.job_error(job_id)
+            if error:
+                raise PerseusError(f"the scheduler of job {job_id} failed: {error}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CoordinatorUnavailableError(
+                    f"no schedule for rank {rank} of job {job_id} after {timeout:.0f} s "
+                    f"(latest version {version}); are `perseus worker` processes running?"
+                )
+            block = max(1, int(min(remaining, 1.0) * 1000))
+            reply = self.conn.xread({keys.job_updates(job_id): last_id}, block=block, count=100)
+            for _stream, entries in reply or []:
+                last_id = entries[-1][0].decode()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.conn.close()
+
+
+class ScheduleWatcher(threading.Thread):
+    """Follows a job's published versions and keeps the newest schedule for one rank.
+
+    The training thread calls :meth:`take` at step boundaries; it never blocks.
+    """
+
+    def __init__(self, client: CoordinatorClient, job_id: str, rank: int, version: int) -> None:
+        super().__init__(daemon=True, name=f"perseus-watch-{rank}")
+        self.client, self.job_id, self.rank = client, job_id, rank
+        self._version = version
+        self._lock = threading.Lock()
+        self._pending: FrequencySchedule | None = None
+        self.error: BaseException | None = None
+        self._stop_event = threading.Event()
+        # A dedicated connection: blocking reads must not hold up other callers' commands.
+        self._conn = redis.Redis.from_url(client.redis_url, socket_connect_timeout=10)
+
+    def run(self) -> None:
+        last_id = "0"
+        while not self._stop_event.is_set():
+            try:
+                reply = self._conn.xread({keys.job_updates(self.job_id): last_id}, block=500)
+                for _stream, entries in reply or []:
+                    last_id = entries[-1][0].decode()
+                    newest = max(int(fields[b"version"]) for _, fields in entries)
+                    if newest > self._version:
+                        schedule = self.client.fetch_schedule(self.job_id, newest, self.rank)
+                        with self._lock:
+                            self._pending = schedule
+                            self._version = newest
+            except redis.ConnectionError as exc:
+                logger.warning("schedule watcher: redis unavailable (%s); retrying", exc)
+                self._stop_event.wait(1.0)
+            except Exception as exc:  # Surfaced to the training thread at the next step end.
+                self.error = exc
+                return
+
+    def take(self) -> FrequencySchedule | None:
+        """The newest schedule published since the last call, if any."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return pending
+
+    def stop(self) -> None:
+        """Stop following."""
+        self._stop_event.set()
+        self.join(timeout=2)
+        self._conn.close()
+
+
+class ResultReporter(threading.Thread):
+    """Publishes profiling results from a queue, retrying briefly on connection errors."""
+
+    def __init__(self, client: CoordinatorClient, job_id: str, retries: int = 5) -> None:
+        super().__init__(daemon=True, name="perseus-report")
+        self.client, self.job_id, self.retries = client, job_id, retries
+        self._queue: queue.Queue[ProfilingResult | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self.sent = 0
+
+    def submit(self, result: ProfilingResult) -> None:
+        """Queue a result; returns at once."""
+        self._queue.put(result)
+
+    def run(self) -> None:
+        while (result := self._queue.get()) is not None:
+            for attempt in range(self.retries):
+                try:
+                    self.client.report(self.job_id, result)
+                    self.sent += 1
+                    break
+                except redis.ConnectionError as exc:
+                    if attempt == self.retries - 1:
+                        self.error = CoordinatorUnavailableError(f"cannot report result: {exc}")
+                        return
+                    time.sleep(0.2 * 2**attempt)
+
+    def stop(self) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self.join(timeout=10)
