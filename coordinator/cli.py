@@ -95,6 +95,10 @@ def coordinator(
         dump_dir=dump_dir, dump_data=True if dump_dir else None,
     )
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings.check_scheduler()
+    except PerseusError as exc:
+        raise click.UsageError(str(exc)) from None
     service = Coordinator(_connect(settings.redis_url), settings)
     signal.signal(signal.SIGTERM, lambda *_: service.stop_event.set())
     click.echo(f"perseus coordinator: scheduler={settings.scheduler} redis={settings.redis_url}")

@@ -81,6 +81,9 @@ class Coordinator:
         settings: Coordinator settings.
         consumer: Consumer name in the group (default: host-pid).
         claim_idle_ms: Entries pending this long with another consumer are claimed.
+
+    Raises:
+        ConfigError: The scheduler does not exist or does not accept its arguments.
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class Coordinator:
         consumer: str | None = None,
         claim_idle_ms: int = 5_000,
     ) -> None:
+        settings.check_scheduler()
         self.conn = conn
         self.settings = settings
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"

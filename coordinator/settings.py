@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -56,10 +56,13 @@ class PerseusSettings(BaseSettings):
             raise ValueError(f"unknown log level {value!r} (use DEBUG, INFO, WARNING, ERROR)")
         return upper
 
-    @model_validator(mode="after")
-    def _scheduler_args_fit(self) -> PerseusSettings:
+    def check_scheduler(self) -> None:
+        """Raise ConfigError unless the scheduler exists and accepts ``scheduler_args``.
+
+        Called when a coordinator starts. Not a field validator, because rq workers and
+        the inspection commands share these settings but never construct a scheduler.
+        """
         # Imported here: the scheduler registry pulls in scheduler modules.
         from schedulers.registry import check_scheduler_args
 
         check_scheduler_args(self.scheduler, self.scheduler_args)
-        return self

@@ -299,11 +299,14 @@ def test_stale_pending_entries_are_claimed(r, redis_url):
     assert r.xpending(keys.REGISTRATIONS_STREAM, keys.COORDINATOR_GROUP)["pending"] == 0
 
 
-def test_scheduler_args_are_checked_at_start(redis_url):
-    with pytest.raises(ValueError, match="solution_path"):
-        PerseusSettings(redis_url=redis_url, scheduler="PointSolution", scheduler_args={"x": 1})
-    with pytest.raises(ValueError, match="unknown scheduler"):
-        PerseusSettings(redis_url=redis_url, scheduler="NoSuchScheduler")
+def test_scheduler_args_are_checked_at_start(r, redis_url):
+    from coordinator.exceptions import ConfigError
+
+    bad = PerseusSettings(redis_url=redis_url, scheduler="PointSolution", scheduler_args={"x": 1})
+    with pytest.raises(ConfigError, match="solution_path"):
+        Coordinator(r, bad)
+    with pytest.raises(ConfigError, match="unknown scheduler"):
+        Coordinator(r, PerseusSettings(redis_url=redis_url, scheduler="NoSuchScheduler"))
     with pytest.raises(ValueError, match="extra"):
         PerseusSettings(redis_url=redis_url, bogus_field=1)
 

@@ -1,0 +1,63 @@
+"""Entry point of one training rank in the multi-process tests (spawned, gloo on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def run_rank(
+    rank: int,
+    world_size: int,
+    pp: int,
+    dp: int,
+    init_method: str,
+    redis_url: str,
+    steps: int,
+    microbatches: int,
+    out_dir: str,
+    metadata: str,
+    report_every: int = 2,
+) -> None:
+    """Run ``steps`` 1F1B iterations under PerseusOptimizer and write what happened to JSON."""
+    import torch
+    import torch.distributed as dist
+
+    from schedulers.plan_file import one_f_one_b_order
+    from worker_client.frequency import DryRunFrequencyController
+    from worker_client.optimizer import SIMULATED_NVML, PerseusOptimizer
+
+    pp_rank, dp_rank = rank % pp, rank // pp
+    record: dict[str, Any] = {"rank": rank, "pp_rank": pp_rank, "dp_rank": dp_rank}
+    try:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+        controller = DryRunFrequencyController(rank)
+        hook = PerseusOptimizer(
+            rank=rank, dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=0, device_id=rank,
+            dp_degree=dp, pp_degree=pp, tp_degree=1, world_size=world_size,
+            redis_url=redis_url, job_metadata=metadata, nvml_module=SIMULATED_NVML,
+            controller=controller, report_every=report_every, schedule_timeout=60,
+        )
+        record["job_id"] = hook.job_id
+        x = torch.ones(64, 64)
+        for _ in range(steps):
+            hook.on_step_begin()
+            for name in one_f_one_b_order(pp, microbatches, pp_rank):
+                hook.on_instruction_begin(name)
+                x = torch.tanh(x @ x / 64)  # a little real work per instruction
+                hook.on_instruction_end(name)
+            hook.on_step_end()
+            dist.barrier()  # ranks of a pipeline move in lockstep, as in real training
+        record["frequencies"] = [f for _, f in controller.records]
+        record["swaps"] = hook.swaps
+        record["final_version"] = hook.schedule.version
+        record["reports_sent"] = hook.reporter.sent
+        hook.close()
+        dist.destroy_process_group()
+    except BaseException:
+        record["error"] = traceback.format_exc()
+    Path(out_dir, f"{metadata}-rank{rank}.json").write_text(json.dumps(record))
+    os._exit(0)

@@ -1,0 +1,139 @@
+"""End to end with real processes: coordinator and rq worker via the CLI, 8 + 4 ranks on gloo."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator import keys
+from coordinator.store import JobStore
+from schedulers.plan_file import one_f_one_b_order, write_plan_file
+from tests.e2e_ranks import run_rank
+
+ROOT = Path(__file__).resolve().parent.parent
+PP, MICROBATCHES = 4, 4
+STAGE_CLOCKS = [(1980, 1980), (1830, 1905), (1710, 1800), (1605, 1710)]  # (forward, backward)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(tmp_path: Path) -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["PERSEUS_SIM_GPU_DIR"] = str(tmp_path / "simgpu")
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def perseus(args: list[str], tmp_path: Path, log: str) -> subprocess.Popen:
+    out = open(tmp_path / log, "w")
+    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], env=env(tmp_path),
+                            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def write_plan(path: Path) -> list[list[tuple[str, int]]]:
+    stages = []
+    for stage, (fwd, bwd) in enumerate(STAGE_CLOCKS):
+        names = one_f_one_b_order(PP, MICROBATCHES, stage)
+        stages.append([(n, fwd if n == "forward" else bwd) for n in names])
+    write_plan_file(path, stages, {"plan": 1, "iteration_time": 1.0})
+    return stages
+
+
+def launch_job(world: int, dp: int, redis_url: str, out: Path, meta: str, steps: int):
+    ctx = mp.get_context("spawn")
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=run_rank, args=(
+        rank, world, PP, dp, init, redis_url, steps, MICROBATCHES, str(out), meta))
+        for rank in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def collect(procs, out: Path, meta: str, world: int) -> list[dict]:
+    for p in procs:
+        p.join(timeout=240)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    records = [json.loads((out / f"{meta}-rank{r}.json").read_text()) for r in range(world)]
+    for rec in records:
+        assert "error" not in rec, rec["error"]
+    return records
+
+
+@pytest.fixture
+def services(tmp_path, redis_url, monkeypatch):
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
+    plan = tmp_path / "freqs_pipeline_00001.py"
+    stages = write_plan(plan)
+    args = json.dumps({"solution_path": str(plan)})
+    started = [
+        perseus(["coordinator", "--redis-url", redis_url, "--scheduler", "PointSolution3D",
+                 "--scheduler-args", args], tmp_path, "coordinator.log"),
+        perseus(["worker", "--redis-url", redis_url], tmp_path, "worker.log"),
+    ]
+    yield stages
+    for p in started:
+        p.terminate()
+        p.wait(timeout=10)
+
+
+def test_two_jobs_end_to_end(services, tmp_path, redis_url, r):
+    stages = services
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = 8
+    job_a = launch_job(8, 2, redis_url, out, "jobA", steps)
+    job_b = launch_job(4, 1, redis_url, out, "jobB", steps)
+    recs_a = collect(job_a, out, "jobA", 8)
+    recs_b = collect(job_b, out, "jobB", 4)
+
+    ids_a = {rec["job_id"] for rec in recs_a}
+    ids_b = {rec["job_id"] for rec in recs_b}
+    assert len(ids_a) == 1 and len(ids_b) == 1 and ids_a != ids_b
+    (job_a_id,), (job_b_id,) = ids_a, ids_b
+    assert "+dp2+pp4+tp1+PointSolution3D+jobA" in job_a_id
+
+    # Every rank ran its stage's planned clocks, instruction by instruction, every step.
+    for rec in recs_a + recs_b:
+        planned = [f for _, f in stages[rec["pp_rank"]]]
+        assert rec["frequencies"] == planned * steps, rec["rank"]
+
+    store = JobStore(r)
+    for job_id, world in ((job_a_id, 8), (job_b_id, 4)):
+        # Results of version 1 came from every rank and were observed for version 2.
+        deadline = time.monotonic() + 30
+        while store.version(job_id) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert store.version(job_id) >= 2
+        results = store.results(job_id, 1)
+        assert sorted(res.rank for res in results) == list(range(world))
+        for res in results:
+            assert len(res.iter_time) == 2
+            assert [len(it) for it in res.time_breakdown["forward"]] == [MICROBATCHES] * 2
+        journal = store.journal(job_id)
+        assert journal[0].observed_version is None and journal[1].observed_version == 1
+        versions = [e.version for e in journal]
+        assert versions == list(range(1, len(versions) + 1))
+    # The two jobs did not touch each other's state.
+    assert store.ranks(job_a_id)[0].rank == 0 and len(store.ranks(job_a_id)) == 8
+    assert len(store.ranks(job_b_id)) == 4
+    assert r.xlen(keys.DEADLETTER_STREAM) == 0
+
+    status = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "status", "--json", "--redis-url", redis_url],
+        env=env(tmp_path), capture_output=True, text=True, cwd=ROOT, check=True)
+    snap = json.loads(status.stdout)
+    assert {j["job_id"]: j["ranks"] for j in snap["jobs"]} == {job_a_id: 8, job_b_id: 4}

@@ -1,0 +1,107 @@
+"""Kill the rq worker (SIGKILL, whole process group) and the coordinator mid-job; restarted
+ones finish the job with nothing lost and no schedule version skipped or duplicated."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from coordinator import keys
+from coordinator.models import JobInfo, ProfilingResult, RankInfo
+from coordinator.store import JobStore
+from worker_client.session import CoordinatorClient, ScheduleWatcher
+
+ROOT = Path(__file__).resolve().parent.parent
+FREQS = [1980, 1965, 1950, 1935, 1920]
+
+
+def start(args: list[str], tmp_path: Path, log: str) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(PERSEUS_STALL_TIMEOUT="2", PERSEUS_RECONCILE_INTERVAL="0.3")
+    out = open(tmp_path / log, "a")
+    # A session of its own, so that SIGKILL reaches the rq work-horse child too.
+    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], env=env, cwd=ROOT,
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_killed_worker_and_coordinator_lose_nothing(tmp_path, redis_url, r):
+    coordinator_args = ["coordinator", "--redis-url", redis_url,
+                        "--scheduler", "tests.toy_schedulers:StepDown",
+                        "--scheduler-args", json.dumps({"delay": 1.5})]
+    worker_args = ["worker", "--redis-url", redis_url]
+    coordinator = start(coordinator_args, tmp_path, "coordinator.log")
+    worker = start(worker_args, tmp_path, "worker.log")
+    store = JobStore(r)
+    client = CoordinatorClient(redis_url, reply_timeout=30)
+    try:
+        job_id = client.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+        for rank in range(2):
+            client.register_rank(job_id, RankInfo(
+                rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS))
+        watcher = ScheduleWatcher(client, job_id, rank=0, version=0)
+        seen: list[int] = []
+        watcher.start()
+
+        # 1. The worker is computing version 1 (it holds the lease): kill it, and the
+        #    coordinator with it.
+        wait_for(lambda: store.lease_holder(job_id) is not None, what="worker to start v1")
+        kill(worker)
+        kill(coordinator)
+        assert store.version(job_id) == 0
+
+        # 2. Fresh ones take over: the stalled computation is enqueued again.
+        coordinator = start(coordinator_args, tmp_path, "coordinator.log")
+        worker = start(worker_args, tmp_path, "worker.log")
+        wait_for(lambda: store.version(job_id) == 1, what="version 1")
+
+        # 3. Results arrive while no coordinator runs; they wait in the stream.
+        kill(coordinator)
+        for rank in range(2):
+            client.report(job_id, ProfilingResult(
+                rank=rank, schedule_version=1, iter_time=[1.0], iter_energy=[5.0]))
+        coordinator = start(coordinator_args, tmp_path, "coordinator.log")
+
+        # 4. Kill the worker again while it computes version 2.
+        wait_for(lambda: store.result_count(job_id, 1) == 2 and store.lease_holder(job_id),
+                 what="worker to start v2")
+        kill(worker)
+        worker = start(worker_args, tmp_path, "worker.log")
+        wait_for(lambda: store.version(job_id) == 2, what="version 2")
+        wait_for(lambda: (s := watcher.take()) is not None and seen.append(s.version) is None
+                 and s.version == 2, timeout=10, what="watcher to see version 2")
+        watcher.stop()
+    finally:
+        for proc in (worker, coordinator):
+            if proc.poll() is None:
+                kill(proc)
+
+    journal = store.journal(job_id)
+    assert [e.version for e in journal] == [1, 2]
+    assert [e.observed_version for e in journal] == [None, 1]
+    published = [int(f[b"version"]) for _, f in r.xrange(keys.job_updates(job_id))]
+    assert published == [1, 2]  # none skipped, none twice
+    assert len(store.results(job_id, 1)) == 2
+    assert store.schedule(job_id, 2, 1).frequencies[0] == ("forward", 1965)
+    for stream in keys.INPUT_STREAMS:
+        assert r.xpending(stream, keys.COORDINATOR_GROUP)["pending"] == 0
+    assert r.xlen(keys.DEADLETTER_STREAM) == 0

@@ -1,0 +1,134 @@
+"""PerseusOptimizer in one process (gloo, world size 1) against a real Redis and coordinator."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from coordinator.exceptions import CoordinatorUnavailableError, ScheduleError
+from coordinator.service import Coordinator
+from coordinator.settings import PerseusSettings
+from worker_client.frequency import DryRunFrequencyController
+from worker_client.optimizer import SIMULATED_NVML, PerseusOptimizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def gloo():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def service(r, redis_url, tmp_path, monkeypatch):
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
+    settings = PerseusSettings(redis_url=redis_url, scheduler="tests.toy_schedulers:StepDown",
+                               scheduler_args={"microbatches": 2})
+    coord = Coordinator(r, settings)
+    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+    thread.start()
+    # rq workers need the main thread of a process: run `perseus worker` as one, on demand.
+    workers: list[subprocess.Popen] = []
+
+    def start_worker() -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        workers.append(subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "worker", "--simple", "--redis-url",
+             redis_url], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    yield coord, start_worker
+    for proc in workers:
+        proc.terminate()
+        proc.wait(timeout=10)
+    coord.stop_event.set()
+    thread.join(timeout=5)
+
+
+def make_hook(redis_url, controller, **kw) -> PerseusOptimizer:
+    return PerseusOptimizer(
+        rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1, pp_degree=1,
+        tp_degree=1, world_size=1, redis_url=redis_url, nvml_module=SIMULATED_NVML,
+        controller=controller, **kw,
+    )
+
+
+def run_step(hook: PerseusOptimizer, names=("forward", "backward") * 2, between=None) -> None:
+    hook.on_step_begin()
+    for i, name in enumerate(names):
+        hook.on_instruction_begin(name)
+        hook.on_instruction_end(name)
+        if between is not None and i == 0:
+            between()
+    hook.on_step_end()
+
+
+def test_swaps_only_between_steps(gloo, service, redis_url):
+    _coord, start_worker = service
+    start_worker()
+    controller = DryRunFrequencyController(0)
+    hook = make_hook(redis_url, controller, report_every=1)
+    try:
+        assert hook.schedule.version == 1
+        run_step(hook)  # reports version 1's result at its end
+
+        def wait_for_new_version() -> None:
+            deadline = time.monotonic() + 10
+            while hook.watcher._pending is None:  # published and fetched in the background
+                assert time.monotonic() < deadline, "no new version"
+                time.sleep(0.01)
+
+        # Version 2 arrives in the middle of step 2: step 2 still runs version 1 entirely.
+        run_step(hook, between=wait_for_new_version)
+        assert hook.schedule.version == 2 and hook.swaps == [(2, 2)]
+        run_step(hook)
+        freqs = [f for _, f in controller.records]
+        assert freqs[:8] == [1980] * 8
+        assert freqs[8:12] == [1965] * 4
+    finally:
+        hook.close()
+
+
+def test_wrong_instruction_and_schedule_length_errors(gloo, service, redis_url):
+    _coord, start_worker = service
+    start_worker()
+    hook = make_hook(redis_url, DryRunFrequencyController(0))
+    try:
+        hook.on_step_begin()
+        hook.on_instruction_begin("forward")
+        hook.on_instruction_end("forward")
+        with pytest.raises(ScheduleError, match="expected instruction 'backward' but got 'forward'"):
+            hook.on_instruction_begin("forward")
+        hook.on_step_begin()
+        hook._iter = iter(hook.schedule.frequencies)
+        with pytest.raises(ScheduleError, match="still expects 'forward' at 1980 MHz"):
+            hook.on_step_end()
+        hook._iter = iter(hook.schedule.frequencies)
+        with pytest.raises(ScheduleError, match="has only 4 instructions"):
+            run_step(hook, names=("forward", "backward") * 3)
+    finally:
+        hook.close()
+
+
+def test_first_schedule_timeout_is_clear(gloo, service, redis_url):
+    # No worker runs: the coordinator registers the job but nobody computes a schedule.
+    with pytest.raises(CoordinatorUnavailableError, match="are `perseus worker` processes running"):
+        make_hook(redis_url, DryRunFrequencyController(0), schedule_timeout=1)
+
+
+def test_invalid_job_is_refused_before_anything_starts(gloo, redis_url):
+    with pytest.raises(Exception, match="world_size=3"):
+        PerseusOptimizer(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1,
+                         pp_degree=1, tp_degree=1, world_size=3, redis_url=redis_url,
+                         nvml_module=SIMULATED_NVML, controller=DryRunFrequencyController(0))
