@@ -1,0 +1,1 @@
+"""Coordinator: Redis protocol, job state, rq tasks, settings and the perseus CLI."""

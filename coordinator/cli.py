@@ -46,7 +46,10 @@ def _connect(url: str) -> redis.Redis:
 def redis_url_option(func: Any) -> Any:
     """``--redis-url`` (env ``PERSEUS_REDIS_URL``)."""
     return click.option(
-        "--redis-url", envvar="PERSEUS_REDIS_URL", default=None, show_envvar=True,
+        "--redis-url",
+        envvar="PERSEUS_REDIS_URL",
+        default=None,
+        show_envvar=True,
         help=REDIS_URL_HELP + " Default: redis://localhost:6379/0.",
     )(func)
 
@@ -65,7 +68,8 @@ def main() -> None:
 @redis_url_option
 @click.option("--scheduler", default=None, help="Scheduler for new jobs (env PERSEUS_SCHEDULER).")
 @click.option(
-    "--scheduler-args", default=None,
+    "--scheduler-args",
+    default=None,
     help='JSON keyword arguments for the scheduler, e.g. \'{"solution_path": "plan.py"}\'.',
 )
 @click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
@@ -89,12 +93,18 @@ def coordinator(
         try:
             args = json.loads(scheduler_args)
         except json.JSONDecodeError as exc:
-            raise click.BadParameter(f"not JSON: {exc}", param_hint="--scheduler-args")
+            raise click.BadParameter(f"not JSON: {exc}", param_hint="--scheduler-args") from None
     settings = _settings(
-        redis_url=redis_url, scheduler=scheduler, scheduler_args=args, log_level=log_level,
-        dump_dir=dump_dir, dump_data=True if dump_dir else None,
+        redis_url=redis_url,
+        scheduler=scheduler,
+        scheduler_args=args,
+        log_level=log_level,
+        dump_dir=dump_dir,
+        dump_data=True if dump_dir else None,
     )
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         settings.check_scheduler()
     except PerseusError as exc:
@@ -128,8 +138,9 @@ def preload_schedulers() -> None:
 @click.option("--simple", is_flag=True, help="Run jobs in this process (rq SimpleWorker), no fork.")
 @click.option("--name", default=None, help="Worker name (default: rq's).")
 @click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
-def worker(redis_url: str | None, burst: bool, simple: bool, name: str | None,
-           log_level: str | None) -> None:
+def worker(
+    redis_url: str | None, burst: bool, simple: bool, name: str | None, log_level: str | None
+) -> None:
     """Run an rq worker for scheduler jobs, with the scheduler modules preloaded.
 
     Start as many as you like (docker compose up --scale worker=N). Workers need no scheduler
@@ -141,7 +152,9 @@ def worker(redis_url: str | None, burst: bool, simple: bool, name: str | None,
     from coordinator import keys
 
     settings = _settings(redis_url=redis_url, log_level=log_level)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     preload_schedulers()
     cls = SimpleWorker if simple else Worker
     rq_worker = cls([keys.RQ_QUEUE], connection=_connect(settings.redis_url), name=name)
@@ -187,7 +200,8 @@ def schedulers() -> None:
     for name in sorted(BUILTIN):
         try:
             params = [
-                p for p in inspect.signature(resolve_scheduler(name)).parameters
+                p
+                for p in inspect.signature(resolve_scheduler(name)).parameters
                 if p not in ("job_info", "rank_infos")
             ]
             click.echo(f"{name:<22} args: {', '.join(params) or '-'}")

@@ -29,10 +29,18 @@ def dump_version(store: JobStore, record: JobRecord, version: int, out_dir: str 
     """Write the job's ranks and the schedule of ``version`` (and the results it observed)."""
     folder = Path(out_dir or record.config.dump_dir) / record.job_id
     folder.mkdir(parents=True, exist_ok=True)
-    _write(folder / "job.json", {"info": record.info.model_dump(mode="json"),
-                                 "config": record.config.model_dump(mode="json")})
+    _write(
+        folder / "job.json",
+        {
+            "info": record.info.model_dump(mode="json"),
+            "config": record.config.model_dump(mode="json"),
+        },
+    )
     _write(folder / "ranks.json", _dump_models(list(store.ranks(record.job_id))))
-    _write(folder / f"{version}.sched.json", _dump_models(list(store.schedules(record.job_id, version))))
+    _write(
+        folder / f"{version}.sched.json",
+        _dump_models(list(store.schedules(record.job_id, version))),
+    )
     if version > 1:
         results = store.results(record.job_id, version - 1)
         if results:
@@ -48,9 +56,14 @@ def dump_job(store: JobStore, job_id: str, out_dir: str) -> Path:
     for version in range(1, latest + 1):
         dump_version(store, record, version, out_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    _write(folder / "job.json", {"info": record.info.model_dump(mode="json"),
-                                 "config": record.config.model_dump(mode="json"),
-                                 "fields": record.fields})
+    _write(
+        folder / "job.json",
+        {
+            "info": record.info.model_dump(mode="json"),
+            "config": record.config.model_dump(mode="json"),
+            "fields": record.fields,
+        },
+    )
     _write(folder / "ranks.json", _dump_models(list(store.ranks(job_id))))
     results = store.results(job_id, latest) if latest else []
     if results:

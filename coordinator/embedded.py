@@ -45,15 +45,24 @@ class EmbeddedRedis:
         self.url = f"unix://{self.socket_path}"
         args = [
             str(redis_server_binary()),
-            "--port", "0",
-            "--unixsocket", str(self.socket_path),
-            "--unixsocketperm", "700",
-            "--dir", str(self._dir),
-            "--save", "",
-            "--appendonly", "yes" if appendonly else "no",
-            "--daemonize", "no",
-            "--loglevel", "warning",
-            "--logfile", str(self._dir / "redis.log"),
+            "--port",
+            "0",
+            "--unixsocket",
+            str(self.socket_path),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(self._dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if appendonly else "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            str(self._dir / "redis.log"),
         ]
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + startup_timeout
@@ -105,4 +114,3 @@ class EmbeddedRedis:
 def connect(url: str) -> redis.Redis:
     """A redis-py client for ``url`` that fails fast when nothing listens."""
     return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
-

@@ -317,7 +317,9 @@ def unpack(cls: type[M], data: bytes) -> M:
         raise ProtocolError(f"invalid {cls.__name__}: {_validation_text(exc)}") from None
 
 
-def encode_message(message: RegisterJob | RegisterRank | ReportResult | SetTarget) -> dict[str, Any]:
+def encode_message(
+    message: RegisterJob | RegisterRank | ReportResult | SetTarget,
+) -> dict[str, Any]:
     """Stream-entry fields for a message (``kind`` and ``job_id`` stay readable in redis-cli)."""
     fields: dict[str, Any] = {"kind": message.kind, "data": pack(message)}
     job_id = getattr(message, "job_id", "")
@@ -326,7 +328,9 @@ def encode_message(message: RegisterJob | RegisterRank | ReportResult | SetTarge
     return fields
 
 
-def decode_message(fields: dict[bytes, bytes]) -> RegisterJob | RegisterRank | ReportResult | SetTarget:
+def decode_message(
+    fields: dict[bytes, bytes],
+) -> RegisterJob | RegisterRank | ReportResult | SetTarget:
     """Decode a stream entry's fields; raise ProtocolError with a reason on any problem."""
     data = fields.get(b"data")
     if data is None:

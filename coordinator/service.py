@@ -147,8 +147,12 @@ class Coordinator:
         handled = 0
         for stream in keys.INPUT_STREAMS:
             _next, claimed, *_ = self.conn.xautoclaim(
-                stream, keys.COORDINATOR_GROUP, self.consumer, self.claim_idle_ms,
-                start_id="0-0", count=100,
+                stream,
+                keys.COORDINATOR_GROUP,
+                self.consumer,
+                self.claim_idle_ms,
+                start_id="0-0",
+                count=100,
             )
             for entry_id, fields in claimed:
                 logger.info("claimed stale entry %s %s", stream, entry_id.decode())
@@ -194,8 +198,10 @@ class Coordinator:
         entry.update({b"orig:" + name: value for name, value in fields.items()})
         with self.conn.pipeline(transaction=True) as pipe:
             pipe.xadd(
-                keys.DEADLETTER_STREAM, entry,
-                maxlen=self.settings.stream_maxlen, approximate=True,
+                keys.DEADLETTER_STREAM,
+                entry,
+                maxlen=self.settings.stream_maxlen,
+                approximate=True,
             )
             if reply_to is not None:
                 pipe.lpush(reply_to, pack(Reply(ok=False, error=reason)))
@@ -220,7 +226,9 @@ class Coordinator:
     def _register_job(self, message: RegisterJob, entry_id: str) -> Reply:
         job = message.job
         if job.job_id:
-            raise ProtocolError("job_id must be empty when registering a job; the coordinator sets it")
+            raise ProtocolError(
+                "job_id must be empty when registering a job; the coordinator sets it"
+            )
         job = job.model_copy(
             update={"job_id": make_job_id(job, scheduler_name(self.settings), entry_id)}
         )
@@ -236,8 +244,13 @@ class Coordinator:
     def _register_rank(self, message: RegisterRank) -> Reply:
         record = self.store.get_job(message.job_id)
         count = self.store.add_rank(record.info, message.rank_info)
-        logger.info("job %s: rank %d registered (%d/%d)", record.job_id,
-                    message.rank_info.rank, count, record.info.world_size)
+        logger.info(
+            "job %s: rank %d registered (%d/%d)",
+            record.job_id,
+            message.rank_info.rank,
+            count,
+            record.info.world_size,
+        )
         if count == record.info.world_size:
             self.enqueue_advance(record.job_id)
         return Reply(ok=True, job_id=record.job_id)
@@ -261,8 +274,12 @@ class Coordinator:
         """Enqueue the rq job that computes ``job_id``'s next schedule version."""
         lease_ms = max(1000, int(self.settings.stall_timeout * 1000))
         job = self.queue.enqueue(
-            "coordinator.tasks.advance_job", job_id, lease_ms,
-            description=f"advance {job_id}", result_ttl=600, failure_ttl=24 * 3600,
+            "coordinator.tasks.advance_job",
+            job_id,
+            lease_ms,
+            description=f"advance {job_id}",
+            result_ttl=600,
+            failure_ttl=24 * 3600,
         )
         self.store.set_fields(job_id, enqueued_at=f"{time.time():.3f}", rq_job=job.id)
         return job
@@ -271,8 +288,9 @@ class Coordinator:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long."""
         now = time.time()
         for job_id in self.store.idle_jobs(self.settings.max_job_idle_time, now):
-            logger.info("deleting job %s: idle for more than %d s", job_id,
-                        self.settings.max_job_idle_time)
+            logger.info(
+                "deleting job %s: idle for more than %d s", job_id, self.settings.max_job_idle_time
+            )
             self.store.delete_job(job_id)
         for job_id, _ in self.store.list_jobs():
             try:
@@ -289,8 +307,9 @@ class Coordinator:
             rq_id = record.fields.get("rq_job", "")
             if rq_id and self._rq_waiting(rq_id):
                 continue  # Still in the queue: a worker will get to it.
-            logger.warning("job %s: due work unclaimed for %.1f s; enqueueing again",
-                           job_id, now - enqueued_at)
+            logger.warning(
+                "job %s: due work unclaimed for %.1f s; enqueueing again", job_id, now - enqueued_at
+            )
             self.enqueue_advance(job_id)
 
     def _rq_waiting(self, rq_id: str) -> bool:

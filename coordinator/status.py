@@ -80,7 +80,9 @@ def format_snapshot(snap: dict[str, Any]) -> str:
     """Human-readable tables of :func:`snapshot`."""
     lines = [f"jobs: {len(snap['jobs'])}"]
     if snap["jobs"]:
-        lines.append(f"  {'JOB ID':<58} {'RANKS':>7} {'VER':>4} {'RESULTS':>8} {'IDLE s':>8}  ERROR")
+        lines.append(
+            f"  {'JOB ID':<58} {'RANKS':>7} {'VER':>4} {'RESULTS':>8} {'IDLE s':>8}  ERROR"
+        )
         for job in snap["jobs"]:
             lines.append(
                 f"  {job['job_id']:<58} {job['ranks']:>3}/{job['world_size']:<3} "

@@ -356,8 +356,15 @@ class JobStore:
                 keys.JOBS_INDEX,
                 keys.job_info(job_id),
             ],
-            args=[job_id, now, entry.version - 1, entry.version, pack(entry), self.stream_maxlen]
-            + flat,
+            args=[
+                job_id,
+                now,
+                entry.version - 1,
+                entry.version,
+                pack(entry),
+                self.stream_maxlen,
+                *flat,
+            ],
         )
         return bool(published)
 

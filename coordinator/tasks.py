@@ -65,8 +65,10 @@ def check_schedules(
     expected = {r.rank for r in ranks}
     if len(by_rank) != len(schedules) or set(by_rank) != expected:
         got = sorted(s.rank for s in schedules)
-        raise ProtocolError(f"scheduler {scheduler} returned schedules for ranks {got}, "
-                            f"expected one for each of {sorted(expected)}")
+        raise ProtocolError(
+            f"scheduler {scheduler} returned schedules for ranks {got}, "
+            f"expected one for each of {sorted(expected)}"
+        )
     for rank in ranks:
         allowed = set(rank.available_frequencies)
         for i, (name, freq) in enumerate(by_rank[rank.rank].frequencies):
@@ -117,7 +119,9 @@ def _warn_if_diverged(
     if stored and stored != {s.rank: s.frequencies for s in replayed}:
         logger.error(
             "job %s: replaying version %d gave a different schedule; the scheduler is not "
-            "deterministic, later versions may not match what clients ran", job_id, version
+            "deterministic, later versions may not match what clients ran",
+            job_id,
+            version,
         )
 
 
@@ -147,8 +151,9 @@ def advance_once(store: JobStore, job_id: str) -> int | None:
     )
     applied = store.journal(job_id)[-1].controls_upto if version else 0
     _apply_inputs(store, job_id, scheduler, entry, controls, applied)
-    schedules = check_schedules(scheduler.next_schedule(), store.ranks(job_id),
-                                record.config.scheduler)
+    schedules = check_schedules(
+        scheduler.next_schedule(), store.ranks(job_id), record.config.scheduler
+    )
     if not store.publish(job_id, schedules, entry):
         logger.info("job %s: version %d was published by another worker", job_id, entry.version)
         return None
@@ -163,7 +168,7 @@ def advance_job(
     lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
     conn: redis.Redis | None = None,
 ) -> list[int]:
-    """rq entry point: publish every version that is due for ``job_id``.
+    """Rq entry point: publish every version that is due for ``job_id``.
 
     Holds a lease so that only one worker computes a job at a time. A worker that finds the
     lease taken returns at once: the holder re-checks for due work after releasing it.

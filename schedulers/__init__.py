@@ -1,0 +1,1 @@
+"""Frequency schedulers, plan files and the Perseus planner."""

@@ -36,10 +36,21 @@ def run_rank(
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
         controller = DryRunFrequencyController(rank)
         hook = PerseusOptimizer(
-            rank=rank, dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=0, device_id=rank,
-            dp_degree=dp, pp_degree=pp, tp_degree=1, world_size=world_size,
-            redis_url=redis_url, job_metadata=metadata, nvml_module=SIMULATED_NVML,
-            controller=controller, report_every=report_every, schedule_timeout=60,
+            rank=rank,
+            dp_rank=dp_rank,
+            pp_rank=pp_rank,
+            tp_rank=0,
+            device_id=rank,
+            dp_degree=dp,
+            pp_degree=pp,
+            tp_degree=1,
+            world_size=world_size,
+            redis_url=redis_url,
+            job_metadata=metadata,
+            nvml_module=SIMULATED_NVML,
+            controller=controller,
+            report_every=report_every,
+            schedule_timeout=60,
         )
         record["job_id"] = hook.job_id
         x = torch.ones(64, 64)

@@ -107,16 +107,20 @@ def test_register_schedule_report_advance(service, r, redis_url):
 
 def test_two_jobs_registered_in_the_same_second_get_different_ids(service, redis_url):
     client = CoordinatorClient(redis_url, reply_timeout=5)
-    ids = {client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
-           for _ in range(5)}
+    ids = {
+        client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+        for _ in range(5)
+    }
     assert len(ids) == 5
 
 
 def test_redelivered_entries_change_nothing_twice(r, redis_url):
     coord = Coordinator(r, make_settings(redis_url))
     job = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
-    fields = {k.encode(): (v.encode() if isinstance(v, str) else v)
-              for k, v in encode_message(RegisterJob(request_id="req1", job=job)).items()}
+    fields = {
+        k.encode(): (v.encode() if isinstance(v, str) else v)
+        for k, v in encode_message(RegisterJob(request_id="req1", job=job)).items()
+    }
     coord.handle(keys.REGISTRATIONS_STREAM, "1700000000000-0", fields)
     coord.handle(keys.REGISTRATIONS_STREAM, "1700000000000-0", fields)
     store = JobStore(r)
@@ -126,11 +130,15 @@ def test_redelivered_entries_change_nothing_twice(r, redis_url):
     replies = r.lrange(keys.reply_key("req1"), 0, -1)
     assert replies[0] == replies[1]
 
-    store.add_rank(store.get_job(job_id).info, RankInfo(
-        rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS))
+    store.add_rank(
+        store.get_job(job_id).info,
+        RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS),
+    )
     advance_job(job_id, conn=r)
-    report = {k.encode(): (v.encode() if isinstance(v, str) else v)
-              for k, v in encode_message(ReportResult(job_id=job_id, result=result(0, 1))).items()}
+    report = {
+        k.encode(): (v.encode() if isinstance(v, str) else v)
+        for k, v in encode_message(ReportResult(job_id=job_id, result=result(0, 1))).items()
+    }
     coord.handle(keys.RESULTS_STREAM, "1700000000001-0", report)
     coord.handle(keys.RESULTS_STREAM, "1700000000001-0", report)
     assert store.result_count(job_id, 1) == 1
@@ -145,13 +153,20 @@ def test_malformed_entries_go_to_dead_letter_and_loop_continues(r, redis_url):
     bad = [
         {"data": b"\xc1\xff\x00garbage"},
         {"foo": "bar"},
-        {"data": msgpack.packb({"kind": "register_job", "request_id": "x", "job": {"pp_degree": 0}})},
+        {
+            "data": msgpack.packb(
+                {"kind": "register_job", "request_id": "x", "job": {"pp_degree": 0}}
+            )
+        },
         {"data": msgpack.packb({"kind": "launch_rockets"})},
     ]
     for fields in bad:
         r.xadd(keys.REGISTRATIONS_STREAM, fields)
-    good = encode_message(RegisterJob(request_id="ok", job=JobInfo(
-        pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)))
+    good = encode_message(
+        RegisterJob(
+            request_id="ok", job=JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+        )
+    )
     r.xadd(keys.REGISTRATIONS_STREAM, good)
     from coordinator.service import ensure_groups
 
@@ -176,8 +191,10 @@ def test_malformed_entries_go_to_dead_letter_and_loop_continues(r, redis_url):
 def test_unknown_job_id_is_a_clear_error(service, r, redis_url):
     client = CoordinatorClient(redis_url, reply_timeout=5)
     with pytest.raises(UnknownJobError, match="no-such-job"):
-        client.register_rank("no-such-job", RankInfo(
-            rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS))
+        client.register_rank(
+            "no-such-job",
+            RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS),
+        )
     dead = r.xrange(keys.DEADLETTER_STREAM)
     assert b"unknown job id" in dead[-1][1][b"reason"]
 
@@ -186,8 +203,11 @@ def test_invalid_job_info_is_rejected_on_both_sides(service, r, redis_url):
     with pytest.raises(ValueError, match="world_size=7"):
         JobInfo(pp_degree=4, dp_degree=2, tp_degree=1, world_size=7)
     # A client that skips validation still gets a clear answer from the coordinator.
-    raw = {"kind": "register_job", "request_id": "bad1",
-           "job": {"pp_degree": 4, "dp_degree": 2, "tp_degree": 1, "world_size": 7}}
+    raw = {
+        "kind": "register_job",
+        "request_id": "bad1",
+        "job": {"pp_degree": 4, "dp_degree": 2, "tp_degree": 1, "world_size": 7},
+    }
     r.xadd(keys.REGISTRATIONS_STREAM, {"kind": "register_job", "data": msgpack.packb(raw)})
     answer = r.blpop([keys.reply_key("bad1")], timeout=5)
     assert answer is not None
@@ -198,13 +218,20 @@ def test_rank_out_of_range_and_result_for_unpublished_version(service, r, redis_
     client = CoordinatorClient(redis_url, reply_timeout=5)
     job_id = client.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
     with pytest.raises(ProtocolError, match="pp_rank=5"):
-        client.register_rank(job_id, RankInfo(
-            rank=1, dp_rank=0, pp_rank=5, tp_rank=0, available_frequencies=FREQS))
-    client.register_rank(job_id, RankInfo(
-        rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS))
+        client.register_rank(
+            job_id, RankInfo(rank=1, dp_rank=0, pp_rank=5, tp_rank=0, available_frequencies=FREQS)
+        )
+    client.register_rank(
+        job_id, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+    )
     client.report(job_id, result(0, 3))
-    reason = wait_for(lambda: [f[b"reason"] for _, f in r.xrange(keys.DEADLETTER_STREAM)
-                               if b"version 3" in f[b"reason"]])
+    reason = wait_for(
+        lambda: [
+            f[b"reason"]
+            for _, f in r.xrange(keys.DEADLETTER_STREAM)
+            if b"version 3" in f[b"reason"]
+        ]
+    )
     assert b"latest published version is 0" in reason[0]
 
 
@@ -228,12 +255,15 @@ def test_invalid_scheduler_output_reaches_clients(r, redis_url):
         try:
             client = CoordinatorClient(redis_url, reply_timeout=5)
             job_id = register(client)
-            with pytest.raises(Exception):
+            with pytest.raises((PerseusError, RuntimeError)):
                 advance_job(job_id, conn=r)
             with pytest.raises(PerseusError, match=message):
                 client.wait_schedule(job_id, rank=0, timeout=2)
             # A deterministic failure is not re-enqueued forever.
-            assert not JobStore(r).due(JobStore(r).get_job(job_id)) or JobStore(r).get_job(job_id).error
+            assert (
+                not JobStore(r).due(JobStore(r).get_job(job_id))
+                or JobStore(r).get_job(job_id).error
+            )
         finally:
             coord.stop_event.set()
             thread.join(timeout=5)
@@ -274,8 +304,9 @@ def test_sweep_reenqueues_stalled_work(r, redis_url):
 
     job = JobInfo(job_id="j2", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
     store.create_job(job, JobConfig(scheduler="tests.toy_schedulers:StepDown"), "1-0")
-    store.add_rank(job, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0,
-                                 available_frequencies=FREQS))
+    store.add_rank(
+        job, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+    )
     # Due work with no rq job at all (e.g. the enqueue was lost): the sweep enqueues it.
     coord.sweep()
     assert Queue(keys.RQ_QUEUE, connection=r).count == 1
@@ -289,8 +320,14 @@ def test_stale_pending_entries_are_claimed(r, redis_url):
     from coordinator.service import ensure_groups
 
     ensure_groups(r)
-    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(RegisterJob(request_id="c1", job=JobInfo(
-        pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))))
+    r.xadd(
+        keys.REGISTRATIONS_STREAM,
+        encode_message(
+            RegisterJob(
+                request_id="c1", job=JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+            )
+        ),
+    )
     # A coordinator that read the entry and died before acknowledging it.
     r.xreadgroup(keys.COORDINATOR_GROUP, "dead-one", {keys.REGISTRATIONS_STREAM: ">"})
     coord = Coordinator(r, make_settings(redis_url), consumer="alive", claim_idle_ms=0)
@@ -315,7 +352,7 @@ def test_redis_down_is_reported_clearly():
     client = CoordinatorClient("redis://127.0.0.1:1/0", reply_timeout=1)
     from coordinator.exceptions import CoordinatorUnavailableError
 
-    with pytest.raises(CoordinatorUnavailableError, match="127.0.0.1:1"):
+    with pytest.raises(CoordinatorUnavailableError, match=r"127\.0\.0\.1:1"):
         client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
     with pytest.raises(redis.ConnectionError):
         client.latest_version("x")

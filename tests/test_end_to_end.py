@@ -39,8 +39,13 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 def perseus(args: list[str], tmp_path: Path, log: str) -> subprocess.Popen:
     out = open(tmp_path / log, "w")
-    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], env=env(tmp_path),
-                            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        env=env(tmp_path),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
 
 
 def write_plan(path: Path) -> list[list[tuple[str, int]]]:
@@ -55,9 +60,13 @@ def write_plan(path: Path) -> list[list[tuple[str, int]]]:
 def launch_job(world: int, dp: int, redis_url: str, out: Path, meta: str, steps: int):
     ctx = mp.get_context("spawn")
     init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=run_rank, args=(
-        rank, world, PP, dp, init, redis_url, steps, MICROBATCHES, str(out), meta))
-        for rank in range(world)]
+    procs = [
+        ctx.Process(
+            target=run_rank,
+            args=(rank, world, PP, dp, init, redis_url, steps, MICROBATCHES, str(out), meta),
+        )
+        for rank in range(world)
+    ]
     for p in procs:
         p.start()
     return procs
@@ -80,8 +89,19 @@ def services(tmp_path, redis_url, monkeypatch):
     stages = write_plan(plan)
     args = json.dumps({"solution_path": str(plan)})
     started = [
-        perseus(["coordinator", "--redis-url", redis_url, "--scheduler", "PointSolution3D",
-                 "--scheduler-args", args], tmp_path, "coordinator.log"),
+        perseus(
+            [
+                "coordinator",
+                "--redis-url",
+                redis_url,
+                "--scheduler",
+                "PointSolution3D",
+                "--scheduler-args",
+                args,
+            ],
+            tmp_path,
+            "coordinator.log",
+        ),
         perseus(["worker", "--redis-url", redis_url], tmp_path, "worker.log"),
     ]
     yield stages
@@ -134,6 +154,11 @@ def test_two_jobs_end_to_end(services, tmp_path, redis_url, r):
 
     status = subprocess.run(
         [sys.executable, "-m", "coordinator.cli", "status", "--json", "--redis-url", redis_url],
-        env=env(tmp_path), capture_output=True, text=True, cwd=ROOT, check=True)
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
     snap = json.loads(status.stdout)
     assert {j["job_id"]: j["ranks"] for j in snap["jobs"]} == {job_a_id: 8, job_b_id: 4}

@@ -26,8 +26,14 @@ def start(args: list[str], tmp_path: Path, log: str) -> subprocess.Popen:
     env.update(PERSEUS_STALL_TIMEOUT="2", PERSEUS_RECONCILE_INTERVAL="0.3")
     out = open(tmp_path / log, "a")
     # A session of its own, so that SIGKILL reaches the rq work-horse child too.
-    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], env=env, cwd=ROOT,
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        env=env,
+        cwd=ROOT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -45,9 +51,15 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
 
 
 def test_killed_worker_and_coordinator_lose_nothing(tmp_path, redis_url, r):
-    coordinator_args = ["coordinator", "--redis-url", redis_url,
-                        "--scheduler", "tests.toy_schedulers:StepDown",
-                        "--scheduler-args", json.dumps({"delay": 1.5})]
+    coordinator_args = [
+        "coordinator",
+        "--redis-url",
+        redis_url,
+        "--scheduler",
+        "tests.toy_schedulers:StepDown",
+        "--scheduler-args",
+        json.dumps({"delay": 1.5}),
+    ]
     worker_args = ["worker", "--redis-url", redis_url]
     coordinator = start(coordinator_args, tmp_path, "coordinator.log")
     worker = start(worker_args, tmp_path, "worker.log")
@@ -56,8 +68,12 @@ def test_killed_worker_and_coordinator_lose_nothing(tmp_path, redis_url, r):
     try:
         job_id = client.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
         for rank in range(2):
-            client.register_rank(job_id, RankInfo(
-                rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS))
+            client.register_rank(
+                job_id,
+                RankInfo(
+                    rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS
+                ),
+            )
         watcher = ScheduleWatcher(client, job_id, rank=0, version=0)
         seen: list[int] = []
         watcher.start()
@@ -77,18 +93,29 @@ def test_killed_worker_and_coordinator_lose_nothing(tmp_path, redis_url, r):
         # 3. Results arrive while no coordinator runs; they wait in the stream.
         kill(coordinator)
         for rank in range(2):
-            client.report(job_id, ProfilingResult(
-                rank=rank, schedule_version=1, iter_time=[1.0], iter_energy=[5.0]))
+            client.report(
+                job_id,
+                ProfilingResult(rank=rank, schedule_version=1, iter_time=[1.0], iter_energy=[5.0]),
+            )
         coordinator = start(coordinator_args, tmp_path, "coordinator.log")
 
         # 4. Kill the worker again while it computes version 2.
-        wait_for(lambda: store.result_count(job_id, 1) == 2 and store.lease_holder(job_id),
-                 what="worker to start v2")
+        wait_for(
+            lambda: store.result_count(job_id, 1) == 2 and store.lease_holder(job_id),
+            what="worker to start v2",
+        )
         kill(worker)
         worker = start(worker_args, tmp_path, "worker.log")
         wait_for(lambda: store.version(job_id) == 2, what="version 2")
-        wait_for(lambda: (s := watcher.take()) is not None and seen.append(s.version) is None
-                 and s.version == 2, timeout=10, what="watcher to see version 2")
+        wait_for(
+            lambda: (
+                (s := watcher.take()) is not None
+                and seen.append(s.version) is None
+                and s.version == 2
+            ),
+            timeout=10,
+            what="watcher to see version 2",
+        )
         watcher.stop()
     finally:
         for proc in (worker, coordinator):

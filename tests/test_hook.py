@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
 from coordinator.exceptions import CoordinatorUnavailableError, ScheduleError
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
@@ -34,8 +35,11 @@ def gloo():
 @pytest.fixture
 def service(r, redis_url, tmp_path, monkeypatch):
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
-    settings = PerseusSettings(redis_url=redis_url, scheduler="tests.toy_schedulers:StepDown",
-                               scheduler_args={"microbatches": 2})
+    settings = PerseusSettings(
+        redis_url=redis_url,
+        scheduler="tests.toy_schedulers:StepDown",
+        scheduler_args={"microbatches": 2},
+    )
     coord = Coordinator(r, settings)
     thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
     thread.start()
@@ -44,9 +48,23 @@ def service(r, redis_url, tmp_path, monkeypatch):
 
     def start_worker() -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
-        workers.append(subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "worker", "--simple", "--redis-url",
-             redis_url], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        workers.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "coordinator.cli",
+                    "worker",
+                    "--simple",
+                    "--redis-url",
+                    redis_url,
+                ],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
 
     yield coord, start_worker
     for proc in workers:
@@ -58,9 +76,19 @@ def service(r, redis_url, tmp_path, monkeypatch):
 
 def make_hook(redis_url, controller, **kw) -> PerseusOptimizer:
     return PerseusOptimizer(
-        rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1, pp_degree=1,
-        tp_degree=1, world_size=1, redis_url=redis_url, nvml_module=SIMULATED_NVML,
-        controller=controller, **kw,
+        rank=0,
+        dp_rank=0,
+        pp_rank=0,
+        tp_rank=0,
+        device_id=0,
+        dp_degree=1,
+        pp_degree=1,
+        tp_degree=1,
+        world_size=1,
+        redis_url=redis_url,
+        nvml_module=SIMULATED_NVML,
+        controller=controller,
+        **kw,
     )
 
 
@@ -108,7 +136,9 @@ def test_wrong_instruction_and_schedule_length_errors(gloo, service, redis_url):
         hook.on_step_begin()
         hook.on_instruction_begin("forward")
         hook.on_instruction_end("forward")
-        with pytest.raises(ScheduleError, match="expected instruction 'backward' but got 'forward'"):
+        with pytest.raises(
+            ScheduleError, match="expected instruction 'backward' but got 'forward'"
+        ):
             hook.on_instruction_begin("forward")
         hook.on_step_begin()
         hook._iter = iter(hook.schedule.frequencies)
@@ -129,6 +159,17 @@ def test_first_schedule_timeout_is_clear(gloo, service, redis_url):
 
 def test_invalid_job_is_refused_before_anything_starts(gloo, redis_url):
     with pytest.raises(Exception, match="world_size=3"):
-        PerseusOptimizer(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1,
-                         pp_degree=1, tp_degree=1, world_size=3, redis_url=redis_url,
-                         nvml_module=SIMULATED_NVML, controller=DryRunFrequencyController(0))
+        PerseusOptimizer(
+            rank=0,
+            dp_rank=0,
+            pp_rank=0,
+            tp_rank=0,
+            device_id=0,
+            dp_degree=1,
+            pp_degree=1,
+            tp_degree=1,
+            world_size=3,
+            redis_url=redis_url,
+            nvml_module=SIMULATED_NVML,
+            controller=DryRunFrequencyController(0),
+        )

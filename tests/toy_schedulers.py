@@ -16,7 +16,10 @@ class StepDown(FrequencyScheduler):
     """
 
     def __init__(
-        self, job_info: JobInfo, rank_infos: list[RankInfo], microbatches: int = 2,
+        self,
+        job_info: JobInfo,
+        rank_infos: list[RankInfo],
+        microbatches: int = 2,
         delay: float = 0.0,
     ) -> None:
         super().__init__(job_info, rank_infos)

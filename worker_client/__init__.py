@@ -1,0 +1,1 @@
+"""Client side: the training hook, frequency control, energy measurement, power limits."""

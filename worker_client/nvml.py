@@ -92,9 +92,7 @@ class NVML:
 
     def power_limit_constraints_mw(self, index: int) -> tuple[int, int]:
         """(min, max) settable power limit, milliwatts."""
-        low, high = self._call(
-            "nvmlDeviceGetPowerManagementLimitConstraints", self._handle(index)
-        )
+        low, high = self._call("nvmlDeviceGetPowerManagementLimitConstraints", self._handle(index))
         return int(low), int(high)
 
     def power_limit_mw(self, index: int) -> int:

@@ -111,8 +111,11 @@ class PerseusOptimizer(Callback):
         if rank == 0:
             try:
                 info = JobInfo(
-                    pp_degree=pp_degree, dp_degree=dp_degree, tp_degree=tp_degree,
-                    world_size=world_size, job_metadata=job_metadata,
+                    pp_degree=pp_degree,
+                    dp_degree=dp_degree,
+                    tp_degree=tp_degree,
+                    world_size=world_size,
+                    job_metadata=job_metadata,
                 )
                 job_id = self.client.register_job(info)
             except (PerseusError, ValueError) as exc:
@@ -128,8 +131,13 @@ class PerseusOptimizer(Callback):
         frequencies = self.nvml.graphics_clocks(device_id)
         self.client.register_rank(
             self.job_id,
-            RankInfo(rank=rank, dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank,
-                     available_frequencies=frequencies),
+            RankInfo(
+                rank=rank,
+                dp_rank=dp_rank,
+                pp_rank=pp_rank,
+                tp_rank=tp_rank,
+                available_frequencies=frequencies,
+            ),
         )
         self._energy = energy_fn or self._nvml_energy
         if isinstance(controller, str):

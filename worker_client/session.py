@@ -58,8 +58,10 @@ class CoordinatorClient:
     def _request(self, message: RegisterJob | RegisterRank) -> Reply:
         try:
             self.conn.xadd(
-                keys.REGISTRATIONS_STREAM, encode_message(message),
-                maxlen=STREAM_MAXLEN, approximate=True,
+                keys.REGISTRATIONS_STREAM,
+                encode_message(message),
+                maxlen=STREAM_MAXLEN,
+                approximate=True,
             )
             answer = self.conn.blpop(
                 [keys.reply_key(message.request_id)], timeout=self.reply_timeout
@@ -90,8 +92,10 @@ class CoordinatorClient:
     def report(self, job_id: str, result: ProfilingResult) -> None:
         """Publish a profiling result (fire and forget)."""
         self.conn.xadd(
-            keys.RESULTS_STREAM, encode_message(ReportResult(job_id=job_id, result=result)),
-            maxlen=STREAM_MAXLEN, approximate=True,
+            keys.RESULTS_STREAM,
+            encode_message(ReportResult(job_id=job_id, result=result)),
+            maxlen=STREAM_MAXLEN,
+            approximate=True,
         )
 
     def set_target(self, job_id: str, iteration_time: float) -> None:
@@ -99,7 +103,8 @@ class CoordinatorClient:
         self.conn.xadd(
             keys.CONTROL_STREAM,
             encode_message(SetTarget(job_id=job_id, iteration_time=iteration_time)),
-            maxlen=STREAM_MAXLEN, approximate=True,
+            maxlen=STREAM_MAXLEN,
+            approximate=True,
         )
 
     def latest_version(self, job_id: str) -> int:
@@ -176,6 +181,7 @@ class ScheduleWatcher(threading.Thread):
         self._conn = redis.Redis.from_url(client.redis_url, socket_connect_timeout=10)
 
     def run(self) -> None:
+        """Follow the updates stream until stopped (thread body)."""
         last_id = "0"
         while not self._stop_event.is_set():
             try:
@@ -223,6 +229,7 @@ class ResultReporter(threading.Thread):
         self._queue.put(result)
 
     def run(self) -> None:
+        """Send queued results until stopped (thread body)."""
         while (result := self._queue.get()) is not None:
             for attempt in range(self.retries):
                 try:

@@ -1,0 +1,192 @@
+"""In-process fake of the pynvml functions used by energy monitoring and power limits.
+
+Each fake GPU has a piecewise-constant power profile over ``time.perf_counter()``; its
+energy counter reports the exact integral as of its last update (updates every
+``update_period`` seconds, like the H100's ~10 Hz counter), so tests know the true energy of
+any interval. Every call is recorded with the calling thread's id; power-limit writes are
+recorded separately. State is module-level: call :func:`reset` at the start of each test.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+NVML_SUCCESS = 0
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+_MESSAGES = {
+    NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+    NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
+}
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return _MESSAGES.get(self.value, f"Unknown Error {self.value}")
+
+
+@dataclass
+class FakeGPU:
+    starts: list[float]  # perf_counter time where each power segment begins
+    watts: list[float]
+    counter_supported: bool = True
+    update_period: float = 0.1
+    min_limit_mw: int = 100_000
+    max_limit_mw: int = 300_000
+    limit_mw: int = 300_000
+
+    def power_at(self, t: float) -> float:
+        return self.watts[max(0, bisect.bisect_right(self.starts, t) - 1)]
+
+    def energy_between(self, t0: float, t1: float) -> float:
+        """Exact energy (J) drawn in [t0, t1]."""
+        if t1 <= t0:
+            return 0.0
+        total = 0.0
+        bounds = [*self.starts[1:], math.inf]
+        for start, end, w in zip(self.starts, bounds, self.watts, strict=True):
+            lo, hi = max(start, t0), min(end, t1)
+            if hi > lo:
+                total += w * (hi - lo)
+        return total
+
+    def counter_mj(self, t: float) -> int:
+        origin = self.starts[0]
+        last_update = origin + math.floor((t - origin) / self.update_period) * self.update_period
+        return 10**9 + int(self.energy_between(origin, last_update) * 1000)
+
+
+@dataclass
+class State:
+    gpus: list[FakeGPU] = field(default_factory=list)
+    calls: list[tuple[str, int, tuple[object, ...]]] = field(default_factory=list)
+    set_calls: list[tuple[int, int]] = field(default_factory=list)
+    permission_denied: bool = False
+    call_latency: float = 0.0
+
+
+STATE = State()
+_lock = threading.Lock()
+
+
+def reset(
+    num_gpus: int = 1,
+    watts: float | list[float] = 300.0,
+    counter_supported: bool = True,
+    update_period: float = 0.1,
+    min_limit_mw: int = 100_000,
+    max_limit_mw: int = 300_000,
+    call_latency: float = 0.0,
+) -> State:
+    """Fresh fake GPUs drawing constant power from now on."""
+    now = time.perf_counter() - 1.0  # a second of history, so counters are non-trivial
+    per_gpu = watts if isinstance(watts, list) else [watts] * num_gpus
+    STATE.gpus = [
+        FakeGPU(
+            [now],
+            [per_gpu[i]],
+            counter_supported,
+            update_period,
+            min_limit_mw,
+            max_limit_mw,
+            max_limit_mw,
+        )
+        for i in range(num_gpus)
+    ]
+    STATE.calls = []
+    STATE.set_calls = []
+    STATE.permission_denied = False
+    STATE.call_latency = call_latency
+    return STATE
+
+
+def set_power_profile(index: int, segments: list[tuple[float, float]]) -> None:
+    """Append ``(start time, watts)`` segments (absolute perf_counter times) to a GPU.
+
+    Call it before the sampler starts reading (readers do not lock).
+    """
+    gpu = STATE.gpus[index]
+    with _lock:
+        for start, w in segments:
+            gpu.starts.append(start)
+            gpu.watts.append(w)
+
+
+def _record(name: str, *args: object) -> None:
+    with _lock:
+        STATE.calls.append((name, threading.get_ident(), args))
+
+
+def _gpu(handle: object) -> FakeGPU:
+    assert isinstance(handle, int)
+    return STATE.gpus[handle]
+
+
+def nvmlInit() -> None:
+    _record("nvmlInit")
+
+
+def nvmlShutdown() -> None:
+    _record("nvmlShutdown")
+
+
+def nvmlDeviceGetCount() -> int:
+    _record("nvmlDeviceGetCount")
+    return len(STATE.gpus)
+
+
+def nvmlDeviceGetHandleByIndex(index: int) -> int:
+    _record("nvmlDeviceGetHandleByIndex", index)
+    return index
+
+
+def nvmlDeviceGetTotalEnergyConsumption(handle: int) -> int:
+    t = time.perf_counter()  # the value is latched at the start of the call
+    _record("nvmlDeviceGetTotalEnergyConsumption", handle)
+    gpu = _gpu(handle)
+    if not gpu.counter_supported:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    value = gpu.counter_mj(t)
+    if STATE.call_latency:
+        time.sleep(STATE.call_latency)
+    return value
+
+
+def nvmlDeviceGetPowerUsage(handle: int) -> int:
+    t = time.perf_counter()
+    _record("nvmlDeviceGetPowerUsage", handle)
+    value = int(_gpu(handle).power_at(t) * 1000)
+    if STATE.call_latency:
+        time.sleep(STATE.call_latency)
+    return value
+
+
+def nvmlDeviceGetPowerManagementLimitConstraints(handle: int) -> tuple[int, int]:
+    _record("nvmlDeviceGetPowerManagementLimitConstraints", handle)
+    gpu = _gpu(handle)
+    return gpu.min_limit_mw, gpu.max_limit_mw
+
+
+def nvmlDeviceGetPowerManagementLimit(handle: int) -> int:
+    _record("nvmlDeviceGetPowerManagementLimit", handle)
+    return _gpu(handle).limit_mw
+
+
+def nvmlDeviceSetPowerManagementLimit(handle: int, limit_mw: int) -> None:
+    _record("nvmlDeviceSetPowerManagementLimit", handle, limit_mw)
+    if STATE.permission_denied:
+        raise NVMLError(NVML_ERROR_NO_PERMISSION)
+    gpu = _gpu(handle)
+    if not gpu.min_limit_mw <= limit_mw <= gpu.max_limit_mw:
+        raise NVMLError(2)  # NVML_ERROR_INVALID_ARGUMENT
+    gpu.limit_mw = limit_mw
+    with _lock:
+        STATE.set_calls.append((handle, limit_mw))
