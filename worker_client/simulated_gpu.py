@@ -1,0 +1,563 @@
+"""A simulated GPU that is also an importable NVML-like module.
+
+``NVML("worker_client.simulated_gpu")`` works wherever the real ``pynvml`` does: this module
+exposes the ``nvml*`` functions perseus-mq uses, an :class:`NVMLError` with ``.value`` and
+the ``NVML_ERROR_*`` codes. Defaults mimic a measured H100: graphics clocks 1980 down to
+345 MHz in 15 MHz steps (110 clocks), memory clocks 2619 and 1593 MHz, power limit 200-700 W.
+
+Device state is shared between processes, because the clock is set from the frequency
+controller's side process while the training process runs instructions. Each device is one
+small JSON file ``gpu<index>.json`` in the state directory, replaced atomically (temp file +
+``os.replace``) so readers never see half a file; read-modify-writes (energy counter, locks)
+hold an ``fcntl`` lock on ``gpu<index>.lock``.
+
+Environment:
+    ``PERSEUS_SIM_GPU_DIR``: state directory. Default: ``/dev/shm/perseus-sim-gpu-<pgid>``
+        (or under the system temp dir where there is no writable ``/dev/shm``),
+        keyed by the process group, so a launcher and every process it starts (torchrun
+        workers, spawned side processes) see the same GPUs while unrelated runs do not.
+        Set it explicitly when processes live in different process groups.
+    ``PERSEUS_SIM_GPU_COUNT``: number of devices (default 8).
+    ``PERSEUS_SIM_GPU_DENY``: ``1`` makes every NVML write fail with NO_PERMISSION.
+
+The training side uses :class:`SimulatedGPU`, which replays an :class:`InstructionTable`
+(time and energy per stage, instruction and frequency) at the currently locked clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import fcntl
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# --- constants (values match pynvml so code comparing codes behaves the same) ----------------
+NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_UNKNOWN = 999
+NVML_CLOCK_GRAPHICS = 0
+NVML_CLOCK_SM = 1
+NVML_CLOCK_MEM = 2
+
+GRAPHICS_CLOCKS: tuple[int, ...] = tuple(range(1980, 344, -15))
+MEMORY_CLOCKS: tuple[int, ...] = (2619, 1593)
+POWER_LIMIT_RANGE_MW: tuple[int, int] = (200_000, 700_000)
+IDLE_POWER_W = 70.0
+DEFAULT_DEVICE_COUNT = 8
+
+_ERROR_TEXT = {
+    NVML_ERROR_UNINITIALIZED: "Uninitialized",
+    NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
+    NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+    NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
+    NVML_ERROR_NOT_FOUND: "Not Found",
+    NVML_ERROR_UNKNOWN: "Unknown Error",
+}
+
+
+class NVMLError(Exception):
+    """An NVML failure; ``value`` is one of the ``NVML_ERROR_*`` codes."""
+
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return _ERROR_TEXT.get(self.value, f"NVML Error with code {self.value}")
+
+
+# --- replay profile ----------------------------------------------------------------------------
+Key = tuple[int, str, int]
+
+
+class InstructionTable(Mapping[Key, tuple[float, float]]):
+    """Replay profile: ``(stage, instruction, frequency) -> (time_s, energy_j)``.
+
+    As a mapping it holds only the measured rows. :meth:`lookup` also answers frequencies
+    missing from the table: linear interpolation of time and energy between the two nearest
+    measured frequencies, and the nearest measured frequency outside the measured range (no
+    extrapolation: profiles usually stop before the lowest clocks, and a straight-line guess
+    there can go negative).
+
+    Args:
+        rows: ``(stage, instruction, frequency, time_s, energy_j)`` tuples, or mappings with
+            the CSV column names ``stage, instruction, frequency, time, energy`` (extra
+            columns such as ``rank`` are ignored). Rows with the same key are averaged.
+        noise: Relative standard deviation of the multiplicative Gaussian noise that
+            :meth:`lookup` applies (0 = exact replay). Energy inherits the time factor, so a
+            slow sample also costs more energy.
+        seed: Seed of the noise generator.
+        blocking_power_w: Power while blocked on communication (used by ``idle``), Watts.
+
+    """
+
+    def __init__(
+        self,
+        rows: Iterable[Sequence[Any] | Mapping[str, Any]],
+        *,
+        noise: float = 0.0,
+        seed: int | None = None,
+        blocking_power_w: float = 100.0,
+    ) -> None:
+        if noise < 0:
+            raise ValueError(f"noise must be >= 0, got {noise}")
+        sums: dict[Key, list[float]] = {}
+        for row in rows:
+            if isinstance(row, Mapping):
+                values = [row[k] for k in ("stage", "instruction", "frequency", "time", "energy")]
+            else:
+                values = list(row)
+            stage, inst, freq, t, e = values
+            key = (int(stage), str(inst), int(freq))
+            acc = sums.setdefault(key, [0.0, 0.0, 0.0])
+            acc[0] += float(t)
+            acc[1] += float(e)
+            acc[2] += 1
+        self._rows: dict[Key, tuple[float, float]] = {
+            k: (t / n, e / n) for k, (t, e, n) in sums.items()
+        }
+        # Sorted frequencies per (stage, instruction) for interpolation.
+        self._freqs: dict[tuple[int, str], list[int]] = {}
+        for stage, inst, freq in sorted(self._rows):
+            self._freqs.setdefault((stage, inst), []).append(freq)
+        self.noise = noise
+        self.blocking_power_w = blocking_power_w
+        self._rng = random.Random(seed)
+
+    @classmethod
+    def from_csv(cls, path: str | Path, **kwargs: Any) -> InstructionTable:
+        """Read a profile CSV (``stage,instruction,frequency,time,energy`` columns)."""
+        with open(path, newline="") as f:
+            return cls(list(csv.DictReader(f)), **kwargs)
+
+    def to_csv(self, path: str | Path) -> None:
+        """Write the measured rows as a profile CSV."""
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["stage", "instruction", "frequency", "time", "energy"])
+            for (stage, inst, freq), (t, e) in sorted(self._rows.items()):
+                writer.writerow([stage, inst, freq, t, e])
+
+    def __getitem__(self, key: Key) -> tuple[float, float]:
+        return self._rows[key]
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def frequencies(self, stage: int, instruction: str) -> list[int]:
+        """Measured frequencies of one instruction, ascending."""
+        try:
+            return list(self._freqs[(stage, instruction)])
+        except KeyError:
+            raise KeyError(f"no profile for stage {stage} instruction {instruction!r}") from None
+
+    def expected(self, stage: int, instruction: str, frequency: int) -> tuple[float, float]:
+        """Noise-free ``(time_s, energy_j)``, interpolated or nearest (see class docs)."""
+        freqs = self.frequencies(stage, instruction)
+        if frequency <= freqs[0]:
+            return self._rows[(stage, instruction, freqs[0])]
+        if frequency >= freqs[-1]:
+            return self._rows[(stage, instruction, freqs[-1])]
+        hi = bisect.bisect_left(freqs, frequency)
+        if freqs[hi] == frequency:
+            return self._rows[(stage, instruction, frequency)]
+        f0, f1 = freqs[hi - 1], freqs[hi]
+        (t0, e0), (t1, e1) = (
+            self._rows[(stage, instruction, f0)],
+            self._rows[(stage, instruction, f1)],
+        )
+        w = (frequency - f0) / (f1 - f0)
+        return t0 + w * (t1 - t0), e0 + w * (e1 - e0)
+
+    def lookup(self, stage: int, instruction: str, frequency: int) -> tuple[float, float]:
+        """Like :meth:`expected`, with the table's multiplicative noise applied."""
+        t, e = self.expected(stage, instruction, frequency)
+        if self.noise > 0:
+            # Clamp so a wild draw cannot produce a zero or negative duration.
+            time_factor = max(0.05, self._rng.gauss(1.0, self.noise))
+            power_factor = max(0.05, self._rng.gauss(1.0, self.noise))
+            t, e = t * time_factor, e * time_factor * power_factor
+        return t, e
+
+
+def synthetic_instruction_table(
+    num_stages: int,
+    frequencies: Iterable[int] = GRAPHICS_CLOCKS,
+    base_forward_time: float = 0.012,
+    imbalance: Sequence[float] | None = None,
+    seed: int = 0,
+    *,
+    backward_ratio: float = 2.0,
+    alpha: float = 0.8,
+    p_static_w: float = 180.0,
+    p_dynamic_w: float = 420.0,
+    jitter: float = 0.0,
+    noise: float = 0.0,
+    blocking_power_w: float = 100.0,
+) -> InstructionTable:
+    """Build an H100-like profile of ``forward``/``backward`` for ``num_stages`` stages.
+
+    Model, with ``x = f / f_max``: ``time = t_max * x**-alpha`` (``alpha < 1`` because part
+    of the work is memory-bound and does not speed up with the clock) and
+    ``power = p_static + p_dynamic * x**3``. Energy ``power * time`` is then smallest at
+    ``x = (alpha * p_static / ((3 - alpha) * p_dynamic)) ** (1/3)``, about 1070 MHz with the
+    defaults: energy falls and then rises again as the clock drops, as measured on real GPUs.
+    At the max clock an instruction draws 600 W.
+
+    Args:
+        num_stages: Number of pipeline stages.
+        frequencies: Graphics clocks to tabulate (MHz); the max is ``f_max``.
+        base_forward_time: Forward time of a weight-1.0 stage at ``f_max``, seconds.
+        imbalance: Per-stage time weights. Default: 1.0 everywhere except the last stage,
+            1.2 (it also runs the LM head and the loss); 1.0 for a single stage.
+        seed: Seed for ``jitter`` and ``noise``.
+        backward_ratio: Backward time / forward time.
+        alpha: Frequency sensitivity of the time.
+        p_static_w: Frequency-independent power under load, Watts.
+        p_dynamic_w: Power that scales with ``x**3`` (voltage follows the clock), Watts.
+        jitter: Relative std of a fixed, seeded per-row perturbation baked into the table,
+            so that curves are not perfectly smooth (as measured profiles are not).
+        noise: Per-lookup noise of the returned table (see :class:`InstructionTable`).
+        blocking_power_w: Power while blocked on P2P communication, Watts.
+
+    """
+    freqs = sorted({int(f) for f in frequencies})
+    if num_stages < 1 or not freqs:
+        raise ValueError("need at least one stage and one frequency")
+    if imbalance is None:
+        imbalance = [1.0] * (num_stages - 1) + [1.2 if num_stages > 1 else 1.0]
+    if len(imbalance) != num_stages:
+        raise ValueError(f"imbalance has {len(imbalance)} weights for {num_stages} stages")
+    f_max = freqs[-1]
+    rng = random.Random(seed)
+    rows: list[tuple[int, str, int, float, float]] = []
+    for stage, weight in enumerate(imbalance):
+        for inst, ratio in (("forward", 1.0), ("backward", backward_ratio)):
+            t_max = base_forward_time * weight * ratio
+            for f in freqs:
+                x = f / f_max
+                t = t_max * x**-alpha
+                p = p_static_w + p_dynamic_w * x**3
+                if jitter > 0:
+                    t *= max(0.5, rng.gauss(1.0, jitter))
+                    p *= max(0.5, rng.gauss(1.0, jitter))
+                rows.append((stage, inst, f, t, p * t))
+    return InstructionTable(
+        rows, noise=noise, seed=rng.randrange(2**32), blocking_power_w=blocking_power_w
+    )
+
+
+# --- shared device state -------------------------------------------------------------------------
+def resolve_state_dir(explicit: str | Path | None = None) -> Path:
+    """Return the state directory in use (see module docs), creating it if missing."""
+    if explicit is None:
+        # tmpfs when there is one: on a disk, creating and renaming a file costs ~0.5 ms.
+        base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+        explicit = os.environ.get("PERSEUS_SIM_GPU_DIR") or (
+            Path(base) / f"perseus-sim-gpu-{os.getpgrp()}"
+        )
+    path = Path(explicit)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def reset_state(directory: str | Path | None = None) -> None:
+    """Forget every simulated device's clocks, limits and energy (delete the state files)."""
+    shutil.rmtree(resolve_state_dir(directory), ignore_errors=True)
+
+
+def device_count() -> int:
+    """Return the number of simulated devices (``PERSEUS_SIM_GPU_COUNT``, default 8)."""
+    return int(os.environ.get("PERSEUS_SIM_GPU_COUNT", DEFAULT_DEVICE_COUNT))
+
+
+def _default_state() -> dict[str, Any]:
+    return {
+        "gpu_locked": None,  # [min, max] MHz, or None when unlocked
+        "mem_locked": None,
+        "power_limit_mw": POWER_LIMIT_RANGE_MW[1],
+        "energy_mj": 0.0,
+        "power_mw": IDLE_POWER_W * 1000,
+    }
+
+
+def _read_state(directory: Path, index: int) -> dict[str, Any]:
+    try:
+        with open(directory / f"gpu{index}.json") as f:
+            return {**_default_state(), **json.load(f)}
+    except FileNotFoundError:
+        return _default_state()
+
+
+def _update_state(
+    directory: Path, index: int, change: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """Apply ``change`` to one device's state under its lock; return the new state."""
+    try:
+        lock = open(directory / f"gpu{index}.lock", "a")
+    except FileNotFoundError:  # reset_state() removed the directory meanwhile
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = open(directory / f"gpu{index}.lock", "a")
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        state = _read_state(directory, index)
+        change(state)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".gpu{index}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, directory / f"gpu{index}.json")
+    return state
+
+
+# --- the NVML-like module surface ---------------------------------------------------------------
+@dataclass(frozen=True)
+class _Handle:
+    index: int
+
+
+_init_count = 0
+
+
+def _require_init() -> None:
+    if _init_count <= 0:
+        raise NVMLError(NVML_ERROR_UNINITIALIZED)
+
+
+def _writable(handle: _Handle) -> Path:
+    _require_init()
+    if os.environ.get("PERSEUS_SIM_GPU_DENY") == "1":
+        raise NVMLError(NVML_ERROR_NO_PERMISSION)
+    return resolve_state_dir()
+
+
+def nvmlInit() -> None:
+    """Initialize (reference-counted, like the real library)."""
+    global _init_count
+    _init_count += 1
+
+
+def nvmlShutdown() -> None:
+    """Release one :func:`nvmlInit`."""
+    global _init_count
+    _require_init()
+    _init_count -= 1
+
+
+def nvmlDeviceGetCount() -> int:
+    """Return the number of simulated devices."""
+    _require_init()
+    return device_count()
+
+
+def nvmlDeviceGetHandleByIndex(index: int) -> _Handle:
+    """Handle of device ``index``."""
+    _require_init()
+    if not 0 <= index < device_count():
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return _Handle(index)
+
+
+def nvmlDeviceGetName(handle: _Handle) -> str:
+    """Product name."""
+    _require_init()
+    return "NVIDIA H100 80GB HBM3 (simulated)"
+
+
+def nvmlDeviceGetSupportedMemoryClocks(handle: _Handle) -> list[int]:
+    """Supported memory clocks, MHz."""
+    _require_init()
+    return list(MEMORY_CLOCKS)
+
+
+def nvmlDeviceGetSupportedGraphicsClocks(handle: _Handle, memory_clock: int) -> list[int]:
+    """Supported graphics clocks at ``memory_clock``, MHz (the same list for both)."""
+    _require_init()
+    if memory_clock not in MEMORY_CLOCKS:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return list(GRAPHICS_CLOCKS)
+
+
+def nvmlDeviceGetClockInfo(handle: _Handle, clock_type: int) -> int:
+    """Return the current graphics/SM or memory clock, MHz."""
+    _require_init()
+    state = _read_state(resolve_state_dir(), handle.index)
+    if clock_type == NVML_CLOCK_MEM:
+        return int(state["mem_locked"][1]) if state["mem_locked"] else MEMORY_CLOCKS[0]
+    return int(state["gpu_locked"][1]) if state["gpu_locked"] else GRAPHICS_CLOCKS[0]
+
+
+def nvmlDeviceGetTotalEnergyConsumption(handle: _Handle) -> int:
+    """Energy counter, millijoules (grows only with simulated work and idle time)."""
+    _require_init()
+    return int(_read_state(resolve_state_dir(), handle.index)["energy_mj"])
+
+
+def nvmlDeviceGetPowerUsage(handle: _Handle) -> int:
+    """Average power of the last simulated instruction or idle period, milliwatts."""
+    _require_init()
+    return int(_read_state(resolve_state_dir(), handle.index)["power_mw"])
+
+
+def nvmlDeviceGetPowerManagementLimitConstraints(handle: _Handle) -> list[int]:
+    """``[min, max]`` settable power limit, milliwatts."""
+    _require_init()
+    return list(POWER_LIMIT_RANGE_MW)
+
+
+def nvmlDeviceGetPowerManagementLimit(handle: _Handle) -> int:
+    """Return the current power limit, milliwatts."""
+    _require_init()
+    return int(_read_state(resolve_state_dir(), handle.index)["power_limit_mw"])
+
+
+def nvmlDeviceSetPowerManagementLimit(handle: _Handle, limit_mw: int) -> None:
+    """Set the power limit; outside the constraints -> INVALID_ARGUMENT."""
+    directory = _writable(handle)
+    low, high = POWER_LIMIT_RANGE_MW
+    if not low <= limit_mw <= high:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    _update_state(directory, handle.index, lambda s: s.update(power_limit_mw=int(limit_mw)))
+
+
+def _set_lock(handle: _Handle, field: str, supported: Sequence[int], low: int, high: int) -> None:
+    directory = _writable(handle)
+    # Stricter than the driver (which clamps): a clock the GPU lacks is a bug in the caller.
+    if low not in supported or high not in supported or low > high:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    _update_state(directory, handle.index, lambda s: s.update({field: [int(low), int(high)]}))
+
+
+def nvmlDeviceSetGpuLockedClocks(handle: _Handle, min_mhz: int, max_mhz: int) -> None:
+    """Lock the graphics clock to ``[min, max]`` (both must be supported clocks)."""
+    _set_lock(handle, "gpu_locked", GRAPHICS_CLOCKS, min_mhz, max_mhz)
+
+
+def nvmlDeviceResetGpuLockedClocks(handle: _Handle) -> None:
+    """Unlock the graphics clock."""
+    _update_state(_writable(handle), handle.index, lambda s: s.update(gpu_locked=None))
+
+
+def nvmlDeviceSetMemoryLockedClocks(handle: _Handle, min_mhz: int, max_mhz: int) -> None:
+    """Lock the memory clock to ``[min, max]`` (both must be supported clocks)."""
+    _set_lock(handle, "mem_locked", MEMORY_CLOCKS, min_mhz, max_mhz)
+
+
+def nvmlDeviceResetMemoryLockedClocks(handle: _Handle) -> None:
+    """Unlock the memory clock."""
+    _update_state(_writable(handle), handle.index, lambda s: s.update(mem_locked=None))
+
+
+# --- the training side -------------------------------------------------------------------------
+class SimulatedGPU:
+    """One simulated device, as seen by a (simulated) training process.
+
+    Under load the GPU runs at the upper end of its locked range, or at the max clock when
+    unlocked. If the replayed power at that clock exceeds the power limit, it throttles to
+    the highest supported clock whose power fits, as a real GPU's power capping would. The
+    memory clock lock is recorded but does not change the replay (profiles are taken at the
+    max memory clock, which the frequency controller locks).
+
+    Args:
+        index: Device index.
+        state_dir: State directory (default: see module docs).
+        table: Replay profile. Default: :func:`synthetic_instruction_table` for
+            ``num_stages`` stages.
+        num_stages: Stages of the default synthetic profile.
+
+    """
+
+    def __init__(
+        self,
+        index: int,
+        state_dir: str | Path | None = None,
+        table: InstructionTable | None = None,
+        num_stages: int = 1,
+    ) -> None:
+        if not 0 <= index < device_count():
+            raise ValueError(f"no simulated GPU {index} (PERSEUS_SIM_GPU_COUNT={device_count()})")
+        self.index = index
+        self.state_dir = resolve_state_dir(state_dir)
+        self.table = table if table is not None else synthetic_instruction_table(num_stages)
+
+    def state(self) -> dict[str, Any]:
+        """Return a snapshot of the shared state (clocks, limit, energy counter, power)."""
+        return _read_state(self.state_dir, self.index)
+
+    def current_clock(self) -> int:
+        """Return the clock the GPU runs at under load (locked max, else the max), MHz."""
+        locked = self.state()["gpu_locked"]
+        return int(locked[1]) if locked else GRAPHICS_CLOCKS[0]
+
+    def energy_mj(self) -> float:
+        """Return the energy counter, millijoules."""
+        return float(self.state()["energy_mj"])
+
+    def _effective_clock(self, stage: int, instruction: str, clock: int, limit_w: float) -> int:
+        for f in (c for c in GRAPHICS_CLOCKS if c <= clock):
+            t, e = self.table.expected(stage, instruction, f)
+            if t > 0 and e / t <= limit_w:
+                return f
+        return GRAPHICS_CLOCKS[-1]
+
+    def run(self, stage: int, instruction: str, time_scale: float = 1.0) -> tuple[float, float]:
+        """Replay one instruction at the current clock.
+
+        Sleeps ``time * time_scale`` and adds the instruction's energy to the counter.
+
+        Args:
+            stage: Pipeline stage whose profile to replay.
+            instruction: Instruction name, e.g. ``"forward"``.
+            time_scale: Factor on the sleep only (0 = do not sleep); the returned time and
+                the counted energy are unscaled.
+
+        Returns:
+            ``(time_s, energy_j)`` of the instruction.
+
+        """
+        state = self.state()
+        clock = int(state["gpu_locked"][1]) if state["gpu_locked"] else GRAPHICS_CLOCKS[0]
+        limit_w = state["power_limit_mw"] / 1000
+        t, e = self.table.expected(stage, instruction, clock)
+        if t > 0 and e / t > limit_w:
+            clock = self._effective_clock(stage, instruction, clock, limit_w)
+        t, e = self.table.lookup(stage, instruction, clock)
+        if time_scale > 0:
+            time.sleep(t * time_scale)
+        self._add_energy(e, t)
+        return t, e
+
+    def idle(self, seconds: float) -> float:
+        """Count ``seconds`` blocked on communication at the table's blocking power.
+
+        Does not sleep: the caller has already waited (e.g. for a P2P receive).
+
+        Returns:
+            The energy added, Joules.
+
+        """
+        energy = self.table.blocking_power_w * max(0.0, seconds)
+        self._add_energy(energy, seconds)
+        return energy
+
+    def _add_energy(self, energy_j: float, seconds: float) -> None:
+        def change(s: dict[str, Any]) -> None:
+            s["energy_mj"] += energy_j * 1000
+            if seconds > 0:
+                s["power_mw"] = energy_j / seconds * 1000
+
+        _update_state(self.state_dir, self.index, change)
