@@ -28,4 +28,12 @@ class CoordinatorUnavailableError(PerseusError):
 
 
 class GPUError(PerseusError):
-    """An NVML call failed (no permission, unsupported, no such device)."""
+    """An NVML call failed (no permission, unsupported, no such device).
+
+    Attributes:
+        code: The NVML error code when the error came from NVML, else None.
+    """
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code

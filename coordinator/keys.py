@@ -28,7 +28,7 @@ JOBS_INDEX = f"{PREFIX}:jobs"
 # The rq queue that runs scheduler work (rq stores it as ``rq:queue:perseus``).
 RQ_QUEUE = PREFIX
 
-# Power-limit profiles shared across runs of the same workload.
+# Sorted set: workload -> unix time its power-limit profile was last written.
 POWER_LIMIT_INDEX = f"{PREFIX}:powerlimit:index"
 
 # Planner runs enqueued with ``perseus optimize --enqueue``.
@@ -93,7 +93,7 @@ def reply_key(request_id: str) -> str:
 
 def power_limit_profile(workload: str) -> str:
     """String: msgpack power-limit profile of a workload."""
-    return f"{PREFIX}:powerlimit:{workload}"
+    return f"{PREFIX}:powerlimit:profile:{workload}"
 
 
 def plan_key(plan_id: str, *parts: str) -> str:

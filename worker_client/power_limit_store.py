@@ -24,18 +24,15 @@ from coordinator import keys
 from coordinator.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
 from worker_client.power_limit import PowerLimitProfile
 
-# Workload names become part of a key name: no ':' or spaces. "index" would collide with
-# keys.POWER_LIMIT_INDEX (perseus:powerlimit:index), so it is refused.
+# Workload names become part of a key name (perseus:powerlimit:profile:<workload>): no ':'.
 _WORKLOAD_RE = re.compile(r"^[A-Za-z0-9._+/-]{1,128}$")
-_RESERVED = {"index"}
 
 
 def check_workload(workload: str) -> str:
     """Return ``workload`` if it is a valid name, else raise ConfigError."""
-    if not _WORKLOAD_RE.match(workload) or workload in _RESERVED:
+    if not _WORKLOAD_RE.match(workload):
         raise ConfigError(
-            f"workload name {workload!r} must be 1-128 characters of letters, digits and "
-            "'._+/-', and not 'index'"
+            f"workload name {workload!r} must be 1-128 characters of letters, digits and '._+/-'"
         )
     return workload
 
