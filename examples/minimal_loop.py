@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
+    """Start the services, train, stop the services."""
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory() as tmp:
         os.environ["PERSEUS_SIM_GPU_DIR"] = str(Path(tmp) / "gpu")
         # A one-stage plan: two microbatches, forward at 1410 MHz, backward at 1980 MHz.
@@ -60,6 +61,7 @@ def main() -> None:
 
 
 def train(redis_url: str) -> None:
+    """One rank's training loop with the Perseus hook."""
     # --- your training script ---------------------------------------------------------------
     from worker_client.optimizer import PerseusOptimizer
 
