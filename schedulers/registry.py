@@ -15,6 +15,8 @@ from schedulers.base import FrequencyScheduler
 BUILTIN: dict[str, str] = {
     "PointSolution": "schedulers.point_solution:PointSolution",
     "PointSolution3D": "schedulers.point_solution:PointSolution3D",
+    "FrontierScheduler": "schedulers.frontier:FrontierScheduler",
+    "FrontierScheduler3D": "schedulers.frontier:FrontierScheduler3D",
 }
 
 

@@ -1,0 +1,183 @@
+"""Profile CSV reader/writer: both forms round-trip; every bad input names file, line, field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordinator.exceptions import ConfigError
+from coordinator.models import OfflineProfilingResult
+from coordinator.profile_csv import (
+    FULL_COLUMNS,
+    SHORT_COLUMNS,
+    build_profile,
+    read_profile_csv,
+    write_profile_csv,
+    write_profile_rows,
+)
+
+SHORT_ROWS = [
+    (0, "forward", 1980, 0.0123456789012345, 8.5),
+    (0, "forward", 1500, 0.015, 7.25),
+    (0, "backward", 1980, 0.025, 17.0),
+    (0, "backward", 1500, 0.031, 14.5),
+    (1, "forward", 1980, 0.02, 12.0),
+    (1, "backward", 1980, 0.04, 24.0),
+]
+
+
+def _result(rank: int, dp: int, pp: int, scale: float) -> OfflineProfilingResult:
+    return OfflineProfilingResult(
+        rank=rank,
+        dp_rank=dp,
+        pp_rank=pp,
+        tp_rank=0,
+        forward_time={1980: 0.01 * scale, 1005: 0.02 * scale},
+        forward_energy={1980: 5.0 * scale, 1005: 3.0 * scale},
+        backward_time={1980: 0.02 * scale, 1005: 0.04 * scale},
+        backward_energy={1980: 10.0 * scale, 1005: 6.0 * scale},
+    )
+
+
+def test_short_form_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "p.csv"
+    write_profile_rows(path, SHORT_ROWS)
+    assert path.read_text().splitlines()[0] == ",".join(SHORT_COLUMNS)
+    prof = read_profile_csv(path, num_stages=2)
+    assert not prof.full_form
+    assert [
+        (r.stage, r.instruction, r.frequency, r.time, r.energy) for r in prof.rows
+    ] == SHORT_ROWS
+    assert prof.table[(0, "forward")][1980] == (0.0123456789012345, 8.5)  # Exact floats.
+    assert prof.frequencies(0, "backward") == [1980, 1500]
+    assert prof.stages == [0, 1]
+    assert prof.rows[0].line == 2
+    # Writing what was read gives the same file.
+    again = tmp_path / "q.csv"
+    write_profile_rows(again, prof.rows)
+    assert again.read_text() == path.read_text()
+
+
+def test_full_form_round_trip_and_replica_average(tmp_path: Path) -> None:
+    results = [
+        _result(0, 0, 0, 1.0),
+        _result(1, 0, 1, 2.0),
+        _result(2, 1, 0, 3.0),
+        _result(3, 1, 1, 4.0),
+    ]
+    path = tmp_path / "full.csv"
+    write_profile_csv(path, results)
+    assert path.read_text().splitlines()[0] == ",".join(FULL_COLUMNS)
+    prof = read_profile_csv(path, num_stages=2)
+    assert prof.full_form
+    assert len(prof.rows) == 16
+    assert {r.rank for r in prof.rows} == {0, 1, 2, 3}
+    # Stage 0 = ranks 0 and 2 (scales 1 and 3): both time and energy are averaged.
+    t, e = prof.table[(0, "forward")][1980]
+    assert t == pytest.approx(0.02) and e == pytest.approx(10.0)
+    assert prof.replicas[(0, "forward", 1980)] == 2
+    t, e = prof.table[(1, "backward")][1005]
+    assert t == pytest.approx(0.04 * 3) and e == pytest.approx(6.0 * 3)
+    # Rows carry their ranks and read back exactly.
+    row = next(r for r in prof.rows if r.rank == 3 and r.instruction == "backward")
+    assert (row.dp_rank, row.pp_rank, row.tp_rank, row.stage) == (1, 1, 0, 1)
+    assert row.time == 0.02 * 4.0
+
+
+def test_columns_in_any_order_and_case(tmp_path: Path) -> None:
+    path = tmp_path / "p.csv"
+    path.write_text(
+        "Energy, time ,frequency,instruction,stage\n5.0,0.01,1980,Forward,0\n"
+        "9.0,0.02,1980,backward,0\n\n"
+    )
+    prof = read_profile_csv(path, num_stages=1)
+    assert prof.table[(0, "forward")] == {1980: (0.01, 5.0)}
+
+
+def _write(tmp_path: Path, text: str, name: str = "bad.csv") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+HEADER = "stage,instruction,frequency,time,energy\n"
+FULL_HEADER = ",".join(FULL_COLUMNS) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "field", "words"),
+    [
+        ("stage,instruction,frequency,time\n0,forward,1980,0.1\n", 1, "energy", "missing"),
+        (HEADER.replace("energy", "joules"), 1, "joules", "unknown"),
+        ("rank,stage,instruction,frequency,time,energy\n", 1, "dp_rank", "missing"),
+        (HEADER + "0,forward,1980,0.1,1\n0,forward,fast,0.1,1\n", 3, "frequency", "integer"),
+        (HEADER + "0,forward,1980,abc,1\n", 2, "time", "not a number"),
+        (HEADER + "0,forward,1980,0.1,x\n", 2, "energy", "not a number"),
+        (HEADER + "0,forward,1980,0,1\n", 2, "time", "positive"),
+        (HEADER + "0,forward,1980,-0.5,1\n", 2, "time", "positive"),
+        (HEADER + "0,forward,1980,0.1,-1\n", 2, "energy", "negative"),
+        (HEADER + "0,forward,1980,nan,1\n", 2, "time", "finite"),
+        (HEADER + "0,recompute,1980,0.1,1\n", 2, "instruction", "forward or backward"),
+        (HEADER + "-1,forward,1980,0.1,1\n", 2, "stage", ">= 0"),
+        (HEADER + "0,forward,1980,0.1,1\n0,forward,1980,0.2,1\n", 3, "frequency", "duplicate"),
+        (FULL_HEADER + "0,0,1,0,0,forward,1980,0.1,1\n", 2, "stage", "pp_rank"),
+        (FULL_HEADER + "0,0,x,0,0,forward,1980,0.1,1\n", 2, "pp_rank", "integer"),
+    ],
+)
+def test_bad_input_names_file_line_and_field(
+    tmp_path: Path, text: str, line: int, field: str, words: str
+) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        read_profile_csv(path)
+    message = str(info.value)
+    assert f"{path}:{line}:" in message
+    assert f"'{field}'" in message
+    assert words in message
+
+
+def test_wrong_field_count_and_empty_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "0,forward,1980,0.1\n")
+    with pytest.raises(ConfigError, match=r"bad\.csv:2: expected 5 fields"):
+        read_profile_csv(path)
+    path = _write(tmp_path, "")
+    with pytest.raises(ConfigError, match=r"bad\.csv:1: empty"):
+        read_profile_csv(path)
+    path = _write(tmp_path, HEADER)
+    with pytest.raises(ConfigError, match="no data rows"):
+        read_profile_csv(path)
+    with pytest.raises(ConfigError, match="cannot read profile"):
+        read_profile_csv(tmp_path / "nope.csv")
+
+
+def test_stage_coverage_when_num_stages_given(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path, HEADER + "0,forward,1980,0.1,1\n0,backward,1980,0.2,2\n1,forward,1980,0.1,1\n"
+    )
+    read_profile_csv(path)  # Fine without a number of stages.
+    with pytest.raises(
+        ConfigError,
+        match=r"field 'stage'/'instruction': no rows for stage 1 "
+        r"backward",
+    ):
+        read_profile_csv(path, num_stages=2)
+    with pytest.raises(ConfigError, match="no rows for stage 1 forward"):
+        read_profile_csv(
+            _write(tmp_path, HEADER + "0,forward,1980,0.1,1\n0,backward,1980,0.2,2\n", "other.csv"),
+            num_stages=2,
+        )
+    with pytest.raises(ConfigError, match=r"bad\.csv:4: field 'stage': stage 1 is out of range"):
+        read_profile_csv(path, num_stages=1)
+
+
+def test_build_profile_without_file() -> None:
+    from coordinator.profile_csv import ProfileRow
+
+    prof = build_profile([ProfileRow(*row) for row in SHORT_ROWS])
+    assert prof.time(1, "forward", 1980) == 0.02
+    assert prof.energy(0, "backward", 1500) == 14.5
+    with pytest.raises(ConfigError, match="not profiled at 1234 MHz"):
+        prof.time(0, "forward", 1234)
+    with pytest.raises(ConfigError, match="no rows for stage 5"):
+        prof.frequencies(5, "forward")
