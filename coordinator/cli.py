@@ -256,28 +256,17 @@ def schedulers() -> None:
             click.echo(f"{name:<22} unavailable: {exc}")
 
 
-def _add_optional_commands() -> None:
+def _add_commands() -> None:
     """Commands that live in their own modules (one concept per module)."""
-    import importlib
+    from coordinator.cli_planner import choose_command, optimize_command
+    from coordinator.cli_power import power_limit_group
+    from coordinator.cli_profile import profile_p2p_command
 
-    for module_name, attrs in (
-        ("coordinator.cli_planner", ("optimize_command", "choose_command")),
-        ("coordinator.cli_power", ("power_limit_group",)),
-        ("coordinator.cli_demo", ("demo_command", "profile_p2p_command")),
-    ):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
-        for attr in attrs:
-            command = getattr(module, attr, None)
-            if command is not None:
-                main.add_command(command)
+    for command in (optimize_command, choose_command, power_limit_group, profile_p2p_command):
+        main.add_command(command)
 
 
-_add_optional_commands()
+_add_commands()
 
 
 if __name__ == "__main__":  # pragma: no cover
