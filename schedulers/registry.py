@@ -17,6 +17,7 @@ BUILTIN: dict[str, str] = {
     "PointSolution3D": "schedulers.point_solution:PointSolution3D",
     "FrontierScheduler": "schedulers.frontier:FrontierScheduler",
     "FrontierScheduler3D": "schedulers.frontier:FrontierScheduler3D",
+    "InstructionProfiler": "schedulers.instruction_profiler:InstructionProfiler",
 }
 
 

@@ -535,6 +535,34 @@ class EnergyMonitor:
         t0, start_pin = entry
         return PendingMeasurement(self, t0, t1, start_pin, self.sampler.pin(t1))
 
+    def measure_between(self, t0: float, t1: float) -> Measurement:
+        """Time and energy of every GPU between two ``time.perf_counter()`` timestamps.
+
+        For callers that keep their own timestamps (e.g. marks taken on a training thread and
+        turned into energies later); waits like :meth:`end_window` when ``t1`` is recent.
+        Timestamps older than the sample history are extrapolated (wider bound).
+
+        Raises:
+            GPUError: The sampler thread failed.
+
+        """
+        if t1 < t0:
+            t0, t1 = t1, t0
+        pending = PendingMeasurement(self, t0, t1, self.sampler.pin(t0), self.sampler.pin(t1))
+        return pending.result()
+
+    def energy_between(self, gpu: int, t0: float, t1: float) -> float:
+        """Energy of GPU ``gpu`` between two ``time.perf_counter()`` timestamps, Joules.
+
+        Raises:
+            ValueError: ``gpu`` is not one of the monitored GPUs.
+            GPUError: The sampler thread failed.
+
+        """
+        if gpu not in self.gpu_indices:
+            raise ValueError(f"GPU {gpu} is not monitored (monitored: {self.gpu_indices})")
+        return self.measure_between(t0, t1).gpu_energy[gpu]
+
     def cancel_window(self, name: str) -> None:
         """Discard the open window ``name`` (ValueError if there is none)."""
         with self._lock:

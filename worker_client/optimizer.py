@@ -6,26 +6,35 @@ instruction by instruction, checks the instruction order against it, reports pro
 every ``report_every`` steps, and swaps in a newer schedule version only between steps. Clock
 changes go to a frequency controller in a side process; Redis I/O happens in background
 threads, so neither blocks a step.
+
+Energy: the training thread only takes *marks* of an :class:`EnergySource` (at step
+boundaries, and at instruction boundaries with ``instruction_energy=True``); a result-building
+thread turns them into Joules when a report is due, so a source that must wait for samples
+(:class:`~worker_client.energy_source.MonitorEnergySource`) never stalls a step.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from coordinator.exceptions import GPUError, PerseusError, ScheduleError
+from coordinator.exceptions import PerseusError, ScheduleError
 from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from worker_client.callback import Callback
+from worker_client.energy_source import CounterEnergySource, EnergySource
 from worker_client.nvml import NVML
 from worker_client.session import CoordinatorClient, ResultReporter, ScheduleWatcher
 
 logger = logging.getLogger(__name__)
 
+Mark = tuple[float, float]  # (start mark, end mark) of an energy source
 SIMULATED_NVML = "worker_client.simulated_gpu"
 
 
@@ -69,9 +78,16 @@ class PerseusOptimizer(Callback):
             ``"simulated"`` (see :func:`worker_client.frequency.make_controller`).
         report_every: Steps per profiling window; one result is reported per schedule version.
         schedule_timeout: Seconds to wait for the first schedule.
-        energy_fn: Returns this rank's cumulative GPU energy in Joules; default reads NVML's
-            energy counter at step boundaries (0 J if the GPU has none).
+        energy_source: Where energy comes from (see :mod:`worker_client.energy_source`).
+            Default: a :class:`~worker_client.energy_source.CounterEnergySource` on this
+            hook's NVML, i.e. the GPU's energy counter (0 J if the GPU has none).
+        instruction_energy: Also mark instruction boundaries and report
+            ``energy_breakdown`` (same shape as ``time_breakdown``). Needed by
+            per-instruction profilers; with the counter source on a real GPU each mark costs
+            a few ms, so prefer a ``MonitorEnergySource`` there.
         sync_fn: Waits for the GPU to finish queued work before timing an instruction.
+        clock: Seconds for iteration and instruction times (default ``time.perf_counter``);
+            simulations pass their simulated clock.
     """
 
     def __init__(
@@ -92,8 +108,10 @@ class PerseusOptimizer(Callback):
         controller: FrequencySetter | str = "nvml",
         report_every: int = 10,
         schedule_timeout: float = 120.0,
-        energy_fn: Callable[[], float] | None = None,
+        energy_source: EnergySource | None = None,
+        instruction_energy: bool = False,
         sync_fn: Callable[[], None] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Create PerseusOptimizer after torch.distributed.init_process_group")
@@ -104,6 +122,8 @@ class PerseusOptimizer(Callback):
         self.report_every = report_every
         self.client = CoordinatorClient(redis_url)
         self._sync = sync_fn or _default_sync(device_id)
+        self._clock = clock or time.perf_counter
+        self.instruction_energy = instruction_energy
 
         # Rank 0 registers the job; validation errors surface here, before any broadcast.
         job_id: str | None = None
@@ -139,7 +159,9 @@ class PerseusOptimizer(Callback):
                 available_frequencies=frequencies,
             ),
         )
-        self._energy = energy_fn or self._nvml_energy
+        if energy_source is None:
+            energy_source = CounterEnergySource(self.nvml, device_id)
+        self.energy_source: EnergySource = energy_source
         if isinstance(controller, str):
             from worker_client.frequency import make_controller
 
@@ -152,6 +174,11 @@ class PerseusOptimizer(Callback):
         self.watcher.start()
         self.reporter = ResultReporter(self.client, self.job_id)
         self.reporter.start()
+        # Turns marks into energies and results, in report order, off the training thread.
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perseus-result")
+        self._build_error: Exception | None = None
+        self._build_lock = threading.Lock()
+        self._measuring = False
         self._reset_window()
         self.steps = 0
         self.swaps: list[tuple[int, int]] = []  # (step, version) of every swap, for inspection
@@ -159,17 +186,11 @@ class PerseusOptimizer(Callback):
         self._closed = False
 
     # --- measurement -----------------------------------------------------------------------
-    def _nvml_energy(self) -> float:
-        try:
-            mj = self.nvml.total_energy_mj(self.device_id)
-        except GPUError:
-            return 0.0
-        return 0.0 if mj is None else mj / 1000.0
-
     def _reset_window(self) -> None:
         self._iter_time: list[float] = []
-        self._iter_energy: list[float] = []
+        self._iter_marks: list[Mark] = []
         self._breakdown: dict[str, list[list[float]]] = {}
+        self._mark_breakdown: dict[str, list[list[Mark]]] = {}
         self._reported = False
 
     # --- hooks -----------------------------------------------------------------------------
@@ -177,9 +198,13 @@ class PerseusOptimizer(Callback):
         """Start timing a step."""
         self._sync()
         self._in_step = True
-        self._step_time = time.perf_counter()
-        self._step_energy = self._energy()
+        # After this version's report nothing is measured until the next version.
+        self._measuring = not self._reported
         self._step_breakdown: dict[str, list[float]] = {}
+        self._step_marks: dict[str, list[Mark]] = {}
+        if self._measuring:
+            self._step_mark = self.energy_source.mark()
+        self._step_time = self._clock()
 
     def on_instruction_begin(self, name: str) -> None:
         """Check ``name`` against the schedule and set its frequency."""
@@ -197,13 +222,20 @@ class PerseusOptimizer(Callback):
                 f"(schedule version {self.schedule.version})"
             )
         self.controller.set_frequency(frequency)
-        self._inst_start = time.perf_counter()
+        if self._measuring and self.instruction_energy:
+            self._inst_mark = self.energy_source.mark()
+        self._inst_start = self._clock()
 
     def on_instruction_end(self, name: str) -> None:
-        """Record the instruction's duration."""
+        """Record the instruction's duration (and energy mark)."""
         self._sync()
-        elapsed = time.perf_counter() - self._inst_start
+        if not self._measuring:
+            return
+        elapsed = self._clock() - self._inst_start
         self._step_breakdown.setdefault(name, []).append(elapsed)
+        if self.instruction_energy:
+            end = self.energy_source.mark()
+            self._step_marks.setdefault(name, []).append((self._inst_mark, end))
 
     def on_step_end(self) -> None:
         """Check the schedule was used up, report if due, and swap in a newer version."""
@@ -215,15 +247,30 @@ class PerseusOptimizer(Callback):
                 f"still expects {leftover[0]!r} at {leftover[1]} MHz"
             )
         self.steps += 1
-        if self._in_step:
-            self._iter_time.append(time.perf_counter() - self._step_time)
-            self._iter_energy.append(max(0.0, self._energy() - self._step_energy))
+        if self._in_step and self._measuring:
+            self._iter_time.append(self._clock() - self._step_time)
+            self._iter_marks.append((self._step_mark, self.energy_source.mark()))
             for name, times in self._step_breakdown.items():
                 self._breakdown.setdefault(name, []).append(times)
+            for name, marks in self._step_marks.items():
+                self._mark_breakdown.setdefault(name, []).append(marks)
         self._in_step = False
+        self._measuring = False
         if not self._reported and len(self._iter_time) >= self.report_every:
-            self.reporter.submit(self._result())
+            # The window's lists are not touched again: a swap replaces them.
+            self._builder.submit(
+                self._build_and_submit,
+                self.schedule.version,
+                self._iter_time,
+                self._iter_marks,
+                self._breakdown,
+                self._mark_breakdown,
+            )
             self._reported = True
+        with self._build_lock:
+            build_error, self._build_error = self._build_error, None
+        if build_error is not None:
+            raise build_error
         for worker in (self.watcher, self.reporter):
             if worker.error is not None:
                 raise worker.error
@@ -232,14 +279,34 @@ class PerseusOptimizer(Callback):
             self._swap(newer)
         self._iter = iter(self.schedule.frequencies)
 
-    def _result(self) -> ProfilingResult:
-        return ProfilingResult(
-            rank=self.rank,
-            schedule_version=self.schedule.version,
-            iter_time=self._iter_time[: self.report_every],
-            iter_energy=self._iter_energy[: self.report_every],
-            time_breakdown={k: v[: self.report_every] for k, v in self._breakdown.items()},
-        )
+    def _build_and_submit(
+        self,
+        version: int,
+        iter_time: list[float],
+        iter_marks: list[Mark],
+        breakdown: dict[str, list[list[float]]],
+        mark_breakdown: dict[str, list[list[Mark]]],
+    ) -> None:
+        """Result-builder thread: marks -> Joules, then hand the result to the reporter."""
+        n = self.report_every
+        source = self.energy_source
+        try:
+            result = ProfilingResult(
+                rank=self.rank,
+                schedule_version=version,
+                iter_time=iter_time[:n],
+                iter_energy=[source.energy(a, b) for a, b in iter_marks[:n]],
+                time_breakdown={k: v[:n] for k, v in breakdown.items()},
+                energy_breakdown={
+                    k: [[source.energy(a, b) for a, b in it] for it in v[:n]]
+                    for k, v in mark_breakdown.items()
+                },
+            )
+        except Exception as exc:  # Raised on the training thread at the next step end.
+            with self._build_lock:
+                self._build_error = exc
+            return
+        self.reporter.submit(result)
 
     def _swap(self, schedule: FrequencySchedule) -> None:
         self.schedule = schedule
@@ -256,6 +323,7 @@ class PerseusOptimizer(Callback):
         if self._closed:
             return
         self._closed = True
+        self._builder.shutdown(wait=True)  # Queued results reach the reporter first.
         self.reporter.stop()
         self.watcher.stop()
         self.controller.stop()

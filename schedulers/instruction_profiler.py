@@ -1,0 +1,380 @@
+"""Profile every stage's forward and backward at each clock during training (Perseus step 1).
+
+:class:`InstructionProfiler` is a frequency scheduler whose schedules *are* the profiling
+sweep. Each (stage, instruction) pair has its own sweep over the stage's clocks, high to low;
+schedule version ``k`` runs every forward of a stage at that stage's ``k``-th forward clock and
+every backward at its ``k``-th backward clock, in 1F1B order. From each version's results
+(which the hook must report with ``instruction_energy=True``) the profiler drops the first
+``warmup_iters`` iterations, averages each instruction's time and energy over the remaining
+iterations and instances, and over the data/tensor-parallel ranks of the stage (each runs the
+same instruction on its own GPU). Following the Perseus docs, a sweep stops once energy has
+risen ``stop_after_rises`` times in a row (lower clocks only cost more time *and* energy) or at
+the lowest clock; a stopped instruction then runs at the stage's highest clock, unmeasured.
+
+When every sweep has stopped, the profile is written as a full-form CSV (one row group per
+rank with that rank's own figures; :mod:`coordinator.profile_csv`), and then either
+
+* without ``then``: every instruction runs at its highest clock, forever; or
+* with ``then``: the planner computes the frontier from the CSV (:mod:`schedulers.planner`),
+  a policy picks a plan (:mod:`schedulers.choose`) and that plan is served forever: the
+  automatic profile -> optimize -> serve path.
+
+rq workers rebuild the scheduler by replaying the whole journal on every task, so the end of
+the replay (CSV write, planning) runs again each time. Both are idempotent and cheap on
+replay: the CSV is replaced only if its content changed, and planning is skipped when
+``out_dir`` already holds a frontier computed from the same CSV content and parameters (a
+hash recorded in ``out_dir/.instruction_profiler.json`` after the planner finished).
+Paths are as seen by the rq workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coordinator.exceptions import ConfigError, ProtocolError
+from coordinator.models import (
+    FrequencySchedule,
+    JobInfo,
+    OfflineProfilingResult,
+    ProfilingResult,
+    RankInfo,
+)
+from coordinator.profile_csv import INSTRUCTIONS, write_profile_csv
+from schedulers.base import FrequencyScheduler
+from schedulers.choose import ChosenPlan, parse_policy
+from schedulers.parallel3d import check_rank_infos
+from schedulers.plan_file import one_f_one_b_order
+
+#: Marker file in ``then["out_dir"]``: the hash of the CSV and parameters it was planned from.
+PLAN_MARKER = ".instruction_profiler.json"
+_THEN_KEYS = {"p2p_power", "unit_time", "policy", "policy_arg", "out_dir"}
+
+Key = tuple[int, str]  # (stage, instruction)
+
+
+@dataclass
+class Sweep:
+    """The clock sweep of one (stage, instruction), highest clock first.
+
+    Attributes:
+        frequencies: Clocks to sweep, MHz, highest first.
+        measured: Clocks measured so far, in sweep order.
+        energies: Stage-average energy at each measured clock, J.
+        rises: Consecutive energy rises so far.
+        stopped: No more clocks to measure.
+
+    """
+
+    frequencies: list[int]
+    measured: list[int] = field(default_factory=list)
+    energies: list[float] = field(default_factory=list)
+    rises: int = 0
+    stopped: bool = False
+
+    @property
+    def current(self) -> int:
+        """The clock the next version measures."""
+        return self.frequencies[len(self.measured)]
+
+    def record(self, frequency: int, energy: float, stop_after_rises: int) -> None:
+        """Add the measurement of ``frequency`` and decide whether to stop."""
+        if self.energies and energy > self.energies[-1]:
+            self.rises += 1
+        else:
+            self.rises = 0
+        self.measured.append(frequency)
+        self.energies.append(energy)
+        if self.rises >= stop_after_rises or len(self.measured) >= len(self.frequencies):
+            self.stopped = True
+
+
+class InstructionProfiler(FrequencyScheduler):
+    """Sweep each stage's forward and backward clocks, write the profile, then serve.
+
+    Args:
+        job_info: The training job (any dp/tp degree).
+        rank_infos: Every rank of the job.
+        out_path: Where to write the profile CSV (full form, one row group per rank).
+        microbatches: Microbatches per iteration (the 1F1B order depends on it).
+        warmup_iters: Iterations of each version's results to ignore (clock changes,
+            caches); the hook's ``report_every`` must be larger.
+        stop_after_rises: Stop a sweep after this many consecutive energy rises.
+        frequencies: Sweep only these clocks (MHz; each must be supported by every GPU).
+            Default: each stage's clocks common to its ranks.
+        then: Plan and serve a plan once profiled: ``{"out_dir": DIR, "p2p_power": W,
+            "unit_time": s, "policy": "no-slowdown", "policy_arg": None}`` (only
+            ``out_dir`` is required; defaults 0 W, 1 ms, no-slowdown).
+
+    Raises:
+        ConfigError: Bad arguments, or a restricted clock a stage's GPUs do not support.
+        ProtocolError: Missing or duplicate ranks.
+
+    """
+
+    def __init__(
+        self,
+        job_info: JobInfo,
+        rank_infos: list[RankInfo],
+        out_path: str,
+        microbatches: int,
+        warmup_iters: int = 1,
+        stop_after_rises: int = 5,
+        frequencies: list[int] | None = None,
+        then: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(job_info, rank_infos)
+        if microbatches < 1:
+            raise ConfigError(f"microbatches must be >= 1, got {microbatches}")
+        if warmup_iters < 0:
+            raise ConfigError(f"warmup_iters must be >= 0, got {warmup_iters}")
+        if stop_after_rises < 1:
+            raise ConfigError(f"stop_after_rises must be >= 1, got {stop_after_rises}")
+        self.out_path = Path(out_path)
+        self.microbatches = microbatches
+        self.warmup_iters = warmup_iters
+        self.stop_after_rises = stop_after_rises
+        self.then = _check_then(then)
+        self.ranks = check_rank_infos(job_info, rank_infos)
+        pp = job_info.pp_degree
+        self.stage_ranks: dict[int, list[RankInfo]] = {s: [] for s in range(pp)}
+        for info in self.ranks:
+            self.stage_ranks[info.pp_rank].append(info)
+        self.order = {s: one_f_one_b_order(pp, microbatches, s) for s in range(pp)}
+        self.max_frequency: dict[int, int] = {}
+        self.sweeps: dict[Key, Sweep] = {}
+        for stage in range(pp):
+            clocks = self._sweep_clocks(stage, frequencies)
+            self.max_frequency[stage] = self._common_clocks(stage)[0]
+            for inst in INSTRUCTIONS:
+                self.sweeps[(stage, inst)] = Sweep(list(clocks))
+        # rank -> (instruction, frequency) -> (time s, energy J), that rank's own averages.
+        self.rank_data: dict[int, dict[tuple[str, int], tuple[float, float]]] = {
+            info.rank: {} for info in self.ranks
+        }
+        self.done = False
+        self.chosen: ChosenPlan | None = None
+        self.planned = False  # Whether this instance ran the planner (False: cache hit).
+
+    # --- setup -------------------------------------------------------------------------------
+    def _common_clocks(self, stage: int) -> list[int]:
+        members = self.stage_ranks[stage]
+        common = set(members[0].available_frequencies)
+        for info in members[1:]:
+            common &= set(info.available_frequencies)
+        if not common:
+            raise ConfigError(
+                f"job {self.job_info.job_id}: the ranks of stage {stage} have no GPU clock in "
+                "common"
+            )
+        return sorted(common, reverse=True)
+
+    def _sweep_clocks(self, stage: int, restrict: Sequence[int] | None) -> list[int]:
+        common = self._common_clocks(stage)
+        if restrict is None:
+            return common
+        wanted = {int(f) for f in restrict}
+        unsupported = sorted(wanted - set(common), reverse=True)
+        if unsupported:
+            raise ConfigError(
+                f"frequencies {unsupported} MHz are not supported by every GPU of stage {stage} "
+                f"({common[0]}..{common[-1]} MHz, {len(common)} clocks)"
+            )
+        if not wanted:
+            raise ConfigError("frequencies is empty: give at least one clock to profile")
+        return [f for f in common if f in wanted]
+
+    # --- the sweep ----------------------------------------------------------------------------
+    def _schedules(self, clocks: dict[Key, int]) -> list[FrequencySchedule]:
+        """Every rank's schedule: its stage's instructions at ``clocks`` (else the max)."""
+        out = []
+        for info in self.ranks:
+            stage = info.pp_rank
+            top = self.max_frequency[stage]
+            pairs = [(name, clocks.get((stage, name), top)) for name in self.order[stage]]
+            out.append(FrequencySchedule(rank=info.rank, frequencies=pairs))
+        return out
+
+    def _run(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
+        """Yield one version per sweep step, then the final schedules."""
+        while not all(s.stopped for s in self.sweeps.values()):
+            measuring = {key: s.current for key, s in self.sweeps.items() if not s.stopped}
+            results = yield self._schedules(measuring)
+            self._observe(results, measuring)
+        self.write_csv()
+        self.done = True
+        yield self._planned_schedules() if self.then is not None else self._schedules({})
+
+    def _observe(self, results: list[ProfilingResult], measuring: dict[Key, int]) -> None:
+        by_rank: dict[int, ProfilingResult] = {}
+        for res in results:
+            if res.rank in by_rank:
+                raise ProtocolError(f"two profiling results from rank {res.rank}")
+            by_rank[res.rank] = res
+        missing = sorted(set(self.rank_data) - set(by_rank))
+        if missing:
+            raise ProtocolError(f"no profiling results from ranks {missing}")
+        for (stage, inst), freq in measuring.items():
+            figures = []
+            for info in self.stage_ranks[stage]:
+                t, e = self._average(by_rank[info.rank], stage, inst)
+                self.rank_data[info.rank][(inst, freq)] = (t, e)
+                figures.append((t, e))
+            stage_energy = math.fsum(e for _, e in figures) / len(figures)
+            self.sweeps[(stage, inst)].record(freq, stage_energy, self.stop_after_rises)
+
+    def _average(self, res: ProfilingResult, stage: int, inst: str) -> tuple[float, float]:
+        """Mean time and energy of one instruction in one rank's result, warm-up dropped."""
+        who = f"rank {res.rank} (stage {stage}), schedule version {res.schedule_version}"
+        if not res.energy_breakdown:
+            raise ProtocolError(
+                f"{who}: the result has no energy_breakdown; InstructionProfiler needs "
+                "per-instruction energy: create PerseusOptimizer with instruction_energy=True"
+            )
+        times = res.time_breakdown.get(inst)
+        energies = res.energy_breakdown.get(inst)
+        if times is None or energies is None:
+            raise ProtocolError(f"{who}: no {inst!r} in time_breakdown or energy_breakdown")
+        if len(times) != len(energies):
+            raise ProtocolError(
+                f"{who}: {inst!r} has {len(times)} iterations of times but {len(energies)} "
+                "of energies"
+            )
+        expected = self.order[stage].count(inst)
+        for i, (ts, es) in enumerate(zip(times, energies, strict=True)):
+            if len(ts) != expected or len(es) != expected:
+                raise ProtocolError(
+                    f"{who}: iteration {i} has {len(ts)} {inst!r} times and {len(es)} energies; "
+                    f"expected {expected} (microbatches={self.microbatches})"
+                )
+        kept_t = [x for it in times[self.warmup_iters :] for x in it]
+        kept_e = [x for it in energies[self.warmup_iters :] for x in it]
+        if not kept_t:
+            raise ProtocolError(
+                f"{who}: {len(times)} iteration(s) reported, all of them warm-up "
+                f"(warmup_iters={self.warmup_iters}); set the hook's report_every above it"
+            )
+        return math.fsum(kept_t) / len(kept_t), math.fsum(kept_e) / len(kept_e)
+
+    # --- outputs ------------------------------------------------------------------------------
+    def profile_results(self) -> list[OfflineProfilingResult]:
+        """Per-rank averages measured so far (what :meth:`write_csv` writes)."""
+        out = []
+        for info in self.ranks:
+            data = self.rank_data[info.rank]
+            per: dict[str, dict[int, float]] = {}
+            for (inst, freq), (t, e) in data.items():
+                per.setdefault(f"{inst}_time", {})[freq] = t
+                per.setdefault(f"{inst}_energy", {})[freq] = e
+            out.append(
+                OfflineProfilingResult(
+                    rank=info.rank,
+                    dp_rank=info.dp_rank,
+                    pp_rank=info.pp_rank,
+                    tp_rank=info.tp_rank,
+                    forward_time=per.get("forward_time", {}),
+                    forward_energy=per.get("forward_energy", {}),
+                    backward_time=per.get("backward_time", {}),
+                    backward_energy=per.get("backward_energy", {}),
+                )
+            )
+        return out
+
+    def write_csv(self) -> None:
+        """Write the profile to ``out_path`` atomically; leave an identical file untouched."""
+        path = self.out_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        write_profile_csv(tmp, self.profile_results())
+        if path.is_file() and path.read_bytes() == tmp.read_bytes():
+            tmp.unlink()  # A replay: keep the file (and its mtime) as it was.
+        else:
+            os.replace(tmp, path)
+
+    def _planned_schedules(self) -> list[FrequencySchedule]:
+        """Plan from the CSV (unless cached), choose a plan, and give each rank its stage's line."""
+        from coordinator.profile_csv import read_profile_csv
+        from schedulers.choose import choose_plan
+        from schedulers.frontier_files import FRONTIER_CSV
+        from schedulers.plan_file import read_plan_file
+
+        assert self.then is not None
+        then = self.then
+        pp = self.job_info.pp_degree
+        out_dir = Path(then["out_dir"])
+        params = {
+            "num_stages": pp,
+            "num_microbatches": self.microbatches,
+            "p2p_power": then["p2p_power"],
+            "unit_time": then["unit_time"],
+        }
+        digest = hashlib.sha256(self.out_path.read_bytes())
+        digest.update(json.dumps(params, sort_keys=True).encode())
+        key = digest.hexdigest()
+        marker = out_dir / PLAN_MARKER
+        if not (_marker_key(marker) == key and (out_dir / FRONTIER_CSV).is_file()):
+            from schedulers.planner import plan_frontier
+
+            marker.unlink(missing_ok=True)  # An interrupted planner run must not look cached.
+            profile = read_profile_csv(self.out_path, num_stages=pp)
+            plan_frontier(
+                profile,
+                pp,
+                self.microbatches,
+                out_dir=out_dir,
+                p2p_power=then["p2p_power"],
+                unit_time=then["unit_time"],
+            )
+            marker.write_text(
+                json.dumps({"key": key, "profile": str(self.out_path), **params}, indent=1) + "\n"
+            )
+            self.planned = True
+        self.chosen = choose_plan(out_dir, then["policy"], then["policy_arg"])
+        plan = read_plan_file(self.chosen.file)
+        if plan.num_stages != pp:
+            raise ConfigError(f"{plan.source}: plan has {plan.num_stages} stages, job has {pp}")
+        return [
+            FrequencySchedule(rank=info.rank, frequencies=list(plan.stages[info.pp_rank]))
+            for info in self.ranks
+        ]
+
+
+def _marker_key(marker: Path) -> str | None:
+    try:
+        return str(json.loads(marker.read_text())["key"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _check_then(then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Validate ``then`` and fill in its defaults."""
+    if then is None:
+        return None
+    unknown = sorted(set(then) - _THEN_KEYS)
+    if unknown:
+        raise ConfigError(f"then: unknown key(s) {unknown}; use {sorted(_THEN_KEYS)}")
+    if not then.get("out_dir"):
+        raise ConfigError("then: 'out_dir' (the planner's output folder) is required")
+    p2p_power = float(then.get("p2p_power", 0.0))
+    unit_time = float(then.get("unit_time", 0.001))
+    if not p2p_power >= 0:
+        raise ConfigError(f"then: p2p_power must be >= 0 W, got {p2p_power}")
+    if not unit_time > 0:
+        raise ConfigError(f"then: unit_time must be positive, got {unit_time}")
+    raw_arg = then.get("policy_arg")
+    policy, policy_arg = parse_policy(
+        str(then.get("policy", "no-slowdown")), None if raw_arg is None else float(raw_arg)
+    )
+    return {
+        "out_dir": str(then["out_dir"]),
+        "p2p_power": p2p_power,
+        "unit_time": unit_time,
+        "policy": policy,
+        "policy_arg": policy_arg,
+    }
