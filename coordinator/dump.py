@@ -68,6 +68,9 @@ def dump_job(store: JobStore, job_id: str, out_dir: str) -> Path:
     results = store.results(job_id, latest) if latest else []
     if results:
         _write(folder / f"{latest}.prof.json", _dump_models(list(results)))
+    for name, data in store.artifacts(job_id).items():
+        # Artifact names come from schedulers: keep only the last path component.
+        (folder / Path(name).name).write_bytes(data)
     journal = store.journal(job_id)
     _write(folder / "journal.json", _dump_models(list(journal)))
     return folder

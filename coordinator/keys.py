@@ -76,6 +76,11 @@ def job_journal(job_id: str) -> str:
     return job_key(job_id, "journal")
 
 
+def job_artifacts(job_id: str) -> str:
+    """Hash: name -> bytes a scheduler produced (e.g. ``profile.csv`` of the profiler)."""
+    return job_key(job_id, "artifacts")
+
+
 def job_lease(job_id: str) -> str:
     """String with a TTL, held by the rq worker that is advancing the job."""
     return job_key(job_id, "lease")

@@ -236,11 +236,17 @@ class JournalEntry(_Model):
 
 
 class RegisterJob(_Model):
-    """Rank 0 asks the coordinator to create a job; the reply carries the job id."""
+    """Rank 0 asks the coordinator to create a job; the reply carries the job id.
+
+    ``scheduler`` optionally picks a built-in scheduler for this job instead of the
+    coordinator's default (``scheduler_args`` then replace the default arguments).
+    """
 
     kind: Literal["register_job"] = "register_job"
     request_id: str = Field(min_length=1, max_length=128)
     job: JobInfo
+    scheduler: str | None = None
+    scheduler_args: dict[str, Any] = Field(default_factory=dict)
 
 
 class RegisterRank(_Model):

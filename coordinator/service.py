@@ -37,6 +37,7 @@ from coordinator.models import (
 )
 from coordinator.settings import PerseusSettings
 from coordinator.store import JobStore
+from schedulers.registry import BUILTIN, check_scheduler_args
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,6 @@ def ensure_groups(conn: redis.Redis) -> None:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-
-
-def scheduler_name(settings: PerseusSettings) -> str:
-    """Short scheduler name for job ids (``pkg.mod:Class`` -> ``Class``)."""
-    return settings.scheduler.rpartition(":")[2] or settings.scheduler
 
 
 def _request_reply_key(fields: dict[bytes, bytes]) -> str | None:
@@ -223,20 +219,35 @@ class Coordinator:
         self._set_target(message, entry_id)
         return None
 
+    def _job_config(self, message: RegisterJob) -> JobConfig:
+        dump_dir = self.settings.dump_dir if self.settings.dump_data else ""
+        if message.scheduler is None:
+            return JobConfig(
+                scheduler=self.settings.scheduler,
+                scheduler_args=self.settings.scheduler_args,
+                dump_dir=dump_dir,
+            )
+        # A job may pick a built-in scheduler only: a `module:Class` sent by a client would let
+        # any rank make the workers import arbitrary code.
+        if message.scheduler not in BUILTIN:
+            raise ProtocolError(
+                f"job asked for scheduler {message.scheduler!r}; a job may choose one of "
+                f"{', '.join(sorted(BUILTIN))} (others only through the coordinator's settings)"
+            )
+        check_scheduler_args(message.scheduler, message.scheduler_args)
+        return JobConfig(
+            scheduler=message.scheduler, scheduler_args=message.scheduler_args, dump_dir=dump_dir
+        )
+
     def _register_job(self, message: RegisterJob, entry_id: str) -> Reply:
         job = message.job
         if job.job_id:
             raise ProtocolError(
                 "job_id must be empty when registering a job; the coordinator sets it"
             )
-        job = job.model_copy(
-            update={"job_id": make_job_id(job, scheduler_name(self.settings), entry_id)}
-        )
-        config = JobConfig(
-            scheduler=self.settings.scheduler,
-            scheduler_args=self.settings.scheduler_args,
-            dump_dir=self.settings.dump_dir if self.settings.dump_data else "",
-        )
+        config = self._job_config(message)
+        name = config.scheduler.rpartition(":")[2] or config.scheduler
+        job = job.model_copy(update={"job_id": make_job_id(job, name, entry_id)})
         if self.store.create_job(job, config, entry_id):
             logger.info("registered job %s", job.job_id)
         return Reply(ok=True, job_id=job.job_id)
@@ -278,6 +289,7 @@ class Coordinator:
             job_id,
             lease_ms,
             description=f"advance {job_id}",
+            job_timeout=self.settings.job_timeout,
             result_ttl=600,
             failure_ttl=24 * 3600,
         )

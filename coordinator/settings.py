@@ -32,6 +32,8 @@ class PerseusSettings(BaseSettings):
         stall_timeout: Seconds a due schedule computation may go unclaimed before it is
             enqueued again (covers rq workers killed mid-job).
         reply_ttl: Seconds a registration reply waits in Redis for its client.
+        job_timeout: Seconds one rq scheduler task may run (planning a large pipeline inside
+            a scheduler takes minutes; rq's own default is 180 s).
     """
 
     model_config = SettingsConfigDict(env_prefix="PERSEUS_", extra="forbid")
@@ -47,6 +49,7 @@ class PerseusSettings(BaseSettings):
     reconcile_interval: float = Field(default=2.0, gt=0)
     stall_timeout: float = Field(default=10.0, gt=0)
     reply_ttl: int = Field(default=300, ge=1)
+    job_timeout: int = Field(default=3600, ge=1)
 
     @field_validator("log_level")
     @classmethod

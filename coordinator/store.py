@@ -204,6 +204,7 @@ class JobStore:
             keys.job_updates(job_id),
             keys.job_lease(job_id),
             keys.job_control(job_id),
+            keys.job_artifacts(job_id),
         ]
         # Results may exist one version past the latest schedule only if a client misbehaved;
         # they are rejected before being stored, so 1..latest covers everything.
@@ -367,6 +368,16 @@ class JobStore:
             ],
         )
         return bool(published)
+
+    def save_artifacts(self, job_id: str, artifacts: dict[str, bytes]) -> None:
+        """Store what a scheduler produced (same content on every replay, so idempotent)."""
+        if artifacts:
+            self.conn.hset(keys.job_artifacts(job_id), mapping=artifacts)
+
+    def artifacts(self, job_id: str) -> dict[str, bytes]:
+        """Every artifact of a job, by name."""
+        raw = self.conn.hgetall(keys.job_artifacts(job_id))
+        return {name.decode(): value for name, value in raw.items()}
 
     # --- worker lease ----------------------------------------------------------------------
     def acquire_lease(self, job_id: str, token: str, ttl_ms: int) -> bool:

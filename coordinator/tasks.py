@@ -158,6 +158,7 @@ def advance_once(store: JobStore, job_id: str) -> int | None:
         logger.info("job %s: version %d was published by another worker", job_id, entry.version)
         return None
     logger.info("job %s: published schedule version %d", job_id, entry.version)
+    store.save_artifacts(job_id, scheduler.artifacts())
     if record.config.dump_dir:
         dump_version(store, record, entry.version)
     return entry.version

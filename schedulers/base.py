@@ -17,6 +17,7 @@ Two ways to write one, as in Zeus:
 from __future__ import annotations
 
 from collections.abc import Generator
+from typing import Any
 
 from coordinator.exceptions import ConfigError
 from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
@@ -39,6 +40,14 @@ class FrequencyScheduler:
         self._next: list[FrequencySchedule] | None = None
         self._pending_results: list[ProfilingResult] | None = None
 
+    @classmethod
+    def check_args(cls, args: dict[str, Any]) -> None:
+        """Raise ConfigError if ``args`` cannot work, beyond fitting the signature.
+
+        Called when a coordinator starts and when a job asks for this scheduler, so that a
+        bad configuration fails before any training starts.
+        """
+
     def observe(self, profiling_results: list[ProfilingResult]) -> None:
         """Take in the profiling results of the schedule last returned by next_schedule.
 
@@ -60,6 +69,13 @@ class FrequencyScheduler:
         self._pending_results = None
         assert self._next is not None
         return self._next
+
+    def artifacts(self) -> dict[str, bytes]:
+        """Files this scheduler produced so far (e.g. a profile), stored with the job in Redis.
+
+        Must be deterministic like the schedules: replays call it again.
+        """
+        return {}
 
     def set_target(self, iteration_time: float) -> None:
         """Aim at a new iteration time in seconds (e.g. a straggler's). Optional.

@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import tempfile
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,7 +102,6 @@ class InstructionProfiler(FrequencyScheduler):
     Args:
         job_info: The training job (any dp/tp degree).
         rank_infos: Every rank of the job.
-        out_path: Where to write the profile CSV (full form, one row group per rank).
         microbatches: Microbatches per iteration (the 1F1B order depends on it).
         warmup_iters: Iterations of each version's results to ignore (clock changes,
             caches); the hook's ``report_every`` must be larger.
@@ -111,6 +111,10 @@ class InstructionProfiler(FrequencyScheduler):
         then: Plan and serve a plan once profiled: ``{"out_dir": DIR, "p2p_power": W,
             "unit_time": s, "policy": "no-slowdown", "policy_arg": None}`` (only
             ``out_dir`` is required; defaults 0 W, 1 ms, no-slowdown).
+        out_path: Also write the profile CSV (full form, one row group per rank) here. The
+            profile is always kept with the job in Redis as the artifact ``profile.csv``
+            (``perseus dump`` writes it out); with ``then`` and no ``out_path`` it is written
+            to ``<out_dir>/profile.csv`` for the planner.
 
     Raises:
         ConfigError: Bad arguments, or a restricted clock a stage's GPUs do not support.
@@ -122,12 +126,12 @@ class InstructionProfiler(FrequencyScheduler):
         self,
         job_info: JobInfo,
         rank_infos: list[RankInfo],
-        out_path: str,
         microbatches: int,
         warmup_iters: int = 1,
         stop_after_rises: int = 5,
         frequencies: list[int] | None = None,
         then: dict[str, Any] | None = None,
+        out_path: str | None = None,
     ) -> None:
         super().__init__(job_info, rank_infos)
         if microbatches < 1:
@@ -136,11 +140,13 @@ class InstructionProfiler(FrequencyScheduler):
             raise ConfigError(f"warmup_iters must be >= 0, got {warmup_iters}")
         if stop_after_rises < 1:
             raise ConfigError(f"stop_after_rises must be >= 1, got {stop_after_rises}")
-        self.out_path = Path(out_path)
         self.microbatches = microbatches
         self.warmup_iters = warmup_iters
         self.stop_after_rises = stop_after_rises
         self.then = _check_then(then)
+        if out_path is None and self.then is not None:
+            out_path = str(Path(self.then["out_dir"]) / "profile.csv")
+        self.out_path = Path(out_path) if out_path is not None else None
         self.ranks = check_rank_infos(job_info, rank_infos)
         pp = job_info.pp_degree
         self.stage_ranks: dict[int, list[RankInfo]] = {s: [] for s in range(pp)}
@@ -286,16 +292,29 @@ class InstructionProfiler(FrequencyScheduler):
             )
         return out
 
+    def csv_bytes(self) -> bytes:
+        """The profile CSV (full form) measured so far."""
+        with tempfile.TemporaryDirectory(prefix="perseus-profile-") as tmp:
+            path = Path(tmp) / "profile.csv"
+            write_profile_csv(path, self.profile_results())
+            return path.read_bytes()
+
+    def artifacts(self) -> dict[str, bytes]:
+        """``profile.csv`` once profiling is done."""
+        return {"profile.csv": self.csv_bytes()} if self.done else {}
+
     def write_csv(self) -> None:
         """Write the profile to ``out_path`` atomically; leave an identical file untouched."""
+        if self.out_path is None:
+            return
         path = self.out_path
         path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.csv_bytes()
+        if path.is_file() and path.read_bytes() == data:
+            return  # A replay: keep the file (and its mtime) as it was.
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        write_profile_csv(tmp, self.profile_results())
-        if path.is_file() and path.read_bytes() == tmp.read_bytes():
-            tmp.unlink()  # A replay: keep the file (and its mtime) as it was.
-        else:
-            os.replace(tmp, path)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
 
     def _planned_schedules(self) -> list[FrequencySchedule]:
         """Plan from the CSV (unless cached), choose a plan, and give each rank its stage's line."""
@@ -314,6 +333,7 @@ class InstructionProfiler(FrequencyScheduler):
             "p2p_power": then["p2p_power"],
             "unit_time": then["unit_time"],
         }
+        assert self.out_path is not None  # `then` always sets it
         digest = hashlib.sha256(self.out_path.read_bytes())
         digest.update(json.dumps(params, sort_keys=True).encode())
         key = digest.hexdigest()

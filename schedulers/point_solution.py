@@ -8,16 +8,17 @@ stage that stage's line.
 from __future__ import annotations
 
 from collections.abc import Generator
+from typing import Any
 
 from coordinator.exceptions import ConfigError
 from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from schedulers.base import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos, make_3d_parallel
-from schedulers.plan_file import PlanFile, read_plan_file
+from schedulers.plan_file import PlanFile, parse_plan_text, read_plan_file
 
 
 class PointSolution(FrequencyScheduler):
-    """Runs the frequency plan in ``solution_path`` for the whole job.
+    """Runs one frequency plan for the whole job.
 
     The plan is read and checked against the job when the scheduler is built, so a bad file
     fails the job at registration rather than mid-training.
@@ -26,6 +27,8 @@ class PointSolution(FrequencyScheduler):
         job_info: The training job.
         rank_infos: Every rank of the job, in any order.
         solution_path: A plan file (``freqs_pipeline_%05d.py``) with one stage list per rank.
+        plan_text: The plan file's text instead of its path: the plan then travels with the
+            job in Redis, so workers need no shared filesystem. Give exactly one of the two.
 
     Raises:
         ConfigError: The file is malformed, has the wrong number of stage lists, or uses a
@@ -33,11 +36,32 @@ class PointSolution(FrequencyScheduler):
 
     """
 
-    def __init__(self, job_info: JobInfo, rank_infos: list[RankInfo], solution_path: str) -> None:
+    def __init__(
+        self,
+        job_info: JobInfo,
+        rank_infos: list[RankInfo],
+        solution_path: str | None = None,
+        plan_text: str | None = None,
+    ) -> None:
         super().__init__(job_info, rank_infos)
+        self.check_args({"solution_path": solution_path, "plan_text": plan_text})
         self.solution_path = solution_path
-        self.plan: PlanFile = read_plan_file(solution_path)
+        if plan_text is not None:
+            self.plan: PlanFile = parse_plan_text(plan_text, source="<plan_text>")
+        else:
+            assert solution_path is not None
+            self.plan = read_plan_file(solution_path)
         self._check_plan(check_rank_infos(job_info, rank_infos))
+
+    @classmethod
+    def check_args(cls, args: dict[str, Any]) -> None:
+        """Exactly one of ``solution_path`` and ``plan_text`` must be given."""
+        given = [k for k in ("solution_path", "plan_text") if args.get(k) is not None]
+        if len(given) != 1:
+            raise ConfigError(
+                f"{cls.__name__} needs exactly one of solution_path (a plan file) or plan_text "
+                f"(its text); got {given or 'neither'}"
+            )
 
     def _check_plan(self, ranks: list[RankInfo]) -> None:
         plan, job = self.plan, self.job_info

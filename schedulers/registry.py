@@ -60,6 +60,7 @@ def check_scheduler_args(name: str, args: dict[str, Any]) -> None:
             f"invalid scheduler_args {sorted(args)} for scheduler {name}: {exc} "
             f"(it takes: {', '.join(params) or 'nothing'})"
         ) from None
+    cls.check_args(args)
 
 
 def build_scheduler(

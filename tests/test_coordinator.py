@@ -356,3 +356,47 @@ def test_redis_down_is_reported_clearly():
         client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
     with pytest.raises(redis.ConnectionError):
         client.latest_version("x")
+
+
+def test_job_may_choose_a_builtin_scheduler_with_inline_plan(service, r, redis_url, tmp_path):
+    from schedulers.plan_file import write_plan_file
+
+    plan = tmp_path / "plan.py"
+    write_plan_file(plan, [[("forward", 1965), ("backward", 1950)]], {"plan": 7})
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    job = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    job_id = client.register_job(job, "PointSolution", {"plan_text": plan.read_text()})
+    assert job_id.endswith("+dp1+pp1+tp1+PointSolution")
+    client.register_rank(
+        job_id, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+    )
+    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+    drain(r)
+    assert client.wait_schedule(job_id, 0, timeout=5).frequencies == [
+        ("forward", 1965),
+        ("backward", 1950),
+    ]
+    # Only built-in names, with arguments that fit; both refused with the reason.
+    with pytest.raises(ProtocolError, match="a job may choose one of"):
+        client.register_job(job, "tests.toy_schedulers:StepDown")
+    with pytest.raises(ProtocolError, match="exactly one of solution_path"):
+        client.register_job(job, "PointSolution", {})
+
+
+def test_scheduler_artifacts_are_stored_and_dumped(r, redis_url, tmp_path):
+    from coordinator.dump import dump_job
+    from coordinator.models import JobConfig
+
+    store = JobStore(r)
+    job = JobInfo(job_id="j3", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    store.create_job(job, JobConfig(scheduler="tests.toy_schedulers:WithArtifact"), "1-0")
+    store.add_rank(
+        job, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+    )
+    advance_job("j3", conn=r)
+    assert store.artifacts("j3") == {"note.txt": b"made by version 1"}
+    folder = dump_job(store, "j3", str(tmp_path))
+    assert (folder / "note.txt").read_bytes() == b"made by version 1"
+    assert (folder / "1.sched.json").exists() and (folder / "journal.json").exists()
+    store.delete_job("j3")
+    assert r.exists(keys.job_artifacts("j3")) == 0

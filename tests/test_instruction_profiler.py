@@ -133,7 +133,7 @@ def test_sweep_recovers_the_table_and_stops_after_five_rises(tmp_path):
     job, ranks = make_job(pp=2, dp=2)
     table = synthetic_instruction_table(2, noise=0.005, seed=3)
     out = tmp_path / "profile.csv"
-    profiler = InstructionProfiler(job, ranks, str(out), microbatches=2)
+    profiler = InstructionProfiler(job, ranks, out_path=str(out), microbatches=2)
     versions, _ = drive(profiler, job, table)
 
     check_profile_matches(out, table, job)
@@ -178,7 +178,9 @@ def test_each_sweep_stops_exactly_after_the_fifth_consecutive_rise(tmp_path):
     job, ranks = make_job(pp=2, dp=1)
     table, clocks, stops = pattern_table()
     out = tmp_path / "profile.csv"
-    profiler = InstructionProfiler(job, ranks, str(out), microbatches=3, frequencies=clocks)
+    profiler = InstructionProfiler(
+        job, ranks, out_path=str(out), microbatches=3, frequencies=clocks
+    )
     versions, _ = drive(profiler, job, table, iters=2)
 
     for key, n in stops.items():
@@ -195,7 +197,7 @@ def test_each_sweep_stops_exactly_after_the_fifth_consecutive_rise(tmp_path):
 
 def test_missing_energy_breakdown_is_a_clear_error(tmp_path):
     job, ranks = make_job(pp=2, dp=1)
-    profiler = InstructionProfiler(job, ranks, str(tmp_path / "p.csv"), microbatches=2)
+    profiler = InstructionProfiler(job, ranks, out_path=str(tmp_path / "p.csv"), microbatches=2)
     schedules = profiler.next_schedule()
     results = fake_results(schedules, job, synthetic_instruction_table(2))
     profiler.observe([r.model_copy(update={"energy_breakdown": {}}) for r in results])
@@ -205,7 +207,7 @@ def test_missing_energy_breakdown_is_a_clear_error(tmp_path):
 
 def test_results_that_are_all_warmup_are_refused(tmp_path):
     job, ranks = make_job(pp=1, dp=1)
-    profiler = InstructionProfiler(job, ranks, str(tmp_path / "p.csv"), microbatches=2)
+    profiler = InstructionProfiler(job, ranks, out_path=str(tmp_path / "p.csv"), microbatches=2)
     schedules = profiler.next_schedule()
     profiler.observe(fake_results(schedules, job, synthetic_instruction_table(1), iters=1))
     with pytest.raises(ProtocolError, match="report_every"):
@@ -216,13 +218,17 @@ def test_bad_arguments(tmp_path):
     job, ranks = make_job(pp=2, dp=1)
     out = str(tmp_path / "p.csv")
     with pytest.raises(ConfigError, match=r"\[1234\] MHz are not supported"):
-        InstructionProfiler(job, ranks, out, microbatches=2, frequencies=[1980, 1234])
+        InstructionProfiler(job, ranks, out_path=out, microbatches=2, frequencies=[1980, 1234])
     with pytest.raises(ConfigError, match="out_dir"):
-        InstructionProfiler(job, ranks, out, microbatches=2, then={"p2p_power": 1.0})
+        InstructionProfiler(job, ranks, out_path=out, microbatches=2, then={"p2p_power": 1.0})
     with pytest.raises(ConfigError, match="unknown key"):
-        InstructionProfiler(job, ranks, out, microbatches=2, then={"out_dir": "x", "bogus": 1})
+        InstructionProfiler(
+            job, ranks, out_path=out, microbatches=2, then={"out_dir": "x", "bogus": 1}
+        )
     with pytest.raises(ConfigError, match="unknown policy"):
-        InstructionProfiler(job, ranks, out, microbatches=2, then={"out_dir": "x", "policy": "?"})
+        InstructionProfiler(
+            job, ranks, out_path=out, microbatches=2, then={"out_dir": "x", "policy": "?"}
+        )
 
 
 def test_profile_csv_feeds_the_planner(tmp_path):
@@ -232,7 +238,11 @@ def test_profile_csv_feeds_the_planner(tmp_path):
     table = synthetic_instruction_table(2, noise=0.002, seed=5)
     out = tmp_path / "profile.csv"
     clocks = list(GRAPHICS_CLOCKS[::6])
-    drive(InstructionProfiler(job, ranks, str(out), microbatches=2, frequencies=clocks), job, table)
+    drive(
+        InstructionProfiler(job, ranks, out_path=str(out), microbatches=2, frequencies=clocks),
+        job,
+        table,
+    )
     profile = read_profile_csv(out, num_stages=2)
     assert profile.replicas[(0, "forward", 1980)] == 2  # Two dp replicas per stage.
     result = plan_frontier(profile, 2, 2, out_dir=tmp_path / "plans", unit_time=0.001)

@@ -63,3 +63,10 @@ class WrongRank(FrequencyScheduler):
     def next_schedule(self) -> list[FrequencySchedule]:
         freq = self.rank_infos[0].available_frequencies[0]
         return [FrequencySchedule(rank=0, frequencies=[("forward", freq)])]
+
+
+class WithArtifact(StepDown):
+    """StepDown that also leaves a small artifact."""
+
+    def artifacts(self) -> dict[str, bytes]:
+        return {"note.txt": b"made by version 1"}

@@ -88,6 +88,9 @@ class PerseusOptimizer(Callback):
         sync_fn: Waits for the GPU to finish queued work before timing an instruction.
         clock: Seconds for iteration and instruction times (default ``time.perf_counter``);
             simulations pass their simulated clock.
+        scheduler: A built-in scheduler for this job instead of the coordinator's default
+            (used by rank 0 when it registers the job), e.g. ``"InstructionProfiler"``.
+        scheduler_args: Arguments of ``scheduler`` (JSON-compatible).
     """
 
     def __init__(
@@ -112,6 +115,8 @@ class PerseusOptimizer(Callback):
         instruction_energy: bool = False,
         sync_fn: Callable[[], None] | None = None,
         clock: Callable[[], float] | None = None,
+        scheduler: str | None = None,
+        scheduler_args: dict[str, Any] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Create PerseusOptimizer after torch.distributed.init_process_group")
@@ -137,7 +142,7 @@ class PerseusOptimizer(Callback):
                     world_size=world_size,
                     job_metadata=job_metadata,
                 )
-                job_id = self.client.register_job(info)
+                job_id = self.client.register_job(info, scheduler, scheduler_args)
             except (PerseusError, ValueError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
         box: list[Any] = [(job_id, error)]

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 import uuid
+from typing import Any
 
 import redis
 
@@ -80,10 +81,26 @@ class CoordinatorClient:
             raise ProtocolError(f"coordinator rejected {message.kind}: {reply.error}")
         return reply
 
-    def register_job(self, job: JobInfo) -> str:
-        """Register a job; return the job id the coordinator assigned."""
-        reply = self._request(RegisterJob(request_id=uuid.uuid4().hex, job=job))
-        return reply.job_id
+    def register_job(
+        self,
+        job: JobInfo,
+        scheduler: str | None = None,
+        scheduler_args: dict[str, Any] | None = None,
+    ) -> str:
+        """Register a job; return the job id the coordinator assigned.
+
+        Args:
+            job: The job.
+            scheduler: A built-in scheduler for this job (default: the coordinator's).
+            scheduler_args: Its arguments.
+        """
+        request = RegisterJob(
+            request_id=uuid.uuid4().hex,
+            job=job,
+            scheduler=scheduler,
+            scheduler_args=scheduler_args or {},
+        )
+        return self._request(request).job_id
 
     def register_rank(self, job_id: str, rank: RankInfo) -> None:
         """Register one rank with a job."""

@@ -84,6 +84,8 @@ class SimulatedRankConfig:
         schedule_timeout: Seconds the hook waits for the first schedule.
         sim_gpu_dir: ``PERSEUS_SIM_GPU_DIR`` to use (default: inherited).
         sim_gpu_count: ``PERSEUS_SIM_GPU_COUNT`` to use (default: inherited).
+        scheduler: Built-in scheduler the job asks for (default: the coordinator's).
+        scheduler_args: Its arguments.
 
     """
 
@@ -109,6 +111,8 @@ class SimulatedRankConfig:
     schedule_timeout: float = 60.0
     sim_gpu_dir: str | None = None
     sim_gpu_count: int | None = None
+    scheduler: str | None = None
+    scheduler_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.world_size % self.num_stages:
@@ -226,6 +230,8 @@ def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
                 schedule_timeout=cfg.schedule_timeout,
                 instruction_energy=cfg.instruction_energy,
                 clock=clock.now,
+                scheduler=cfg.scheduler,
+                scheduler_args=cfg.scheduler_args,
             )
         except BaseException:
             controller.stop()
