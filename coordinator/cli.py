@@ -258,11 +258,18 @@ def schedulers() -> None:
 
 def _add_commands() -> None:
     """Commands that live in their own modules (one concept per module)."""
+    from coordinator.cli_demo import demo_command
     from coordinator.cli_planner import choose_command, optimize_command
     from coordinator.cli_power import power_limit_group
     from coordinator.cli_profile import profile_p2p_command
 
-    for command in (optimize_command, choose_command, power_limit_group, profile_p2p_command):
+    for command in (
+        optimize_command,
+        choose_command,
+        power_limit_group,
+        profile_p2p_command,
+        demo_command,
+    ):
         main.add_command(command)
 
 

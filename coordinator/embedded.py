@@ -64,7 +64,9 @@ class EmbeddedRedis:
             "--logfile",
             str(self._dir / "redis.log"),
         ]
-        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        # A session of its own: Ctrl-C in a terminal must not stop Redis before the processes
+        # that use it have been shut down in order (stop() ends it).
+        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + startup_timeout
         while True:
             try:

@@ -222,6 +222,11 @@ class Coordinator:
     def _job_config(self, message: RegisterJob) -> JobConfig:
         dump_dir = self.settings.dump_dir if self.settings.dump_data else ""
         if message.scheduler is None:
+            if not self.settings.scheduler:
+                raise ProtocolError(
+                    "this coordinator has no default scheduler (PERSEUS_SCHEDULER is empty): "
+                    "the job must choose one when it registers"
+                )
             return JobConfig(
                 scheduler=self.settings.scheduler,
                 scheduler_args=self.settings.scheduler_args,

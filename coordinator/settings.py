@@ -20,7 +20,7 @@ class PerseusSettings(BaseSettings):
         redis_url: Redis to coordinate through, e.g. ``redis://localhost:6379/0`` or
             ``unix:///tmp/redis.sock``.
         scheduler: Name of the frequency scheduler new jobs get (see ``perseus schedulers``),
-            or ``package.module:ClassName`` for your own.
+            or ``package.module:ClassName`` for your own; empty: jobs must choose one.
         scheduler_args: Extra keyword arguments for the scheduler's constructor, as JSON in the
             environment, e.g. ``PERSEUS_SCHEDULER_ARGS='{"solution_path": "plan.py"}'``.
         log_level: Logging level name.
@@ -65,6 +65,8 @@ class PerseusSettings(BaseSettings):
         Called when a coordinator starts. Not a field validator, because rq workers and
         the inspection commands share these settings but never construct a scheduler.
         """
+        if not self.scheduler:
+            return  # No default: every job must name its scheduler when it registers.
         # Imported here: the scheduler registry pulls in scheduler modules.
         from schedulers.registry import check_scheduler_args
 

@@ -33,9 +33,11 @@ blocking energy, as in Perseus's model (``energy + p2p_power * blocked time``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -334,11 +336,15 @@ def _train(
 
 def _rank_main(cfg: SimulatedRankConfig, out_path: str) -> None:
     """Spawn target: run the rank, write its record (or traceback) as JSON, exit at once."""
+    # Ctrl-C reaches the whole process group; the launcher decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         record = run_simulated_rank(cfg)
     except BaseException:
         record = {"rank": cfg.rank, "error": traceback.format_exc()}
-    Path(out_path).write_text(json.dumps(record))
+    # The launcher may already be gone (Ctrl-C) and its folder with it.
+    with contextlib.suppress(OSError):
+        Path(out_path).write_text(json.dumps(record))
     # Skip interpreter teardown: torch/gloo threads can hang it, and the record is written.
     os._exit(0)
 
@@ -420,13 +426,15 @@ def launch_simulated_job(
             proc.start()
             procs.append((proc, path))
         deadline = time.monotonic() + timeout
-        for proc, _ in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        stuck = [p.name for p, _ in procs if p.is_alive()]
-        for proc, _ in procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(5)
+        try:
+            for proc, _ in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        finally:  # Also on Ctrl-C: no rank outlives the launcher.
+            stuck = [p.name for p, _ in procs if p.is_alive()]
+            for proc, _ in procs:
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join(5)
         records = []
         for proc, path in procs:
             if not path.exists():

