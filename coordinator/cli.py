@@ -118,18 +118,23 @@ def coordinator(
         pass
 
 
+# Imported by `perseus worker` before it forks: lowtime alone costs ~0.8 s per forked job
+# otherwise (the planner runs inside InstructionProfiler's rq tasks).
+PRELOAD_MODULES = ("coordinator.tasks", "schedulers.planner", "lowtime.solver")
+
+
 def preload_schedulers() -> None:
-    """Import scheduler modules (and lowtime, ~0.8 s) once, before rq forks a job's process."""
+    """Import scheduler modules (and lowtime) once, before rq forks a job's process."""
     import importlib
 
     from schedulers.registry import BUILTIN
 
-    for target in BUILTIN.values():
+    targets = [t.partition(":")[0] for t in BUILTIN.values()] + list(PRELOAD_MODULES)
+    for module in targets:
         try:
-            importlib.import_module(target.partition(":")[0])
+            importlib.import_module(module)
         except ImportError as exc:  # A missing optional module must not stop the worker.
-            logging.getLogger(__name__).warning("not preloaded: %s (%s)", target, exc)
-    importlib.import_module("coordinator.tasks")
+            logging.getLogger(__name__).warning("not preloaded: %s (%s)", module, exc)
 
 
 @main.command()
@@ -138,8 +143,14 @@ def preload_schedulers() -> None:
 @click.option("--simple", is_flag=True, help="Run jobs in this process (rq SimpleWorker), no fork.")
 @click.option("--name", default=None, help="Worker name (default: rq's).")
 @click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
+@click.option("--no-preload", is_flag=True, help="Skip importing the schedulers (slower jobs).")
 def worker(
-    redis_url: str | None, burst: bool, simple: bool, name: str | None, log_level: str | None
+    redis_url: str | None,
+    burst: bool,
+    simple: bool,
+    name: str | None,
+    log_level: str | None,
+    no_preload: bool,
 ) -> None:
     """Run an rq worker for scheduler jobs, with the scheduler modules preloaded.
 
@@ -155,7 +166,8 @@ def worker(
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    preload_schedulers()
+    if not no_preload:
+        preload_schedulers()
     cls = SimpleWorker if simple else Worker
     rq_worker = cls([keys.RQ_QUEUE], connection=_connect(settings.redis_url), name=name)
     rq_worker.work(burst=burst, logging_level=settings.log_level)

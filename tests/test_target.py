@@ -1,0 +1,103 @@
+"""A new target iteration time travels through Redis and re-plans every rank (straggler case)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+from rq import Queue, SimpleWorker
+
+from coordinator import keys
+from coordinator.cli import main
+from coordinator.models import JobInfo, RankInfo
+from coordinator.service import Coordinator
+from coordinator.settings import PerseusSettings
+from coordinator.store import JobStore
+from schedulers.choose import select_point
+from schedulers.frontier_files import load_frontier
+from schedulers.planner import plan_frontier
+from schedulers.synthetic_profile import H100_CLOCKS, synthetic_profile
+from worker_client.session import CoordinatorClient
+
+
+@pytest.fixture
+def frontier_dir(tmp_path):
+    out = tmp_path / "frontier"
+    plan_frontier(synthetic_profile(2, stride=20), 2, 2, out_dir=out)
+    return out
+
+
+def drain(r) -> None:
+    SimpleWorker([Queue(keys.RQ_QUEUE, connection=r)], connection=r).work(burst=True)
+
+
+def test_target_through_redis_switches_plan(r, redis_url, frontier_dir):
+    coord = Coordinator(r, PerseusSettings(redis_url=redis_url, scheduler=""))
+    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+    thread.start()
+    try:
+        client = CoordinatorClient(redis_url, reply_timeout=5)
+        job = JobInfo(pp_degree=2, dp_degree=2, tp_degree=1, world_size=4)
+        job_id = client.register_job(
+            job, "FrontierScheduler3D", {"frontier_dir": str(frontier_dir)}
+        )
+        for rank in range(4):
+            client.register_rank(
+                job_id,
+                RankInfo(
+                    rank=rank,
+                    dp_rank=rank // 2,
+                    pp_rank=rank % 2,
+                    tp_rank=0,
+                    available_frequencies=list(H100_CLOCKS),
+                ),
+            )
+        drain(r)
+        first = client.wait_schedule(job_id, rank=1, timeout=5)
+        frontier = load_frontier(frontier_dir)
+        fastest = frontier.points[-1]
+
+        # A straggler makes every iteration 30% slower: aim at that time instead.
+        straggler = fastest.iteration_time * 1.3
+        result = CliRunner().invoke(
+            main, ["target", job_id, str(straggler), "--redis-url", redis_url]
+        )
+        assert result.exit_code == 0, result.output
+        store = JobStore(r)
+        deadline = time.monotonic() + 10
+        while not Queue(keys.RQ_QUEUE, connection=r).count and time.monotonic() < deadline:
+            time.sleep(0.02)
+        drain(r)
+        second = client.wait_schedule(job_id, rank=1, newer_than=1, timeout=5)
+        assert second.version == 2
+        expected, _, _ = select_point(frontier, "straggler", straggler)
+        assert expected.iteration_time <= straggler
+        assert expected.plan != fastest.plan and second.frequencies != first.frequencies
+        # Every rank of a stage got the same new plan line; the journal records the control.
+        assert store.schedule(job_id, 2, 3).frequencies == second.frequencies
+        assert store.journal(job_id)[-1].controls_upto == 1
+        assert [m.iteration_time for m in store.controls(job_id)] == [straggler]
+    finally:
+        coord.stop_event.set()
+        thread.join(timeout=5)
+
+
+def test_target_for_unknown_job_and_bad_value(r, redis_url):
+    coord = Coordinator(r, PerseusSettings(redis_url=redis_url, scheduler=""))
+    coord_thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+    coord_thread.start()
+    try:
+        result = CliRunner().invoke(main, ["target", "nope", "0", "--redis-url", redis_url])
+        assert result.exit_code == 2 and "greater than 0" in result.output
+        result = CliRunner().invoke(main, ["target", "nope", "1.5", "--redis-url", redis_url])
+        assert result.exit_code == 0
+        deadline = time.monotonic() + 5
+        while not r.xlen(keys.DEADLETTER_STREAM) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        reason = r.xrange(keys.DEADLETTER_STREAM)[-1][1][b"reason"]
+        assert b"unknown job id 'nope'" in reason
+    finally:
+        coord.stop_event.set()
+        coord_thread.join(timeout=5)
