@@ -1,40 +1,43 @@
-"""A synthetic but plausible instruction profile, for benchmarks, demos and tests.
+"""Synthetic instruction profiles for the planner's benchmarks, demos and tests.
 
-The model is deliberately simple and deterministic:
+The numbers come from the one synthetic model, :mod:`coordinator.synthetic_profile` (the
+same one the simulated GPU replays): H100 clocks, ``time = t_max * x**-alpha`` and
+``power = p_static + p_dynamic * x**3`` with ``x = f / f_max``, so energy has its minimum
+inside the clock range (about 1070 MHz) and the clocks below it are the Pareto-suboptimal tail
+the Perseus docs tell profilers to stop at. Backward takes twice as long as forward and the
+last stage is heavier (it carries the LM head), which is what gives Perseus something to save.
 
-* clocks are H100-like: 1980 MHz down to 345 MHz in 15 MHz steps (``stride`` keeps every
-  n-th one to make planning faster);
-* time at clock ``f`` is ``t_max * (alpha * f_max / f + 1 - alpha)``: a compute-bound share
-  ``alpha`` slows down with the clock, the rest (memory, launches) does not;
-* power is ``static + dynamic * (f / f_max) ** gamma`` (voltage drops with the clock), so
-  energy ``power * time`` has its minimum inside the clock range: below it the static power
-  burns for longer than the dynamic power saves, which is the Pareto-suboptimal tail the
-  Perseus docs tell profilers to stop at;
-* backward takes about twice as long as forward, and stages are imbalanced (the last stage
-  carries the LM head, stage weights vary), which is what gives Perseus something to save.
+This module only picks the clocks (every ``stride``-th one, to make planning faster) and
+returns the rows in the planner's types. ``synthetic_rows(n, stride=s)`` has exactly the rows
+of ``synthetic_instruction_table(n, H100_CLOCKS[::s])`` from
+:mod:`worker_client.instruction_table`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from coordinator.profile_csv import (
+    INSTRUCTIONS,
     InstructionProfile,
     ProfileRow,
     build_profile,
     write_profile_rows,
 )
+from coordinator.synthetic_profile import (
+    H100_GRAPHICS_CLOCKS,
+    default_imbalance,
+    synthetic_profile_rows,
+)
 
-H100_CLOCKS: tuple[int, ...] = tuple(range(1980, 344, -15))
+H100_CLOCKS: tuple[int, ...] = H100_GRAPHICS_CLOCKS
 
 
 def stage_weights(num_stages: int) -> list[float]:
-    """Relative work per stage: a fixed, repeatable imbalance with the heaviest stage last."""
-    pattern = (1.0, 0.82, 0.9, 0.76, 0.95, 0.86)
-    weights = [pattern[s % len(pattern)] for s in range(num_stages)]
-    weights[-1] = 1.15 if num_stages > 1 else 1.0  # Embedding/LM head land on the last stage.
-    return weights
+    """Relative work per stage: 1.0, and 1.2 on the last of several stages (the LM head)."""
+    return default_imbalance(num_stages)
 
 
 def synthetic_rows(
@@ -42,25 +45,20 @@ def synthetic_rows(
     *,
     stride: int = 4,
     clocks: Sequence[int] = H100_CLOCKS,
-    forward_time: float = 0.012,
-    backward_ratio: float = 2.0,
-    static_power: float = 200.0,
-    dynamic_power: float = 500.0,
-    gamma: float = 2.5,
     weights: Sequence[float] | None = None,
+    **model: Any,
 ) -> list[ProfileRow]:
     """Rows of a synthetic short-form profile.
 
     Args:
         num_stages: Pipeline stages.
-        stride: Keep every ``stride``-th clock (the highest is always kept).
-        clocks: Available clocks, MHz, highest first.
-        forward_time: Forward time of a weight-1 stage at the highest clock, seconds.
-        backward_ratio: Backward time over forward time.
-        static_power: Clock-independent power while computing, W.
-        dynamic_power: Clock-dependent power at the highest clock, W.
-        gamma: Exponent of the dynamic power in the clock.
+        stride: Keep every ``stride``-th clock, counting from the highest (always kept).
+        clocks: Available clocks, MHz.
         weights: Relative work per stage; default :func:`stage_weights`.
+        **model: Further parameters of
+            :func:`coordinator.synthetic_profile.synthetic_profile_rows`, e.g.
+            ``base_forward_time``, ``backward_ratio``, ``alpha``, ``p_static_w``,
+            ``p_dynamic_w``, ``jitter``, ``seed``.
 
     Returns:
         One row per stage, instruction and kept clock (forward first, clocks high to low).
@@ -68,27 +66,18 @@ def synthetic_rows(
     """
     if num_stages < 1 or stride < 1 or not clocks:
         raise ValueError("need num_stages >= 1, stride >= 1 and at least one clock")
-    kept = list(clocks)[::stride]
-    f_max = max(clocks)
-    weights = list(weights) if weights is not None else stage_weights(num_stages)
-    rows: list[ProfileRow] = []
-    for stage in range(num_stages):
-        for inst, ratio, alpha in (("forward", 1.0, 0.8), ("backward", backward_ratio, 0.88)):
-            t_max = forward_time * ratio * weights[stage]
-            for freq in kept:
-                x = freq / f_max
-                time = t_max * (alpha / x + 1.0 - alpha)
-                power = static_power + dynamic_power * x**gamma
-                rows.append(ProfileRow(stage, inst, freq, time, power * time))
-    return rows
+    kept = sorted(set(clocks), reverse=True)[::stride]
+    rows = synthetic_profile_rows(num_stages, kept, imbalance=weights, **model)
+    rows.sort(key=lambda r: (r[0], INSTRUCTIONS.index(r[1]), -r[2]))
+    return [ProfileRow(stage, inst, freq, t, e) for stage, inst, freq, t, e in rows]
 
 
-def synthetic_profile(num_stages: int, **kwargs: object) -> InstructionProfile:
+def synthetic_profile(num_stages: int, **kwargs: Any) -> InstructionProfile:
     """Return :func:`synthetic_rows` as an :class:`InstructionProfile`."""
-    return build_profile(synthetic_rows(num_stages, **kwargs))  # type: ignore[arg-type]
+    return build_profile(synthetic_rows(num_stages, **kwargs))
 
 
-def write_synthetic_profile(path: str | Path, num_stages: int, **kwargs: object) -> Path:
+def write_synthetic_profile(path: str | Path, num_stages: int, **kwargs: Any) -> Path:
     """Write :func:`synthetic_rows` as a short-form CSV and return its path."""
-    write_profile_rows(path, synthetic_rows(num_stages, **kwargs))  # type: ignore[arg-type]
+    write_profile_rows(path, synthetic_rows(num_stages, **kwargs))
     return Path(path)

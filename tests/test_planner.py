@@ -34,7 +34,8 @@ from schedulers.frontier_files import load_frontier
 from schedulers.pipeline_dag import PipelineShape
 from schedulers.plan_file import one_f_one_b_order, read_plan_file
 from schedulers.planner import InterpolatedCostModel, pareto_frequencies, plan_frontier
-from schedulers.synthetic_profile import synthetic_profile, write_synthetic_profile
+from schedulers.synthetic_profile import synthetic_profile, synthetic_rows, write_synthetic_profile
+from worker_client.simulated_gpu import GRAPHICS_CLOCKS, synthetic_instruction_table
 
 CLOCKS = [1980, 1800, 1600, 1400]
 U = 0.01  # Unit time of the exact profiles.
@@ -201,6 +202,29 @@ def test_dag_matches_lowtime_dependency_rules() -> None:
             stages, micro, 0
         )
         assert set(graph.successors(graph.graph["source_node"])) == {shape.node(0, 0)}
+
+
+def test_synthetic_profile_is_the_simulated_gpu_model(tmp_path: Path) -> None:
+    for stages, stride in [(1, 1), (2, 4), (4, 20)]:
+        rows = synthetic_rows(stages, stride=stride)
+        table = synthetic_instruction_table(stages, GRAPHICS_CLOCKS[::stride])
+        assert {(r.stage, r.instruction, r.frequency): (r.time, r.energy) for r in rows} == dict(
+            table
+        )
+        # Forward first, then backward; clocks high to low, the highest always kept.
+        first = [r.frequency for r in rows if (r.stage, r.instruction) == (0, "forward")]
+        assert first == sorted(first, reverse=True) and first[0] == max(GRAPHICS_CLOCKS)
+        order = ["forward"] * len(first) + ["backward"] * len(first)
+        assert [r.instruction for r in rows[: len(order)]] == order
+    # The model's jitter is seeded the same way on both sides (CSV floats round-trip exactly).
+    path = write_synthetic_profile(tmp_path / "p.csv", 2, stride=8, jitter=0.02, seed=3)
+    jittered = synthetic_instruction_table(2, GRAPHICS_CLOCKS[::8], jitter=0.02, seed=3)
+    from_csv = {
+        (stage, inst, freq): te
+        for (stage, inst), by_freq in read_profile_csv(path).table.items()
+        for freq, te in by_freq.items()
+    }
+    assert from_csv == dict(jittered)
 
 
 def test_pareto_filter() -> None:

@@ -31,6 +31,7 @@ from types import FrameType, TracebackType
 from typing import IO, Any, Literal, Protocol
 
 from coordinator.exceptions import GPUError
+from coordinator.synthetic_profile import H100_GRAPHICS_CLOCKS
 from worker_client.nvml import NVML, REAL_NVML
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ SIMULATED_NVML = "worker_client.simulated_gpu"
 _PARENT_CHECK_S = 0.5  # how often an idle side process checks that its parent lives
 
 # Clocks the dry-run controller reports when no NVML module is given (a measured H100).
-_H100_GRAPHICS_CLOCKS = list(range(1980, 344, -15))
 _H100_MEMORY_CLOCK = 2619
 
 
@@ -352,7 +352,7 @@ class DryRunFrequencyController:
         self.device_index = device_index
         self.records: list[tuple[float, int]] = []
         self.memory_clock = _H100_MEMORY_CLOCK
-        self.graphics_clocks = list(_H100_GRAPHICS_CLOCKS)
+        self.graphics_clocks = list(H100_GRAPHICS_CLOCKS)
         if nvml_module is not None:
             nvml = NVML(nvml_module)
             try:

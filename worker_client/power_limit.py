@@ -3,7 +3,8 @@
 :class:`GlobalPowerLimitOptimizer` is a training callback. Starting at the GPUs' maximum power
 limit and going down in ``pl_step`` watt steps to the minimum, it runs ``warmup_steps``
 training steps at each limit and then measures ``profile_steps`` steps in one monitor window.
-Once every limit is measured, an :class:`OptimumSelector` picks the limit that training keeps.
+Once every limit is measured, an :class:`OptimumSelector` picks the limit that training keeps
+(the selectors and the measurement models live in :mod:`worker_client.power_limit_selectors`).
 
 States (``optimizer.state``), driven by :meth:`~GlobalPowerLimitOptimizer.on_step_begin` and
 :meth:`~GlobalPowerLimitOptimizer.on_epoch_end`::
@@ -33,153 +34,52 @@ import os
 import sys
 import tempfile
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from coordinator.exceptions import ConfigError, CoordinatorUnavailableError, GPUError
 from worker_client.nvml import NVML
+from worker_client.power_limit_selectors import (
+    Energy,
+    MaxSlowdownConstraint,
+    OptimumSelector,
+    PowerLimitMeasurement,
+    PowerLimitProfile,
+    Time,
+    ZeusCost,
+)
 
 if TYPE_CHECKING:
     from worker_client.power_limit_store import PowerLimitProfileStore
 
 logger = logging.getLogger(__name__)
 
+__all__ = [  # The selectors and measurement models live in power_limit_selectors.
+    "Done",
+    "Energy",
+    "GlobalPowerLimitOptimizer",
+    "MaxSlowdownConstraint",
+    "OptimumSelector",
+    "PowerLimitMeasurement",
+    "PowerLimitProfile",
+    "Profiling",
+    "Ready",
+    "Reducer",
+    "State",
+    "Time",
+    "Warmup",
+    "WindowMonitor",
+    "ZeusCost",
+    "power_limit_ladder",
+    "save_profile_file",
+    "torch_distributed_reducer",
+]
+
 Reducer = Callable[[float, float], tuple[float, float]]
 """(local time s, local energy J) -> (job time, job energy) across ranks."""
-
-
-class PowerLimitMeasurement(BaseModel):
-    """Time and energy of ``profile_steps`` training steps at one power limit.
-
-    Attributes:
-        power_limit: The power limit, Watts.
-        energy: Energy of all measured GPUs (of all ranks), Joules.
-        time: Wall time of the profiled steps (slowest rank), seconds.
-
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    power_limit: int = Field(ge=1)
-    energy: float = Field(ge=0)
-    time: float = Field(ge=0)
-
-
-class PowerLimitProfile(BaseModel):
-    """A workload's profiling result; also the JSON profile file's format.
-
-    Attributes:
-        measurements: One entry per profiled power limit, highest limit first.
-        optimal_power_limit: The limit the selector chose, Watts.
-        selector: Description of the selector that chose it (informative).
-        updated_at: Unix time the profile was produced or stored.
-
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    measurements: list[PowerLimitMeasurement] = Field(min_length=1)
-    optimal_power_limit: int = Field(ge=1)
-    selector: str = ""
-    updated_at: float = 0.0
-
-
-# --- selectors ------------------------------------------------------------------------------
-class OptimumSelector(ABC):
-    """Chooses the power limit to train with from the profiled measurements."""
-
-    @abstractmethod
-    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
-        """Return the chosen power limit (W); ``measurements`` is not empty."""
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"{type(self).__name__}({args})"
-
-
-def _argmin(measurements: Sequence[PowerLimitMeasurement], key: Callable[..., float]) -> int:
-    if not measurements:
-        raise ValueError("no power limit measurements to select from")
-    # Ties go to the lower power limit: same objective, less power.
-    best = min(measurements, key=lambda m: (key(m), m.power_limit))
-    return best.power_limit
-
-
-class Energy(OptimumSelector):
-    """The power limit with the least energy."""
-
-    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
-        """Return the power limit (W) with the least energy."""
-        return _argmin(measurements, lambda m: m.energy)
-
-
-class Time(OptimumSelector):
-    """The power limit with the shortest time.
-
-    Times are noisy, so this is not necessarily the maximum limit; a slightly lower limit
-    with an equally short time is a good pick anyway (same speed, less power).
-    """
-
-    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
-        """Return the power limit (W) with the shortest time."""
-        return _argmin(measurements, lambda m: m.time)
-
-
-class ZeusCost(OptimumSelector):
-    """The power limit minimising ``eta * E + (1 - eta) * MaxPower * world_size * T``.
-
-    ``MaxPower`` is the largest profiled power limit: the second term prices time as energy
-    drawn at full power by all ``world_size`` GPUs, so ``eta`` trades energy (1) for time (0).
-
-    Args:
-        eta_knob: Weight of energy, in [0, 1].
-        world_size: Number of GPUs in the job.
-
-    """
-
-    def __init__(self, eta_knob: float, world_size: int = 1) -> None:
-        if not 0.0 <= eta_knob <= 1.0:
-            raise ConfigError(f"eta_knob must be in [0, 1], got {eta_knob}")
-        if world_size < 1:
-            raise ConfigError(f"world_size must be at least 1, got {world_size}")
-        self.eta_knob = eta_knob
-        self.world_size = world_size
-
-    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
-        """Return the power limit (W) with the least Zeus cost."""
-        if not measurements:
-            raise ValueError("no power limit measurements to select from")
-        max_power = max(m.power_limit for m in measurements)
-        eta = self.eta_knob
-        return _argmin(
-            measurements,
-            lambda m: eta * m.energy + (1 - eta) * max_power * self.world_size * m.time,
-        )
-
-
-class MaxSlowdownConstraint(OptimumSelector):
-    """The lowest power limit whose time is at most ``factor`` x the shortest time.
-
-    Args:
-        factor: Allowed slowdown, at least 1.0 (1.0: as fast as the fastest limit).
-
-    """
-
-    def __init__(self, factor: float) -> None:
-        if not factor >= 1.0:  # also rejects NaN
-            raise ConfigError(f"slowdown factor must be at least 1.0, got {factor}")
-        self.factor = factor
-
-    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
-        """Return the lowest power limit (W) within the allowed slowdown."""
-        if not measurements:
-            raise ValueError("no power limit measurements to select from")
-        shortest = min(m.time for m in measurements)
-        return min(m.power_limit for m in measurements if m.time <= self.factor * shortest)
 
 
 # --- states -----------------------------------------------------------------------------------

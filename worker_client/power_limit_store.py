@@ -1,9 +1,10 @@
 """Power-limit profiles in Redis, shared by every run (and rank) of the same workload.
 
 Layout: ``keys.power_limit_profile(workload)`` holds the msgpack-encoded
-:class:`~worker_client.power_limit.PowerLimitProfile`; the sorted set ``keys.POWER_LIMIT_INDEX``
-maps each stored workload name to the unix time it was last written. Both change in one
-MULTI/EXEC, so the index never names a profile that is not there (or the other way round).
+:class:`~worker_client.power_limit_selectors.PowerLimitProfile`; the sorted set
+``keys.POWER_LIMIT_INDEX`` maps each stored workload name to the unix time it was last
+written. Both change in one MULTI/EXEC, so the index never names a profile that is not there
+(or the other way round).
 
 Redis errors become :class:`~coordinator.exceptions.CoordinatorUnavailableError` and
 undecodable values :class:`~coordinator.exceptions.ProtocolError`.
@@ -22,7 +23,7 @@ from pydantic import ValidationError
 
 from coordinator import keys
 from coordinator.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
-from worker_client.power_limit import PowerLimitProfile
+from worker_client.power_limit_selectors import PowerLimitProfile
 
 # Workload names become part of a key name (perseus:powerlimit:profile:<workload>): no ':'.
 _WORKLOAD_RE = re.compile(r"^[A-Za-z0-9._+/-]{1,128}$")

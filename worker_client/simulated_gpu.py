@@ -20,25 +20,28 @@ Environment:
     ``PERSEUS_SIM_GPU_COUNT``: number of devices (default 8).
     ``PERSEUS_SIM_GPU_DENY``: ``1`` makes every NVML write fail with NO_PERMISSION.
 
-The training side uses :class:`SimulatedGPU`, which replays an :class:`InstructionTable`
-(time and energy per stage, instruction and frequency) at the currently locked clock.
+The training side uses :class:`SimulatedGPU`, which replays an
+:class:`~worker_client.instruction_table.InstructionTable` (time and energy per stage,
+instruction and frequency) at the currently locked clock.
 """
 
 from __future__ import annotations
 
-import bisect
-import csv
 import fcntl
 import json
 import os
-import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from coordinator.synthetic_profile import H100_GRAPHICS_CLOCKS
+
+# Also importable from here, where they used to live.
+from worker_client.instruction_table import InstructionTable, synthetic_instruction_table
 
 # --- constants (values match pynvml so code comparing codes behaves the same) ----------------
 NVML_ERROR_UNINITIALIZED = 1
@@ -51,7 +54,7 @@ NVML_CLOCK_GRAPHICS = 0
 NVML_CLOCK_SM = 1
 NVML_CLOCK_MEM = 2
 
-GRAPHICS_CLOCKS: tuple[int, ...] = tuple(range(1980, 344, -15))
+GRAPHICS_CLOCKS: tuple[int, ...] = H100_GRAPHICS_CLOCKS
 MEMORY_CLOCKS: tuple[int, ...] = (2619, 1593)
 POWER_LIMIT_RANGE_MW: tuple[int, int] = (200_000, 700_000)
 IDLE_POWER_W = 70.0
@@ -76,190 +79,6 @@ class NVMLError(Exception):
 
     def __str__(self) -> str:
         return _ERROR_TEXT.get(self.value, f"NVML Error with code {self.value}")
-
-
-# --- replay profile ----------------------------------------------------------------------------
-Key = tuple[int, str, int]
-
-
-class InstructionTable(Mapping[Key, tuple[float, float]]):
-    """Replay profile: ``(stage, instruction, frequency) -> (time_s, energy_j)``.
-
-    As a mapping it holds only the measured rows. :meth:`lookup` also answers frequencies
-    missing from the table: linear interpolation of time and energy between the two nearest
-    measured frequencies, and the nearest measured frequency outside the measured range (no
-    extrapolation: profiles usually stop before the lowest clocks, and a straight-line guess
-    there can go negative).
-
-    Args:
-        rows: ``(stage, instruction, frequency, time_s, energy_j)`` tuples, or mappings with
-            the CSV column names ``stage, instruction, frequency, time, energy`` (extra
-            columns such as ``rank`` are ignored). Rows with the same key are averaged.
-        noise: Relative standard deviation of the multiplicative Gaussian noise that
-            :meth:`lookup` applies (0 = exact replay). Energy inherits the time factor, so a
-            slow sample also costs more energy.
-        seed: Seed of the noise generator.
-        blocking_power_w: Power while blocked on communication (used by ``idle``), Watts.
-
-    """
-
-    def __init__(
-        self,
-        rows: Iterable[Sequence[Any] | Mapping[str, Any]],
-        *,
-        noise: float = 0.0,
-        seed: int | None = None,
-        blocking_power_w: float = 100.0,
-    ) -> None:
-        if noise < 0:
-            raise ValueError(f"noise must be >= 0, got {noise}")
-        sums: dict[Key, list[float]] = {}
-        for row in rows:
-            if isinstance(row, Mapping):
-                values = [row[k] for k in ("stage", "instruction", "frequency", "time", "energy")]
-            else:
-                values = list(row)
-            stage, inst, freq, t, e = values
-            key = (int(stage), str(inst), int(freq))
-            acc = sums.setdefault(key, [0.0, 0.0, 0.0])
-            acc[0] += float(t)
-            acc[1] += float(e)
-            acc[2] += 1
-        self._rows: dict[Key, tuple[float, float]] = {
-            k: (t / n, e / n) for k, (t, e, n) in sums.items()
-        }
-        # Sorted frequencies per (stage, instruction) for interpolation.
-        self._freqs: dict[tuple[int, str], list[int]] = {}
-        for stage, inst, freq in sorted(self._rows):
-            self._freqs.setdefault((stage, inst), []).append(freq)
-        self.noise = noise
-        self.blocking_power_w = blocking_power_w
-        self._rng = random.Random(seed)
-
-    @classmethod
-    def from_csv(cls, path: str | Path, **kwargs: Any) -> InstructionTable:
-        """Read a profile CSV (``stage,instruction,frequency,time,energy`` columns)."""
-        with open(path, newline="") as f:
-            return cls(list(csv.DictReader(f)), **kwargs)
-
-    def to_csv(self, path: str | Path) -> None:
-        """Write the measured rows as a profile CSV."""
-        with open(path, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["stage", "instruction", "frequency", "time", "energy"])
-            for (stage, inst, freq), (t, e) in sorted(self._rows.items()):
-                writer.writerow([stage, inst, freq, t, e])
-
-    def __getitem__(self, key: Key) -> tuple[float, float]:
-        return self._rows[key]
-
-    def __iter__(self) -> Iterator[Key]:
-        return iter(self._rows)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def frequencies(self, stage: int, instruction: str) -> list[int]:
-        """Measured frequencies of one instruction, ascending."""
-        try:
-            return list(self._freqs[(stage, instruction)])
-        except KeyError:
-            raise KeyError(f"no profile for stage {stage} instruction {instruction!r}") from None
-
-    def expected(self, stage: int, instruction: str, frequency: int) -> tuple[float, float]:
-        """Noise-free ``(time_s, energy_j)``, interpolated or nearest (see class docs)."""
-        freqs = self.frequencies(stage, instruction)
-        if frequency <= freqs[0]:
-            return self._rows[(stage, instruction, freqs[0])]
-        if frequency >= freqs[-1]:
-            return self._rows[(stage, instruction, freqs[-1])]
-        hi = bisect.bisect_left(freqs, frequency)
-        if freqs[hi] == frequency:
-            return self._rows[(stage, instruction, frequency)]
-        f0, f1 = freqs[hi - 1], freqs[hi]
-        (t0, e0), (t1, e1) = (
-            self._rows[(stage, instruction, f0)],
-            self._rows[(stage, instruction, f1)],
-        )
-        w = (frequency - f0) / (f1 - f0)
-        return t0 + w * (t1 - t0), e0 + w * (e1 - e0)
-
-    def lookup(self, stage: int, instruction: str, frequency: int) -> tuple[float, float]:
-        """Like :meth:`expected`, with the table's multiplicative noise applied."""
-        t, e = self.expected(stage, instruction, frequency)
-        if self.noise > 0:
-            # Clamp so a wild draw cannot produce a zero or negative duration.
-            time_factor = max(0.05, self._rng.gauss(1.0, self.noise))
-            power_factor = max(0.05, self._rng.gauss(1.0, self.noise))
-            t, e = t * time_factor, e * time_factor * power_factor
-        return t, e
-
-
-def synthetic_instruction_table(
-    num_stages: int,
-    frequencies: Iterable[int] = GRAPHICS_CLOCKS,
-    base_forward_time: float = 0.012,
-    imbalance: Sequence[float] | None = None,
-    seed: int = 0,
-    *,
-    backward_ratio: float = 2.0,
-    alpha: float = 0.8,
-    p_static_w: float = 180.0,
-    p_dynamic_w: float = 420.0,
-    jitter: float = 0.0,
-    noise: float = 0.0,
-    blocking_power_w: float = 100.0,
-) -> InstructionTable:
-    """Build an H100-like profile of ``forward``/``backward`` for ``num_stages`` stages.
-
-    Model, with ``x = f / f_max``: ``time = t_max * x**-alpha`` (``alpha < 1`` because part
-    of the work is memory-bound and does not speed up with the clock) and
-    ``power = p_static + p_dynamic * x**3``. Energy ``power * time`` is then smallest at
-    ``x = (alpha * p_static / ((3 - alpha) * p_dynamic)) ** (1/3)``, about 1070 MHz with the
-    defaults: energy falls and then rises again as the clock drops, as measured on real GPUs.
-    At the max clock an instruction draws 600 W.
-
-    Args:
-        num_stages: Number of pipeline stages.
-        frequencies: Graphics clocks to tabulate (MHz); the max is ``f_max``.
-        base_forward_time: Forward time of a weight-1.0 stage at ``f_max``, seconds.
-        imbalance: Per-stage time weights. Default: 1.0 everywhere except the last stage,
-            1.2 (it also runs the LM head and the loss); 1.0 for a single stage.
-        seed: Seed for ``jitter`` and ``noise``.
-        backward_ratio: Backward time / forward time.
-        alpha: Frequency sensitivity of the time.
-        p_static_w: Frequency-independent power under load, Watts.
-        p_dynamic_w: Power that scales with ``x**3`` (voltage follows the clock), Watts.
-        jitter: Relative std of a fixed, seeded per-row perturbation baked into the table,
-            so that curves are not perfectly smooth (as measured profiles are not).
-        noise: Per-lookup noise of the returned table (see :class:`InstructionTable`).
-        blocking_power_w: Power while blocked on P2P communication, Watts.
-
-    """
-    freqs = sorted({int(f) for f in frequencies})
-    if num_stages < 1 or not freqs:
-        raise ValueError("need at least one stage and one frequency")
-    if imbalance is None:
-        imbalance = [1.0] * (num_stages - 1) + [1.2 if num_stages > 1 else 1.0]
-    if len(imbalance) != num_stages:
-        raise ValueError(f"imbalance has {len(imbalance)} weights for {num_stages} stages")
-    f_max = freqs[-1]
-    rng = random.Random(seed)
-    rows: list[tuple[int, str, int, float, float]] = []
-    for stage, weight in enumerate(imbalance):
-        for inst, ratio in (("forward", 1.0), ("backward", backward_ratio)):
-            t_max = base_forward_time * weight * ratio
-            for f in freqs:
-                x = f / f_max
-                t = t_max * x**-alpha
-                p = p_static_w + p_dynamic_w * x**3
-                if jitter > 0:
-                    t *= max(0.5, rng.gauss(1.0, jitter))
-                    p *= max(0.5, rng.gauss(1.0, jitter))
-                rows.append((stage, inst, f, t, p * t))
-    return InstructionTable(
-        rows, noise=noise, seed=rng.randrange(2**32), blocking_power_w=blocking_power_w
-    )
 
 
 # --- shared device state -------------------------------------------------------------------------

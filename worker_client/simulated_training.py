@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from worker_client.simulated_gpu import InstructionTable
+from worker_client.instruction_table import InstructionTable
 
 Row = tuple[int, str, int, float, float]
 #: Instruction table as rows ``(stage, instruction, frequency, time_s, energy_j)`` (or CSV
@@ -326,6 +326,8 @@ def _train(
             stop_in -= 1
         if stop_in is not None and stop_in <= 0:
             break
+    # The last step end may have swapped in a version no step ran yet: record it too.
+    record["schedules"].setdefault(str(hook.schedule.version), hook.schedule.frequencies)
     record.update(steps)
     record["version"] = versions
     record["swaps"] = list(hook.swaps)
