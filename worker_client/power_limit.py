@@ -353,6 +353,10 @@ class GlobalPowerLimitOptimizer:
             if self._restore_on_exit:
                 atexit.register(self.close)
         for i in self.gpu_indices:
+            # Reading needs no privilege: write (root or CAP_SYS_ADMIN) only what changes, so
+            # a job whose optimum is the current limit never needs the privilege at all.
+            if self.nvml.power_limit_mw(i) == watts * 1000:
+                continue
             try:
                 self.nvml.set_power_limit_mw(i, watts * 1000)
             except GPUError as exc:
