@@ -400,3 +400,54 @@ def test_scheduler_artifacts_are_stored_and_dumped(r, redis_url, tmp_path):
     assert (folder / "1.sched.json").exists() and (folder / "journal.json").exists()
     store.delete_job("j3")
     assert r.exists(keys.job_artifacts("j3")) == 0
+
+
+def test_dump_and_status_commands(service, r, redis_url, tmp_path):
+    from click.testing import CliRunner
+
+    from coordinator.cli import main
+
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    job_id = register(client)
+    drain(r)
+    runner = CliRunner()
+    result = runner.invoke(main, ["dump", job_id, "--out", str(tmp_path), "--redis-url", redis_url])
+    assert result.exit_code == 0, result.output
+    folder = tmp_path / job_id
+    assert {"job.json", "ranks.json", "1.sched.json", "journal.json"} <= {
+        p.name for p in folder.iterdir()
+    }
+    result = runner.invoke(main, ["dump", "nope", "--out", str(tmp_path), "--redis-url", redis_url])
+    assert result.exit_code == 1 and "unknown job id 'nope'" in result.output
+    result = runner.invoke(main, ["status", "--redis-url", redis_url])
+    assert result.exit_code == 0, result.output
+    assert job_id in result.output and "perseus:stream:results" in result.output
+    result = runner.invoke(main, ["status", "--redis-url", "redis://127.0.0.1:1/0"])
+    assert result.exit_code == 1 and "cannot reach Redis" in result.output
+
+
+def test_dump_data_writes_each_version_as_it_is_published(r, redis_url, tmp_path):
+    settings = make_settings(redis_url, dump_data=True, dump_dir=str(tmp_path))
+    coord = Coordinator(r, settings)
+    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+    thread.start()
+    try:
+        client = CoordinatorClient(redis_url, reply_timeout=5)
+        job_id = register(client)
+        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+        drain(r)
+        for rank in range(2):
+            client.report(job_id, result(rank, 1))
+        wait_for(lambda: JobStore(r).result_count(job_id, 1) == 2)
+        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+        drain(r)
+    finally:
+        coord.stop_event.set()
+        thread.join(timeout=5)
+    folder = tmp_path / job_id
+    names = {p.name for p in folder.iterdir()}
+    assert {"job.json", "ranks.json", "1.sched.json", "2.sched.json", "1.prof.json"} <= names
+    import json
+
+    prof = json.loads((folder / "1.prof.json").read_text())
+    assert [p["rank"] for p in prof] == [0, 1]
