@@ -17,13 +17,13 @@ it, which holds for planner output (written once).
 
 from __future__ import annotations
 
-from coordinator.exceptions import ConfigError
 from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from schedulers.base import FrequencyScheduler
 from schedulers.choose import parse_policy, select_point
 from schedulers.frontier_files import FrontierPoint, load_frontier
 from schedulers.parallel3d import check_rank_infos, make_3d_parallel
 from schedulers.plan_file import PlanFile, read_plan_file
+from schedulers.point_solution import check_plan_fits
 
 
 class FrontierScheduler(FrequencyScheduler):
@@ -73,25 +73,13 @@ class FrontierScheduler(FrequencyScheduler):
         if point.plan in self._plans:
             return self._plans[point.plan]
         plan = read_plan_file(self.frontier.path(point))
-        job = self.job_info
-        if plan.num_stages != job.world_size:
-            hint = ""
-            if job.dp_degree > 1 or job.tp_degree > 1:
-                hint = " (for data or tensor parallel jobs use FrontierScheduler3D)"
-            raise ConfigError(
-                f"{plan.source}: plan has {plan.num_stages} stages but job {job.job_id} has "
-                f"{job.world_size} ranks (pp_degree={job.pp_degree}, dp_degree="
-                f"{job.dp_degree}, tp_degree={job.tp_degree}){hint}"
-            )
-        for info in self._ranks:
-            available = set(info.available_frequencies)
-            for i, (name, freq) in enumerate(plan.stages[info.pp_rank]):
-                if freq not in available:
-                    raise ConfigError(
-                        f"{plan.source}: rank {info.rank} (stage {info.pp_rank}), instruction "
-                        f"{i} ({name}): {freq} MHz is not among the rank's available "
-                        f"frequencies ({max(available)}..{min(available)} MHz)"
-                    )
+        check_plan_fits(
+            plan,
+            self.job_info,
+            self._ranks,
+            stage_of=lambda info: info.pp_rank,
+            name="FrontierScheduler",
+        )
         self._plans[point.plan] = plan
         return plan
 

@@ -33,7 +33,6 @@ import itertools
 import time as _time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ from schedulers.frontier_files import (
     FRONTIER_JSON,
     PLAN_PATTERN,
     PROFILE_CSV,
+    Frontier,
     FrontierPoint,
     plan_file_name,
     plan_id,
@@ -57,29 +57,6 @@ from schedulers.plan_file import write_plan_file
 
 #: ``progress(fraction in [0, 1], message)``.
 ProgressCallback = Callable[[float, str], None]
-
-
-@dataclass
-class FrontierResult:
-    """What :func:`plan_frontier` computed and wrote.
-
-    Attributes:
-        out_dir: The output folder.
-        points: Every frontier point, plan ``00000`` (slowest) first.
-        allmax: The every-instruction-at-its-highest-clock reference.
-        meta: What went into ``frontier.json``.
-
-    """
-
-    out_dir: Path
-    points: list[FrontierPoint]
-    allmax: FrontierPoint
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def rounding_bound(self) -> float:
-        """Most a quantized iteration time undershoots the real one, seconds."""
-        return float(self.meta["rounding_bound"])
 
 
 def pareto_frequencies(
@@ -179,7 +156,7 @@ def plan_frontier(
     p2p_power: float = 0.0,
     unit_time: float = 0.001,
     progress: ProgressCallback | None = None,
-) -> FrontierResult:
+) -> Frontier:
     """Compute the iteration time-energy frontier and write one plan file per point.
 
     Args:
@@ -332,7 +309,7 @@ def plan_frontier(
     }
     write_frontier_json(out / FRONTIER_JSON, meta)
     _emit(progress, 1.0, f"{len(points)} plans written to {out}")
-    return FrontierResult(out_dir=out, points=points, allmax=allmax, meta=meta)
+    return Frontier(out_dir=out, points=points, allmax=allmax, meta=meta)
 
 
 def _evaluate(
@@ -370,7 +347,6 @@ def _evaluate(
 from schedulers.planner_job import enqueue_planning, run_planning_job  # noqa: E402
 
 __all__ = [
-    "FrontierResult",
     "InterpolatedCostModel",
     "ProgressCallback",
     "enqueue_planning",

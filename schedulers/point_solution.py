@@ -7,7 +7,7 @@ stage that stage's line.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from coordinator.exceptions import ConfigError
@@ -15,6 +15,42 @@ from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, Rank
 from schedulers.base import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos, make_3d_parallel
 from schedulers.plan_file import PlanFile, parse_plan_text, read_plan_file
+
+
+def check_plan_fits(
+    plan: PlanFile,
+    job: JobInfo,
+    ranks: list[RankInfo],
+    stage_of: Callable[[RankInfo], int],
+    name: str,
+) -> None:
+    """Raise ConfigError unless ``plan`` has one line per rank and only supported clocks.
+
+    Args:
+        plan: The plan.
+        job: The job it is for (as the scheduler sees it; 3D wrappers show a pipeline).
+        ranks: The job's ranks.
+        stage_of: Which plan line a rank runs.
+        name: The scheduler, for the hint to use its 3D variant.
+    """
+    if plan.num_stages != job.world_size:
+        hint = ""
+        if job.dp_degree > 1 or job.tp_degree > 1:
+            hint = f" (for data or tensor parallel jobs use {name}3D)"
+        raise ConfigError(
+            f"{plan.source}: plan has {plan.num_stages} stage lists but job "
+            f"{job.job_id} needs {job.world_size}, one per rank (pp_degree={job.pp_degree}, "
+            f"dp_degree={job.dp_degree}, tp_degree={job.tp_degree}){hint}"
+        )
+    for info in ranks:
+        available = set(info.available_frequencies)
+        for i, (inst, freq) in enumerate(plan.stages[stage_of(info)]):
+            if freq not in available:
+                raise ConfigError(
+                    f"{plan.source}: rank {info.rank}, instruction {i} ({inst}): frequency "
+                    f"{freq} MHz is not among the rank's available frequencies "
+                    f"({max(available)}..{min(available)} MHz, {len(available)} values)"
+                )
 
 
 class PointSolution(FrequencyScheduler):
@@ -51,7 +87,14 @@ class PointSolution(FrequencyScheduler):
         else:
             assert solution_path is not None
             self.plan = read_plan_file(solution_path)
-        self._check_plan(check_rank_infos(job_info, rank_infos))
+        # The plan's i-th line is rank i's (Zeus's convention for pure pipeline jobs).
+        check_plan_fits(
+            self.plan,
+            job_info,
+            check_rank_infos(job_info, rank_infos),
+            stage_of=lambda info: info.rank,
+            name=type(self).__name__,
+        )
 
     @classmethod
     def check_args(cls, args: dict[str, Any]) -> None:
@@ -62,27 +105,6 @@ class PointSolution(FrequencyScheduler):
                 f"{cls.__name__} needs exactly one of solution_path (a plan file) or plan_text "
                 f"(its text); got {given or 'neither'}"
             )
-
-    def _check_plan(self, ranks: list[RankInfo]) -> None:
-        plan, job = self.plan, self.job_info
-        if plan.num_stages != job.world_size:
-            hint = ""
-            if job.dp_degree > 1 or job.tp_degree > 1:
-                hint = " (for data or tensor parallel jobs use PointSolution3D)"
-            raise ConfigError(
-                f"{plan.source}: plan has {plan.num_stages} stage lists but job "
-                f"{job.job_id} needs {job.world_size}, one per rank (pp_degree={job.pp_degree}, "
-                f"dp_degree={job.dp_degree}, tp_degree={job.tp_degree}){hint}"
-            )
-        for info, stage in zip(ranks, plan.stages, strict=True):
-            available = set(info.available_frequencies)
-            for i, (name, freq) in enumerate(stage):
-                if freq not in available:
-                    raise ConfigError(
-                        f"{plan.source}: rank {info.rank}, instruction {i} ({name}): frequency "
-                        f"{freq} MHz is not among the rank's available frequencies "
-                        f"({max(available)}..{min(available)} MHz, {len(available)} values)"
-                    )
 
     def _run(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
         """Yield the plan once; the base class then serves it forever."""
