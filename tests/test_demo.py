@@ -40,3 +40,78 @@ def test_demo_rejects_bad_arguments():
     assert result.exit_code == 2 and "at least 2 stages" in result.output
     result = CliRunner().invoke(main, ["demo", "--microbatches", "0"])
     assert result.exit_code == 2 and "--microbatches" in result.output
+
+
+def test_ctrl_c_shuts_everything_down(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) mid-profiling leaves nothing running."""
+    import contextlib
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(root),
+        PERSEUS_SIM_GPU_DIR=str(tmp_path / "gpus"),
+        PYTHONUNBUFFERED="1",
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "demo",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, like a job in a terminal
+    )
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("[1/4]"):
+            break
+    match = re.search(r"unix://(\S+)/redis\.sock", "".join(lines))
+    assert match, lines
+    redis_dir = match.group(1)
+    time.sleep(2)  # ranks, coordinator and worker are busy profiling
+    os.killpg(proc.pid, signal.SIGINT)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1 and "Aborted!" in output, output
+    assert "Traceback" not in output, output
+
+    def leftovers() -> list[str]:
+        found = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if redis_dir in cmdline:
+                found.append(cmdline)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 0)
+            found.append(f"process group {proc.pid} still has members")
+        return found
+
+    deadline = time.monotonic() + 10
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftovers() == []  # Redis, the rq worker and every rank are gone
+    assert not Path(redis_dir).exists()
