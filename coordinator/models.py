@@ -221,14 +221,17 @@ class JournalEntry(_Model):
     """What went into computing one schedule version; replaying these rebuilds a scheduler.
 
     Attributes:
-        version: The schedule version this entry produced.
+        version: The schedule version this entry produced (or, unpublished, kept serving).
         observed_version: Results of this version were observed first (None: none were).
         controls_upto: Number of the job's control messages applied so far (cumulative).
+        published: False when a converged scheduler produced the same schedules again: the
+            observation is recorded, but no new version is published.
     """
 
     version: int = Field(ge=1)
     observed_version: int | None = None
     controls_upto: int = Field(default=0, ge=0)
+    published: bool = True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,13 +62,24 @@ return {added, latest, redis.call('HLEN', KEYS[4])}
 _PUBLISH = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
 if current ~= tonumber(ARGV[3]) then return {0, current} end
-redis.call('HSET', KEYS[2], unpack(ARGV, 7))
+if ARGV[7] ~= '' and redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[7]) then
+  return {0, current}
+end
+redis.call('HSET', KEYS[2], unpack(ARGV, 8))
 redis.call('SET', KEYS[1], ARGV[4])
 redis.call('RPUSH', KEYS[3], ARGV[5])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'version', ARGV[4])
 redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
 redis.call('HSET', KEYS[6], 'published_at', ARGV[2], 'error', '')
 return {1, tonumber(ARGV[4])}
+"""
+
+# An observation that produced no new version: appended only if nobody appended meanwhile.
+_RECORD = """
+if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('RPUSH', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+return 1
 """
 
 _RELEASE = """
@@ -118,6 +129,7 @@ class JobStore:
         self._add_rank = conn.register_script(_ADD_RANK)
         self._add_result = conn.register_script(_ADD_RESULT)
         self._publish = conn.register_script(_PUBLISH)
+        self._record = conn.register_script(_RECORD)
         self._release = conn.register_script(_RELEASE)
         self._renew = conn.register_script(_RENEW)
 
@@ -337,8 +349,17 @@ class JobStore:
         schedules: list[FrequencySchedule],
         entry: JournalEntry,
         now: float | None = None,
+        journal_length: int | None = None,
     ) -> bool:
         """Publish ``schedules`` as version ``entry.version`` if the latest is the one before.
+
+        Args:
+            job_id: The job.
+            schedules: One per rank.
+            entry: The journal entry of the new version.
+            now: Unix time to record (default: now).
+            journal_length: Also require the journal to still have this many entries (what
+                the caller replayed), so no observation recorded meanwhile is skipped.
 
         Returns:
             True if this call published it; False if another writer got there first.
@@ -364,6 +385,7 @@ class JobStore:
                 entry.version,
                 pack(entry),
                 self.stream_maxlen,
+                "" if journal_length is None else journal_length,
                 *flat,
             ],
         )
@@ -378,6 +400,18 @@ class JobStore:
         """Every artifact of a job, by name."""
         raw = self.conn.hgetall(keys.job_artifacts(job_id))
         return {name.decode(): value for name, value in raw.items()}
+
+    def record_unpublished(
+        self, job_id: str, entry: JournalEntry, journal_length: int, now: float | None = None
+    ) -> bool:
+        """Append an unpublished journal entry if the journal still has ``journal_length``."""
+        now = time.time() if now is None else now
+        return bool(
+            self._record(
+                keys=[keys.job_journal(job_id), keys.JOBS_INDEX],
+                args=[journal_length, pack(entry), now, job_id],
+            )
+        )
 
     # --- worker lease ----------------------------------------------------------------------
     def acquire_lease(self, job_id: str, token: str, ttl_ms: int) -> bool:
@@ -406,8 +440,10 @@ class JobStore:
         latest = self.version(job_id)
         if latest == 0:
             return True
-        if self.result_count(job_id, latest) >= record.info.world_size:
-            return True
         journal_tail = self.conn.lindex(keys.job_journal(job_id), -1)
-        applied = unpack(JournalEntry, journal_tail).controls_upto if journal_tail else 0
+        tail = unpack(JournalEntry, journal_tail) if journal_tail else None
+        observed = tail is not None and tail.observed_version == latest
+        if not observed and self.result_count(job_id, latest) >= record.info.world_size:
+            return True
+        applied = tail.controls_upto if tail is not None else 0
         return int(self.conn.xlen(keys.job_control(job_id))) > applied

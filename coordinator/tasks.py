@@ -80,8 +80,10 @@ def check_schedules(
     return [by_rank[r] for r in sorted(by_rank)]
 
 
-def rebuild_scheduler(store: JobStore, record: JobRecord) -> tuple[FrequencyScheduler, int]:
-    """Construct the job's scheduler and replay its journal; return it and its version."""
+def rebuild_scheduler(
+    store: JobStore, record: JobRecord
+) -> tuple[FrequencyScheduler, list[JournalEntry]]:
+    """Construct the job's scheduler and replay its journal; return it and the journal."""
     job_id = record.job_id
     ranks = store.ranks(job_id)
     scheduler = build_scheduler(
@@ -94,8 +96,9 @@ def rebuild_scheduler(store: JobStore, record: JobRecord) -> tuple[FrequencySche
         _apply_inputs(store, job_id, scheduler, entry, controls, applied)
         applied = entry.controls_upto
         replayed = scheduler.next_schedule()
-        _warn_if_diverged(store, job_id, entry.version, replayed)
-    return scheduler, len(journal)
+        if entry.published:
+            _warn_if_diverged(store, job_id, entry.version, replayed)
+    return scheduler, journal
 
 
 def _apply_inputs(
@@ -125,8 +128,15 @@ def _warn_if_diverged(
         )
 
 
+def _by_rank(schedules: list[FrequencySchedule]) -> dict[int, list[tuple[str, int]]]:
+    return {s.rank: s.frequencies for s in schedules}
+
+
 def advance_once(store: JobStore, job_id: str) -> int | None:
-    """Compute and publish the next version if one is due; return it (None if not due).
+    """Compute and publish the next version if one is due; return it (None if none was).
+
+    A converged scheduler that returns the schedules in force again only has the observation
+    recorded in the journal: clients keep their version, and report no more results for it.
 
     Raises:
         UnknownJobError: The job is gone.
@@ -135,26 +145,37 @@ def advance_once(store: JobStore, job_id: str) -> int | None:
     record = store.get_job(job_id)
     if not store.due(record):
         return None
-    scheduler, version = rebuild_scheduler(store, record)
+    scheduler, journal = rebuild_scheduler(store, record)
+    version = sum(e.published for e in journal)
     latest = store.version(job_id)
     if latest != version:
-        raise ProtocolError(f"job {job_id}: journal has {version} entries but version is {latest}")
+        raise ProtocolError(f"job {job_id}: journal has {version} versions but version is {latest}")
     controls = store.controls(job_id)
+    tail = journal[-1] if journal else None
+    fresh_results = (
+        version > 0
+        and (tail is None or tail.observed_version != version)
+        and store.result_count(job_id, version) >= record.info.world_size
+    )
     entry = JournalEntry(
         version=version + 1,
-        observed_version=(
-            version
-            if version and store.result_count(job_id, version) >= record.info.world_size
-            else None
-        ),
+        observed_version=version if fresh_results else None,
         controls_upto=len(controls),
     )
-    applied = store.journal(job_id)[-1].controls_upto if version else 0
-    _apply_inputs(store, job_id, scheduler, entry, controls, applied)
+    _apply_inputs(store, job_id, scheduler, entry, controls, tail.controls_upto if tail else 0)
     schedules = check_schedules(
         scheduler.next_schedule(), store.ranks(job_id), record.config.scheduler
     )
-    if not store.publish(job_id, schedules, entry):
+    if (
+        version
+        and scheduler.converged
+        and _by_rank(schedules) == _by_rank(store.schedules(job_id, version))
+    ):
+        unpublished = entry.model_copy(update={"version": version, "published": False})
+        if store.record_unpublished(job_id, unpublished, len(journal)):
+            logger.info("job %s: observed version %d; schedule unchanged", job_id, version)
+        return None
+    if not store.publish(job_id, schedules, entry, journal_length=len(journal)):
         logger.info("job %s: version %d was published by another worker", job_id, entry.version)
         return None
     logger.info("job %s: published schedule version %d", job_id, entry.version)

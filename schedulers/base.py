@@ -39,6 +39,17 @@ class FrequencyScheduler:
         self._generator = None
         self._next: list[FrequencySchedule] | None = None
         self._pending_results: list[ProfilingResult] | None = None
+        self._finished = False
+
+    @property
+    def converged(self) -> bool:
+        """True once the schedule can only change on a control message, not on results.
+
+        Then the coordinator stops publishing identical versions after each observation
+        (which would make a long training run's state grow without bound). Generator-style
+        schedulers converge when ``_run`` returns.
+        """
+        return self._finished
 
     @classmethod
     def check_args(cls, args: dict[str, Any]) -> None:
@@ -65,7 +76,7 @@ class FrequencyScheduler:
             try:
                 self._next = self._generator.send(self._pending_results)
             except StopIteration:
-                pass  # Converged: keep serving the last schedule.
+                self._finished = True  # Converged: keep serving the last schedule.
         self._pending_results = None
         assert self._next is not None
         return self._next

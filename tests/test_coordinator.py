@@ -100,8 +100,8 @@ def test_register_schedule_report_advance(service, r, redis_url):
     assert store.schedule(job_id, 3, 0).frequencies[0] == ("forward", 1950)
     assert [e.observed_version for e in store.journal(job_id)] == [None, 1, 2]
     # Any worker can rebuild the scheduler from Redis alone.
-    scheduler, version = rebuild_scheduler(store, store.get_job(job_id))
-    assert version == 3 and len(scheduler.observed) == 2
+    scheduler, journal = rebuild_scheduler(store, store.get_job(job_id))
+    assert len(journal) == 3 and len(scheduler.observed) == 2
     assert [len(batch) for batch in scheduler.observed] == [2, 2]
 
 
@@ -451,3 +451,36 @@ def test_dump_data_writes_each_version_as_it_is_published(r, redis_url, tmp_path
 
     prof = json.loads((folder / "1.prof.json").read_text())
     assert [p["rank"] for p in prof] == [0, 1]
+
+
+def test_converged_scheduler_records_observation_without_new_version(service, r, redis_url):
+    plan = (
+        "[\n[('forward', 1965), ('backward', 1950)],\n[('forward', 1980), ('backward', 1980)],\n]\n"
+    )
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    job = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
+    job_id = client.register_job(job, "PointSolution", {"plan_text": plan})
+    for rank in range(2):
+        client.register_rank(
+            job_id,
+            RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS),
+        )
+    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+    drain(r)
+    for rank in range(2):
+        client.report(job_id, result(rank, 1))
+    store = JobStore(r)
+    wait_for(lambda: store.result_count(job_id, 1) == 2)
+    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+    drain(r)
+    journal = store.journal(job_id)
+    assert [(e.version, e.observed_version, e.published) for e in journal] == [
+        (1, None, True),
+        (1, 1, False),
+    ]
+    assert store.version(job_id) == 1
+    assert not store.due(store.get_job(job_id))  # the observation is not made twice
+    assert advance_job(job_id, conn=r) == []
+    scheduler, _ = rebuild_scheduler(store, store.get_job(job_id))
+    assert scheduler.converged
+    assert [int(f[b"version"]) for _, f in r.xrange(keys.job_updates(job_id))] == [1]
