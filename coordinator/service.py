@@ -151,6 +151,9 @@ class Coordinator:
                 count=100,
             )
             for entry_id, fields in claimed:
+                if fields is None:  # Deleted by MAXLEN trimming while pending.
+                    self.conn.xack(stream, keys.COORDINATOR_GROUP, entry_id)
+                    continue
                 logger.info("claimed stale entry %s %s", stream, entry_id.decode())
                 self.handle(stream, entry_id.decode(), fields)
                 handled += 1
@@ -163,9 +166,17 @@ class Coordinator:
         try:
             message = decode_message(fields)
             reply = self._dispatch(message, entry_id)
+        except redis.RedisError:
+            raise  # Transient: leave the entry pending, it is retried.
         except (PerseusError, ValueError) as exc:
             reason = str(exc) or type(exc).__name__
             logger.warning("dead-lettering %s %s: %s", stream, entry_id, reason)
+            self._dead_letter(stream, entry_id, fields, reason, reply_to)
+            return
+        except Exception as exc:
+            # A bug must not turn one entry into a crash loop of every coordinator.
+            logger.exception("unexpected error on %s %s; dead-lettering it", stream, entry_id)
+            reason = f"internal error {type(exc).__name__}: {exc}"
             self._dead_letter(stream, entry_id, fields, reason, reply_to)
             return
         with self.conn.pipeline(transaction=True) as pipe:

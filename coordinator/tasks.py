@@ -211,6 +211,8 @@ def advance_job(
                 if version is None or keeper.lost:
                     break
                 published.append(version)
+        except redis.RedisError:
+            raise  # Transient: the coordinator's sweep enqueues the work again.
         except Exception as exc:
             # Recorded on the job: clients waiting for a schedule report it, and the
             # coordinator stops re-enqueueing a job whose scheduler fails deterministically.

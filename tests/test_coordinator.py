@@ -484,3 +484,29 @@ def test_converged_scheduler_records_observation_without_new_version(service, r,
     scheduler, _ = rebuild_scheduler(store, store.get_job(job_id))
     assert scheduler.converged
     assert [int(f[b"version"]) for _, f in r.xrange(keys.job_updates(job_id))] == [1]
+
+
+def test_unexpected_error_dead_letters_instead_of_crashing(r, redis_url, monkeypatch):
+    from coordinator.service import ensure_groups
+
+    coord = Coordinator(r, make_settings(redis_url))
+    ensure_groups(r)
+
+    def boom(message, entry_id):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(coord, "_dispatch", boom)
+    r.xadd(
+        keys.REGISTRATIONS_STREAM,
+        encode_message(
+            RegisterJob(
+                request_id="b1", job=JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+            )
+        ),
+    )
+    coord.step(block_ms=None)
+    dead = r.xrange(keys.DEADLETTER_STREAM)
+    assert len(dead) == 1 and b"internal error KeyError" in dead[0][1][b"reason"]
+    assert r.xpending(keys.REGISTRATIONS_STREAM, keys.COORDINATOR_GROUP)["pending"] == 0
+    answer = r.blpop([keys.reply_key("b1")], timeout=1)
+    assert answer is not None and b"internal error" in answer[1]
