@@ -1,8 +1,10 @@
 """Coordinator latencies on a private Redis, measured side by side in one run.
 
-1. report -> new schedule version: every rank of a PointSolution job reports its result; time
-   until the next version is visible to a client (coordinator thread + one rq worker), with a
-   forking `perseus worker` and with `perseus worker --simple`.
+1. report -> new schedule version: every rank of a job reports its result; time until the
+   next version is visible to a client (coordinator thread + one rq worker), with a forking
+   `perseus worker` and with `perseus worker --simple`. The scheduler is
+   `tests.toy_schedulers:StepDown`, which changes the clocks every round, so that every round
+   publishes a version.
 2. rq round trip of a task that imports the planner (lowtime): forking worker with the
    scheduler modules preloaded (the default) against `--no-preload`.
 
@@ -16,7 +18,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,10 +33,9 @@ from coordinator.embedded import EmbeddedRedis  # noqa: E402
 from coordinator.models import JobInfo, ProfilingResult, RankInfo  # noqa: E402
 from coordinator.service import Coordinator  # noqa: E402
 from coordinator.settings import PerseusSettings  # noqa: E402
-from schedulers.plan_file import write_plan_file  # noqa: E402
 from worker_client.session import CoordinatorClient  # noqa: E402
 
-FREQS = [1980, 1965]
+FREQS = list(range(1980, 344, -15))
 
 
 def start_worker(url: str, *flags: str) -> subprocess.Popen:
@@ -73,13 +73,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def report_to_version(url: str, plan: Path, rounds: int, pp: int = 4) -> list[float]:
+def report_to_version(url: str, rounds: int, pp: int = 4) -> list[float]:
     client = CoordinatorClient(url)
-    job_id = client.register_job(
-        JobInfo(pp_degree=pp, dp_degree=1, tp_degree=1, world_size=pp),
-        "PointSolution",
-        {"solution_path": str(plan)},
-    )
+    job_id = client.register_job(JobInfo(pp_degree=pp, dp_degree=1, tp_degree=1, world_size=pp))
     for rank in range(pp):
         client.register_rank(
             job_id,
@@ -126,10 +122,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
-    with EmbeddedRedis() as server, tempfile.TemporaryDirectory() as tmp:
-        plan = Path(tmp) / "plan.py"
-        write_plan_file(plan, [[("forward", 1980), ("backward", 1965)]] * 4, {"plan": 0})
-        settings = PerseusSettings(redis_url=server.url, scheduler="", log_level="WARNING")
+    with EmbeddedRedis() as server:
+        settings = PerseusSettings(
+            redis_url=server.url, scheduler="tests.toy_schedulers:StepDown", log_level="WARNING"
+        )
         coordinator = Coordinator(redis.Redis.from_url(server.url), settings)
         thread = threading.Thread(target=coordinator.run, kwargs={"block_ms": 100}, daemon=True)
         thread.start()
@@ -144,7 +140,7 @@ def main() -> None:
         ):
             worker = start_worker(server.url, *flags)
             try:
-                print(row(name, report_to_version(server.url, plan, args.rounds)), flush=True)
+                print(row(name, report_to_version(server.url, args.rounds)), flush=True)
             finally:
                 stop(worker)
         print("rq round trip of a task that imports the planner (lowtime):")
