@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from coordinator.exceptions import CoordinatorUnavailableError, ScheduleError
+from coordinator.exceptions import CoordinatorUnavailableError, PerseusError, ScheduleError
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
 from worker_client.frequency import DryRunFrequencyController
@@ -74,7 +74,7 @@ def service(r, redis_url, tmp_path, monkeypatch):
     thread.join(timeout=5)
 
 
-def make_hook(redis_url, controller, **kw) -> PerseusOptimizer:
+def make_hook(redis_url, controller, world_size=1, **kw) -> PerseusOptimizer:
     return PerseusOptimizer(
         rank=0,
         dp_rank=0,
@@ -84,7 +84,7 @@ def make_hook(redis_url, controller, **kw) -> PerseusOptimizer:
         dp_degree=1,
         pp_degree=1,
         tp_degree=1,
-        world_size=1,
+        world_size=world_size,
         redis_url=redis_url,
         nvml_module=SIMULATED_NVML,
         controller=controller,
@@ -158,18 +158,5 @@ def test_first_schedule_timeout_is_clear(gloo, service, redis_url):
 
 
 def test_invalid_job_is_refused_before_anything_starts(gloo, redis_url):
-    with pytest.raises(Exception, match="world_size=3"):
-        PerseusOptimizer(
-            rank=0,
-            dp_rank=0,
-            pp_rank=0,
-            tp_rank=0,
-            device_id=0,
-            dp_degree=1,
-            pp_degree=1,
-            tp_degree=1,
-            world_size=3,
-            redis_url=redis_url,
-            nvml_module=SIMULATED_NVML,
-            controller=DryRunFrequencyController(0),
-        )
+    with pytest.raises(PerseusError, match="world_size=3"):
+        make_hook(redis_url, DryRunFrequencyController(0), world_size=3)
