@@ -43,6 +43,11 @@ class EmbeddedRedis:
         self._dir = Path(tempfile.mkdtemp(prefix="perseus-redis-"))
         self.socket_path = self._dir / "redis.sock"
         self.url = f"unix://{self.socket_path}"
+        self.appendonly = appendonly
+        self.startup_timeout = startup_timeout
+        self._start()
+
+    def _start(self) -> None:
         args = [
             str(redis_server_binary()),
             "--port",
@@ -56,7 +61,7 @@ class EmbeddedRedis:
             "--save",
             "",
             "--appendonly",
-            "yes" if appendonly else "no",
+            "yes" if self.appendonly else "no",
             "--daemonize",
             "no",
             "--loglevel",
@@ -67,7 +72,7 @@ class EmbeddedRedis:
         # A session of its own: Ctrl-C in a terminal must not stop Redis before the processes
         # that use it have been shut down in order (stop() ends it).
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + startup_timeout
+        deadline = time.monotonic() + self.startup_timeout
         while True:
             try:
                 redis.Redis.from_url(self.url).ping()
@@ -85,15 +90,30 @@ class EmbeddedRedis:
         log = self._dir / "redis.log"
         return log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
 
-    def stop(self) -> None:
-        """Stop the server and delete its folder."""
+    def terminate(self) -> None:
+        """Stop the server but keep its folder: :meth:`restart` brings it back."""
         if self._proc.poll() is None:
-            self._proc.terminate()
+            self._proc.terminate()  # SIGTERM: redis-server flushes its append-only file first
             try:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+
+    def restart(self, downtime: float = 0.0) -> None:
+        """Stop the server, stay down ``downtime`` seconds, start it again on the same socket.
+
+        With ``appendonly`` the data survives (as with a persistent production Redis);
+        without it the server comes back empty. Used to test how every component rides
+        through a Redis outage.
+        """
+        self.terminate()
+        time.sleep(downtime)
+        self._start()
+
+    def stop(self) -> None:
+        """Stop the server and delete its folder."""
+        self.terminate()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     @property

@@ -111,9 +111,20 @@ class Coordinator:
         while not self.stop_event.is_set():
             try:
                 self.step(block_ms)
-            except redis.ConnectionError as exc:
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
                 logger.warning("redis unavailable (%s); retrying in 1 s", exc)
                 self.stop_event.wait(1.0)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # The streams are gone: Redis restarted without persistence (or someone
+                # deleted them). Jobs registered before are lost; new ones must still work.
+                logger.error(
+                    "input streams or their consumer group vanished (%s); re-creating them. "
+                    "Was Redis restarted without persistence?",
+                    exc,
+                )
+                ensure_groups(self.conn)
 
     def step(self, block_ms: int | None = 1000) -> int:
         """One round: claim stale entries, read new ones, maybe sweep. Returns entries handled."""

@@ -9,7 +9,7 @@ import pytest
 from coordinator.exceptions import ConfigError
 from coordinator.store import JobStore
 from tests import fake_nvml_power as fake
-from tests.test_hook import gloo, make_hook, service  # noqa: F401 - fixtures
+from tests.test_hook import make_hook, service  # noqa: F401 - fixture
 from worker_client.energy import EnergyMonitor
 from worker_client.energy_source import (
     CounterEnergySource,

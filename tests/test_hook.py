@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -11,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from coordinator.exceptions import CoordinatorUnavailableError, PerseusError, ScheduleError
 from coordinator.service import Coordinator
@@ -20,16 +18,6 @@ from worker_client.frequency import DryRunFrequencyController
 from worker_client.optimizer import SIMULATED_NVML, PerseusOptimizer
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def gloo():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture

