@@ -151,8 +151,8 @@ def test_outage_timeout_stops_training_with_a_clear_error(gloo, cluster):
     hook = make_hook(server.url, DryRunFrequencyController(0), outage_timeout=1.0)
     try:
         run_step(hook)
-        server.terminate()
         started = time.monotonic()
+        server.terminate()
         with pytest.raises(CoordinatorUnavailableError, match=r"outage_timeout=1 s"):
             step_until(hook, lambda: False, 15, "the outage error")
         assert 1.0 <= time.monotonic() - started < 10
