@@ -326,11 +326,14 @@ class Coordinator:
     def sweep(self) -> None:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long."""
         now = time.time()
+        cutoff = now - self.settings.max_job_idle_time
         for job_id in self.store.idle_jobs(self.settings.max_job_idle_time, now):
-            logger.info(
-                "deleting job %s: idle for more than %d s", job_id, self.settings.max_job_idle_time
-            )
-            self.store.delete_job(job_id)
+            if self.store.delete_job(job_id, idle_before=cutoff):
+                logger.info(
+                    "deleted job %s: idle for more than %d s",
+                    job_id,
+                    self.settings.max_job_idle_time,
+                )
         for job_id, _ in self.store.list_jobs():
             try:
                 record = self.store.get_job(job_id)

@@ -26,7 +26,8 @@ class PerseusSettings(BaseSettings):
         log_level: Logging level name.
         dump_data: Also write ranks, schedules and profiling results of each job to files.
         dump_dir: Where dumps go, one folder per job.
-        max_job_idle_time: Seconds without activity after which a job's state is deleted.
+        max_job_idle_time: Seconds without activity (registration, results, or the hook's
+            heartbeats) after which a job's state is deleted.
         stream_maxlen: Approximate cap (XADD MAXLEN ~) of every stream.
         reconcile_interval: Seconds between the coordinator's sweeps for stalled jobs and GC.
         stall_timeout: Seconds a due schedule computation may go unclaimed before it is

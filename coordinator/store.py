@@ -82,6 +82,16 @@ redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
 return 1
 """
 
+# Deletes a job's keys, but only if it is still idle: a heartbeat may have come in since the
+# sweep listed it. ARGV[2] == '' deletes unconditionally.
+_DELETE_JOB = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if ARGV[2] ~= '' and score and tonumber(score) > tonumber(ARGV[2]) then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('DEL', unpack(KEYS, 2))
+return 1
+"""
+
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -131,6 +141,7 @@ class JobStore:
         self._publish = conn.register_script(_PUBLISH)
         self._record = conn.register_script(_RECORD)
         self._release = conn.register_script(_RELEASE)
+        self._delete = conn.register_script(_DELETE_JOB)
         self._renew = conn.register_script(_RENEW)
 
     # --- jobs ------------------------------------------------------------------------------
@@ -205,8 +216,14 @@ class JobStore:
         rows = self.conn.zrangebyscore(keys.JOBS_INDEX, "-inf", now - idle_seconds)
         return [job_id.decode() for job_id in rows]
 
-    def delete_job(self, job_id: str) -> None:
-        """Delete every key of a job in one transaction."""
+    def delete_job(self, job_id: str, idle_before: float | None = None) -> bool:
+        """Delete every key of a job atomically; return whether it was deleted.
+
+        Args:
+            job_id: The job.
+            idle_before: Delete only if its last activity is not newer than this unix time
+                (so a job that a heartbeat refreshed since it was found idle survives).
+        """
         latest = self.version(job_id)
         names = [
             keys.job_info(job_id),
@@ -222,10 +239,8 @@ class JobStore:
         # they are rejected before being stored, so 1..latest covers everything.
         for version in range(1, latest + 1):
             names += [keys.job_schedule(job_id, version), keys.job_results(job_id, version)]
-        with self.conn.pipeline(transaction=True) as pipe:
-            pipe.delete(*names)
-            pipe.zrem(keys.JOBS_INDEX, job_id)
-            pipe.execute()
+        cutoff = "" if idle_before is None else repr(float(idle_before))
+        return bool(self._delete(keys=[keys.JOBS_INDEX, *names], args=[job_id, cutoff]))
 
     # --- ranks -----------------------------------------------------------------------------
     def add_rank(self, job: JobInfo, rank: RankInfo, now: float | None = None) -> int:

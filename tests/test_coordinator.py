@@ -510,3 +510,17 @@ def test_unexpected_error_dead_letters_instead_of_crashing(r, redis_url, monkeyp
     assert r.xpending(keys.REGISTRATIONS_STREAM, keys.COORDINATOR_GROUP)["pending"] == 0
     answer = r.blpop([keys.reply_key("b1")], timeout=1)
     assert answer is not None and b"internal error" in answer[1]
+
+
+def test_idle_deletion_spares_a_job_refreshed_since_it_was_listed(r, redis_url):
+    from coordinator.models import JobConfig
+
+    store = JobStore(r)
+    job = JobInfo(job_id="j9", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    store.create_job(job, JobConfig(scheduler="x"), "1-0")
+    listed_at = time.time()
+    r.zadd(keys.JOBS_INDEX, {"j9": listed_at + 5})  # a heartbeat after the sweep's listing
+    assert not store.delete_job("j9", idle_before=listed_at)
+    assert r.exists(keys.job_info("j9")) and r.zscore(keys.JOBS_INDEX, "j9") is not None
+    assert store.delete_job("j9", idle_before=listed_at + 5)
+    assert not r.exists(keys.job_info("j9")) and r.zscore(keys.JOBS_INDEX, "j9") is None

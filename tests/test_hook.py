@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from coordinator import keys
 from coordinator.exceptions import CoordinatorUnavailableError, PerseusError, ScheduleError
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
+from coordinator.store import JobStore
 from worker_client.frequency import DryRunFrequencyController
 from worker_client.optimizer import SIMULATED_NVML, PerseusOptimizer
 
@@ -148,3 +150,54 @@ def test_first_schedule_timeout_is_clear(gloo, service, redis_url):
 def test_invalid_job_is_refused_before_anything_starts(gloo, redis_url):
     with pytest.raises(PerseusError, match="world_size=3"):
         make_hook(redis_url, DryRunFrequencyController(0), world_size=3)
+
+
+def _step_for(hook: PerseusOptimizer, seconds: float, until=lambda: False) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not until():
+        run_step(hook)
+        time.sleep(0.02)
+
+
+def test_heartbeats_keep_a_quiet_job_from_idle_deletion(gloo, service, r, redis_url):
+    coord, start_worker = service
+    start_worker()
+    # Nothing is ever reported (report_every is huge): only heartbeats show the job is alive.
+    hook = make_hook(
+        redis_url, DryRunFrequencyController(0), report_every=10**6, heartbeat_interval=0.2
+    )
+    coord.settings = coord.settings.model_copy(
+        update={"max_job_idle_time": 1, "reconcile_interval": 0.1}
+    )
+    try:
+        _step_for(hook, 3.0)
+        assert r.exists(keys.job_info(hook.job_id)) and not hook.watcher.job_lost
+    finally:
+        hook.close()
+    # Training ended: no more heartbeats, and the idle job is deleted.
+    deadline = time.monotonic() + 10
+    while r.zscore(keys.JOBS_INDEX, hook.job_id) is not None:
+        assert time.monotonic() < deadline, "idle job was not deleted"
+        time.sleep(0.05)
+    assert not r.exists(keys.job_info(hook.job_id))
+
+
+def test_heartbeat_notices_a_deleted_job_and_training_goes_on(gloo, service, r, redis_url):
+    _coord, start_worker = service
+    start_worker()
+    hook = make_hook(redis_url, DryRunFrequencyController(0), heartbeat_interval=0.2)
+    try:
+        run_step(hook)
+        assert JobStore(r).delete_job(hook.job_id)
+        _step_for(hook, 10.0, until=lambda: hook.watcher.job_lost)
+        assert hook.watcher.job_lost and hook.schedule.version == 1
+        # The heartbeat never brings a deleted job back into the index.
+        assert r.zscore(keys.JOBS_INDEX, hook.job_id) is None
+        run_step(hook)
+    finally:
+        hook.close()
+
+
+def test_heartbeat_interval_must_be_positive(gloo, redis_url):
+    with pytest.raises(ValueError, match="heartbeat_interval"):
+        make_hook(redis_url, DryRunFrequencyController(0), heartbeat_interval=0)

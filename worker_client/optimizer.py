@@ -95,6 +95,8 @@ class PerseusOptimizer(Callback):
             :class:`~coordinator.exceptions.CoordinatorUnavailableError`. ``None`` (default):
             training never stops for an outage; it keeps the current schedule, results wait
             and are sent once Redis is back.
+        heartbeat_interval: Seconds between this rank's heartbeats, which keep the job from
+            being deleted as idle while it trains on a schedule that no longer changes.
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class PerseusOptimizer(Callback):
         scheduler: str | None = None,
         scheduler_args: dict[str, Any] | None = None,
         outage_timeout: float | None = None,
+        heartbeat_interval: float = 60.0,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Create PerseusOptimizer after torch.distributed.init_process_group")
@@ -129,6 +132,8 @@ class PerseusOptimizer(Callback):
             raise ValueError(f"report_every must be >= 1, got {report_every}")
         if outage_timeout is not None and outage_timeout <= 0:
             raise ValueError(f"outage_timeout must be > 0 seconds or None, got {outage_timeout}")
+        if heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be > 0 seconds, got {heartbeat_interval}")
         self.rank, self.dp_rank, self.pp_rank, self.tp_rank = rank, dp_rank, pp_rank, tp_rank
         self.device_id = device_id
         self.report_every = report_every
@@ -183,7 +188,12 @@ class PerseusOptimizer(Callback):
         self.schedule = self.client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
         self._iter: Iterator[tuple[str, int]] = iter(self.schedule.frequencies)
         self.watcher = ScheduleWatcher(
-            self.client, self.job_id, rank, self.schedule.version, outage_timeout
+            self.client,
+            self.job_id,
+            rank,
+            self.schedule.version,
+            outage_timeout=outage_timeout,
+            heartbeat_interval=heartbeat_interval,
         )
         self.watcher.start()
         self.reporter = ResultReporter(self.client, self.job_id, outage_timeout)

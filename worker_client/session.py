@@ -126,6 +126,17 @@ class CoordinatorClient:
             approximate=True,
         )
 
+    def heartbeat(self, job_id: str) -> bool:
+        """Mark the job active (so idle-job GC spares it); return whether Redis still has it.
+
+        Only refreshes a job that exists (``ZADD XX GT``): a deleted job is never revived.
+        """
+        with self.conn.pipeline(transaction=False) as pipe:
+            pipe.zadd(keys.JOBS_INDEX, {job_id: time.time()}, xx=True, gt=True)
+            pipe.exists(keys.job_info(job_id))
+            _, exists = pipe.execute()
+        return bool(exists)
+
     def latest_version(self, job_id: str) -> int:
         """Latest published schedule version (0 if none yet)."""
         raw = self.conn.get(keys.job_version(job_id))
@@ -235,8 +246,10 @@ class ScheduleWatcher(threading.Thread):
     """Follows a job's published versions and keeps the newest schedule for one rank.
 
     The training thread calls :meth:`take` at step boundaries; it never blocks. A Redis
-    outage does not stop training: the watcher retries, and after it checks that the job is
-    still known (a Redis restarted without persistence has forgotten it: see :attr:`job_lost`).
+    outage does not stop training: the watcher retries. Every ``heartbeat_interval`` seconds,
+    and right after an outage, it marks the job active, so that a long run on a converged
+    schedule (which reports nothing new) is not deleted as idle, and checks that Redis still
+    has the job (one restarted without persistence has forgotten it: see :attr:`job_lost`).
 
     Args:
         client: Reads schedules.
@@ -245,6 +258,7 @@ class ScheduleWatcher(threading.Thread):
         version: The version the rank runs now.
         outage_timeout: Seconds of Redis outage after which :attr:`error` is set (and the hook
             raises it); ``None`` retries forever.
+        heartbeat_interval: Seconds between heartbeats.
     """
 
     def __init__(
@@ -254,6 +268,7 @@ class ScheduleWatcher(threading.Thread):
         rank: int,
         version: int,
         outage_timeout: float | None = None,
+        heartbeat_interval: float = 60.0,
     ) -> None:
         super().__init__(daemon=True, name=f"perseus-watch-{rank}")
         self.client, self.job_id, self.rank = client, job_id, rank
@@ -263,6 +278,8 @@ class ScheduleWatcher(threading.Thread):
         self.error: BaseException | None = None
         self.outage = _Outage(f"rank {rank} schedule watcher", client.redis_url, outage_timeout)
         self.job_lost = False
+        self.heartbeat_interval = heartbeat_interval
+        self._next_beat = time.monotonic() + heartbeat_interval
         self._stop_event = threading.Event()
         # A dedicated connection: blocking reads must not hold up other callers' commands.
         self._conn = redis.Redis.from_url(client.redis_url, socket_connect_timeout=10)
@@ -273,8 +290,8 @@ class ScheduleWatcher(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 reply = self._conn.xread({keys.job_updates(self.job_id): last_id}, block=500)
-                if self.outage.recovered():
-                    self._check_job()
+                if self.outage.recovered() or time.monotonic() >= self._next_beat:
+                    self._beat()
                 for _stream, entries in reply or []:
                     last_id = entries[-1][0].decode()
                     newest = max(int(fields[b"version"]) for _, fields in entries)
@@ -292,14 +309,15 @@ class ScheduleWatcher(threading.Thread):
                 self.error = exc
                 return
 
-    def _check_job(self) -> None:
-        if self._conn.exists(keys.job_info(self.job_id)):
+    def _beat(self) -> None:
+        self._next_beat = time.monotonic() + self.heartbeat_interval
+        if self.client.heartbeat(self.job_id) or self.job_lost:
             return
         self.job_lost = True
         logger.error(
-            "job %s is gone from redis at %s (restarted without persistence?): rank %d keeps "
-            "running schedule version %d, and its results go to %s. Restart training to "
-            "register a new job.",
+            "job %s is gone from redis at %s (restarted without persistence, or deleted): "
+            "rank %d keeps running schedule version %d, and its results go to %s. Restart "
+            "training to register a new job.",
             self.job_id,
             self.client.redis_url,
             self.rank,
