@@ -152,11 +152,15 @@ def test_invalid_job_is_refused_before_anything_starts(gloo, redis_url):
         make_hook(redis_url, DryRunFrequencyController(0), world_size=3)
 
 
-def _step_for(hook: PerseusOptimizer, seconds: float, until=lambda: False) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not until():
+def step_until(hook: PerseusOptimizer, predicate, timeout: float, what: str) -> int:
+    """Run steps (as training would) until ``predicate()``; return how many ran."""
+    deadline, steps = time.monotonic() + timeout, 0
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
         run_step(hook)
+        steps += 1
         time.sleep(0.02)
+    return steps
 
 
 def test_heartbeats_keep_a_quiet_job_from_idle_deletion(gloo, service, r, redis_url):
@@ -170,7 +174,8 @@ def test_heartbeats_keep_a_quiet_job_from_idle_deletion(gloo, service, r, redis_
         update={"max_job_idle_time": 1, "reconcile_interval": 0.1}
     )
     try:
-        _step_for(hook, 3.0)
+        end = time.monotonic() + 3.0
+        step_until(hook, lambda: time.monotonic() > end, 10, "3 s of training")
         assert r.exists(keys.job_info(hook.job_id)) and not hook.watcher.job_lost
     finally:
         hook.close()
@@ -189,8 +194,8 @@ def test_heartbeat_notices_a_deleted_job_and_training_goes_on(gloo, service, r, 
     try:
         run_step(hook)
         assert JobStore(r).delete_job(hook.job_id)
-        _step_for(hook, 10.0, until=lambda: hook.watcher.job_lost)
-        assert hook.watcher.job_lost and hook.schedule.version == 1
+        step_until(hook, lambda: hook.watcher.job_lost, 10, "the watcher to notice")
+        assert hook.schedule.version == 1
         # The heartbeat never brings a deleted job back into the index.
         assert r.zscore(keys.JOBS_INDEX, hook.job_id) is None
         run_step(hook)

@@ -20,7 +20,7 @@ from coordinator.embedded import EmbeddedRedis
 from coordinator.exceptions import CoordinatorUnavailableError
 from coordinator.models import JobInfo, ProfilingResult, ReportResult, unpack
 from tests.test_faults import start, wait_for
-from tests.test_hook import make_hook, run_step
+from tests.test_hook import make_hook, run_step, step_until
 from worker_client.frequency import DryRunFrequencyController
 from worker_client.session import CoordinatorClient, ResultReporter
 
@@ -73,17 +73,6 @@ def is_down(server: EmbeddedRedis) -> bool:
     except redis.ConnectionError:
         return True
     return False
-
-
-def step_until(hook, predicate, timeout: float, what: str) -> int:
-    """Run steps (as training would) until ``predicate()``; return how many ran."""
-    deadline, steps = time.monotonic() + timeout, 0
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        run_step(hook)
-        steps += 1
-        time.sleep(0.02)
-    return steps
 
 
 def test_training_rides_through_a_redis_restart(gloo, cluster):
