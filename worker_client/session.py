@@ -394,7 +394,7 @@ class ResultReporter(threading.Thread):
                 if remaining <= 0:
                     self._give_up(1)
                     return False
-                # Until stop() the wait ends early only to start the flush deadline.
+                # Back off up to 5 s; stop() cuts a wait short, then the flush deadline rules.
                 if not self._stopping.wait(delay):
                     delay = min(delay * 2, 5.0)
                 else:
