@@ -19,12 +19,14 @@ from coordinator import keys
 from coordinator.embedded import EmbeddedRedis
 from coordinator.exceptions import CoordinatorUnavailableError
 from coordinator.models import JobInfo, ProfilingResult, ReportResult, unpack
+from coordinator.store import JobStore
+from tests.test_coordinator import register, result
 from tests.test_faults import start, wait_for
 from tests.test_hook import make_hook, run_step, step_until
 from worker_client.frequency import DryRunFrequencyController
 from worker_client.session import CoordinatorClient, ResultReporter
 
-Cluster = Callable[[bool], EmbeddedRedis]
+Cluster = Callable[..., EmbeddedRedis]
 
 
 @pytest.fixture
@@ -34,10 +36,10 @@ def cluster(tmp_path, monkeypatch) -> Iterator[Cluster]:
     servers: list[EmbeddedRedis] = []
     procs = []
 
-    def make(appendonly: bool) -> EmbeddedRedis:
+    def make(appendonly: bool, delay: float = 0.0, forking: bool = False) -> EmbeddedRedis:
         server = EmbeddedRedis(appendonly=appendonly)
         servers.append(server)
-        scheduler_args = json.dumps({"microbatches": 2})
+        scheduler_args = json.dumps({"microbatches": 2, "delay": delay})
         procs.append(
             start(
                 [
@@ -53,7 +55,8 @@ def cluster(tmp_path, monkeypatch) -> Iterator[Cluster]:
                 "coordinator.log",
             )
         )
-        procs.append(start(["worker", "--simple", "--redis-url", server.url], tmp_path, "w.log"))
+        kind = [] if forking else ["--simple"]
+        procs.append(start(["worker", *kind, "--redis-url", server.url], tmp_path, "w.log"))
         return server
 
     yield make
@@ -133,6 +136,25 @@ def test_redis_restarted_empty_loses_the_job_not_the_training(gloo, cluster):
         client.close()
     finally:
         hook.close()
+
+
+def test_redis_restart_while_a_worker_computes_a_version(cluster):
+    # The scheduler takes 2 s per version; Redis restarts in the middle of version 1.
+    server = cluster(True, delay=2.0, forking=True)
+    client = CoordinatorClient(server.url, reply_timeout=20)
+    job_id = register(client, pp=2)
+    store = JobStore(redis.Redis.from_url(server.url))
+    wait_for(lambda: store.lease_holder(job_id) is not None, timeout=20, what="the worker")
+    server.restart(downtime=1.0)
+    assert client.wait_schedule(job_id, rank=1, timeout=30).version == 1
+    for rank in range(2):
+        client.report(job_id, result(rank, 1))
+    assert client.wait_schedule(job_id, rank=0, newer_than=1, timeout=30).version == 2
+    conn = redis.Redis.from_url(server.url)
+    assert [e.version for e in store.journal(job_id)] == [1, 2]
+    assert [int(f[b"version"]) for _, f in conn.xrange(keys.job_updates(job_id))] == [1, 2]
+    assert conn.xlen(keys.DEADLETTER_STREAM) == 0 and store.get_job(job_id).error == ""
+    client.close()
 
 
 def test_outage_timeout_stops_training_with_a_clear_error(gloo, cluster):
