@@ -156,11 +156,11 @@ def worker(
 
     Start as many as you like (docker compose up --scale worker=N). Workers need no scheduler
     settings: each job carries its own. A forking worker isolates jobs; --simple saves ~10 ms
-    per job.
+    per job. A Redis outage does not end the command: when rq's loop quits on one, a fresh
+    worker starts once Redis answers.
     """
-    from rq import SimpleWorker, Worker
-
     from coordinator import keys
+    from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_workers
 
     settings = _settings(redis_url=redis_url, log_level=log_level)
     logging.basicConfig(
@@ -168,9 +168,13 @@ def worker(
     )
     if not no_preload:
         preload_schedulers()
-    cls = SimpleWorker if simple else Worker
-    rq_worker = cls([keys.RQ_QUEUE], connection=_connect(settings.redis_url), name=name)
-    rq_worker.work(burst=burst, logging_level=settings.log_level)
+    cls = PerseusSimpleWorker if simple else PerseusWorker
+    conn = _connect(settings.redis_url)
+    run_workers(
+        lambda: cls([keys.RQ_QUEUE], connection=conn, name=name),
+        burst=burst,
+        logging_level=settings.log_level,
+    )
 
 
 @main.command()

@@ -20,6 +20,7 @@ from coordinator.embedded import EmbeddedRedis
 from coordinator.exceptions import CoordinatorUnavailableError
 from coordinator.models import JobInfo, ProfilingResult, ReportResult, unpack
 from coordinator.store import JobStore
+from coordinator.worker_loop import wait_for_redis
 from tests.test_coordinator import register, result
 from tests.test_faults import start, wait_for
 from tests.test_hook import make_hook, run_step, step_until
@@ -157,6 +158,21 @@ def test_redis_restart_while_a_worker_computes_a_version(cluster):
     client.close()
 
 
+def test_worker_process_outlives_a_long_outage_in_the_middle_of_a_job(cluster, tmp_path):
+    # Redis is down for longer than redis-py retries: the task and rq's bookkeeping after it
+    # fail, and rq's work loop quits. `perseus worker` must start a fresh one, not exit.
+    server = cluster(True, delay=1.0)
+    client = CoordinatorClient(server.url, reply_timeout=20)
+    job_id = register(client, pp=2)
+    store = JobStore(redis.Redis.from_url(server.url))
+    wait_for(lambda: store.lease_holder(job_id) is not None, timeout=20, what="the worker")
+    server.restart(downtime=8.0)
+    assert client.wait_schedule(job_id, rank=0, timeout=60).version == 1
+    assert [e.version for e in store.journal(job_id)] == [1]
+    assert "starting a new rq worker" in (tmp_path / "w.log").read_text()
+    client.close()  # The fixture checks that no process died.
+
+
 def test_outage_timeout_stops_training_with_a_clear_error(gloo, cluster):
     server = cluster(True)
     hook = make_hook(server.url, DryRunFrequencyController(0), outage_timeout=1.0)
@@ -209,3 +225,14 @@ def test_reporter_flushes_at_close_and_counts_what_it_gives_up():
         assert (reporter.sent, reporter.unsent) == (0, 3) and not reporter.is_alive()
         server.restart()
         client.close()
+
+
+def test_wait_for_redis_returns_when_it_answers_or_when_stopped(tmp_path):
+    stop = threading.Event()
+    with EmbeddedRedis() as server:
+        assert wait_for_redis(redis.Redis.from_url(server.url), stop)
+    gone = redis.Redis.from_url(f"unix://{tmp_path / 'no.sock'}")
+    threading.Timer(0.5, stop.set).start()
+    started = time.monotonic()
+    assert not wait_for_redis(gone, stop, first_delay=0.05)
+    assert 0.4 < time.monotonic() - started < 3

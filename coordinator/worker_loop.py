@@ -1,0 +1,101 @@
+"""``perseus worker``'s loop: rq workers back to back, so that a Redis outage does not end it.
+
+rq's work loop retries a lost connection only while it waits for a job. A Redis error anywhere
+else (saving a job's outcome, updating its own state, a socket time-out) makes it log "found
+an unhandled exception, quitting" and return, and the process would exit with the outage. This
+loop waits until Redis answers again and starts a fresh worker instead. It ends when a stop is
+requested (SIGINT or SIGTERM, as rq handles them) or, in burst mode, when rq's loop ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from rq import SimpleWorker, Worker
+
+logger = logging.getLogger(__name__)
+
+
+class _StopAware:
+    """Remembers that a warm shutdown was asked for (rq's hook for exactly that)."""
+
+    stop_requested = False
+
+    def handle_warm_shutdown_request(self) -> None:
+        self.stop_requested = True
+        super().handle_warm_shutdown_request()  # type: ignore[misc]
+
+
+class PerseusWorker(_StopAware, Worker):
+    """rq's forking worker that knows whether it was asked to stop."""
+
+
+class PerseusSimpleWorker(_StopAware, SimpleWorker):
+    """rq's in-process worker that knows whether it was asked to stop."""
+
+
+def wait_for_redis(
+    conn: redis.Redis, stop: threading.Event, first_delay: float = 0.5, max_delay: float = 5.0
+) -> bool:
+    """Ping ``conn`` with backoff until it answers (True) or ``stop`` is set (False)."""
+    delay = first_delay
+    while not stop.is_set():
+        try:
+            conn.ping()
+            return True
+        except (redis.ConnectionError, redis.TimeoutError):
+            stop.wait(delay)
+            delay = min(delay * 2, max_delay)
+    return False
+
+
+def run_workers(
+    make_worker: Callable[[], PerseusWorker | PerseusSimpleWorker],
+    *,
+    burst: bool = False,
+    logging_level: str | None = None,
+) -> int:
+    """Run rq workers from ``make_worker`` until one is asked to stop; return the restarts.
+
+    Args:
+        make_worker: Builds a fresh worker (same queues, connection and name each time).
+        burst: rq's burst mode: return when the queue is empty (no restart either).
+        logging_level: Passed to rq.
+    """
+    restarts = 0
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: Any) -> None:
+        stop.set()
+
+    while True:
+        worker = make_worker()
+        try:
+            worker.work(burst=burst, logging_level=logging_level)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # rq's teardown (recording the worker's death) needs Redis as well.
+            logger.warning("rq worker %s could not record its exit: %s", worker.name, exc)
+        if burst or worker.stop_requested:
+            return restarts
+        restarts += 1
+        logger.warning(
+            "rq worker %s left its work loop (see the error above); starting a new rq worker "
+            "once redis answers (restart %d)",
+            worker.name,
+            restarts,
+        )
+        # rq's handlers belong to the old worker, whose Redis calls would fail now.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, request_stop)
+        if not wait_for_redis(worker.connection, stop):
+            return restarts
+        # Its death may not have been recorded during the outage; without it, rq refuses a
+        # new worker of the same name.
+        with contextlib.suppress(redis.RedisError):
+            worker.register_death()
