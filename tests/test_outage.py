@@ -236,3 +236,37 @@ def test_wait_for_redis_returns_when_it_answers_or_when_stopped(tmp_path):
     started = time.monotonic()
     assert not wait_for_redis(gone, stop, first_delay=0.05)
     assert 0.4 < time.monotonic() - started < 3
+
+
+def test_worker_waiting_for_redis_stops_on_sigterm(tmp_path):
+    with EmbeddedRedis(appendonly=True) as server:
+        coordinator = start(
+            [
+                "coordinator",
+                "--redis-url",
+                server.url,
+                "--scheduler",
+                "tests.toy_schedulers:StepDown",
+                "--scheduler-args",
+                json.dumps({"delay": 1.0}),
+            ],
+            tmp_path,
+            "coordinator.log",
+        )
+        worker = start(["worker", "--simple", "--redis-url", server.url], tmp_path, "w.log")
+        try:
+            client = CoordinatorClient(server.url, reply_timeout=20)
+            job_id = register(client, pp=1)
+            store = JobStore(redis.Redis.from_url(server.url))
+            wait_for(lambda: store.lease_holder(job_id) is not None, timeout=20, what="worker")
+            server.terminate()  # Down for good: the worker's loop quits and waits for Redis.
+            log = tmp_path / "w.log"
+            wait_for(lambda: "starting a new rq worker" in log.read_text(), 30, "the wait")
+            worker.terminate()
+            assert worker.wait(timeout=10) == 0
+            client.close()
+        finally:
+            for proc in (worker, coordinator):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
