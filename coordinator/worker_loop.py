@@ -26,6 +26,9 @@ class _StopAware:
     """Remembers that a warm shutdown was asked for (rq's hook for exactly that)."""
 
     stop_requested = False
+    # rq doubles its reconnect wait up to 60 s: after a long outage a worker could sleep up to
+    # a minute with Redis back. Schedules should follow within seconds.
+    max_connection_wait_time = 5.0
 
     def handle_warm_shutdown_request(self) -> None:
         self.stop_requested = True
