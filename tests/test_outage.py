@@ -8,6 +8,7 @@ run as ``perseus`` CLI processes; the hook runs in this process (gloo, world siz
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,45 +31,51 @@ from worker_client.session import CoordinatorClient, ResultReporter
 Cluster = Callable[..., EmbeddedRedis]
 
 
+def start_stack(
+    server: EmbeddedRedis, tmp_path, delay: float = 0.0, forking: bool = False
+) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """A `perseus coordinator` (StepDown, ``delay`` s per version) and a `perseus worker`."""
+    scheduler_args = json.dumps({"microbatches": 2, "delay": delay})
+    coordinator = start(
+        [
+            "coordinator",
+            "--redis-url",
+            server.url,
+            "--scheduler",
+            "tests.toy_schedulers:StepDown",
+            "--scheduler-args",
+            scheduler_args,
+        ],
+        tmp_path,
+        "coordinator.log",
+    )
+    kind = [] if forking else ["--simple"]
+    worker = start(["worker", *kind, "--redis-url", server.url], tmp_path, "w.log")
+    return coordinator, worker
+
+
 @pytest.fixture
 def cluster(tmp_path, monkeypatch) -> Iterator[Cluster]:
     """Factory: a private Redis (persistent or not) with a coordinator and a worker on it."""
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
     servers: list[EmbeddedRedis] = []
-    procs = []
+    procs: list[subprocess.Popen] = []
 
     def make(appendonly: bool, delay: float = 0.0, forking: bool = False) -> EmbeddedRedis:
         server = EmbeddedRedis(appendonly=appendonly)
         servers.append(server)
-        scheduler_args = json.dumps({"microbatches": 2, "delay": delay})
-        procs.append(
-            start(
-                [
-                    "coordinator",
-                    "--redis-url",
-                    server.url,
-                    "--scheduler",
-                    "tests.toy_schedulers:StepDown",
-                    "--scheduler-args",
-                    scheduler_args,
-                ],
-                tmp_path,
-                "coordinator.log",
-            )
-        )
-        kind = [] if forking else ["--simple"]
-        procs.append(start(["worker", *kind, "--redis-url", server.url], tmp_path, "w.log"))
+        procs.extend(start_stack(server, tmp_path, delay, forking))
         return server
 
     yield make
-    alive = [p.args[3] for p in procs if p.poll() is not None]
+    died = [p.args[3] for p in procs if p.poll() is not None]
     for proc in procs:
         proc.terminate()
         proc.wait(timeout=10)
     for server in servers:
         server.stop()
     # A process that died during the test is a failure of the test itself.
-    assert not alive, f"these died during the test: {alive}; see {tmp_path}"
+    assert not died, f"these died during the test: {died}; see {tmp_path}"
 
 
 def is_down(server: EmbeddedRedis) -> bool:
@@ -240,20 +247,7 @@ def test_wait_for_redis_returns_when_it_answers_or_when_stopped(tmp_path):
 
 def test_worker_waiting_for_redis_stops_on_sigterm(tmp_path):
     with EmbeddedRedis(appendonly=True) as server:
-        coordinator = start(
-            [
-                "coordinator",
-                "--redis-url",
-                server.url,
-                "--scheduler",
-                "tests.toy_schedulers:StepDown",
-                "--scheduler-args",
-                json.dumps({"delay": 1.0}),
-            ],
-            tmp_path,
-            "coordinator.log",
-        )
-        worker = start(["worker", "--simple", "--redis-url", server.url], tmp_path, "w.log")
+        coordinator, worker = start_stack(server, tmp_path, delay=1.0)
         try:
             client = CoordinatorClient(server.url, reply_timeout=20)
             job_id = register(client, pp=1)
