@@ -116,6 +116,8 @@ def coordinator(
         service.run()
     except KeyboardInterrupt:
         pass
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 # Imported by `perseus worker` before it forks: lowtime alone costs ~0.8 s per forked job

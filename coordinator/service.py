@@ -23,7 +23,7 @@ from rq import Queue
 from rq.job import Job, JobStatus
 
 from coordinator import keys
-from coordinator.exceptions import PerseusError, ProtocolError
+from coordinator.exceptions import ConfigError, PerseusError, ProtocolError
 from coordinator.models import (
     JobConfig,
     RegisterJob,
@@ -42,6 +42,21 @@ from schedulers.registry import BUILTIN, check_scheduler_args
 logger = logging.getLogger(__name__)
 
 _WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
+
+
+# XAUTOCLAIM (coordinator) and ZADD ... GT (hook heartbeats) arrived in Redis 6.2.
+MIN_REDIS_VERSION = (6, 2)
+
+
+def check_redis_version(version: str) -> None:
+    """Raise ConfigError if the ``redis_version`` string is older than perseus-mq needs."""
+    try:
+        found = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        raise ConfigError(f"cannot parse the Redis server version {version!r}") from None
+    if found < MIN_REDIS_VERSION:
+        need = ".".join(map(str, MIN_REDIS_VERSION))
+        raise ConfigError(f"perseus-mq needs Redis >= {need}; this server runs {version}")
 
 
 def ensure_groups(conn: redis.Redis) -> None:
@@ -103,7 +118,12 @@ class Coordinator:
 
     # --- main loop -------------------------------------------------------------------------
     def run(self, block_ms: int = 1000) -> None:
-        """Process entries until :attr:`stop_event` is set."""
+        """Process entries until :attr:`stop_event` is set.
+
+        Raises:
+            ConfigError: The Redis server is too old.
+        """
+        check_redis_version(str(self.conn.info("server")["redis_version"]))
         ensure_groups(self.conn)
         logger.info("coordinator %s consuming %s", self.consumer, ", ".join(keys.INPUT_STREAMS))
         # Our own unacknowledged entries first (we may be a restart under the same name).

@@ -524,3 +524,15 @@ def test_idle_deletion_spares_a_job_refreshed_since_it_was_listed(r, redis_url):
     assert r.exists(keys.job_info("j9")) and r.zscore(keys.JOBS_INDEX, "j9") is not None
     assert store.delete_job("j9", idle_before=listed_at + 5)
     assert not r.exists(keys.job_info("j9")) and r.zscore(keys.JOBS_INDEX, "j9") is None
+
+
+def test_redis_older_than_6_2_is_refused_clearly(r):
+    from coordinator.exceptions import ConfigError
+    from coordinator.service import check_redis_version
+
+    check_redis_version(str(r.info("server")["redis_version"]))  # the test server is new enough
+    check_redis_version("7.0.15")
+    with pytest.raises(ConfigError, match=r"needs Redis >= 6.2; this server runs 6.0.16"):
+        check_redis_version("6.0.16")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        check_redis_version("banana")
