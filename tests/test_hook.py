@@ -206,3 +206,33 @@ def test_heartbeat_notices_a_deleted_job_and_training_goes_on(gloo, service, r, 
 def test_heartbeat_interval_must_be_positive(gloo, redis_url):
     with pytest.raises(ValueError, match="heartbeat_interval"):
         make_hook(redis_url, DryRunFrequencyController(0), heartbeat_interval=0)
+
+
+def test_result_is_sent_again_when_redis_lost_its_version(gloo, service, r, redis_url):
+    coord, start_worker = service
+    start_worker()
+    hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
+    job = hook.job_id
+    try:
+        step_until(hook, lambda: hook.schedule.version == 2, 20, "version 2")
+        # Redis crashes within its fsync window: after its restart, version 2 never happened.
+        [(entry_id, _)] = r.xrevrange(keys.job_updates(job), count=1)
+        with r.pipeline() as pipe:
+            pipe.set(keys.job_version(job), 1)
+            pipe.delete(keys.job_schedule(job, 2))
+            pipe.rpop(keys.job_journal(job))
+            pipe.xdel(keys.job_updates(job), entry_id)
+            pipe.execute()
+        # The rank still runs version 2; its result is refused (dead-lettered, not lost).
+        step_until(hook, lambda: r.xlen(keys.DEADLETTER_STREAM) == 1, 10, "the refusal")
+        assert b"version 2" in r.xrange(keys.DEADLETTER_STREAM)[0][1][b"reason"]
+        # The sweep notices the work and a worker publishes version 2 again; the rank sends
+        # its result again, and the job moves on.
+        coord.settings = coord.settings.model_copy(
+            update={"stall_timeout": 0.2, "reconcile_interval": 0.1}
+        )
+        step_until(hook, lambda: hook.schedule.version == 3, 30, "version 3")
+        assert hook.reporter.sent == 3  # version 1, version 2 refused, version 2 again
+        assert [e.observed_version for e in JobStore(r).journal(job)] == [None, 1, 2]
+    finally:
+        hook.close()

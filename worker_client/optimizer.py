@@ -201,6 +201,7 @@ class PerseusOptimizer(Callback):
         # Turns marks into energies and results, in report order, off the training thread.
         self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perseus-result")
         self._build_error: Exception | None = None
+        self._last_result: ProfilingResult | None = None  # set by the result-builder thread
         self._build_lock = threading.Lock()
         self._measuring = False
         self._reset_window()
@@ -298,10 +299,25 @@ class PerseusOptimizer(Callback):
         for worker in (self.watcher, self.reporter):
             if worker.error is not None:
                 raise worker.error
+        self._resend_if_republished()
         newer = self.watcher.take()
         if newer is not None:
             self._swap(newer)
         self._iter = iter(self.schedule.frequencies)
+
+    def _resend_if_republished(self) -> None:
+        """Send this version's result again if Redis lost the version and got it back."""
+        version = self.watcher.take_republished()
+        last = self._last_result
+        if version is None or last is None or last.schedule_version != version:
+            return  # Not reported yet: the regular report goes to the version now in Redis.
+        logger.warning(
+            "rank %d: schedule version %d was published again (Redis lost it); sending its "
+            "result again",
+            self.rank,
+            version,
+        )
+        self.reporter.submit(last)
 
     def _build_and_submit(
         self,
@@ -330,6 +346,7 @@ class PerseusOptimizer(Callback):
             with self._build_lock:
                 self._build_error = exc
             return
+        self._last_result = result
         self.reporter.submit(result)
 
     def _swap(self, schedule: FrequencySchedule) -> None:

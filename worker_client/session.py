@@ -275,6 +275,8 @@ class ScheduleWatcher(threading.Thread):
         self._version = version
         self._lock = threading.Lock()
         self._pending: FrequencySchedule | None = None
+        self._seen: set[int] = set()  # versions announced on the updates stream so far
+        self._republished: int | None = None
         self.error: BaseException | None = None
         self.outage = _Outage(f"rank {rank} schedule watcher", client.redis_url, outage_timeout)
         self.job_lost = False
@@ -294,7 +296,9 @@ class ScheduleWatcher(threading.Thread):
                     self._beat()
                 for _stream, entries in reply or []:
                     last_id = entries[-1][0].decode()
-                    newest = max(int(fields[b"version"]) for _, fields in entries)
+                    versions = [int(fields[b"version"]) for _, fields in entries]
+                    self._note_announcements(versions)
+                    newest = max(versions)
                     if newest > self._version:
                         schedule = self.client.fetch_schedule(self.job_id, newest, self.rank)
                         with self._lock:
@@ -324,6 +328,21 @@ class ScheduleWatcher(threading.Thread):
             self._version,
             keys.DEADLETTER_STREAM,
         )
+
+    def _note_announcements(self, versions: list[int]) -> None:
+        # A version is announced once, unless Redis lost it (a crash within its fsync window)
+        # and a worker published it again: results sent for it in between were refused.
+        for version in versions:
+            if version in self._seen and version == self._version:
+                with self._lock:
+                    self._republished = version
+            self._seen.add(version)
+
+    def take_republished(self) -> int | None:
+        """The version this rank runs, if it was announced again since the last call."""
+        with self._lock:
+            republished, self._republished = self._republished, None
+        return republished
 
     def take(self) -> FrequencySchedule | None:
         """The newest schedule published since the last call, if any."""
