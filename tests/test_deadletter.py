@@ -1,0 +1,80 @@
+"""`perseus deadletter list/replay` against a real Redis and a running coordinator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from coordinator import keys
+from coordinator.cli import main
+from coordinator.deadletter import list_dead_letters
+from coordinator.models import ReportResult, unpack
+from coordinator.store import JobStore
+from tests.test_coordinator import drain, register, result, service, wait_for  # noqa: F401
+from worker_client.session import CoordinatorClient
+
+
+def cli(*args: str) -> tuple[int, str]:
+    outcome = CliRunner().invoke(main, list(args))
+    return outcome.exit_code, outcome.output
+
+
+@pytest.mark.usefixtures("service")
+def test_a_result_that_became_valid_is_replayed_and_counted(r, redis_url):
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    job_id = register(client)
+    drain(r)
+    # A result for version 2 before version 2 exists is refused...
+    client.report(job_id, result(0, 2))
+    wait_for(lambda: r.xlen(keys.DEADLETTER_STREAM) == 1)
+    code, out = cli("deadletter", "list", "--redis-url", redis_url)
+    assert code == 0, out
+    [letter] = list_dead_letters(r)
+    assert letter.entry_id in out and "report_result" in out and job_id in out
+    assert "version 2" in out  # the reason, on its own line
+    code, out = cli("deadletter", "list", "--json", "--redis-url", redis_url)
+    [row] = json.loads(out)
+    assert row["kind"] == "report_result" and row["replayable"] and row["job_id"] == job_id
+
+    # ...replaying it too early dead-letters it again, with nothing lost...
+    code, out = cli("deadletter", "replay", letter.entry_id, "--redis-url", redis_url)
+    assert code == 0 and f"{letter.entry_id} -> {keys.RESULTS_STREAM}" in out, out
+    wait_for(lambda: list_dead_letters(r) and list_dead_letters(r)[0].entry_id != letter.entry_id)
+    [again] = list_dead_letters(r)
+    assert again.original == letter.original
+
+    # ...and once version 2 is published, the replay counts.
+    for rank in range(2):
+        client.report(job_id, result(rank, 1))
+    store = JobStore(r)
+    wait_for(lambda: store.result_count(job_id, 1) == 2)
+    drain(r)
+    assert store.version(job_id) == 2
+    code, out = cli("deadletter", "replay", "--all", "--redis-url", redis_url)
+    assert code == 0 and again.entry_id in out, out
+    wait_for(lambda: store.result_count(job_id, 2) == 1)
+    assert r.xlen(keys.DEADLETTER_STREAM) == 0
+    # The replayed entry is the original, byte for byte.
+    [(_id, fields)] = r.xrange(keys.RESULTS_STREAM)[-1:]
+    assert unpack(ReportResult, fields[b"data"]).result == result(0, 2)
+
+
+@pytest.mark.usefixtures("service")
+def test_registrations_and_unknown_ids_are_refused_clearly(r, redis_url):
+    r.xadd(keys.REGISTRATIONS_STREAM, {"kind": "register_job", "data": b"\x00garbage"})
+    wait_for(lambda: r.xlen(keys.DEADLETTER_STREAM) == 1)
+    [letter] = list_dead_letters(r)
+    assert not letter.replayable
+    code, out = cli("deadletter", "replay", letter.entry_id, "--redis-url", redis_url)
+    assert code == 1 and "only entries of perseus:stream:results" in out, out
+    code, out = cli("deadletter", "replay", "--all", "--redis-url", redis_url)
+    assert code == 0 and "no replayable dead letters" in out
+    assert r.xlen(keys.DEADLETTER_STREAM) == 1  # still there
+    code, out = cli("deadletter", "replay", "1-0", "--redis-url", redis_url)
+    assert code == 1 and "no dead letter 1-0" in out, out
+    code, out = cli("deadletter", "replay", "nonsense", "--redis-url", redis_url)
+    assert code == 1 and "not a stream entry id" in out, out
+    code, out = cli("deadletter", "replay", "--redis-url", redis_url)
+    assert code == 2 and "give dead-letter ids, or --all" in out
