@@ -96,7 +96,8 @@ def run_workers(
         # rq's handlers belong to the old worker, whose Redis calls would fail now.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, request_stop)
-        if not wait_for_redis(worker.connection, stop):
+        # A pause, so that a loop that quits at once for another reason does not spin.
+        if stop.wait(1.0) or not wait_for_redis(worker.connection, stop):
             return restarts
         # Its death may not have been recorded during the outage; without it, rq refuses a
         # new worker of the same name.
