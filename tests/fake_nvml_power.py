@@ -15,22 +15,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+# One error type and one set of codes for both fakes (the NVML facade catches NVMLError by
+# looking it up on whichever module it was given).
+from tests.fake_nvml import (
+    NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_NO_PERMISSION,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVMLError,
+)
+
 NVML_SUCCESS = 0
-NVML_ERROR_NOT_SUPPORTED = 3
-NVML_ERROR_NO_PERMISSION = 4
-_MESSAGES = {
-    NVML_ERROR_NOT_SUPPORTED: "Not Supported",
-    NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
-}
-
-
-class NVMLError(Exception):
-    def __init__(self, value: int) -> None:
-        super().__init__(value)
-        self.value = value
-
-    def __str__(self) -> str:
-        return _MESSAGES.get(self.value, f"Unknown Error {self.value}")
 
 
 @dataclass
@@ -186,7 +180,7 @@ def nvmlDeviceSetPowerManagementLimit(handle: int, limit_mw: int) -> None:
         raise NVMLError(NVML_ERROR_NO_PERMISSION)
     gpu = _gpu(handle)
     if not gpu.min_limit_mw <= limit_mw <= gpu.max_limit_mw:
-        raise NVMLError(2)  # NVML_ERROR_INVALID_ARGUMENT
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     gpu.limit_mw = limit_mw
     with _lock:
         STATE.set_calls.append((handle, limit_mw))
