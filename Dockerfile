@@ -4,10 +4,9 @@ FROM python:3.11-slim
 WORKDIR /app
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 
-# The CPU build of torch: the services never touch a GPU, and PyPI's default is a CUDA build.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-
+# No torch: the coordinator and rq workers never import it (the training hook does, on the ranks).
 COPY pyproject.toml README.md ./
+COPY protocol ./protocol
 COPY coordinator ./coordinator
 COPY worker_client ./worker_client
 COPY schedulers ./schedulers

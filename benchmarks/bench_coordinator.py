@@ -28,12 +28,12 @@ from rq import Queue, Worker
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator import keys  # noqa: E402
 from coordinator.embedded import EmbeddedRedis  # noqa: E402
-from coordinator.models import JobInfo, ProfilingResult, RankInfo  # noqa: E402
 from coordinator.service import Coordinator  # noqa: E402
 from coordinator.settings import PerseusSettings  # noqa: E402
-from worker_client.session import CoordinatorClient  # noqa: E402
+from protocol import keys  # noqa: E402
+from protocol.models import JobInfo, ProfilingResult, RankInfo  # noqa: E402
+from worker_client.hook.session import CoordinatorClient  # noqa: E402
 
 FREQS = list(range(1980, 344, -15))
 

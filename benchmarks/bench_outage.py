@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_coordinator import FREQS, start_worker, stop  # noqa: E402
 from coordinator.embedded import EmbeddedRedis  # noqa: E402
-from coordinator.models import JobInfo, ProfilingResult, RankInfo  # noqa: E402
 from coordinator.service import Coordinator  # noqa: E402
 from coordinator.settings import PerseusSettings  # noqa: E402
-from worker_client.session import CoordinatorClient  # noqa: E402
+from protocol.models import JobInfo, ProfilingResult, RankInfo  # noqa: E402
+from worker_client.hook.session import CoordinatorClient  # noqa: E402
 
 RANKS = 4
 

@@ -1,7 +1,7 @@
 """Planner wall time, peak memory and energy saving on synthetic imbalanced profiles.
 
 Each pipeline size runs in its own subprocess, so that peak RSS (``ru_maxrss``) belongs to that
-size alone. The profile is :mod:`schedulers.synthetic_profile` (H100-like clocks, every
+size alone. The profile is :mod:`schedulers.planning.synthetic_profile` (H100-like clocks, every
 ``--stride``-th one; imbalanced stages; backward ~2x forward; energy minimum inside the clock
 range). Every figure printed is measured on this machine; nothing is hard-coded.
 
@@ -34,9 +34,9 @@ def run_one(stages: int, micro: int, stride: int, unit: float, trace: bool) -> d
     t0 = time.perf_counter()
     import lowtime.solver  # noqa: F401  (measured separately: ~1 s of imports)
 
-    from schedulers.choose import choose_plan
-    from schedulers.planner import plan_frontier
-    from schedulers.synthetic_profile import synthetic_profile
+    from schedulers.planning.choose import choose_plan
+    from schedulers.planning.planner import plan_frontier
+    from schedulers.planning.synthetic_profile import synthetic_profile
 
     import_s = time.perf_counter() - t0
     profile = synthetic_profile(stages, stride=stride)

@@ -12,6 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-h100-out}"
 mkdir -p "$out"
+# PYTHON: the interpreter to use (a venv's, say); the device image's python3 by default.
+python="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [[ "${PERSEUS_DEVICE_SIMULATE:-0}" == 1 ]]; then
@@ -26,12 +28,12 @@ else
 fi
 {
     date -u +%FT%TZ
-    python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'
+    "$python" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'
 } | tee -a "$out/env.txt"
 
 echo "== benchmarks/h100_measure.py ${measure[*]}"
-python3 benchmarks/h100_measure.py "${measure[@]}" --json "$out/h100.json" 2>&1 | tee "$out/h100.txt"
+"$python" benchmarks/h100_measure.py "${measure[@]}" --json "$out/h100.json" 2>&1 | tee "$out/h100.txt"
 
 echo "== perseus profile-p2p ${p2p[*]}"
-python3 -c 'from coordinator.cli_profile import profile_p2p_command as c; c()' \
+"$python" -c 'from worker_client.gpu.cli import profile_p2p_command as c; c()' \
     "${p2p[@]}" --csv "$out/p2p.csv" 2>&1 | tee "$out/p2p.txt"

@@ -20,7 +20,7 @@ What it measures and prints (every figure comes from this run):
 * single-instruction windows (one forward each) against the long-window figure: their spread,
   their error vs. the long window, their bounds, and how many read 0 J from the raw counter.
 
-``--simulate`` runs the same code against the simulated GPU (``worker_client.simulated_gpu``)
+``--simulate`` runs the same code against the simulated GPU (``worker_client.simulated.gpu``)
 and CPU torch. The simulated counter grows only when energy is accounted, so a side thread
 accounts ``--sim-power`` watts every ``--sim-update-period`` seconds (the period a real
 counter updates at), so that the script itself can be tested without a GPU.
@@ -58,14 +58,15 @@ from benchmarks.h100_probes import (  # noqa: E402
     stats,
     timed,
 )
-from coordinator.exceptions import GPUError  # noqa: E402
-from worker_client.energy import EnergyMonitor  # noqa: E402
-from worker_client.frequency import DryRunFrequencyController  # noqa: E402
-from worker_client.nvml import REAL_NVML  # noqa: E402
-from worker_client.nvml_readonly import ReadOnlyNVML, assert_read_only  # noqa: E402
-from worker_client.p2p_power import SimulatedSteadyPower, cuda_ordinal  # noqa: E402
+from protocol.exceptions import GPUError  # noqa: E402
+from worker_client.gpu.energy import EnergyMonitor  # noqa: E402
+from worker_client.gpu.frequency import DryRunFrequencyController  # noqa: E402
+from worker_client.gpu.nvml import REAL_NVML  # noqa: E402
+from worker_client.gpu.nvml_readonly import ReadOnlyNVML, assert_read_only  # noqa: E402
+from worker_client.gpu.p2p_power import cuda_ordinal  # noqa: E402
+from worker_client.simulated.gpu import SimulatedSteadyPower  # noqa: E402
 
-SIM_MODULE = "worker_client.simulated_gpu"
+SIM_MODULE = "worker_client.simulated.gpu"
 
 
 # --- main -------------------------------------------------------------------------------------

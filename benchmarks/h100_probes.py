@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from worker_client.energy import EnergyMonitor
-    from worker_client.nvml_readonly import ReadOnlyNVML
+    from worker_client.gpu.energy import EnergyMonitor
+    from worker_client.gpu.nvml_readonly import ReadOnlyNVML
 
 
 class PowerPoller:

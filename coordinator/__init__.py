@@ -1,1 +1,1 @@
-"""Coordinator: Redis protocol, job state, rq tasks, settings and the perseus CLI."""
+"""The coordinator: stream consumer, rq tasks and worker loop, settings, status; the perseus CLI."""

@@ -6,25 +6,41 @@ point; command-line flags override them.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import logging
 import signal
 import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import click
 import redis
+from pydantic import ValidationError
 
-from coordinator.exceptions import PerseusError
+from coordinator.cli_demo import demo_command
+from coordinator.dump import dump_job
+from coordinator.embedded import EmbeddedRedis, redis_server_binary
+from coordinator.service import Coordinator
+from coordinator.settings import PerseusSettings
+from coordinator.status import format_snapshot, snapshot
+from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_workers
+from protocol import keys
+from protocol.cli_options import connect_or_fail, redact_url, redis_url_option
+from protocol.deadletter import get_dead_letter, list_dead_letters, replay
+from protocol.exceptions import PerseusError
+from protocol.scheduler import BUILTIN, resolve_scheduler
+from protocol.store import JobStore
+from schedulers.planning.cli import choose_command, optimize_command
+from worker_client.gpu.cli import profile_p2p_command
+from worker_client.hook.session import CoordinatorClient
+from worker_client.power_limit.cli import power_limit_group
 
-REDIS_URL_HELP = "Redis URL, e.g. redis://localhost:6379/0 or unix:///path/redis.sock."
 
-
-def _settings(**overrides: Any) -> Any:
-    from pydantic import ValidationError
-
-    from coordinator.settings import PerseusSettings
-
+def _settings(**overrides: Any) -> PerseusSettings:
     given = {k: v for k, v in overrides.items() if v is not None}
     try:
         return PerseusSettings(**given)
@@ -35,23 +51,7 @@ def _settings(**overrides: Any) -> Any:
 
 
 def _connect(url: str) -> redis.Redis:
-    conn = redis.Redis.from_url(url, socket_connect_timeout=5)
-    try:
-        conn.ping()
-    except redis.RedisError as exc:
-        raise click.ClickException(f"cannot reach Redis at {url}: {exc}") from None
-    return conn
-
-
-def redis_url_option(func: Any) -> Any:
-    """``--redis-url`` (env ``PERSEUS_REDIS_URL``)."""
-    return click.option(
-        "--redis-url",
-        envvar="PERSEUS_REDIS_URL",
-        default=None,
-        show_envvar=True,
-        help=REDIS_URL_HELP + " Default: redis://localhost:6379/0.",
-    )(func)
+    return connect_or_fail(url)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,8 +86,6 @@ def coordinator(
     The scheduler and its arguments are checked against the scheduler's constructor before
     anything starts. Run several coordinators for availability: they share one consumer group.
     """
-    from coordinator.service import Coordinator
-
     args = None
     if scheduler_args is not None:
         try:
@@ -111,7 +109,8 @@ def coordinator(
         raise click.UsageError(str(exc)) from None
     service = Coordinator(_connect(settings.redis_url), settings)
     signal.signal(signal.SIGTERM, lambda *_: service.stop_event.set())
-    click.echo(f"perseus coordinator: scheduler={settings.scheduler} redis={settings.redis_url}")
+    where = redact_url(settings.redis_url)
+    click.echo(f"perseus coordinator: scheduler={settings.scheduler} redis={where}")
     try:
         service.run()
     except KeyboardInterrupt:
@@ -122,15 +121,11 @@ def coordinator(
 
 # Imported by `perseus worker` before it forks: lowtime alone costs ~0.8 s per forked job
 # otherwise (the planner runs inside InstructionProfiler's rq tasks).
-PRELOAD_MODULES = ("coordinator.tasks", "schedulers.planner", "lowtime.solver")
+PRELOAD_MODULES = ("coordinator.tasks", "schedulers.planning.planner", "lowtime.solver")
 
 
 def preload_schedulers() -> None:
     """Import scheduler modules (and lowtime) once, before rq forks a job's process."""
-    import importlib
-
-    from schedulers.registry import BUILTIN
-
     targets = [t.partition(":")[0] for t in BUILTIN.values()] + list(PRELOAD_MODULES)
     for module in targets:
         try:
@@ -161,9 +156,6 @@ def worker(
     per job. A Redis outage does not end the command: when rq's loop quits on one, a fresh
     worker starts once Redis answers.
     """
-    from coordinator import keys
-    from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_workers
-
     settings = _settings(redis_url=redis_url, log_level=log_level)
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -184,8 +176,6 @@ def worker(
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 def status(redis_url: str | None, as_json: bool) -> None:
     """Show jobs (ranks registered, schedule version, results), stream lag and rq state."""
-    from coordinator.status import format_snapshot, snapshot
-
     settings = _settings(redis_url=redis_url)
     snap = snapshot(_connect(settings.redis_url))
     click.echo(json.dumps(snap, indent=1) if as_json else format_snapshot(snap))
@@ -197,9 +187,6 @@ def status(redis_url: str | None, as_json: bool) -> None:
 @click.option("--out", "out_dir", default="./dump", show_default=True, help="Folder to write to.")
 def dump(redis_url: str | None, job_id: str, out_dir: str) -> None:
     """Write a job's ranks, schedules, results and journal to OUT/JOB_ID/ as JSON."""
-    from coordinator.dump import dump_job
-    from coordinator.store import JobStore
-
     settings = _settings(redis_url=redis_url)
     try:
         folder = dump_job(JobStore(_connect(settings.redis_url)), job_id, out_dir)
@@ -218,8 +205,6 @@ def target(redis_url: str | None, job_id: str, seconds: float) -> None:
     Goes through the control stream like every other input; schedulers that serve a frontier
     switch every rank to the least-energy plan that meets the target in a new version.
     """
-    from worker_client.session import CoordinatorClient
-
     settings = _settings(redis_url=redis_url)
     _connect(settings.redis_url)
     client = CoordinatorClient(settings.redis_url)
@@ -238,11 +223,6 @@ def redis_command(appendonly: bool) -> None:
     For trying perseus-mq without Docker: prints the URL to pass as --redis-url and the
     redis-cli command to inspect it.
     """
-    import time
-    from pathlib import Path
-
-    from coordinator.embedded import EmbeddedRedis, redis_server_binary
-
     with EmbeddedRedis(appendonly=appendonly) as server:
         cli = Path(redis_server_binary()).with_name("redis-cli")
         click.echo(f"redis url: {server.url}")
@@ -258,10 +238,6 @@ def redis_command(appendonly: bool) -> None:
 @main.command()
 def schedulers() -> None:
     """List the built-in scheduler names usable as PERSEUS_SCHEDULER."""
-    import inspect
-
-    from schedulers.registry import BUILTIN, resolve_scheduler
-
     for name in sorted(BUILTIN):
         try:
             params = [
@@ -285,10 +261,6 @@ def deadletter_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
 def deadletter_list(redis_url: str | None, count: int, as_json: bool) -> None:
     """Show the oldest COUNT dead letters: id, time, kind, job and reason."""
-    from datetime import datetime, timezone
-
-    from coordinator.deadletter import list_dead_letters
-
     letters = list_dead_letters(_connect(_settings(redis_url=redis_url).redis_url), count)
     if as_json:
         click.echo(json.dumps([d.summary() for d in letters], indent=1))
@@ -311,8 +283,6 @@ def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_
 
     An entry that fails again is dead-lettered again with the new reason: nothing is lost.
     """
-    from coordinator.deadletter import get_dead_letter, list_dead_letters, replay
-
     if bool(entry_ids) == replay_all:
         raise click.UsageError("give dead-letter ids, or --all")
     settings = _settings(redis_url=redis_url)
@@ -334,24 +304,15 @@ def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_
         click.echo("no replayable dead letters")
 
 
-def _add_commands() -> None:
-    """Commands that live in their own modules (one concept per module)."""
-    from coordinator.cli_demo import demo_command
-    from coordinator.cli_planner import choose_command, optimize_command
-    from coordinator.cli_power import power_limit_group
-    from coordinator.cli_profile import profile_p2p_command
-
-    for command in (
-        optimize_command,
-        choose_command,
-        power_limit_group,
-        profile_p2p_command,
-        demo_command,
-    ):
-        main.add_command(command)
-
-
-_add_commands()
+# Commands that live next to what they drive (one concept per module).
+for _command in (
+    optimize_command,
+    choose_command,
+    power_limit_group,
+    profile_p2p_command,
+    demo_command,
+):
+    main.add_command(_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,19 +6,16 @@ from pathlib import Path
 
 import click
 
-from coordinator.exceptions import PerseusError
+from protocol.cli_options import redis_url_option
+from protocol.exceptions import PerseusError
 
 
 @click.command("demo")
 @click.option("--stages", default=4, show_default=True, help="Pipeline stages.")
 @click.option("--microbatches", default=8, show_default=True, help="Microbatches per iteration.")
 @click.option("--dp", default=1, show_default=True, help="Data parallel degree.")
-@click.option(
-    "--redis-url",
-    envvar="PERSEUS_REDIS_URL",
-    default=None,
-    show_envvar=True,
-    help="Use this Redis (e.g. the compose stack's) instead of a private one.",
+@redis_url_option(
+    default_help="Use this Redis (e.g. the compose stack's) instead of a private one."
 )
 @click.option(
     "--out",
@@ -55,6 +52,7 @@ def demo_command(
     frontier with lowtime, chooses the no-slowdown plan and trains with it, and prints
     all-max clocks against the plan.
     """
+    # The demo imports torch, lowtime and matplotlib: only when it runs, not for `perseus -h`.
     from coordinator.demo import DemoConfig, format_report, run_demo
 
     for name, value in (

@@ -25,12 +25,22 @@ from typing import Any
 
 import redis
 
-from coordinator import keys
 from coordinator.embedded import EmbeddedRedis
-from coordinator.exceptions import CoordinatorUnavailableError, PerseusError
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
-from coordinator.store import JobStore
+from protocol import keys
+from protocol.connection import connect
+from protocol.exceptions import PerseusError
+from protocol.store import JobStore
+from schedulers.planning.choose import choose_plan
+from schedulers.planning.pipeline_dag import one_f_one_b_order
+from schedulers.planning.plan_file import write_plan_file
+from schedulers.planning.planner import plan_frontier
+from schedulers.planning.plots import plot_frontier, plot_plan_timeline
+from schedulers.planning.profile_csv import read_profile_csv
+from worker_client.gpu.p2p_power import measure_p2p_power
+from worker_client.simulated.gpu import GRAPHICS_CLOCKS, synthetic_instruction_table
+from worker_client.simulated.training import launch_simulated_job, rows_of_table
 
 Progress = Callable[[str], None]
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,11 +122,7 @@ def services(redis_url: str | None, progress: Progress) -> Iterator[str]:
         server = EmbeddedRedis()
         redis_url = server.url
         progress(f"started a private Redis at {redis_url}")
-    conn = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
-    try:
-        conn.ping()
-    except redis.RedisError as exc:
-        raise CoordinatorUnavailableError(f"cannot reach Redis at {redis_url}: {exc}") from None
+    conn = connect(redis_url, ping=True)
     # No default scheduler: every demo job chooses its own.
     settings = PerseusSettings(redis_url=redis_url, scheduler="", log_level="WARNING")
     coordinator = Coordinator(conn, settings)
@@ -167,8 +173,6 @@ def _figures(records: list[dict[str, Any]], skip: int = 1) -> RunFigures:
 
 
 def _all_max_plan_text(stages: int, microbatches: int, clock: int) -> str:
-    from schedulers.plan_file import one_f_one_b_order, write_plan_file
-
     plan = [[(n, clock) for n in one_f_one_b_order(stages, microbatches, s)] for s in range(stages)]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "allmax.py"
@@ -178,13 +182,6 @@ def _all_max_plan_text(stages: int, microbatches: int, clock: int) -> str:
 
 def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
     """Run every phase and return what was measured (see the module docstring)."""
-    from schedulers.choose import choose_plan
-    from schedulers.planner import plan_frontier
-    from schedulers.plots import plot_frontier, plot_plan_timeline
-    from worker_client.p2p_power import measure_p2p_power
-    from worker_client.simulated_gpu import GRAPHICS_CLOCKS, synthetic_instruction_table
-    from worker_client.simulated_training import launch_simulated_job, rows_of_table
-
     out = Path(cfg.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     report = DemoReport(out_dir=out)
@@ -203,7 +200,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         services(cfg.redis_url, progress) as url,
     ):
         os.environ.setdefault("PERSEUS_SIM_GPU_DIR", str(Path(tmp) / "gpus"))
-        store = JobStore(redis.Redis.from_url(url))
+        store = JobStore(connect(url))
 
         # 1. Profile, inside training, through the coordinator.
         progress(f"[1/4] profiling {len(clocks)} clocks x {cfg.stages} stages x fwd/bwd ...")
@@ -250,8 +247,6 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         progress(f"      {p2p.mean_w:.1f} W (+/- {p2p.error_bound_w:.1f} W)")
 
         # 3. Plan the frontier and choose.
-        from coordinator.profile_csv import read_profile_csv
-
         progress("[3/4] planning the time-energy frontier with lowtime ...")
         frontier_dir = out / "frontier"
         result = plan_frontier(

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from coordinator.store import JobRecord, JobStore
+from protocol.store import JobRecord, JobStore
 
 
 def _write(path: Path, payload: Any) -> None:

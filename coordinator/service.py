@@ -15,16 +15,16 @@ import os
 import socket
 import threading
 import time
-from typing import Any
 
 import msgpack
 import redis
 from rq import Queue
 from rq.job import Job, JobStatus
 
-from coordinator import keys
-from coordinator.exceptions import ConfigError, PerseusError, ProtocolError
-from coordinator.models import (
+from coordinator.settings import PerseusSettings
+from protocol import deadletter, keys
+from protocol.exceptions import ConfigError, PerseusError, ProtocolError
+from protocol.models import (
     JobConfig,
     RegisterJob,
     RegisterRank,
@@ -35,9 +35,8 @@ from coordinator.models import (
     make_job_id,
     pack,
 )
-from coordinator.settings import PerseusSettings
-from coordinator.store import JobStore
-from schedulers.registry import BUILTIN, check_scheduler_args
+from protocol.scheduler import BUILTIN, check_scheduler_args
+from protocol.store import JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -226,14 +225,7 @@ class Coordinator:
         reason: str,
         reply_to: str | None,
     ) -> None:
-        entry: dict[Any, Any] = {
-            "reason": reason,
-            "source_stream": stream,
-            "source_id": entry_id,
-            "dead_at": f"{time.time():.3f}",
-        }
-        # Keep every original field byte for byte, so nothing is lost.
-        entry.update({b"orig:" + name: value for name, value in fields.items()})
+        entry = deadletter.entry_fields(stream, entry_id, fields, reason, time.time())
         with self.conn.pipeline(transaction=True) as pipe:
             pipe.xadd(
                 keys.DEADLETTER_STREAM,

@@ -12,6 +12,8 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from protocol.scheduler import check_scheduler_args
+
 
 class PerseusSettings(BaseSettings):
     """Coordinator settings; every field can be set as ``PERSEUS_<FIELD>``.
@@ -28,7 +30,10 @@ class PerseusSettings(BaseSettings):
         dump_dir: Where dumps go, one folder per job.
         max_job_idle_time: Seconds without activity (registration, results, or the hook's
             heartbeats) after which a job's state is deleted.
-        stream_maxlen: Approximate cap (XADD MAXLEN ~) of every stream.
+        stream_maxlen: Approximate cap (XADD MAXLEN ~) of the streams the coordinator and
+            workers write: the dead-letter stream, each job's updates stream, and entries
+            that ``perseus deadletter replay`` sends back. The input streams are written by
+            the ranks' hooks, not governed by this setting.
         reconcile_interval: Seconds between the coordinator's sweeps for stalled jobs and GC.
         stall_timeout: Seconds a due schedule computation may go unclaimed before it is
             enqueued again (covers rq workers killed mid-job).
@@ -68,7 +73,4 @@ class PerseusSettings(BaseSettings):
         """
         if not self.scheduler:
             return  # No default: every job must name its scheduler when it registers.
-        # Imported here: the scheduler registry pulls in scheduler modules.
-        from schedulers.registry import check_scheduler_args
-
         check_scheduler_args(self.scheduler, self.scheduler_args)

@@ -8,9 +8,9 @@ from typing import Any
 import redis
 from rq import Queue, Worker
 
-from coordinator import keys
-from coordinator.exceptions import PerseusError
-from coordinator.store import JobStore
+from protocol import keys
+from protocol.exceptions import PerseusError
+from protocol.store import JobStore
 
 
 def _stream_info(conn: redis.Redis, stream: str) -> dict[str, Any]:
@@ -66,6 +66,7 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
     queue = Queue(keys.RQ_QUEUE, connection=conn)
     return {
         "jobs": jobs,
+        "plans": _planner_runs(conn),
         "streams": [_stream_info(conn, s) for s in (*keys.INPUT_STREAMS, keys.DEADLETTER_STREAM)],
         "rq": {
             "queue": keys.RQ_QUEUE,
@@ -74,6 +75,24 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
             "failed": queue.failed_job_registry.count,
         },
     }
+
+
+def _planner_runs(conn: redis.Redis, limit: int = 20) -> list[dict[str, Any]]:
+    """The newest ``perseus optimize --enqueue`` runs (``perseus:plans``), newest first."""
+    runs = []
+    for raw_id, _queued_at in conn.zrevrange(keys.PLANS_INDEX, 0, limit - 1, withscores=True):
+        plan_id = _text(raw_id)
+        fields = {_text(k): _text(v) for k, v in conn.hgetall(keys.plan_key(plan_id)).items()}
+        runs.append(
+            {
+                "plan_id": plan_id,
+                # The state hash expires after a while; the index entry says it existed.
+                "state": fields.get("state", "expired"),
+                "progress": float(fields.get("progress", 0.0)),
+                "message": fields.get("message", ""),
+            }
+        )
+    return runs
 
 
 def format_snapshot(snap: dict[str, Any]) -> str:
@@ -88,6 +107,13 @@ def format_snapshot(snap: dict[str, Any]) -> str:
                 f"  {job['job_id']:<58} {job['ranks']:>3}/{job['world_size']:<3} "
                 f"{job['version']:>4} {job['results_for_version']:>4}/{job['world_size']:<3} "
                 f"{job['idle_s']:>8}  {job['error']}"
+            )
+    if snap.get("plans"):
+        lines.append(f"planner runs: {len(snap['plans'])}")
+        for run in snap["plans"]:
+            lines.append(
+                f"  {run['plan_id']:<40} {run['state']:<8} {run['progress']:>6.1%}  "
+                f"{run['message']}"
             )
     lines.append("streams:")
     for s in snap["streams"]:

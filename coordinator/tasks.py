@@ -15,11 +15,10 @@ import uuid
 import redis
 
 from coordinator.dump import dump_version
-from coordinator.exceptions import ProtocolError
-from coordinator.models import FrequencySchedule, JournalEntry, RankInfo
-from coordinator.store import JobRecord, JobStore
-from schedulers.base import FrequencyScheduler
-from schedulers.registry import build_scheduler
+from protocol.exceptions import ProtocolError
+from protocol.models import FrequencySchedule, JournalEntry, RankInfo
+from protocol.scheduler import FrequencyScheduler, build_scheduler
+from protocol.store import JobRecord, JobStore
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from coordinator.embedded import EmbeddedRedis
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
-from schedulers.plan_file import write_plan_file
+from schedulers.planning.plan_file import write_plan_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,7 +63,7 @@ def main() -> None:
 def train(redis_url: str) -> None:
     """One rank's training loop with the Perseus hook."""
     # --- your training script ---------------------------------------------------------------
-    from worker_client.optimizer import PerseusOptimizer
+    from worker_client.hook.optimizer import PerseusOptimizer
 
     store = dist.HashStore()  # one process: no rendezvous needed
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -79,7 +79,7 @@ def train(redis_url: str) -> None:
         world_size=1,
         redis_url=redis_url,
         job_metadata="example",
-        nvml_module="worker_client.simulated_gpu",  # "pynvml" on a real GPU
+        nvml_module="worker_client.simulated.gpu",  # "pynvml" on a real GPU
         controller="dry-run",  # "nvml" to really lock clocks (needs root)
         report_every=2,
     )

@@ -1,1 +1,1 @@
-"""Frequency schedulers, plan files and the Perseus planner."""
+"""Frequency schedulers that rq workers run; the offline planner lives in schedulers.planning."""

@@ -1,7 +1,7 @@
 """Serve a plan chosen from a planner's frontier, and move along the frontier on demand.
 
 ``FrontierScheduler`` picks a plan from a ``perseus optimize`` output folder with a policy
-(see :mod:`schedulers.choose`) and serves it to every rank. ``set_target(seconds)`` (e.g. a
+(see :mod:`schedulers.planning.choose`) and serves it to every rank. ``set_target(seconds)`` (e.g. a
 straggler's iteration time, sent with ``SetTarget``) switches to the least-energy plan that
 still meets the target, or the fastest plan if none does; the next ``next_schedule`` returns
 it. Profiling results do not change the plan.
@@ -17,12 +17,12 @@ it, which holds for planner output (written once).
 
 from __future__ import annotations
 
-from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
-from schedulers.base import FrequencyScheduler
-from schedulers.choose import parse_policy, select_point
-from schedulers.frontier_files import FrontierPoint, load_frontier
+from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos, make_3d_parallel
-from schedulers.plan_file import PlanFile, read_plan_file
+from schedulers.planning.choose import parse_policy, select_point
+from schedulers.planning.frontier_files import FrontierPoint, load_frontier
+from schedulers.planning.plan_file import PlanFile, read_plan_file
 from schedulers.point_solution import check_plan_fits
 
 
@@ -34,7 +34,7 @@ class FrontierScheduler(FrequencyScheduler):
         rank_infos: Every rank of the job, in any order.
         frontier_dir: A ``perseus optimize`` output folder.
         policy: ``no-slowdown``, ``min-energy``, ``max-slowdown``, ``deadline`` or
-            ``straggler`` (see :mod:`schedulers.choose`); the value may be included, as in
+            ``straggler`` (see :mod:`schedulers.planning.choose`); the value may be included, as in
             ``"max-slowdown 1.05"``.
         policy_arg: The policy's value (factor or seconds), if not given in ``policy``.
 

@@ -12,11 +12,12 @@ risen ``stop_after_rises`` times in a row (lower clocks only cost more time *and
 the lowest clock; a stopped instruction then runs at the stage's highest clock, unmeasured.
 
 When every sweep has stopped, the profile is written as a full-form CSV (one row group per
-rank with that rank's own figures; :mod:`coordinator.profile_csv`), and then either
+rank with that rank's own figures; :mod:`schedulers.planning.profile_csv`), and then either
 
 * without ``then``: every instruction runs at its highest clock, forever; or
-* with ``then``: the planner computes the frontier from the CSV (:mod:`schedulers.planner`),
-  a policy picks a plan (:mod:`schedulers.choose`) and that plan is served forever: the
+* with ``then``: the planner computes the frontier from the CSV
+  (:mod:`schedulers.planning.planner`),
+  a policy picks a plan (:mod:`schedulers.planning.choose`) and that plan is served forever: the
   automatic profile -> optimize -> serve path.
 
 rq workers rebuild the scheduler by replaying the whole journal on every task, so the end of
@@ -39,19 +40,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.exceptions import ConfigError, ProtocolError
-from coordinator.models import (
+from protocol.constants import INSTRUCTIONS
+from protocol.exceptions import ConfigError, ProtocolError
+from protocol.models import (
     FrequencySchedule,
     JobInfo,
     OfflineProfilingResult,
     ProfilingResult,
     RankInfo,
 )
-from coordinator.profile_csv import INSTRUCTIONS, write_profile_csv
-from schedulers.base import FrequencyScheduler
-from schedulers.choose import ChosenPlan, parse_policy
+from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos
-from schedulers.plan_file import one_f_one_b_order
+from schedulers.planning.choose import ChosenPlan, choose_plan, parse_policy
+from schedulers.planning.frontier_files import FRONTIER_CSV
+from schedulers.planning.pipeline_dag import one_f_one_b_order
+from schedulers.planning.plan_file import read_plan_file
+from schedulers.planning.planner import plan_frontier
+from schedulers.planning.profile_csv import read_profile_csv, write_profile_csv
 
 #: Marker file in ``then["out_dir"]``: the hash of the CSV and parameters it was planned from.
 PLAN_MARKER = ".instruction_profiler.json"
@@ -318,11 +323,6 @@ class InstructionProfiler(FrequencyScheduler):
 
     def _planned_schedules(self) -> list[FrequencySchedule]:
         """Plan from the CSV (unless cached), choose a plan, and give each rank its stage's line."""
-        from coordinator.profile_csv import read_profile_csv
-        from schedulers.choose import choose_plan
-        from schedulers.frontier_files import FRONTIER_CSV
-        from schedulers.plan_file import read_plan_file
-
         assert self.then is not None
         then = self.then
         pp = self.job_info.pp_degree
@@ -339,8 +339,6 @@ class InstructionProfiler(FrequencyScheduler):
         key = digest.hexdigest()
         marker = out_dir / PLAN_MARKER
         if not (_marker_key(marker) == key and (out_dir / FRONTIER_CSV).is_file()):
-            from schedulers.planner import plan_frontier
-
             marker.unlink(missing_ok=True)  # An interrupted planner run must not look cached.
             profile = read_profile_csv(self.out_path, num_stages=pp)
             plan_frontier(

@@ -14,9 +14,9 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from coordinator.exceptions import ConfigError, ProtocolError
-from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
-from schedulers.base import FrequencyScheduler
+from protocol.exceptions import ConfigError, ProtocolError
+from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from protocol.scheduler import FrequencyScheduler
 
 S = TypeVar("S", bound=FrequencyScheduler)
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from typing import Any
 
-from coordinator.exceptions import ConfigError
-from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
-from schedulers.base import FrequencyScheduler
+from protocol.exceptions import ConfigError
+from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos, make_3d_parallel
-from schedulers.plan_file import PlanFile, parse_plan_text, read_plan_file
+from schedulers.planning.plan_file import PlanFile, parse_plan_text, read_plan_file
 
 
 def check_plan_fits(

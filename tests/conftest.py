@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
+import subprocess
+import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from coordinator.embedded import EmbeddedRedis  # noqa: E402
+from coordinator.embedded import EmbeddedRedis
+from coordinator.service import Coordinator
+from tests.helpers import TOY_SCHEDULER, make_settings, start_perseus, stop
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +56,38 @@ def gloo() -> Iterator[None]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def service(r, redis_url):
+    """A coordinator (toy StepDown scheduler) consuming in a background thread."""
+    coord = Coordinator(r, make_settings(redis_url), claim_idle_ms=60_000)
+    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+    thread.start()
+    yield coord
+    coord.stop_event.set()
+    thread.join(timeout=5)
+
+
+@pytest.fixture
+def hook_service(r, redis_url, tmp_path, monkeypatch):
+    """A coordinator thread for hook tests, and a function that starts `perseus worker`.
+
+    rq workers need the main thread of a process, so workers run as `perseus worker --simple`
+    processes, started on demand.
+    """
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
+    settings = make_settings(redis_url, TOY_SCHEDULER, scheduler_args={"microbatches": 2})
+    coord = Coordinator(r, settings)
+    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+    thread.start()
+    workers: list[subprocess.Popen] = []
+
+    def start_worker() -> None:
+        args = ["worker", "--simple", "--redis-url", redis_url]
+        workers.append(start_perseus(args, tmp_path, "worker.log"))
+
+    yield coord, start_worker
+    stop(workers)
+    coord.stop_event.set()
+    thread.join(timeout=5)

@@ -26,9 +26,10 @@ def run_rank(
     import torch
     import torch.distributed as dist
 
-    from schedulers.plan_file import one_f_one_b_order
-    from worker_client.frequency import DryRunFrequencyController
-    from worker_client.optimizer import SIMULATED_NVML, PerseusOptimizer
+    from schedulers.planning.pipeline_dag import one_f_one_b_order
+    from worker_client.gpu.frequency import DryRunFrequencyController
+    from worker_client.gpu.nvml import SIMULATED_NVML
+    from worker_client.hook.optimizer import PerseusOptimizer
 
     pp_rank, dp_rank = rank % pp, rank // pp
     record: dict[str, Any] = {"rank": rank, "pp_rank": pp_rank, "dp_rank": dp_rank}

@@ -57,6 +57,9 @@ def test_commands_are_real_cli_commands():
 
 def test_dockerfile_installs_the_console_script():
     text = (ROOT / "Dockerfile").read_text()
-    assert "pip install ." in text and "torch==2.13.0" in text
+    instructions = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert any("pip install ." in line for line in instructions)
+    # The services need no torch (a CUDA build from PyPI would add gigabytes to the image).
+    assert not any("torch" in line for line in instructions)
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'perseus = "coordinator.cli:main"' in pyproject

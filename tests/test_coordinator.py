@@ -8,75 +8,29 @@ import time
 import msgpack
 import pytest
 import redis
-from rq import Queue, SimpleWorker
+from rq import Queue
 
-from coordinator import keys
-from coordinator.exceptions import (
+from coordinator.service import Coordinator
+from coordinator.settings import PerseusSettings
+from coordinator.tasks import advance_job, rebuild_scheduler
+from protocol import keys
+from protocol.exceptions import (
     PerseusError,
     ProtocolError,
     UnknownJobError,
 )
-from coordinator.models import (
+from protocol.models import (
     FrequencySchedule,
     JobInfo,
-    ProfilingResult,
     RankInfo,
     RegisterJob,
     ReportResult,
     encode_message,
     pack,
 )
-from coordinator.service import Coordinator
-from coordinator.settings import PerseusSettings
-from coordinator.store import JobStore
-from coordinator.tasks import advance_job, rebuild_scheduler
-from worker_client.session import CoordinatorClient
-
-FREQS = [1980, 1965, 1950, 1935]
-
-
-def make_settings(redis_url: str, scheduler: str = "tests.toy_schedulers:StepDown", **kw):
-    return PerseusSettings(redis_url=redis_url, scheduler=scheduler, **kw)
-
-
-@pytest.fixture
-def service(r, redis_url):
-    """A coordinator consuming in a background thread."""
-    coord = Coordinator(r, make_settings(redis_url), claim_idle_ms=60_000)
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    yield coord
-    coord.stop_event.set()
-    thread.join(timeout=5)
-
-
-def drain(r) -> None:
-    """Run every queued rq job in this process."""
-    SimpleWorker([Queue(keys.RQ_QUEUE, connection=r)], connection=r).work(burst=True)
-
-
-def wait_for(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
-
-
-def register(client: CoordinatorClient, pp: int = 2) -> str:
-    job_id = client.register_job(JobInfo(pp_degree=pp, dp_degree=1, tp_degree=1, world_size=pp))
-    for rank in range(pp):
-        client.register_rank(
-            job_id,
-            RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS),
-        )
-    return job_id
-
-
-def result(rank: int, version: int) -> ProfilingResult:
-    return ProfilingResult(rank=rank, schedule_version=version, iter_time=[1.0], iter_energy=[2.0])
+from protocol.store import JobStore
+from tests.helpers import FREQS, drain, make_settings, register, result, wait_for
+from worker_client.hook.session import CoordinatorClient
 
 
 def test_register_schedule_report_advance(service, r, redis_url):
@@ -270,7 +224,7 @@ def test_invalid_scheduler_output_reaches_clients(r, redis_url):
 
 
 def test_publish_is_compare_and_set(r, redis_url):
-    from coordinator.models import JobConfig, JournalEntry
+    from protocol.models import JobConfig, JournalEntry
 
     store = JobStore(r)
     job = JobInfo(job_id="j1", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
@@ -300,7 +254,7 @@ def test_idle_jobs_are_deleted_with_all_their_keys(service, r, redis_url):
 def test_sweep_reenqueues_stalled_work(r, redis_url):
     coord = Coordinator(r, make_settings(redis_url, stall_timeout=0.1))
     store = JobStore(r)
-    from coordinator.models import JobConfig
+    from protocol.models import JobConfig
 
     job = JobInfo(job_id="j2", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
     store.create_job(job, JobConfig(scheduler="tests.toy_schedulers:StepDown"), "1-0")
@@ -337,7 +291,7 @@ def test_stale_pending_entries_are_claimed(r, redis_url):
 
 
 def test_scheduler_args_are_checked_at_start(r, redis_url):
-    from coordinator.exceptions import ConfigError
+    from protocol.exceptions import ConfigError
 
     bad = PerseusSettings(redis_url=redis_url, scheduler="PointSolution", scheduler_args={"x": 1})
     with pytest.raises(ConfigError, match="solution_path"):
@@ -350,7 +304,7 @@ def test_scheduler_args_are_checked_at_start(r, redis_url):
 
 def test_redis_down_is_reported_clearly():
     client = CoordinatorClient("redis://127.0.0.1:1/0", reply_timeout=1)
-    from coordinator.exceptions import CoordinatorUnavailableError
+    from protocol.exceptions import CoordinatorUnavailableError
 
     with pytest.raises(CoordinatorUnavailableError, match=r"127\.0\.0\.1:1"):
         client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
@@ -359,7 +313,7 @@ def test_redis_down_is_reported_clearly():
 
 
 def test_job_may_choose_a_builtin_scheduler_with_inline_plan(service, r, redis_url, tmp_path):
-    from schedulers.plan_file import write_plan_file
+    from schedulers.planning.plan_file import write_plan_file
 
     plan = tmp_path / "plan.py"
     write_plan_file(plan, [[("forward", 1965), ("backward", 1950)]], {"plan": 7})
@@ -385,7 +339,7 @@ def test_job_may_choose_a_builtin_scheduler_with_inline_plan(service, r, redis_u
 
 def test_scheduler_artifacts_are_stored_and_dumped(r, redis_url, tmp_path):
     from coordinator.dump import dump_job
-    from coordinator.models import JobConfig
+    from protocol.models import JobConfig
 
     store = JobStore(r)
     job = JobInfo(job_id="j3", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
@@ -513,7 +467,7 @@ def test_unexpected_error_dead_letters_instead_of_crashing(r, redis_url, monkeyp
 
 
 def test_idle_deletion_spares_a_job_refreshed_since_it_was_listed(r, redis_url):
-    from coordinator.models import JobConfig
+    from protocol.models import JobConfig
 
     store = JobStore(r)
     job = JobInfo(job_id="j9", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
@@ -527,8 +481,8 @@ def test_idle_deletion_spares_a_job_refreshed_since_it_was_listed(r, redis_url):
 
 
 def test_redis_older_than_6_2_is_refused_clearly(r):
-    from coordinator.exceptions import ConfigError
     from coordinator.service import check_redis_version
+    from protocol.exceptions import ConfigError
 
     check_redis_version(str(r.info("server")["redis_version"]))  # the test server is new enough
     check_redis_version("7.0.15")

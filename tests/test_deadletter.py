@@ -7,13 +7,13 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from coordinator import keys
 from coordinator.cli import main
-from coordinator.deadletter import list_dead_letters
-from coordinator.models import ReportResult, unpack
-from coordinator.store import JobStore
-from tests.test_coordinator import drain, register, result, service, wait_for  # noqa: F401
-from worker_client.session import CoordinatorClient
+from protocol import keys
+from protocol.deadletter import list_dead_letters
+from protocol.models import ReportResult, unpack
+from protocol.store import JobStore
+from tests.helpers import drain, register, result, wait_for
+from worker_client.hook.session import CoordinatorClient
 
 
 def cli(*args: str) -> tuple[int, str]:

@@ -39,6 +39,7 @@ def test_device_recipe_runs_without_the_coordinator_packages(tmp_path: Path) -> 
         PYTHONPATH=str(tmp_path / "site"),
         OUT=str(out),
         PERSEUS_DEVICE_SIMULATE="1",
+        PYTHON=sys.executable,
         PERSEUS_SIM_GPU_DIR=str(tmp_path / "simgpu"),
     )
     # The blocker works: what it blocks cannot be imported under this environment.

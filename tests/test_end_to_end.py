@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import socket
 import subprocess
 import sys
@@ -13,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import keys
-from coordinator.store import JobStore
-from schedulers.plan_file import one_f_one_b_order, write_plan_file
+from protocol import keys
+from protocol.store import JobStore
+from schedulers.planning.pipeline_dag import one_f_one_b_order
+from schedulers.planning.plan_file import write_plan_file
 from tests.e2e_ranks import run_rank
+from tests.helpers import ROOT, start_perseus, subprocess_env
 
-ROOT = Path(__file__).resolve().parent.parent
 PP, MICROBATCHES = 4, 4
 STAGE_CLOCKS = [(1980, 1980), (1830, 1905), (1710, 1800), (1605, 1710)]  # (forward, backward)
 
@@ -27,25 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def env(tmp_path: Path) -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e["PERSEUS_SIM_GPU_DIR"] = str(tmp_path / "simgpu")
-    e["PYTHONUNBUFFERED"] = "1"
-    return e
-
-
-def perseus(args: list[str], tmp_path: Path, log: str) -> subprocess.Popen:
-    out = open(tmp_path / log, "w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", *args],
-        env=env(tmp_path),
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-    )
 
 
 def write_plan(path: Path) -> list[list[tuple[str, int]]]:
@@ -89,7 +70,7 @@ def services(tmp_path, redis_url, monkeypatch):
     stages = write_plan(plan)
     args = json.dumps({"solution_path": str(plan)})
     started = [
-        perseus(
+        start_perseus(
             [
                 "coordinator",
                 "--redis-url",
@@ -102,7 +83,7 @@ def services(tmp_path, redis_url, monkeypatch):
             tmp_path,
             "coordinator.log",
         ),
-        perseus(["worker", "--redis-url", redis_url], tmp_path, "worker.log"),
+        start_perseus(["worker", "--redis-url", redis_url], tmp_path, "worker.log"),
     ]
     yield stages
     for p in started:
@@ -155,7 +136,7 @@ def test_two_jobs_end_to_end(services, tmp_path, redis_url, r):
 
     status = subprocess.run(
         [sys.executable, "-m", "coordinator.cli", "status", "--json", "--redis-url", redis_url],
-        env=env(tmp_path),
+        env=subprocess_env(tmp_path),
         capture_output=True,
         text=True,
         cwd=ROOT,

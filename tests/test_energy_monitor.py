@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator.exceptions import ConfigError, GPUError
+from protocol.exceptions import ConfigError, GPUError
 from tests import fake_nvml_power as fake
-from worker_client.energy import EnergyMonitor, Measurement
-from worker_client.nvml import NVML
+from worker_client.gpu.energy import EnergyMonitor, Measurement
+from worker_client.gpu.nvml import NVML
 
 TOLERANCE = 0.005  # J: the fake counter truncates to whole millijoules
 

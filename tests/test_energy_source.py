@@ -6,21 +6,20 @@ import time
 
 import pytest
 
-from coordinator.exceptions import ConfigError
-from coordinator.store import JobStore
+from protocol.exceptions import ConfigError
+from protocol.store import JobStore
 from tests import fake_nvml_power as fake
-from tests.test_hook import make_hook, service  # noqa: F401 - fixture
-from worker_client.energy import EnergyMonitor
-from worker_client.energy_source import (
+from tests.helpers import make_hook
+from worker_client.gpu.energy import EnergyMonitor
+from worker_client.gpu.frequency import DryRunFrequencyController
+from worker_client.gpu.nvml import NVML, SIMULATED_NVML
+from worker_client.hook.energy_source import (
     CounterEnergySource,
     EnergySource,
     MonitorEnergySource,
     NullEnergySource,
 )
-from worker_client.frequency import DryRunFrequencyController
-from worker_client.nvml import NVML
-from worker_client.optimizer import SIMULATED_NVML
-from worker_client.simulated_gpu import SimulatedGPU, synthetic_instruction_table
+from worker_client.simulated.gpu import SimulatedGPU, synthetic_instruction_table
 
 
 @pytest.fixture
@@ -74,8 +73,8 @@ def test_monitor_source_interpolates_between_timestamps():
         monitor.close()
 
 
-def test_hook_reports_instruction_energy(gloo, service, redis_url, r, sim_dir):  # noqa: F811
-    _coord, start_worker = service
+def test_hook_reports_instruction_energy(gloo, hook_service, redis_url, r, sim_dir):
+    _coord, start_worker = hook_service
     start_worker()
     table = synthetic_instruction_table(1)
     gpu = SimulatedGPU(0, table=table)

@@ -7,47 +7,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
-from coordinator import keys
-from coordinator.models import JobInfo, ProfilingResult, RankInfo
-from coordinator.store import JobStore
-from worker_client.session import CoordinatorClient, ScheduleWatcher
+from protocol import keys
+from protocol.models import JobInfo, ProfilingResult, RankInfo
+from protocol.store import JobStore
+from tests.helpers import FAST_RECOVERY, start_perseus, wait_for
+from worker_client.hook.session import CoordinatorClient, ScheduleWatcher
 
-ROOT = Path(__file__).resolve().parent.parent
 FREQS = [1980, 1965, 1950, 1935, 1920]
-
-
-def start(args: list[str], tmp_path: Path, log: str) -> subprocess.Popen:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(PERSEUS_STALL_TIMEOUT="2", PERSEUS_RECONCILE_INTERVAL="0.3")
-    out = open(tmp_path / log, "a")
-    # A session of its own, so that SIGKILL reaches the rq work-horse child too.
-    return subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", *args],
-        env=env,
-        cwd=ROOT,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
 
 
 def kill(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
-
-
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_killed_worker_and_coordinator_lose_nothing(tmp_path, redis_url, r):
@@ -61,8 +33,8 @@ def test_killed_worker_and_coordinator_lose_nothing(tmp_path, redis_url, r):
         json.dumps({"delay": 1.5}),
     ]
     worker_args = ["worker", "--redis-url", redis_url]
-    coordinator = start(coordinator_args, tmp_path, "coordinator.log")
-    worker = start(worker_args, tmp_path, "worker.log")
+    coordinator = start_perseus(coordinator_args, tmp_path, "coordinator.log", FAST_RECOVERY)
+    worker = start_perseus(worker_args, tmp_path, "worker.log", FAST_RECOVERY)
     store = JobStore(r)
     client = CoordinatorClient(redis_url, reply_timeout=30)
     try:
@@ -80,15 +52,15 @@ def test_killed_worker_and_coordinator_lose_nothing(tmp_path, redis_url, r):
 
         # 1. The worker is computing version 1 (it holds the lease): kill it, and the
         #    coordinator with it.
-        wait_for(lambda: store.lease_holder(job_id) is not None, what="worker to start v1")
+        wait_for(lambda: store.lease_holder(job_id) is not None, 60, "worker to start v1")
         kill(worker)
         kill(coordinator)
         assert store.version(job_id) == 0
 
         # 2. Fresh ones take over: the stalled computation is enqueued again.
-        coordinator = start(coordinator_args, tmp_path, "coordinator.log")
-        worker = start(worker_args, tmp_path, "worker.log")
-        wait_for(lambda: store.version(job_id) == 1, what="version 1")
+        coordinator = start_perseus(coordinator_args, tmp_path, "coordinator.log", FAST_RECOVERY)
+        worker = start_perseus(worker_args, tmp_path, "worker.log", FAST_RECOVERY)
+        wait_for(lambda: store.version(job_id) == 1, 60, "version 1")
 
         # 3. Results arrive while no coordinator runs; they wait in the stream.
         kill(coordinator)
@@ -97,16 +69,17 @@ def test_killed_worker_and_coordinator_lose_nothing(tmp_path, redis_url, r):
                 job_id,
                 ProfilingResult(rank=rank, schedule_version=1, iter_time=[1.0], iter_energy=[5.0]),
             )
-        coordinator = start(coordinator_args, tmp_path, "coordinator.log")
+        coordinator = start_perseus(coordinator_args, tmp_path, "coordinator.log", FAST_RECOVERY)
 
         # 4. Kill the worker again while it computes version 2.
         wait_for(
             lambda: store.result_count(job_id, 1) == 2 and store.lease_holder(job_id),
+            timeout=60,
             what="worker to start v2",
         )
         kill(worker)
-        worker = start(worker_args, tmp_path, "worker.log")
-        wait_for(lambda: store.version(job_id) == 2, what="version 2")
+        worker = start_perseus(worker_args, tmp_path, "worker.log", FAST_RECOVERY)
+        wait_for(lambda: store.version(job_id) == 2, 60, "version 2")
         wait_for(
             lambda: (
                 (s := watcher.take()) is not None

@@ -8,24 +8,23 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from coordinator.exceptions import GPUError
+from protocol.exceptions import GPUError
 from tests.fake_nvml import read_log
-from worker_client import simulated_gpu as sim
-from worker_client.frequency import (
+from tests.helpers import ROOT, subprocess_env, wait_for
+from worker_client.gpu.frequency import (
     DryRunFrequencyController,
     FrequencyController,
     make_controller,
 )
-from worker_client.nvml import NVML
+from worker_client.gpu.nvml import NVML
+from worker_client.simulated import gpu as sim
 
-ROOT = Path(__file__).resolve().parent.parent
 FAKE = "tests.fake_nvml"
-SIM = "worker_client.simulated_gpu"
+SIM = "worker_client.simulated.gpu"
 WRITES = (
     "nvmlDeviceSetGpuLockedClocks",
     "nvmlDeviceResetGpuLockedClocks",
@@ -33,14 +32,6 @@ WRITES = (
     "nvmlDeviceResetMemoryLockedClocks",
     "nvmlDeviceSetPowerManagementLimit",
 )
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
 
 
 def writes(log: Path) -> list[tuple[str, list[int]]]:
@@ -53,7 +44,7 @@ def fake_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     log = tmp_path / "nvml.jsonl"
     monkeypatch.setenv("FAKE_NVML_LOG", str(log))
     monkeypatch.delenv("FAKE_NVML_DENY", raising=False)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
     return log
 
 
@@ -64,7 +55,7 @@ def sim_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(directory))
     monkeypatch.delenv("PERSEUS_SIM_GPU_DENY", raising=False)
     monkeypatch.delenv("PERSEUS_SIM_GPU_COUNT", raising=False)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
     return directory
 
 
@@ -122,8 +113,8 @@ def test_permission_error_surfaces_in_parent(
 def test_set_error_surfaces_on_next_call(fake_log: Path) -> None:
     ctrl = FrequencyController(0, FAKE)
     ctrl.set_frequency(1234)  # not a supported clock: the side process's call fails
-    wait_for(lambda: any(a == [0, 1234, 1234] for _, a in writes(fake_log)))
-    wait_for(lambda: ctrl._status.poll())
+    wait_for(lambda: any(a == [0, 1234, 1234] for _, a in writes(fake_log)), timeout=15)
+    wait_for(lambda: ctrl._status.poll(), timeout=15)
     with pytest.raises(GPUError, match=r"Invalid Argument"):
         ctrl.set_frequency(1500)
     ctrl.set_frequency(1500)  # the controller still works after reporting
@@ -157,13 +148,15 @@ def test_killed_side_process_resets_and_is_reported(fake_log: Path) -> None:
 def test_side_process_resets_when_parent_goes(fake_log: Path, ending: str) -> None:
     script = (
         "import os\n"
-        "from worker_client.frequency import FrequencyController\n"
+        "from worker_client.gpu.frequency import FrequencyController\n"
         f"c = FrequencyController(1, {FAKE!r})\n"
         "c.set_frequency(1500)\n"
         "c.flush()\n" + ("os._exit(0)\n" if ending == "parent-killed" else "")
     )
     subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, timeout=60)
-    wait_for(lambda: writes(fake_log)[-1:] == [("nvmlDeviceResetMemoryLockedClocks", [1])])
+    wait_for(
+        lambda: writes(fake_log)[-1:] == [("nvmlDeviceResetMemoryLockedClocks", [1])], timeout=15
+    )
     assert [n for n, _ in writes(fake_log)] == [
         "nvmlDeviceSetMemoryLockedClocks",
         "nvmlDeviceSetGpuLockedClocks",
@@ -274,7 +267,7 @@ def test_controller_drives_simulated_gpu(sim_dir: Path) -> None:
         ctrl.flush()
         assert gpu.current_clock() == 1500  # set in the side process, read here
         ctrl.set_frequency(1005)
-        wait_for(lambda: gpu.current_clock() == 1005)
+        wait_for(lambda: gpu.current_clock() == 1005, timeout=15)
         assert sim.SimulatedGPU(0).current_clock() == 1980  # other devices untouched
     assert gpu.current_clock() == 1980
     assert gpu.state()["mem_locked"] is None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker_client import simulated_gpu as sim
+from worker_client.simulated import gpu as sim
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "h100_measure.py"

@@ -2,98 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from coordinator import keys
-from coordinator.exceptions import CoordinatorUnavailableError, PerseusError, ScheduleError
-from coordinator.service import Coordinator
-from coordinator.settings import PerseusSettings
-from coordinator.store import JobStore
-from worker_client.frequency import DryRunFrequencyController
-from worker_client.optimizer import SIMULATED_NVML, PerseusOptimizer
-
-ROOT = Path(__file__).resolve().parent.parent
+from protocol import keys
+from protocol.exceptions import CoordinatorUnavailableError, PerseusError, ScheduleError
+from protocol.store import JobStore
+from tests.helpers import make_hook, run_step, step_until
+from worker_client.gpu.frequency import DryRunFrequencyController
 
 
-@pytest.fixture
-def service(r, redis_url, tmp_path, monkeypatch):
-    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
-    settings = PerseusSettings(
-        redis_url=redis_url,
-        scheduler="tests.toy_schedulers:StepDown",
-        scheduler_args={"microbatches": 2},
-    )
-    coord = Coordinator(r, settings)
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    # rq workers need the main thread of a process: run `perseus worker` as one, on demand.
-    workers: list[subprocess.Popen] = []
-
-    def start_worker() -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        workers.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "coordinator.cli",
-                    "worker",
-                    "--simple",
-                    "--redis-url",
-                    redis_url,
-                ],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-
-    yield coord, start_worker
-    for proc in workers:
-        proc.terminate()
-        proc.wait(timeout=10)
-    coord.stop_event.set()
-    thread.join(timeout=5)
-
-
-def make_hook(redis_url, controller, world_size=1, **kw) -> PerseusOptimizer:
-    return PerseusOptimizer(
-        rank=0,
-        dp_rank=0,
-        pp_rank=0,
-        tp_rank=0,
-        device_id=0,
-        dp_degree=1,
-        pp_degree=1,
-        tp_degree=1,
-        world_size=world_size,
-        redis_url=redis_url,
-        nvml_module=SIMULATED_NVML,
-        controller=controller,
-        **kw,
-    )
-
-
-def run_step(hook: PerseusOptimizer, names=("forward", "backward") * 2, between=None) -> None:
-    hook.on_step_begin()
-    for i, name in enumerate(names):
-        hook.on_instruction_begin(name)
-        hook.on_instruction_end(name)
-        if between is not None and i == 0:
-            between()
-    hook.on_step_end()
-
-
-def test_swaps_only_between_steps(gloo, service, redis_url):
-    _coord, start_worker = service
+def test_swaps_only_between_steps(gloo, hook_service, redis_url):
+    _coord, start_worker = hook_service
     start_worker()
     controller = DryRunFrequencyController(0)
     hook = make_hook(redis_url, controller, report_every=1)
@@ -118,8 +39,8 @@ def test_swaps_only_between_steps(gloo, service, redis_url):
         hook.close()
 
 
-def test_wrong_instruction_and_schedule_length_errors(gloo, service, redis_url):
-    _coord, start_worker = service
+def test_wrong_instruction_and_schedule_length_errors(gloo, hook_service, redis_url):
+    _coord, start_worker = hook_service
     start_worker()
     hook = make_hook(redis_url, DryRunFrequencyController(0))
     try:
@@ -141,7 +62,7 @@ def test_wrong_instruction_and_schedule_length_errors(gloo, service, redis_url):
         hook.close()
 
 
-def test_first_schedule_timeout_is_clear(gloo, service, redis_url):
+def test_first_schedule_timeout_is_clear(gloo, hook_service, redis_url):
     # No worker runs: the coordinator registers the job but nobody computes a schedule.
     with pytest.raises(CoordinatorUnavailableError, match="are `perseus worker` processes running"):
         make_hook(redis_url, DryRunFrequencyController(0), schedule_timeout=1)
@@ -152,19 +73,8 @@ def test_invalid_job_is_refused_before_anything_starts(gloo, redis_url):
         make_hook(redis_url, DryRunFrequencyController(0), world_size=3)
 
 
-def step_until(hook: PerseusOptimizer, predicate, timeout: float, what: str) -> int:
-    """Run steps (as training would) until ``predicate()``; return how many ran."""
-    deadline, steps = time.monotonic() + timeout, 0
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        run_step(hook)
-        steps += 1
-        time.sleep(0.02)
-    return steps
-
-
-def test_heartbeats_keep_a_quiet_job_from_idle_deletion(gloo, service, r, redis_url):
-    coord, start_worker = service
+def test_heartbeats_keep_a_quiet_job_from_idle_deletion(gloo, hook_service, r, redis_url):
+    coord, start_worker = hook_service
     start_worker()
     # Nothing is ever reported (report_every is huge): only heartbeats show the job is alive.
     hook = make_hook(
@@ -187,8 +97,8 @@ def test_heartbeats_keep_a_quiet_job_from_idle_deletion(gloo, service, r, redis_
     assert not r.exists(keys.job_info(hook.job_id))
 
 
-def test_heartbeat_notices_a_deleted_job_and_training_goes_on(gloo, service, r, redis_url):
-    _coord, start_worker = service
+def test_heartbeat_notices_a_deleted_job_and_training_goes_on(gloo, hook_service, r, redis_url):
+    _coord, start_worker = hook_service
     start_worker()
     hook = make_hook(redis_url, DryRunFrequencyController(0), heartbeat_interval=0.2)
     try:
@@ -208,8 +118,8 @@ def test_heartbeat_interval_must_be_positive(gloo, redis_url):
         make_hook(redis_url, DryRunFrequencyController(0), heartbeat_interval=0)
 
 
-def test_result_is_sent_again_when_redis_lost_its_version(gloo, service, r, redis_url):
-    coord, start_worker = service
+def test_result_is_sent_again_when_redis_lost_its_version(gloo, hook_service, r, redis_url):
+    coord, start_worker = hook_service
     start_worker()
     hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
     job = hook.job_id

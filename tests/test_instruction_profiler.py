@@ -8,29 +8,27 @@ hook would report them; the multi-process tests run real `perseus coordinator` a
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from coordinator.exceptions import ConfigError, ProtocolError
-from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
-from coordinator.profile_csv import read_profile_csv
+from protocol.exceptions import ConfigError, ProtocolError
+from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from schedulers.instruction_profiler import PLAN_MARKER, InstructionProfiler
-from schedulers.pipeline_dag import PipelineShape
-from schedulers.plan_file import one_f_one_b_order, read_plan_file, write_plan_file
-from worker_client.simulated_gpu import (
+from schedulers.planning.pipeline_dag import PipelineShape, one_f_one_b_order
+from schedulers.planning.plan_file import read_plan_file, write_plan_file
+from schedulers.planning.profile_csv import read_profile_csv
+from tests.helpers import start_perseus, stop
+from worker_client.simulated.gpu import (
     GRAPHICS_CLOCKS,
     InstructionTable,
     synthetic_instruction_table,
 )
-from worker_client.simulated_training import launch_simulated_job
+from worker_client.simulated.training import launch_simulated_job
 
-ROOT = Path(__file__).resolve().parent.parent
 PROFILER = "schedulers.instruction_profiler:InstructionProfiler"
 TOL = 0.02
 
@@ -232,7 +230,7 @@ def test_bad_arguments(tmp_path):
 
 
 def test_profile_csv_feeds_the_planner(tmp_path):
-    from schedulers.planner import plan_frontier
+    from schedulers.planning.planner import plan_frontier
 
     job, ranks = make_job(pp=2, dp=2)
     table = synthetic_instruction_table(2, noise=0.002, seed=5)
@@ -280,47 +278,27 @@ def test_then_plans_once_and_serves_the_chosen_plan(tmp_path):
 
 
 # --- multi-process ---------------------------------------------------------------------------
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PERSEUS_SIM_GPU_DIR"] = str(tmp_path / "simgpu")
-    return env
-
-
 @pytest.fixture
 def start_services(tmp_path, redis_url, monkeypatch):
     """Start `perseus coordinator` (with a scheduler) and `perseus worker` as processes."""
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))  # Spawned ranks too.
     procs: list[subprocess.Popen] = []
-    logs: list = []
 
     def start(scheduler: str, args: dict) -> None:
         for name, cmd in (
             ("coordinator", ["--scheduler", scheduler, "--scheduler-args", json.dumps(args)]),
             ("worker", ["--simple"]),
         ):
-            log = open(tmp_path / f"{name}.log", "w")
-            logs.append(log)
             procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "coordinator.cli", name, "--redis-url", redis_url, *cmd],
-                    env=_env(tmp_path),
-                    cwd=ROOT,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
+                start_perseus([name, "--redis-url", redis_url, *cmd], tmp_path, f"{name}.log")
             )
 
     yield start
-    for proc in procs:
-        proc.terminate()
-        proc.wait(timeout=10)
-    for log in logs:
-        log.close()
+    stop(procs)
 
 
 def test_profile_optimize_serve_through_coordinator(start_services, tmp_path, redis_url):
-    from schedulers.choose import choose_plan
+    from schedulers.planning.choose import choose_plan
 
     started = time.monotonic()
     table = synthetic_instruction_table(2, noise=0.002, seed=2)

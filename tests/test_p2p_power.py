@@ -1,4 +1,4 @@
-"""`perseus profile-p2p` / worker_client.p2p_power (simulated GPU only; real GPUs are never set)."""
+"""`perseus profile-p2p` and worker_client.gpu.p2p_power, on the simulated GPU only."""
 
 from __future__ import annotations
 
@@ -10,23 +10,23 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from coordinator.cli_profile import format_report, profile_p2p_command, write_csv
-from coordinator.exceptions import ConfigError, GPUError
-from worker_client import simulated_gpu as sim
-from worker_client.nvml import NVML
-from worker_client.nvml_readonly import (
+from protocol.exceptions import ConfigError, GPUError
+from worker_client.gpu.cli import format_report, profile_p2p_command, write_csv
+from worker_client.gpu.nvml import NVML
+from worker_client.gpu.nvml_readonly import (
     WRITE_FUNCTIONS,
     ReadOnlyNVML,
     assert_read_only,
     is_read_function,
 )
-from worker_client.p2p_power import (
+from worker_client.gpu.p2p_power import (
     BlockedWindow,
     P2PPowerResult,
     cuda_ordinal,
     measure_p2p_power,
     parse_devices,
 )
+from worker_client.simulated import gpu as sim
 
 
 @pytest.fixture

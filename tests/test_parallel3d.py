@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
-from coordinator.exceptions import ConfigError, ProtocolError
-from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
-from schedulers.base import FrequencyScheduler
+from protocol.exceptions import ConfigError, ProtocolError
+from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import make_3d_parallel, merge_stage_results
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.exceptions import ConfigError
-from schedulers.plan_file import (
+from protocol.exceptions import ConfigError
+from schedulers.planning.plan_file import (
     PlanFile,
     one_f_one_b_order,
     parse_plan_text,

@@ -25,17 +25,21 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from coordinator import keys
-from coordinator.exceptions import ConfigError
-from coordinator.models import JobInfo, RankInfo
-from coordinator.profile_csv import ProfileRow, build_profile, read_profile_csv
-from schedulers.choose import choose_plan, parse_policy
-from schedulers.frontier_files import load_frontier
-from schedulers.pipeline_dag import PipelineShape
-from schedulers.plan_file import one_f_one_b_order, read_plan_file
-from schedulers.planner import InterpolatedCostModel, pareto_frequencies, plan_frontier
-from schedulers.synthetic_profile import synthetic_profile, synthetic_rows, write_synthetic_profile
-from worker_client.simulated_gpu import GRAPHICS_CLOCKS, synthetic_instruction_table
+from protocol import keys
+from protocol.exceptions import ConfigError
+from protocol.models import JobInfo, RankInfo
+from schedulers.planning.choose import choose_plan, parse_policy
+from schedulers.planning.frontier_files import load_frontier
+from schedulers.planning.pipeline_dag import PipelineShape, one_f_one_b_order
+from schedulers.planning.plan_file import read_plan_file
+from schedulers.planning.planner import InterpolatedCostModel, pareto_frequencies, plan_frontier
+from schedulers.planning.profile_csv import ProfileRow, build_profile, read_profile_csv
+from schedulers.planning.synthetic_profile import (
+    synthetic_profile,
+    synthetic_rows,
+    write_synthetic_profile,
+)
+from worker_client.simulated.gpu import GRAPHICS_CLOCKS, synthetic_instruction_table
 
 CLOCKS = [1980, 1800, 1600, 1400]
 U = 0.01  # Unit time of the exact profiles.
@@ -173,7 +177,7 @@ def test_dag_matches_lowtime_dependency_rules() -> None:
     from lowtime.operation import CandidateExecutionOptions, ExecutionOption, OperationSpec
     from lowtime.perseus.instruction import Instruction, backward_dep, forward_dep
 
-    from schedulers.pipeline_dag import build_lowtime_dag
+    from schedulers.planning.pipeline_dag import build_lowtime_dag
 
     prof = synthetic_profile(4, stride=40)
 
@@ -384,7 +388,7 @@ def test_frontier_scheduler_switches_on_target(exact_run) -> None:
 
 
 def test_plots_write_pngs(exact_run) -> None:
-    from schedulers.plots import plot_run
+    from schedulers.planning.plots import plot_run
 
     _, result = exact_run
     paths = plot_run(result.out_dir)
@@ -395,7 +399,7 @@ def test_plots_write_pngs(exact_run) -> None:
 def _cli():
     import click
 
-    from coordinator.cli_planner import choose_command, optimize_command
+    from schedulers.planning.cli import choose_command, optimize_command
 
     @click.group()
     def main() -> None:
@@ -467,7 +471,7 @@ def test_enqueue_runs_on_rq_worker(tmp_path: Path, redis_url: str) -> None:
     assert (out / "freqs_pipeline_00000.py").is_file() and (out / "frontier.png").is_file()
 
     # A job that fails reports it.
-    from schedulers.planner_job import enqueue_planning
+    from schedulers.planning.job import enqueue_planning
 
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.exceptions import ConfigError, ProtocolError
-from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
-from schedulers.plan_file import one_f_one_b_order, write_plan_file
+from protocol.exceptions import ConfigError, ProtocolError
+from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from protocol.scheduler import build_scheduler, check_scheduler_args, resolve_scheduler
+from schedulers.planning.pipeline_dag import one_f_one_b_order
+from schedulers.planning.plan_file import write_plan_file
 from schedulers.point_solution import PointSolution, PointSolution3D
-from schedulers.registry import build_scheduler, check_scheduler_args, resolve_scheduler
 
 H100 = list(range(1980, 344, -15))
 

@@ -17,14 +17,14 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from coordinator import keys
-from coordinator.cli_power import power_limit_group
-from coordinator.exceptions import ConfigError, CoordinatorUnavailableError, GPUError, ProtocolError
+from protocol import keys
+from protocol.exceptions import ConfigError, CoordinatorUnavailableError, GPUError, ProtocolError
 from tests import fake_nvml_power as fake
-from worker_client.energy import Measurement
-from worker_client.hf_power_limit import HFGlobalPowerLimitOptimizer
-from worker_client.nvml import NVML
-from worker_client.power_limit import (
+from worker_client.gpu.energy import Measurement
+from worker_client.gpu.nvml import NVML
+from worker_client.power_limit.cli import power_limit_group
+from worker_client.power_limit.hf import HFGlobalPowerLimitOptimizer
+from worker_client.power_limit.optimizer import (
     Done,
     Energy,
     GlobalPowerLimitOptimizer,
@@ -39,7 +39,7 @@ from worker_client.power_limit import (
     power_limit_ladder,
     torch_distributed_reducer,
 )
-from worker_client.power_limit_store import PowerLimitProfileStore
+from worker_client.power_limit.store import PowerLimitProfileStore
 
 # Power limit (W) -> (time s, energy J) that a profiling window at that limit reports.
 RESULTS = {300: (10.0, 1000.0), 250: (10.2, 900.0), 200: (11.0, 850.0), 160: (14.0, 950.0)}
@@ -465,7 +465,7 @@ def test_max_restored_at_interpreter_exit() -> None:
 import atexit
 from tests import fake_nvml_power as fake
 from tests.test_power_limit import RESULTS, FakeMonitor
-from worker_client.power_limit import GlobalPowerLimitOptimizer
+from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer
 fake.reset(num_gpus=1, min_limit_mw=160_000, max_limit_mw=300_000)
 atexit.register(lambda: print("limits", [mw for _, mw in fake.STATE.set_calls]))  # runs last
 opt = GlobalPowerLimitOptimizer(FakeMonitor([0], RESULTS), wait_steps=0, warmup_steps=1,

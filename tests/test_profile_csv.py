@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.exceptions import ConfigError
-from coordinator.models import OfflineProfilingResult
-from coordinator.profile_csv import (
+from protocol.exceptions import ConfigError
+from protocol.models import OfflineProfilingResult
+from schedulers.planning.profile_csv import (
     FULL_COLUMNS,
     SHORT_COLUMNS,
     build_profile,
@@ -172,7 +172,7 @@ def test_stage_coverage_when_num_stages_given(tmp_path: Path) -> None:
 
 
 def test_build_profile_without_file() -> None:
-    from coordinator.profile_csv import ProfileRow
+    from schedulers.planning.profile_csv import ProfileRow
 
     prof = build_profile([ProfileRow(*row) for row in SHORT_ROWS])
     assert prof.time(1, "forward", 1980) == 0.02

@@ -12,12 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import redis
 from rq import Worker
 
-from coordinator import keys
 from coordinator.service import Coordinator
-from coordinator.store import JobStore
-from tests.test_coordinator import make_settings, register, result, wait_for
-from tests.test_faults import start
-from worker_client.session import CoordinatorClient
+from protocol import keys
+from protocol.store import JobStore
+from tests.helpers import FAST_RECOVERY, make_settings, register, result, start_perseus, wait_for
+from worker_client.hook.session import CoordinatorClient
 
 JOBS, RANKS, ROUNDS = 6, 4, 3
 
@@ -33,7 +32,12 @@ def test_two_coordinators_and_two_workers_serve_many_jobs(r, redis_url, tmp_path
     for thread in threads:
         thread.start()
     workers = [
-        start(["worker", "--simple", "--redis-url", redis_url], tmp_path, f"worker{i}.log")
+        start_perseus(
+            ["worker", "--simple", "--redis-url", redis_url],
+            tmp_path,
+            f"worker{i}.log",
+            FAST_RECOVERY,
+        )
         for i in range(2)
     ]
     store = JobStore(r)

@@ -9,17 +9,18 @@ import pytest
 from click.testing import CliRunner
 from rq import Queue, SimpleWorker
 
-from coordinator import keys
 from coordinator.cli import main
-from coordinator.models import JobInfo, RankInfo
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
-from coordinator.store import JobStore
-from schedulers.choose import select_point
-from schedulers.frontier_files import load_frontier
-from schedulers.planner import plan_frontier
-from schedulers.synthetic_profile import H100_CLOCKS, synthetic_profile
-from worker_client.session import CoordinatorClient
+from protocol import keys
+from protocol.constants import H100_GRAPHICS_CLOCKS
+from protocol.models import JobInfo, RankInfo
+from protocol.store import JobStore
+from schedulers.planning.choose import select_point
+from schedulers.planning.frontier_files import load_frontier
+from schedulers.planning.planner import plan_frontier
+from schedulers.planning.synthetic_profile import synthetic_profile
+from worker_client.hook.session import CoordinatorClient
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def test_target_through_redis_switches_plan(r, redis_url, frontier_dir):
                     dp_rank=rank // 2,
                     pp_rank=rank % 2,
                     tp_rank=0,
-                    available_frequencies=list(H100_CLOCKS),
+                    available_frequencies=list(H100_GRAPHICS_CLOCKS),
                 ),
             )
         drain(r)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 
-from coordinator.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
-from schedulers.base import FrequencyScheduler
+from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from protocol.scheduler import FrequencyScheduler
 
 
 class StepDown(FrequencyScheduler):

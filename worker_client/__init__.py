@@ -1,1 +1,1 @@
-"""Client side: the training hook, frequency control, energy measurement, power limits."""
+"""Beside training: the hook, the GPU layer, the power-limit optimizer and the simulated GPU."""

@@ -1,0 +1,53 @@
+"""The ``--redis-url`` option and Redis connection shared by every ``perseus`` command."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+import redis
+
+from protocol.connection import DEFAULT_REDIS_URL, connect, redact_url
+from protocol.exceptions import PerseusError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+REDIS_URL_HELP = (
+    "Redis URL, e.g. redis://localhost:6379/0, rediss://host:6380/0 or unix:///path/redis.sock."
+)
+
+
+def redis_url_option(func: F | None = None, *, default_help: str | None = None) -> Any:
+    """``--redis-url`` (env ``PERSEUS_REDIS_URL``); ``None`` when neither is given.
+
+    Args:
+        func: The command (when used as a plain decorator).
+        default_help: What happens without a URL (default: :data:`DEFAULT_REDIS_URL`).
+
+    """
+    option = click.option(
+        "--redis-url",
+        envvar="PERSEUS_REDIS_URL",
+        default=None,
+        show_envvar=True,
+        help=f"{REDIS_URL_HELP} {default_help or f'Default: {DEFAULT_REDIS_URL}.'}",
+    )
+    return option(func) if func is not None else option
+
+
+def connect_or_fail(url: str | None, socket_timeout: float | None = 30.0) -> redis.Redis:
+    """A client on ``url`` (default :data:`DEFAULT_REDIS_URL`) that answered a PING.
+
+    Raises:
+        click.ClickException: Redis does not answer; the password is not shown.
+
+    """
+    try:
+        return connect(url or DEFAULT_REDIS_URL, socket_timeout=socket_timeout, ping=True)
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+__all__ = ["connect_or_fail", "redact_url", "redis_url_option"]

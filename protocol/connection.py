@@ -1,0 +1,159 @@
+"""Redis clients built one way, with explicit timeouts, and Redis URLs safe to print.
+
+Besides redis-py's ``redis://``, ``rediss://`` (TLS) and ``unix://`` URLs, every component takes
+``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]`` (``rediss+sentinel``
+with TLS): the client asks the sentinels for the current master of ``service`` and finds the new
+one after a failover. The password, if any, is the data nodes' password; sentinels are asked
+without one unless ``sentinel_password`` is given as a query parameter.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis
+from redis.sentinel import Sentinel
+
+from protocol.exceptions import CoordinatorUnavailableError
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+CONNECT_TIMEOUT_S = 5.0
+SOCKET_TIMEOUT_S = 30.0
+"""Default socket timeout; a blocking command must block for less (see :func:`connect`)."""
+
+
+def connect(
+    url: str,
+    *,
+    socket_timeout: float | None = SOCKET_TIMEOUT_S,
+    connect_timeout: float = CONNECT_TIMEOUT_S,
+    ping: bool = False,
+) -> redis.Redis:
+    """A Redis client with explicit connect and socket timeouts.
+
+    A client that runs blocking reads (``BLPOP``, ``XREAD BLOCK``) must pass a
+    ``socket_timeout`` longer than its longest block, or the read fails with a timeout
+    although Redis is fine.
+
+    Args:
+        url: ``redis://``, ``rediss://`` or ``unix://`` URL.
+        socket_timeout: Seconds a command may take (``None``: no limit).
+        connect_timeout: Seconds to connect.
+        ping: Check the server answers now.
+
+    Raises:
+        CoordinatorUnavailableError: ``ping`` and the server does not answer; the message
+            names the URL with its password hidden.
+
+    """
+    try:
+        if url.startswith(SENTINEL_SCHEMES):
+            conn = _sentinel_master(parse_sentinel_url(url), socket_timeout, connect_timeout)
+        else:
+            conn = redis.Redis.from_url(
+                url,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=connect_timeout,
+                health_check_interval=30,
+            )
+        if ping:
+            conn.ping()
+    except (redis.RedisError, ValueError) as exc:
+        raise CoordinatorUnavailableError(
+            f"cannot reach Redis at {redact_url(url)}: {exc}"
+        ) from None
+    return conn
+
+
+# scheme://[user][:password]@rest -> the password part; also hides ?password=... parameters.
+_USERINFO = re.compile(r"^(?P<head>[a-z+]+://)(?P<user>[^:@/]*)(?::(?P<pw>[^@/]*))?@")
+_PW_PARAM = re.compile(r"((?:^|[?&])(?:sentinel_)?password=)[^&]*")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with every password replaced by ``***`` (user, hosts, ports and db kept)."""
+    match = _USERINFO.match(url)
+    if match and match.group("pw") is not None:
+        url = f"{match.group('head')}{match.group('user')}:***@{url[match.end() :]}"
+    return _PW_PARAM.sub(r"\1***", url)
+
+
+SENTINEL_SCHEMES = ("redis+sentinel://", "rediss+sentinel://")
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """A parsed ``redis+sentinel://`` URL."""
+
+    hosts: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+    ssl: bool = False
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """Parse ``redis+sentinel://[user:pw@]h1:p1[,h2:p2...]/service[/db][?sentinel_password=..]``.
+
+    Raises:
+        ValueError: The URL names no host, no service, a bad port or a bad db.
+
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("redis+sentinel", "rediss+sentinel"):
+        raise ValueError(f"not a sentinel URL: {redact_url(url)}")
+    parts = urlsplit(f"x://{rest}")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if userinfo:
+        user, _, pw = userinfo.partition(":")
+        username, password = unquote(user) or None, unquote(pw) or None
+    hosts = []
+    for item in filter(None, hostlist.split(",")):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"sentinel URL host {item!r} is not host:port")
+        hosts.append((host, int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not hosts or not path:
+        raise ValueError(f"sentinel URL needs host:port and /service: {redact_url(url)}")
+    if len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"sentinel URL path must be /service[/db]: {redact_url(url)}")
+    query = parse_qs(parts.query)
+    return SentinelURL(
+        hosts=tuple(hosts),
+        service=path[0],
+        db=int(path[1]) if len(path) == 2 else 0,
+        username=username,
+        password=password,
+        sentinel_password=query.get("sentinel_password", [None])[0],
+        ssl=scheme == "rediss+sentinel",
+    )
+
+
+def _sentinel_master(
+    parsed: SentinelURL, socket_timeout: float | None, connect_timeout: float
+) -> redis.Redis:
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_timeout": connect_timeout,
+        "socket_connect_timeout": connect_timeout,
+    }
+    if parsed.sentinel_password:
+        sentinel_kwargs["password"] = parsed.sentinel_password
+    sentinel = Sentinel(list(parsed.hosts), sentinel_kwargs=sentinel_kwargs)
+    # A master_for client rediscovers the master when a command fails on a lost or demoted
+    # one (redis-py turns READONLY from a demoted master into a ConnectionError).
+    return sentinel.master_for(
+        parsed.service,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=connect_timeout,
+        db=parsed.db,
+        username=parsed.username,
+        password=parsed.password,
+        ssl=parsed.ssl,
+    )

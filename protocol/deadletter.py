@@ -1,0 +1,162 @@
+"""Dead letters: the entry format (written and read here), and replaying them to their stream.
+
+The coordinator moves an entry it cannot process to ``perseus:stream:deadletter`` with the
+reason and every original field as ``orig:<name>``. Some of those become valid later: a result
+for a version that Redis had lost and a worker published again, or a control message for a job
+whose scheduler was fixed. Replaying an entry adds its original fields to its source stream and
+deletes the dead letter in one Lua script. If the entry fails again, the coordinator
+dead-letters it again with the new reason, so either way nothing is lost (like ``rq requeue``
+for failed jobs).
+
+Registrations are never replayed: their client already got the error as its reply and is no
+longer waiting, and a replayed ``register_job`` would create a job nobody runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from protocol import keys
+from protocol.exceptions import ConfigError
+
+REPLAYABLE_STREAMS = (keys.RESULTS_STREAM, keys.CONTROL_STREAM)
+
+# Re-add and delete only if the dead letter is still there: two replays of one entry (say, by
+# two operators at once) add it to its source stream once.
+_REPLAY = """
+if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return false end
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
+redis.call('XDEL', KEYS[1], ARGV[1])
+return id
+"""
+
+_ORIG = b"orig:"
+
+
+def entry_fields(
+    source_stream: str, source_id: str, fields: dict[bytes, bytes], reason: str, now: float
+) -> dict[Any, Any]:
+    """The fields of a dead letter: the reason, where it came from, every original field.
+
+    Every original field is kept byte for byte as ``orig:<name>``, so nothing is lost and
+    :func:`replay` can send the entry back unchanged.
+    """
+    entry: dict[Any, Any] = {
+        "reason": reason,
+        "source_stream": source_stream,
+        "source_id": source_id,
+        "dead_at": f"{now:.3f}",
+    }
+    entry.update({_ORIG + name: value for name, value in fields.items()})
+    return entry
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One dead-lettered entry."""
+
+    entry_id: str
+    reason: str
+    source_stream: str
+    source_id: str
+    dead_at: float
+    original: dict[bytes, bytes]
+
+    @property
+    def kind(self) -> str:
+        """The message kind of the original entry (``report_result``, ...), if it had one."""
+        return self.original.get(b"kind", b"").decode(errors="replace")
+
+    @property
+    def job_id(self) -> str:
+        """The job id of the original entry, if it had one."""
+        return self.original.get(b"job_id", b"").decode(errors="replace")
+
+    @property
+    def replayable(self) -> bool:
+        """Whether :func:`replay` accepts it (results and control messages)."""
+        return self.source_stream in REPLAYABLE_STREAMS
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly fields (the original data stays in Redis)."""
+        return {
+            "id": self.entry_id,
+            "dead_at": self.dead_at,
+            "source_stream": self.source_stream,
+            "source_id": self.source_id,
+            "kind": self.kind,
+            "job_id": self.job_id,
+            "reason": self.reason,
+            "replayable": self.replayable,
+        }
+
+
+def _parse(entry_id: bytes | str, fields: dict[bytes, bytes]) -> DeadLetter:
+    def text(name: bytes) -> str:
+        return fields.get(name, b"").decode(errors="replace")
+
+    try:
+        dead_at = float(text(b"dead_at") or 0)
+    except ValueError:
+        dead_at = 0.0
+    return DeadLetter(
+        entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+        reason=text(b"reason"),
+        source_stream=text(b"source_stream"),
+        source_id=text(b"source_id"),
+        dead_at=dead_at,
+        original={k[len(_ORIG) :]: v for k, v in fields.items() if k.startswith(_ORIG)},
+    )
+
+
+def list_dead_letters(conn: redis.Redis, count: int = 100) -> list[DeadLetter]:
+    """The oldest ``count`` dead letters."""
+    return [_parse(i, f) for i, f in conn.xrange(keys.DEADLETTER_STREAM, count=count)]
+
+
+def get_dead_letter(conn: redis.Redis, entry_id: str) -> DeadLetter:
+    """One dead letter by id.
+
+    Raises:
+        ConfigError: There is no such entry (wrong id, already replayed, or trimmed).
+    """
+    try:
+        rows = conn.xrange(keys.DEADLETTER_STREAM, min=entry_id, max=entry_id)
+    except redis.ResponseError as exc:
+        raise ConfigError(f"{entry_id!r} is not a stream entry id: {exc}") from None
+    if not rows:
+        raise ConfigError(
+            f"no dead letter {entry_id} in {keys.DEADLETTER_STREAM} "
+            "(already replayed, or trimmed by MAXLEN?)"
+        )
+    return _parse(*rows[0])
+
+
+def replay(conn: redis.Redis, letter: DeadLetter, stream_maxlen: int = 100_000) -> str | None:
+    """Send ``letter`` back to its source stream; return the new entry id.
+
+    Returns None if someone else replayed or deleted it meanwhile.
+
+    Raises:
+        ConfigError: It is a registration, or came from no input stream.
+    """
+    if not letter.replayable:
+        raise ConfigError(
+            f"dead letter {letter.entry_id} came from {letter.source_stream or 'nowhere'}; only "
+            f"entries of {', '.join(REPLAYABLE_STREAMS)} can be replayed (a registration's "
+            "client got the error and is no longer waiting)"
+        )
+    if not letter.original:
+        raise ConfigError(f"dead letter {letter.entry_id} has no original fields to replay")
+    fields = [part for item in letter.original.items() for part in item]
+    script = conn.register_script(_REPLAY)
+    new_id = script(
+        keys=[keys.DEADLETTER_STREAM, letter.source_stream],
+        args=[letter.entry_id, stream_maxlen, *fields],
+    )
+    if new_id is None:
+        return None
+    return new_id.decode() if isinstance(new_id, bytes) else str(new_id)

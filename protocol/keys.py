@@ -1,0 +1,107 @@
+"""Every Redis key, stream, group and queue name used by perseus-mq, built in one place.
+
+All names start with ``perseus:`` and use ``:`` as separator so that they read well in
+``redis-cli`` (``SCAN 0 MATCH perseus:* COUNT 1000``). The README's "Redis key layout" table
+documents each of them; keep the two in sync.
+
+Job ids never contain ``:`` (see :func:`protocol.models.make_job_id`), so a key such as
+``perseus:job:<job_id>:schedule:3`` splits unambiguously.
+"""
+
+from __future__ import annotations
+
+PREFIX = "perseus"
+
+# Streams the ranks write to and the coordinator reads from (one consumer group).
+REGISTRATIONS_STREAM = f"{PREFIX}:stream:registrations"
+RESULTS_STREAM = f"{PREFIX}:stream:results"
+CONTROL_STREAM = f"{PREFIX}:stream:control"
+INPUT_STREAMS = (REGISTRATIONS_STREAM, RESULTS_STREAM, CONTROL_STREAM)
+COORDINATOR_GROUP = "perseus-coordinators"
+
+# Malformed or rejected entries, with the reason and the original fields.
+DEADLETTER_STREAM = f"{PREFIX}:stream:deadletter"
+
+# Sorted set: job id -> unix time of its last activity (drives `perseus status` and GC).
+JOBS_INDEX = f"{PREFIX}:jobs"
+
+# The rq queue that runs scheduler work (rq stores it as ``rq:queue:perseus``).
+RQ_QUEUE = PREFIX
+
+# Sorted set: workload -> unix time its power-limit profile was last written.
+POWER_LIMIT_INDEX = f"{PREFIX}:powerlimit:index"
+
+# Planner runs enqueued with ``perseus optimize --enqueue``.
+PLANS_INDEX = f"{PREFIX}:plans"
+
+
+def job_key(job_id: str, *parts: str | int) -> str:
+    """Return ``perseus:job:<job_id>[:part...]``."""
+    suffix = "".join(f":{p}" for p in parts)
+    return f"{PREFIX}:job:{job_id}{suffix}"
+
+
+def job_info(job_id: str) -> str:
+    """Hash of the job's info and configuration (plain strings, readable with HGETALL)."""
+    return job_key(job_id, "info")
+
+
+def job_ranks(job_id: str) -> str:
+    """Hash: rank -> msgpack RankInfo."""
+    return job_key(job_id, "ranks")
+
+
+def job_version(job_id: str) -> str:
+    """String: the latest published schedule version (absent until the first one)."""
+    return job_key(job_id, "version")
+
+
+def job_schedule(job_id: str, version: int) -> str:
+    """Hash: rank -> msgpack FrequencySchedule of one schedule version."""
+    return job_key(job_id, "schedule", version)
+
+
+def job_results(job_id: str, version: int) -> str:
+    """Hash: rank -> msgpack ProfilingResult measured while running ``version``."""
+    return job_key(job_id, "results", version)
+
+
+def job_updates(job_id: str) -> str:
+    """Stream of published versions; clients block on it instead of polling."""
+    return job_key(job_id, "updates")
+
+
+def job_journal(job_id: str) -> str:
+    """List of msgpack JournalEntry, one per published version (scheduler replay log)."""
+    return job_key(job_id, "journal")
+
+
+def job_artifacts(job_id: str) -> str:
+    """Hash: name -> bytes a scheduler produced (e.g. ``profile.csv`` of the profiler)."""
+    return job_key(job_id, "artifacts")
+
+
+def job_lease(job_id: str) -> str:
+    """String with a TTL, held by the rq worker that is advancing the job."""
+    return job_key(job_id, "lease")
+
+
+def job_control(job_id: str) -> str:
+    """Stream of control messages (new target iteration times); entry ids = source ids."""
+    return job_key(job_id, "control")
+
+
+def reply_key(request_id: str) -> str:
+    """List the coordinator pushes a request's reply to (short TTL)."""
+    return f"{PREFIX}:reply:{request_id}"
+
+
+def power_limit_profile(workload: str) -> str:
+    """String: msgpack power-limit profile of a workload."""
+    return f"{PREFIX}:powerlimit:profile:{workload}"
+
+
+def plan_key(plan_id: str, *parts: str) -> str:
+    """Return ``perseus:plan:<plan_id>[:part...]`` (planner progress and result)."""
+    suffix = "".join(f":{p}" for p in parts)
+    return f"{PREFIX}:plan:{plan_id}{suffix}"

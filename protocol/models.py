@@ -1,0 +1,352 @@
+"""Pydantic models shared by the training hook, the coordinator and the schedulers.
+
+Everything that crosses Redis is one of these models, encoded with msgpack by :func:`pack`
+and decoded (and validated) by :func:`unpack`. Validators raise ``ValueError`` so that
+pydantic reports the field that is wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from protocol.exceptions import ProtocolError
+
+# Job ids and metadata end up inside Redis key names: keep them free of ':' and spaces.
+_METADATA_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_INSTRUCTION_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class JobInfo(_Model):
+    """A training job, as registered by rank 0.
+
+    Attributes:
+        job_id: Set by the coordinator; must be empty when rank 0 registers the job.
+        pp_degree: Pipeline parallel degree (number of stages).
+        dp_degree: Data parallel degree.
+        tp_degree: Tensor parallel degree.
+        world_size: Number of ranks; must equal ``pp_degree * dp_degree * tp_degree``.
+        job_metadata: Optional short tag appended to the job id (letters, digits, ``._-``).
+    """
+
+    job_id: str = ""
+    pp_degree: int = Field(ge=1)
+    dp_degree: int = Field(ge=1)
+    tp_degree: int = Field(ge=1)
+    world_size: int = Field(ge=1)
+    job_metadata: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> JobInfo:
+        product = self.pp_degree * self.dp_degree * self.tp_degree
+        if product != self.world_size:
+            raise ValueError(
+                f"world_size={self.world_size} but pp_degree*dp_degree*tp_degree = "
+                f"{self.pp_degree}*{self.dp_degree}*{self.tp_degree} = {product}"
+            )
+        if self.job_metadata is not None and not _METADATA_RE.match(self.job_metadata):
+            raise ValueError(
+                f"job_metadata={self.job_metadata!r} must be 1-64 characters of "
+                "letters, digits, '.', '_' or '-' (it becomes part of Redis key names)"
+            )
+        return self
+
+
+def make_job_id(job: JobInfo, scheduler_name: str, entry_id: str) -> str:
+    """Build a readable, unique job id from the registration's stream entry id.
+
+    Stream entry ids (``<ms>-<seq>``) are unique and increasing within a stream, so two jobs
+    registered in the same second (or millisecond) still get different ids. Zeus's ids
+    (second resolution only) collide in that case.
+
+    Example: ``2026-11-23-00-05-12.345+dp2+pp4+tp1+PointSolution3D+bert``.
+    """
+    ms_text, _, seq_text = entry_id.partition("-")
+    ms, seq = int(ms_text), int(seq_text or 0)
+    stamp = datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d-%H-%M-%S")
+    stamp += f".{ms % 1000:03d}" + (f".{seq}" if seq else "")
+    parts = [stamp, f"dp{job.dp_degree}", f"pp{job.pp_degree}", f"tp{job.tp_degree}"]
+    parts.append(scheduler_name)
+    if job.job_metadata:
+        parts.append(job.job_metadata)
+    return "+".join(parts)
+
+
+class RankInfo(_Model):
+    """What each rank reports about itself when it registers.
+
+    Attributes:
+        rank: Global rank.
+        dp_rank: Data parallel rank.
+        pp_rank: Pipeline parallel rank (the pipeline stage).
+        tp_rank: Tensor parallel rank.
+        available_frequencies: Supported GPU graphics clocks in MHz, highest first.
+    """
+
+    rank: int = Field(ge=0)
+    dp_rank: int = Field(ge=0)
+    pp_rank: int = Field(ge=0)
+    tp_rank: int = Field(ge=0)
+    available_frequencies: list[int] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> RankInfo:
+        if any(f <= 0 for f in self.available_frequencies):
+            raise ValueError("available_frequencies must all be positive (MHz)")
+        if len(set(self.available_frequencies)) != len(self.available_frequencies):
+            raise ValueError("available_frequencies has duplicates")
+        return self
+
+    def check_fits(self, job: JobInfo) -> None:
+        """Raise ``ValueError`` if this rank's coordinates do not fit the job's degrees."""
+        for name, value, bound in (
+            ("rank", self.rank, job.world_size),
+            ("pp_rank", self.pp_rank, job.pp_degree),
+            ("dp_rank", self.dp_rank, job.dp_degree),
+            ("tp_rank", self.tp_rank, job.tp_degree),
+        ):
+            if value >= bound:
+                raise ValueError(f"{name}={value} is out of range for job {job.job_id} (< {bound})")
+
+
+class FrequencySchedule(_Model):
+    """One iteration's worth of (instruction, frequency) pairs for one rank.
+
+    Attributes:
+        rank: The rank this schedule is for.
+        frequencies: ``(instruction name, frequency in MHz)`` in execution order.
+        version: The schedule version it was published as (0 before publication).
+    """
+
+    rank: int = Field(ge=0)
+    frequencies: list[tuple[str, int]]
+    version: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> FrequencySchedule:
+        for i, (name, freq) in enumerate(self.frequencies):
+            if not _INSTRUCTION_RE.match(name):
+                raise ValueError(f"frequencies[{i}]: bad instruction name {name!r}")
+            if freq <= 0:
+                raise ValueError(f"frequencies[{i}]: frequency must be positive, got {freq}")
+        return self
+
+
+class ProfilingResult(_Model):
+    """What one rank measured while running one schedule version.
+
+    Attributes:
+        rank: Global rank of the reporting client.
+        schedule_version: The schedule version in use for every measured iteration.
+        iter_time: Time of each profiled iteration, seconds.
+        iter_energy: Energy of each profiled iteration, Joules.
+        time_breakdown: ``time_breakdown["forward"][i]`` lists the durations of all forward
+            instructions of the ``i``-th profiled iteration.
+        energy_breakdown: Same structure as ``time_breakdown``, in Joules (may be empty).
+    """
+
+    rank: int = Field(ge=0)
+    schedule_version: int = Field(default=0, ge=0)
+    iter_time: list[float]
+    iter_energy: list[float]
+    time_breakdown: dict[str, list[list[float]]] = Field(default_factory=dict)
+    energy_breakdown: dict[str, list[list[float]]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> ProfilingResult:
+        if len(self.iter_time) != len(self.iter_energy):
+            raise ValueError(
+                f"iter_time has {len(self.iter_time)} entries but iter_energy has "
+                f"{len(self.iter_energy)}"
+            )
+        if any(t < 0 for t in self.iter_time) or any(e < 0 for e in self.iter_energy):
+            raise ValueError("iter_time and iter_energy must not be negative")
+        return self
+
+
+class OfflineProfilingResult(_Model):
+    """Per-frequency averages of one rank's forward and backward instructions.
+
+    Attributes:
+        rank: Global rank.
+        dp_rank: Data parallel rank.
+        pp_rank: Pipeline parallel rank (also the stage).
+        tp_rank: Tensor parallel rank.
+        forward_time: frequency -> average forward time (s).
+        forward_energy: frequency -> average forward energy (J).
+        backward_time: frequency -> average backward time (s).
+        backward_energy: frequency -> average backward energy (J).
+    """
+
+    rank: int = Field(ge=0)
+    dp_rank: int = Field(ge=0)
+    pp_rank: int = Field(ge=0)
+    tp_rank: int = Field(ge=0)
+    forward_time: dict[int, float]
+    forward_energy: dict[int, float]
+    backward_time: dict[int, float]
+    backward_energy: dict[int, float]
+
+    @model_validator(mode="after")
+    def _check(self) -> OfflineProfilingResult:
+        for inst in ("forward", "backward"):
+            times: dict[int, float] = getattr(self, f"{inst}_time")
+            energies: dict[int, float] = getattr(self, f"{inst}_energy")
+            if set(times) != set(energies):
+                raise ValueError(f"{inst}_time and {inst}_energy cover different frequencies")
+        return self
+
+
+class JobConfig(_Model):
+    """How the coordinator serves a job, fixed when the job is registered.
+
+    Stored with the job so that any rq worker, whatever its own environment, schedules the
+    job the same way.
+    """
+
+    scheduler: str
+    scheduler_args: dict[str, Any] = Field(default_factory=dict)
+    dump_dir: str = ""
+
+
+class JournalEntry(_Model):
+    """What went into computing one schedule version; replaying these rebuilds a scheduler.
+
+    Attributes:
+        version: The schedule version this entry produced (or, unpublished, kept serving).
+        observed_version: Results of this version were observed first (None: none were).
+        controls_upto: Number of the job's control messages applied so far (cumulative).
+        published: False when a converged scheduler produced the same schedules again: the
+            observation is recorded, but no new version is published.
+    """
+
+    version: int = Field(ge=1)
+    observed_version: int | None = None
+    controls_upto: int = Field(default=0, ge=0)
+    published: bool = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages on the input streams. Each has a ``kind`` so one decoder handles every stream.
+
+
+class RegisterJob(_Model):
+    """Rank 0 asks the coordinator to create a job; the reply carries the job id.
+
+    ``scheduler`` optionally picks a built-in scheduler for this job instead of the
+    coordinator's default (``scheduler_args`` then replace the default arguments).
+    """
+
+    kind: Literal["register_job"] = "register_job"
+    request_id: str = Field(min_length=1, max_length=128)
+    job: JobInfo
+    scheduler: str | None = None
+    scheduler_args: dict[str, Any] = Field(default_factory=dict)
+
+
+class RegisterRank(_Model):
+    """A rank joins a registered job."""
+
+    kind: Literal["register_rank"] = "register_rank"
+    request_id: str = Field(min_length=1, max_length=128)
+    job_id: str = Field(min_length=1)
+    rank_info: RankInfo
+
+
+class ReportResult(_Model):
+    """A rank's profiling result for the schedule version it ran."""
+
+    kind: Literal["report_result"] = "report_result"
+    job_id: str = Field(min_length=1)
+    result: ProfilingResult
+
+
+class SetTarget(_Model):
+    """Ask a job's scheduler to aim at a new iteration time (e.g. a straggler's), seconds."""
+
+    kind: Literal["set_target"] = "set_target"
+    job_id: str = Field(min_length=1)
+    iteration_time: float = Field(gt=0)
+
+
+Message = Annotated[
+    RegisterJob | RegisterRank | ReportResult | SetTarget, Field(discriminator="kind")
+]
+_MESSAGE_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+class Reply(_Model):
+    """The coordinator's answer to a registration request."""
+
+    ok: bool
+    job_id: str = ""
+    error: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# msgpack codec
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def pack(model: BaseModel) -> bytes:
+    """Encode a model as compact msgpack."""
+    return msgpack.packb(model.model_dump(mode="python"), use_bin_type=True)
+
+
+def _unpack_raw(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"not valid msgpack ({type(exc).__name__}: {exc})") from None
+
+
+def _validation_text(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def unpack(cls: type[M], data: bytes) -> M:
+    """Decode and validate msgpack ``data`` as ``cls``; raise ProtocolError naming the field."""
+    raw = _unpack_raw(data)
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as exc:
+        raise ProtocolError(f"invalid {cls.__name__}: {_validation_text(exc)}") from None
+
+
+def encode_message(
+    message: RegisterJob | RegisterRank | ReportResult | SetTarget,
+) -> dict[str, Any]:
+    """Stream-entry fields for a message (``kind`` and ``job_id`` stay readable in redis-cli)."""
+    fields: dict[str, Any] = {"kind": message.kind, "data": pack(message)}
+    job_id = getattr(message, "job_id", "")
+    if job_id:
+        fields["job_id"] = job_id
+    return fields
+
+
+def decode_message(
+    fields: dict[bytes, bytes],
+) -> RegisterJob | RegisterRank | ReportResult | SetTarget:
+    """Decode a stream entry's fields; raise ProtocolError with a reason on any problem."""
+    data = fields.get(b"data")
+    if data is None:
+        names = sorted(k.decode("utf-8", "replace") for k in fields)
+        raise ProtocolError(f"entry has no 'data' field (fields: {names})")
+    raw = _unpack_raw(data)
+    try:
+        return _MESSAGE_ADAPTER.validate_python(raw)
+    except ValidationError as exc:
+        raise ProtocolError(f"invalid message: {_validation_text(exc)}") from None

@@ -1,0 +1,163 @@
+"""The scheduler contract: the FrequencyScheduler base class and the registry of scheduler names.
+
+A scheduler decides the frequency schedule of every rank for the next round of iterations and
+learns from the profiling results of the previous round. Schedulers are plain deterministic
+objects: rq workers rebuild one from Redis by constructing it and replaying every observation
+in order (see :mod:`coordinator.tasks`), so the same inputs must always give the same schedules.
+Randomness, wall-clock time and I/O outside the constructor break that replay.
+
+Two ways to write one, as in Zeus:
+
+* override :meth:`FrequencyScheduler.observe` and :meth:`FrequencyScheduler.next_schedule`; or
+* implement the generator :meth:`FrequencyScheduler._run`, which ``yield``s the next schedules
+  and receives the profiling results of those schedules from the ``yield``. When the generator
+  returns, its last schedule is served forever.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Generator
+from typing import Any
+
+from protocol.exceptions import ConfigError
+from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+
+
+class FrequencyScheduler:
+    """Base class of frequency schedulers.
+
+    Args:
+        job_info: The training job.
+        rank_infos: Every rank of the job, in any order.
+    """
+
+    def __init__(self, job_info: JobInfo, rank_infos: list[RankInfo]) -> None:
+        self.job_info = job_info
+        self.rank_infos = sorted(rank_infos, key=lambda r: r.rank)
+        self.world_size = job_info.world_size
+        self._generator: Generator[list[FrequencySchedule], list[ProfilingResult], None] | None
+        self._generator = None
+        self._next: list[FrequencySchedule] | None = None
+        self._pending_results: list[ProfilingResult] | None = None
+        self._finished = False
+
+    @property
+    def converged(self) -> bool:
+        """True once the schedule can only change on a control message, not on results.
+
+        Then the coordinator stops publishing identical versions after each observation
+        (which would make a long training run's state grow without bound). Generator-style
+        schedulers converge when ``_run`` returns.
+        """
+        return self._finished
+
+    @classmethod
+    def check_args(cls, args: dict[str, Any]) -> None:
+        """Raise ConfigError if ``args`` cannot work, beyond fitting the signature.
+
+        Called when a coordinator starts and when a job asks for this scheduler, so that a
+        bad configuration fails before any training starts.
+        """
+
+    def observe(self, profiling_results: list[ProfilingResult]) -> None:
+        """Take in the profiling results of the schedule last returned by next_schedule.
+
+        Args:
+            profiling_results: One per rank, in any order.
+        """
+        self._pending_results = profiling_results
+
+    def next_schedule(self) -> list[FrequencySchedule]:
+        """Return the schedules of the next round, one per rank (any order)."""
+        if self._generator is None:
+            self._generator = self._run()
+            self._next = next(self._generator)
+        elif self._pending_results is not None:
+            try:
+                self._next = self._generator.send(self._pending_results)
+            except StopIteration:
+                self._finished = True  # Converged: keep serving the last schedule.
+        self._pending_results = None
+        assert self._next is not None
+        return self._next
+
+    def artifacts(self) -> dict[str, bytes]:
+        """Files this scheduler produced so far (e.g. a profile), stored with the job in Redis.
+
+        Must be deterministic like the schedules: replays call it again.
+        """
+        return {}
+
+    def set_target(self, iteration_time: float) -> None:
+        """Aim at a new iteration time in seconds (e.g. a straggler's). Optional.
+
+        Called by the rq worker, in arrival order, before the next schedule is computed.
+        Schedulers that have no notion of a target reject it.
+        """
+        raise ConfigError(f"scheduler {type(self).__name__} does not take a target iteration time")
+
+    def _run(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
+        """Yield schedules and receive their profiling results (generator style)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement _run or override observe/next_schedule"
+        )
+        yield []  # pragma: no cover - makes this a generator function for type checkers
+
+
+# Name -> "module:attribute". Import paths rather than imports: the protocol must not import the
+# schedulers (they build on it), and picking one scheduler must not import every other's
+# dependencies. The coordinator checks job requests against these names.
+BUILTIN: dict[str, str] = {
+    "PointSolution": "schedulers.point_solution:PointSolution",
+    "PointSolution3D": "schedulers.point_solution:PointSolution3D",
+    "FrontierScheduler": "schedulers.frontier:FrontierScheduler",
+    "FrontierScheduler3D": "schedulers.frontier:FrontierScheduler3D",
+    "InstructionProfiler": "schedulers.instruction_profiler:InstructionProfiler",
+}
+
+
+def resolve_scheduler(name: str) -> type[FrequencyScheduler]:
+    """Return the scheduler class for a builtin name or a ``module:Class`` path.
+
+    Raises:
+        ConfigError: unknown name, import failure, or not a FrequencyScheduler subclass.
+    """
+    target = BUILTIN.get(name, name)
+    module_name, sep, attr = target.partition(":")
+    if not sep:
+        known = ", ".join(sorted(BUILTIN))
+        raise ConfigError(f"unknown scheduler {name!r}; use one of {known} or 'module:Class'")
+    try:
+        module = importlib.import_module(module_name)
+        cls = getattr(module, attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot load scheduler {name!r} from {target!r}: {exc}") from None
+    if not (inspect.isclass(cls) and issubclass(cls, FrequencyScheduler)):
+        raise ConfigError(f"scheduler {name!r} ({target}) is not a FrequencyScheduler subclass")
+    return cls
+
+
+def check_scheduler_args(name: str, args: dict[str, Any]) -> None:
+    """Check that ``args`` fit the scheduler's constructor, with a clear error if not."""
+    cls = resolve_scheduler(name)
+    try:
+        inspect.signature(cls).bind(job_info=None, rank_infos=None, **args)
+    except TypeError as exc:
+        params = [
+            p for p in inspect.signature(cls).parameters if p not in ("job_info", "rank_infos")
+        ]
+        raise ConfigError(
+            f"invalid scheduler_args {sorted(args)} for scheduler {name}: {exc} "
+            f"(it takes: {', '.join(params) or 'nothing'})"
+        ) from None
+    cls.check_args(args)
+
+
+def build_scheduler(
+    name: str, job_info: JobInfo, rank_infos: list[RankInfo], args: dict[str, Any]
+) -> FrequencyScheduler:
+    """Construct scheduler ``name`` for a job."""
+    cls = resolve_scheduler(name)
+    return cls(job_info=job_info, rank_infos=rank_infos, **args)

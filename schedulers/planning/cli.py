@@ -1,0 +1,272 @@
+"""``perseus optimize`` and ``perseus choose``: compute the frontier of plans and pick one.
+
+Exported as click commands (:data:`optimize_command`, :data:`choose_command`) that the
+``perseus`` group registers. Heavy imports (lowtime, matplotlib) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import click
+import redis
+
+from protocol import keys
+from protocol.cli_options import connect_or_fail, redact_url, redis_url_option
+from protocol.connection import DEFAULT_REDIS_URL
+from protocol.exceptions import PerseusError
+from schedulers.planning.choose import choose_plan
+from schedulers.planning.job import enqueue_planning
+from schedulers.planning.planner import plan_frontier
+from schedulers.planning.profile_csv import read_profile_csv
+
+
+class _ProgressLine:
+    """Render ``(fraction, message)`` progress: one rewritten line on a terminal, else 10% steps."""
+
+    def __init__(self, width: int = 30) -> None:
+        self.width = width
+        self.tty = sys.stderr.isatty()
+        self.last_decile = -1
+        self.last_text = ""
+
+    def __call__(self, fraction: float, message: str) -> None:
+        filled = round(fraction * self.width)
+        bar = "#" * filled + "-" * (self.width - filled)
+        text = f"[{bar}] {fraction * 100:5.1f}% {message}"
+        if self.tty:
+            if text != self.last_text:
+                pad = max(0, len(self.last_text) - len(text))
+                click.echo("\r" + text + " " * pad, err=True, nl=False)
+                self.last_text = text
+        elif int(fraction * 10) > self.last_decile:
+            self.last_decile = int(fraction * 10)
+            click.echo(text, err=True)
+
+    def close(self) -> None:
+        if self.tty and self.last_text:
+            click.echo(err=True)
+
+
+def _fail(exc: Exception) -> click.ClickException:
+    return click.ClickException(str(exc))
+
+
+def _redis_watch_hint(url: str, key: str) -> str:
+    if url.startswith("unix://"):
+        return f"redis-cli -s {shlex.quote(url[len('unix://') :].split('?')[0])} HGETALL {key}"
+    return f"redis-cli -u {shlex.quote(url)} HGETALL {key}"
+
+
+@click.command(
+    "optimize",
+    epilog="Outputs in DIR: freqs_pipeline_%05d.py (a larger number is a shorter iteration), "
+    "frontier.csv, frontier.json, profile.csv and, with --plot, frontier.png and "
+    "timeline_<plan>.png.",
+)
+@click.argument("profile", type=click.Path(exists=True, dir_okay=False))
+@click.option("--stages", "-s", type=click.IntRange(min=1), required=True, help="Stages.")
+@click.option(
+    "--microbatches",
+    "-m",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Microbatches per iteration.",
+)
+@click.option(
+    "--p2p-power",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="GPU power while blocked on P2P communication, W.",
+)
+@click.option(
+    "--unit-time",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.001,
+    show_default=True,
+    help="Solver time unit, s. Instruction times are rounded down to it; the solver takes one "
+    "step per unit, so a larger unit is faster and coarser.",
+)
+@click.option(
+    "--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Output folder."
+)
+@click.option("--plot/--no-plot", default=True, show_default=True, help="Draw PNGs too.")
+@click.option(
+    "--enqueue",
+    is_flag=True,
+    help="Run on an rq worker (queue 'perseus') instead of here; DIR must be reachable by it.",
+)
+@redis_url_option(default_help="Used with --enqueue. Default: redis://localhost:6379/0.")
+def optimize_command(
+    profile: str,
+    stages: int,
+    microbatches: int,
+    p2p_power: float,
+    unit_time: float,
+    out_dir: str,
+    plot: bool,
+    enqueue: bool,
+    redis_url: str | None,
+) -> None:
+    """Compute every Pareto-optimal frequency plan of a 1F1B pipeline from a PROFILE CSV.
+
+    PROFILE has columns stage,instruction,frequency,time,energy (or the per-rank form with
+    rank,dp_rank,pp_rank,tp_rank in front). Then pick a plan with `perseus choose DIR`.
+    """
+    try:
+        prof = read_profile_csv(profile, num_stages=stages)
+    except PerseusError as exc:
+        raise _fail(exc) from None
+    if enqueue:
+        _enqueue(prof, stages, microbatches, p2p_power, unit_time, out_dir, plot, redis_url)
+        return
+
+    bar = _ProgressLine()
+    try:
+        result = plan_frontier(
+            prof,
+            stages,
+            microbatches,
+            out_dir=out_dir,
+            p2p_power=p2p_power,
+            unit_time=unit_time,
+            progress=bar,
+        )
+    except PerseusError as exc:
+        raise _fail(exc) from None
+    finally:
+        bar.close()
+    pts, ref, meta = result.points, result.allmax, result.meta
+    best = choose_plan(result.out_dir, "no-slowdown")
+    least = choose_plan(result.out_dir, "min-energy")
+    click.echo(
+        f"{len(pts)} plans in {result.out_dir} ({meta['timings']['total_s']:.1f} s): "
+        f"{pts[-1].iteration_time:.4f} s to {pts[0].iteration_time:.4f} s per iteration"
+    )
+    click.echo(f"all-max clocks: {ref.iteration_time:.4f} s, {ref.energy_with_p2p:.1f} J")
+    click.echo(
+        f"no slowdown:    plan {best.plan}, {best.iteration_time:.4f} s, "
+        f"{best.energy_with_p2p:.1f} J (saves {best.saving_j:.1f} J, {best.saving_pct:.1f}%)"
+    )
+    click.echo(
+        f"min energy:     plan {least.plan}, {least.iteration_time:.4f} s, "
+        f"{least.energy_with_p2p:.1f} J (saves {least.saving_pct:.1f}%, "
+        f"{least.slowdown_pct:+.1f}% time)"
+    )
+    click.echo(
+        f"rounding:       instruction times are rounded down to {unit_time:g} s; iteration "
+        f"times may undershoot by < {result.rounding_bound:.4f} s "
+        f"({meta['max_path_instructions']} instructions on the longest path)"
+    )
+    if plot:
+        from schedulers.planning.plots import plot_run  # matplotlib: only when plotting
+
+        paths = plot_run(result.out_dir, best.plan)
+        click.echo(f"plots:          {paths['frontier']}, {paths['timeline']}")
+    click.echo(f"next:           perseus choose {shlex.quote(str(result.out_dir))} --policy ...")
+
+
+def _enqueue(
+    prof: Any,
+    stages: int,
+    microbatches: int,
+    p2p_power: float,
+    unit_time: float,
+    out_dir: str,
+    plot: bool,
+    redis_url: str | None,
+) -> None:
+    conn = connect_or_fail(redis_url)
+    try:
+        pid = enqueue_planning(
+            conn,
+            prof,
+            stages,
+            microbatches,
+            out_dir=out_dir,
+            p2p_power=p2p_power,
+            unit_time=unit_time,
+            plot=plot,
+        )
+    except redis.RedisError as exc:
+        where = redact_url(redis_url or DEFAULT_REDIS_URL)
+        raise click.ClickException(f"cannot reach Redis at {where}: {exc}") from None
+    except PerseusError as exc:
+        raise _fail(exc) from None
+    key = keys.plan_key(pid)
+    click.echo(f"plan id: {pid}")
+    click.echo(f"queued on rq queue '{keys.RQ_QUEUE}'; output: {Path(out_dir).resolve()}")
+    click.echo(f"watch:   {_redis_watch_hint(redact_url(redis_url or DEFAULT_REDIS_URL), key)}")
+    click.echo("         (state: queued/running/done/failed, progress 0..1, message, num_plans)")
+
+
+_POLICY_HELP = (
+    "no-slowdown | min-energy | max-slowdown FACTOR | deadline SECONDS | straggler SECONDS. "
+    "Give the value with --value or inside the policy: --policy 'max-slowdown 1.1' "
+    "or --policy deadline=2.5."
+)
+
+
+@click.command(
+    "choose",
+    epilog="no-slowdown: least energy no slower than all-max clocks (allowing the solver's "
+    "time rounding); min-energy: least energy overall; max-slowdown FACTOR (>= 1): within "
+    "FACTOR x the all-max time; deadline SECONDS: within SECONDS, error if impossible; "
+    "straggler SECONDS: within a straggler's iteration time, else the fastest plan.",
+)
+@click.argument("frontier_dir", metavar="DIR", type=click.Path(file_okay=False))
+@click.option("--policy", "-p", default="no-slowdown", show_default=True, help=_POLICY_HELP)
+@click.option("--value", "-v", type=float, default=None, help="The policy's FACTOR or SECONDS.")
+@click.option(
+    "--plot", is_flag=True, help="Draw the frontier with the plan marked, and its timeline."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the choice as JSON.")
+def choose_command(
+    frontier_dir: str, policy: str, value: float | None, plot: bool, as_json: bool
+) -> None:
+    """Pick a frequency plan from a `perseus optimize` output folder DIR."""
+    try:
+        chosen = choose_plan(frontier_dir, policy, value)
+        paths: dict[str, Path] = {}
+        if plot:
+            # matplotlib: only when plotting.
+            from schedulers.planning.plots import plot_frontier, plot_plan_timeline
+
+            out = Path(frontier_dir)
+            paths["frontier"] = plot_frontier(out, out / f"frontier_{chosen.plan}.png", chosen.plan)
+            paths["timeline"] = plot_plan_timeline(
+                out, chosen.plan, out / f"timeline_{chosen.plan}.png"
+            )
+    except PerseusError as exc:
+        raise _fail(exc) from None
+    if as_json:
+        data = asdict(chosen)
+        data["file"] = str(chosen.file)
+        data.update({f"{k}_png": str(v) for k, v in paths.items()})
+        click.echo(json.dumps(data, indent=2))
+        return
+    spec = chosen.policy + ("" if chosen.value is None else f" {chosen.value:g}")
+    limit = "" if chosen.limit is None else f" (limit {chosen.limit:.4f} s)"
+    click.echo(f"policy:         {spec}{limit}")
+    click.echo(f"plan:           {chosen.plan}")
+    click.echo(f"file:           {chosen.file}")
+    click.echo(
+        f"iteration time: {chosen.iteration_time:.4f} s (all-max {chosen.allmax_time:.4f} s, "
+        f"{chosen.slowdown_pct:+.2f}%)"
+    )
+    extra = "" if chosen.energy == chosen.energy_with_p2p else f", {chosen.energy:.1f} J computing"
+    click.echo(
+        f"energy:         {chosen.energy_with_p2p:.1f} J per iteration{extra} "
+        f"(all-max {chosen.allmax_energy:.1f} J)"
+    )
+    click.echo(f"saving:         {chosen.saving_j:.1f} J ({chosen.saving_pct:.2f}%) per iteration")
+    if chosen.note:
+        click.echo(f"note:           {chosen.note}")
+    for name, path in paths.items():
+        click.echo(f"{name + ' plot:':<16}{path}")

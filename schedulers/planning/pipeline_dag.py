@@ -1,0 +1,225 @@
+"""The synchronous 1F1B pipeline as a DAG: a lowtime-free shape, and the lowtime graph.
+
+:class:`PipelineShape` knows the instruction order of every stage and the dependencies
+between instructions, and computes start/finish times for given durations. It needs no
+lowtime (whose import costs close to a second), so the chooser, the plots and the tests use it.
+
+:func:`build_lowtime_dag` turns a shape into the activity-on-node graph that lowtime's
+Phillips-Dessouky solver takes. Its edges are
+
+* the execution order within a stage (a GPU runs one instruction at a time), and
+* ``Forward(s, m) -> Forward(s+1, m)`` and ``Backward(s+1, m) -> Backward(s, m)``: lowtime's
+  ``forward_dep`` / ``backward_dep`` rules.
+
+lowtime's examples find the second kind by testing every pair of instructions with a
+``DependencyResolver`` (O(n^2)); here each instruction's partner is looked up by
+``(stage, microbatch)`` in O(1), and every edge is still checked against the same rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from protocol.constants import INSTRUCTIONS
+from protocol.exceptions import ConfigError
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+
+def one_f_one_b_order(num_stages: int, num_microbatches: int, stage: int) -> list[str]:
+    """Instruction names of one stage under synchronous 1F1B scheduling.
+
+    Stage ``s`` of ``S`` first runs ``min(S - s - 1, M)`` warm-up forwards, then alternates
+    forward and backward for the remaining microbatches, then drains the warm-up backwards.
+
+    Args:
+        num_stages: Number of pipeline stages ``S``.
+        num_microbatches: Microbatches per iteration ``M``.
+        stage: The stage ``s`` (0 is the first stage).
+
+    Returns:
+        ``2 * M`` instruction names.
+
+    Raises:
+        ConfigError: Arguments out of range.
+
+    """
+    if num_stages < 1 or num_microbatches < 1 or not 0 <= stage < num_stages:
+        raise ConfigError(
+            f"invalid 1F1B shape: {num_stages} stages, {num_microbatches} microbatches, "
+            f"stage {stage}"
+        )
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    steady = num_microbatches - warmup
+    return ["forward"] * warmup + ["forward", "backward"] * steady + ["backward"] * warmup
+
+
+class PipelineShape:
+    """Instructions and dependencies of a synchronous 1F1B pipeline.
+
+    Node ``i`` is an instruction; nodes are numbered stage by stage in execution order, so
+    ``node(s, k)`` is the ``k``-th instruction that stage ``s`` runs.
+
+    Args:
+        num_stages: Pipeline stages ``S``.
+        num_microbatches: Microbatches per iteration ``M``.
+
+    Attributes:
+        order: ``order[s]`` lists stage ``s``'s instruction names in execution order.
+        nodes: ``nodes[i] = (stage, instruction, microbatch)``.
+        preds: ``preds[i]`` lists the nodes that must finish before node ``i`` starts.
+        topo: All nodes in a topological order.
+
+    """
+
+    def __init__(self, num_stages: int, num_microbatches: int) -> None:
+        if num_stages < 1 or num_microbatches < 1:
+            raise ConfigError(
+                f"need at least 1 stage and 1 microbatch, got {num_stages} and {num_microbatches}"
+            )
+        self.num_stages = num_stages
+        self.num_microbatches = num_microbatches
+        self.order = [one_f_one_b_order(num_stages, num_microbatches, s) for s in range(num_stages)]
+        self.nodes: list[tuple[int, str, int]] = []
+        self._index: dict[tuple[int, str, int], int] = {}
+        for s, names in enumerate(self.order):
+            seen = dict.fromkeys(INSTRUCTIONS, 0)  # Microbatches run in order per kind.
+            for name in names:
+                key = (s, name, seen[name])
+                seen[name] += 1
+                self._index[key] = len(self.nodes)
+                self.nodes.append(key)
+        self.preds: list[list[int]] = [[] for _ in self.nodes]
+        for i, (s, name, m) in enumerate(self.nodes):
+            if i > 0 and self.nodes[i - 1][0] == s:
+                self.preds[i].append(i - 1)
+            upstream = s - 1 if name == "forward" else s + 1
+            if 0 <= upstream < num_stages:
+                self.preds[i].append(self._index[(upstream, name, m)])
+        self.topo = self._topological_order()
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of instructions, ``2 * S * M``."""
+        return len(self.nodes)
+
+    def node(self, stage: int, position: int) -> int:
+        """Node id of the ``position``-th instruction of ``stage``."""
+        return stage * 2 * self.num_microbatches + position
+
+    def node_of(self, stage: int, instruction: str, microbatch: int) -> int:
+        """Node id of an instruction by what it computes."""
+        return self._index[(stage, instruction, microbatch)]
+
+    def edges(self) -> list[tuple[int, int]]:
+        """All dependency edges ``(before, after)``."""
+        return [(p, i) for i, ps in enumerate(self.preds) for p in ps]
+
+    def _topological_order(self) -> list[int]:
+        succs: list[list[int]] = [[] for _ in self.nodes]
+        indeg = [len(ps) for ps in self.preds]
+        for i, ps in enumerate(self.preds):
+            for p in ps:
+                succs[p].append(i)
+        ready = [i for i, d in enumerate(indeg) if d == 0]
+        out: list[int] = []
+        while ready:
+            i = ready.pop()
+            out.append(i)
+            for j in succs[i]:
+                indeg[j] -= 1
+                if indeg[j] == 0:
+                    ready.append(j)
+        if len(out) != len(self.nodes):  # pragma: no cover - 1F1B is always acyclic
+            raise AssertionError("1F1B dependency graph has a cycle")
+        return out
+
+    def schedule(self, durations: Sequence[float]) -> tuple[list[float], list[float]]:
+        """Earliest start and finish of every node, each starting when its inputs are done.
+
+        Args:
+            durations: ``durations[i]`` of node ``i`` (any unit).
+
+        Returns:
+            ``(start, finish)`` lists indexed by node.
+
+        """
+        start = [0.0] * len(self.nodes)
+        finish = [0.0] * len(self.nodes)
+        for i in self.topo:
+            t = max((finish[p] for p in self.preds[i]), default=0.0)
+            start[i] = t
+            finish[i] = t + durations[i]
+        return start, finish
+
+    def makespan(self, durations: Sequence[float]) -> float:
+        """Return the iteration time: the longest dependency path for the given durations."""
+        return max(self.schedule(durations)[1])
+
+    def max_path_length(self) -> int:
+        """Most instructions on any dependency path (bounds the rounding of quantized time)."""
+        return int(self.makespan([1.0] * len(self.nodes)))
+
+    def durations(self, per_instruction: Mapping[tuple[int, str], float]) -> list[float]:
+        """Durations by node from one figure per ``(stage, instruction)``."""
+        return [per_instruction[(s, name)] for s, name, _ in self.nodes]
+
+
+def build_lowtime_dag(
+    shape: PipelineShape, specs: Mapping[tuple[int, str], Any]
+) -> tuple[nx.DiGraph, list[Any]]:
+    """Build lowtime's activity-on-node DAG of the pipeline.
+
+    Args:
+        shape: The pipeline.
+        specs: ``specs[(stage, instruction)]``: the lowtime ``OperationSpec`` to use.
+
+    Returns:
+        ``(graph, ops)``: the graph (node attribute ``"op"``, with ``source_node`` and
+        ``sink_node`` graph attributes), and ``ops[i]``, the lowtime instruction of node ``i``.
+
+    Raises:
+        AssertionError: lowtime's ``Synchronous1F1B`` order or its dependency rules disagree
+            with the shape (a lowtime change this code would have to follow).
+
+    """
+    import networkx as nx
+    from lowtime.graph_utils import DependencyResolver, add_sink_node, add_source_node
+    from lowtime.perseus.instruction import (
+        Backward,
+        Forward,
+        Instruction,
+        backward_dep,
+        forward_dep,
+    )
+    from lowtime.perseus.schedule import Synchronous1F1B
+
+    S, M = shape.num_stages, shape.num_microbatches
+    graph = nx.DiGraph()
+    ops: list[Any] = [None] * shape.num_nodes
+    for s in range(S):
+        spec_map = {Forward: specs[(s, "forward")], Backward: specs[(s, "backward")]}
+        for k, inst in enumerate(Synchronous1F1B(S, M, s, spec_map)):
+            node = shape.node(s, k)
+            name = "forward" if isinstance(inst, Forward) else "backward"
+            if shape.nodes[node] != (inst.stage_id, name, inst.micro_batch_id):
+                raise AssertionError(
+                    f"lowtime 1F1B order differs at stage {s} position {k}: "
+                    f"{shape.nodes[node]} vs {inst}"
+                )
+            ops[node] = inst
+            graph.add_node(node, op=inst)
+    resolver = DependencyResolver([forward_dep, backward_dep], Instruction)
+    for before, after in shape.edges():
+        same_stage = shape.nodes[before][0] == shape.nodes[after][0]
+        if not same_stage and not resolver.is_dependent(ops[before], ops[after]):
+            raise AssertionError(f"edge {ops[before]} -> {ops[after]} breaks lowtime's rules")
+        graph.add_edge(before, after)
+    source, sink = shape.num_nodes, shape.num_nodes + 1
+    add_source_node(graph, source)
+    add_sink_node(graph, sink)
+    graph.graph["source_node"] = source
+    graph.graph["sink_node"] = sink
+    return graph, ops

@@ -1,0 +1,380 @@
+"""Read and write instruction profile CSV files (the planner's input).
+
+Two forms are accepted, told apart by the header (columns may come in any order):
+
+* short, as in the Perseus docs: ``stage,instruction,frequency,time,energy``;
+* full, one row per rank: ``rank,dp_rank,pp_rank,tp_rank,stage,instruction,frequency,time,energy``
+  (``stage`` must equal ``pp_rank``).
+
+``time`` is seconds per instruction and ``energy`` Joules per instruction, both averaged over
+repetitions by the profiler. In the full form, the data- and tensor-parallel replicas of one
+stage each report their own rows. The planner needs one figure per GPU of a stage, and every
+replica is its own GPU running the same instruction, so replicas are **averaged** (time and
+energy alike). This differs from merging the results of one *iteration* across a stage's ranks
+(time: max, energy: sum), which answers a different question (the whole stage's cost).
+
+Every problem raises :class:`~protocol.exceptions.ConfigError` naming the file, the line
+and the field, e.g. ``prof.csv:7: field 'time': must be positive, got -0.1``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from protocol.constants import INSTRUCTIONS
+from protocol.exceptions import ConfigError
+
+if TYPE_CHECKING:
+    from protocol.models import OfflineProfilingResult
+
+SHORT_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
+RANK_COLUMNS = ("rank", "dp_rank", "pp_rank", "tp_rank")
+FULL_COLUMNS = RANK_COLUMNS + SHORT_COLUMNS
+
+# (stage, instruction) -> frequency (MHz) -> (time s, energy J)
+ProfileTable = dict[tuple[int, str], dict[int, tuple[float, float]]]
+
+
+@dataclass(frozen=True)
+class ProfileRow:
+    """One data row of a profile CSV.
+
+    Attributes:
+        stage: Pipeline stage.
+        instruction: ``"forward"`` or ``"backward"``.
+        frequency: GPU graphics clock, MHz.
+        time: Seconds per instruction.
+        energy: Joules per instruction.
+        line: Line number in the file (1 is the header); 0 for rows built in code.
+        rank: Global rank (full form only).
+        dp_rank: Data parallel rank (full form only).
+        pp_rank: Pipeline parallel rank (full form only).
+        tp_rank: Tensor parallel rank (full form only).
+
+    """
+
+    stage: int
+    instruction: str
+    frequency: int
+    time: float
+    energy: float
+    line: int = 0
+    rank: int | None = None
+    dp_rank: int | None = None
+    pp_rank: int | None = None
+    tp_rank: int | None = None
+
+
+@dataclass
+class InstructionProfile:
+    """A parsed profile: the raw rows and the per-stage table the planner uses.
+
+    Attributes:
+        rows: Rows in file order.
+        table: ``table[(stage, instruction)][frequency] = (time, energy)``, replicas averaged.
+        replicas: ``replicas[(stage, instruction, frequency)]``: how many rows were averaged.
+        path: The file read ("" for profiles built in code).
+        full_form: Whether the file had the per-rank columns.
+
+    """
+
+    rows: list[ProfileRow]
+    table: ProfileTable
+    replicas: dict[tuple[int, str, int], int] = field(default_factory=dict)
+    path: str = ""
+    full_form: bool = False
+
+    @property
+    def stages(self) -> list[int]:
+        """Stages present, ascending."""
+        return sorted({stage for stage, _ in self.table})
+
+    def frequencies(self, stage: int, instruction: str) -> list[int]:
+        """Profiled frequencies of one stage's instruction, highest first."""
+        return sorted(self._entry(stage, instruction), reverse=True)
+
+    def time(self, stage: int, instruction: str, frequency: int) -> float:
+        """Seconds per instruction at ``frequency``."""
+        return self._lookup(stage, instruction, frequency)[0]
+
+    def energy(self, stage: int, instruction: str, frequency: int) -> float:
+        """Joules per instruction at ``frequency``."""
+        return self._lookup(stage, instruction, frequency)[1]
+
+    def _entry(self, stage: int, instruction: str) -> dict[int, tuple[float, float]]:
+        try:
+            return self.table[(stage, instruction)]
+        except KeyError:
+            where = self.path or "profile"
+            raise ConfigError(f"{where}: no rows for stage {stage} {instruction}") from None
+
+    def _lookup(self, stage: int, instruction: str, frequency: int) -> tuple[float, float]:
+        entry = self._entry(stage, instruction)
+        try:
+            return entry[frequency]
+        except KeyError:
+            where = self.path or "profile"
+            raise ConfigError(
+                f"{where}: stage {stage} {instruction} was not profiled at {frequency} MHz"
+            ) from None
+
+    def check_stages(self, num_stages: int) -> None:
+        """Raise ConfigError unless stages ``0..num_stages-1`` (and no others) have both kinds.
+
+        Args:
+            num_stages: The pipeline's number of stages.
+
+        """
+        where = self.path or "profile"
+        if num_stages < 1:
+            raise ConfigError(f"number of stages must be at least 1, got {num_stages}")
+        for row in self.rows:
+            if row.stage >= num_stages:
+                raise ConfigError(
+                    f"{where}:{row.line}: field 'stage': stage {row.stage} is out of range "
+                    f"for {num_stages} stage(s)"
+                )
+        for stage in range(num_stages):
+            for inst in INSTRUCTIONS:
+                if not self.table.get((stage, inst)):
+                    raise ConfigError(
+                        f"{where}: field 'stage'/'instruction': no rows for stage {stage} "
+                        f"{inst} (the pipeline has {num_stages} stage(s))"
+                    )
+
+
+def build_profile(
+    rows: Sequence[ProfileRow], path: str = "", full_form: bool = False
+) -> InstructionProfile:
+    """Merge rows into an :class:`InstructionProfile`, averaging replicas of a stage.
+
+    Raises:
+        ConfigError: Two rows describe the same rank (or, in the short form, the same stage),
+            instruction and frequency.
+
+    """
+    where = path or "profile"
+    seen: dict[tuple[int | None, int, str, int], int] = {}
+    sums: dict[tuple[int, str, int], list[float]] = {}
+    for row in rows:
+        ident = (row.rank, row.stage, row.instruction, row.frequency)
+        if ident in seen:
+            who = f"rank {row.rank}" if row.rank is not None else f"stage {row.stage}"
+            raise ConfigError(
+                f"{where}:{row.line}: field 'frequency': duplicate row for {who} "
+                f"{row.instruction} at {row.frequency} MHz (first at line {seen[ident]})"
+            )
+        seen[ident] = row.line
+        acc = sums.setdefault((row.stage, row.instruction, row.frequency), [0.0, 0.0, 0.0])
+        acc[0] += row.time
+        acc[1] += row.energy
+        acc[2] += 1
+    table: ProfileTable = {}
+    replicas: dict[tuple[int, str, int], int] = {}
+    for (stage, inst, freq), (t, e, n) in sums.items():
+        table.setdefault((stage, inst), {})[freq] = (t / n, e / n)
+        replicas[(stage, inst, freq)] = int(n)
+    return InstructionProfile(
+        rows=list(rows), table=table, replicas=replicas, path=path, full_form=full_form
+    )
+
+
+def _fail(path: str, line: int, column: str, problem: str) -> ConfigError:
+    return ConfigError(f"{path}:{line}: field '{column}': {problem}")
+
+
+def _parse_int(path: str, line: int, column: str, text: str, minimum: int) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise _fail(path, line, column, f"not an integer: {text!r}") from None
+    if value < minimum:
+        raise _fail(path, line, column, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _parse_float(path: str, line: int, column: str, text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise _fail(path, line, column, f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise _fail(path, line, column, f"must be finite, got {text.strip()!r}")
+    return value
+
+
+def _check_header(path: str, header: list[str]) -> tuple[str, ...]:
+    names = [h.strip().lower() for h in header]
+    full = any(n in RANK_COLUMNS for n in names)
+    expected = FULL_COLUMNS if full else SHORT_COLUMNS
+    unknown = [n for n in names if n not in expected]
+    missing = [n for n in expected if n not in names]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    form = ",".join(expected)
+    if unknown:
+        raise _fail(path, 1, unknown[0], f"unknown header column(s) {unknown}; expected {form}")
+    if missing:
+        raise _fail(path, 1, missing[0], f"header is missing column(s) {missing}; expected {form}")
+    if dupes:
+        raise _fail(path, 1, dupes[0], "column appears more than once in the header")
+    return tuple(names)
+
+
+def read_profile_csv(path: str | Path, num_stages: int | None = None) -> InstructionProfile:
+    """Read a profile CSV in the short or the full form.
+
+    Args:
+        path: The CSV file.
+        num_stages: If given, require rows for both instructions of every stage
+            ``0..num_stages-1`` and no stage beyond.
+
+    Returns:
+        The parsed profile, replicas of a stage averaged.
+
+    Raises:
+        ConfigError: Naming the file, line and field of the first problem found.
+
+    """
+    where = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read profile {where}: {exc.strerror or exc}") from None
+    records = list(csv.reader(text.splitlines()))
+    if not records or not any(cell.strip() for cell in records[0]):
+        raise ConfigError(f"{where}:1: empty file or header; expected {','.join(SHORT_COLUMNS)}")
+    columns = _check_header(where, records[0])
+    full = "rank" in columns
+    rows: list[ProfileRow] = []
+    for line, record in enumerate(records[1:], start=2):
+        if not record or not any(cell.strip() for cell in record):
+            continue  # Blank lines (e.g. a trailing one) carry nothing.
+        if len(record) != len(columns):
+            raise ConfigError(
+                f"{where}:{line}: expected {len(columns)} fields ({','.join(columns)}), "
+                f"got {len(record)}"
+            )
+        cell = dict(zip(columns, record, strict=True))
+        instruction = cell["instruction"].strip().lower()
+        if instruction not in INSTRUCTIONS:
+            raise _fail(
+                where,
+                line,
+                "instruction",
+                f"unknown instruction {cell['instruction'].strip()!r} (use forward or backward)",
+            )
+        stage = _parse_int(where, line, "stage", cell["stage"], 0)
+        frequency = _parse_int(where, line, "frequency", cell["frequency"], 1)
+        time = _parse_float(where, line, "time", cell["time"])
+        if time <= 0:
+            raise _fail(where, line, "time", f"must be positive (seconds), got {time!r}")
+        energy = _parse_float(where, line, "energy", cell["energy"])
+        if energy < 0:
+            raise _fail(where, line, "energy", f"must not be negative (Joules), got {energy!r}")
+        ranks: dict[str, int | None] = dict.fromkeys(RANK_COLUMNS)
+        if full:
+            for name in RANK_COLUMNS:
+                ranks[name] = _parse_int(where, line, name, cell[name], 0)
+            if ranks["pp_rank"] != stage:
+                raise _fail(
+                    where,
+                    line,
+                    "stage",
+                    f"stage {stage} does not match pp_rank {ranks['pp_rank']}",
+                )
+        rows.append(ProfileRow(stage, instruction, frequency, time, energy, line, **ranks))
+    if not rows:
+        raise ConfigError(f"{where}:2: no data rows after the header")
+    profile = build_profile(rows, path=where, full_form=full)
+    if num_stages is not None:
+        profile.check_stages(num_stages)
+    return profile
+
+
+def _write(path: str | Path, header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    # repr() of a float round-trips exactly, so a written profile reads back identical.
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(header)
+        for row in rows:
+            writer.writerow([repr(v) if isinstance(v, float) else v for v in row])
+
+
+def write_profile_rows(
+    path: str | Path, rows: Iterable[tuple[int, str, int, float, float] | ProfileRow]
+) -> None:
+    """Write the short form ``stage,instruction,frequency,time,energy``.
+
+    Args:
+        path: Destination file (overwritten).
+        rows: ``(stage, instruction, frequency, time, energy)`` tuples or ProfileRows.
+
+    """
+
+    def plain(row: tuple[int, str, int, float, float] | ProfileRow) -> tuple[object, ...]:
+        if isinstance(row, ProfileRow):
+            return (row.stage, row.instruction, row.frequency, row.time, row.energy)
+        return tuple(row)
+
+    _write(path, SHORT_COLUMNS, (plain(r) for r in rows))
+
+
+def profile_rows_from_results(results: Iterable[OfflineProfilingResult]) -> list[ProfileRow]:
+    """Flatten per-rank offline profiling results into full-form rows (stage = pp_rank).
+
+    Rows are ordered by rank, then forward before backward, then frequency highest first.
+    """
+    out: list[ProfileRow] = []
+    for res in sorted(results, key=lambda r: r.rank):
+        for inst in INSTRUCTIONS:
+            times: dict[int, float] = getattr(res, f"{inst}_time")
+            energies: dict[int, float] = getattr(res, f"{inst}_energy")
+            for freq in sorted(times, reverse=True):
+                out.append(
+                    ProfileRow(
+                        stage=res.pp_rank,
+                        instruction=inst,
+                        frequency=freq,
+                        time=float(times[freq]),
+                        energy=float(energies[freq]),
+                        rank=res.rank,
+                        dp_rank=res.dp_rank,
+                        pp_rank=res.pp_rank,
+                        tp_rank=res.tp_rank,
+                    )
+                )
+    return out
+
+
+def write_profile_csv(path: str | Path, results: Iterable[OfflineProfilingResult]) -> None:
+    """Write the full (per-rank) form from offline profiling results.
+
+    Args:
+        path: Destination file (overwritten).
+        results: One result per rank.
+
+    """
+    rows = profile_rows_from_results(results)
+    _write(
+        path,
+        FULL_COLUMNS,
+        (
+            (
+                r.rank,
+                r.dp_rank,
+                r.pp_rank,
+                r.tp_rank,
+                r.stage,
+                r.instruction,
+                r.frequency,
+                r.time,
+                r.energy,
+            )
+            for r in rows
+        ),
+    )

@@ -1,0 +1,157 @@
+"""Helpers the test modules share (fixtures live in conftest.py); no test module imports another."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rq import Queue, SimpleWorker
+
+from coordinator.settings import PerseusSettings
+from protocol import keys
+from protocol.models import JobInfo, ProfilingResult, RankInfo
+from worker_client.gpu.nvml import SIMULATED_NVML
+from worker_client.hook.optimizer import PerseusOptimizer
+from worker_client.hook.session import CoordinatorClient
+
+ROOT = Path(__file__).resolve().parent.parent
+FREQS = [1980, 1965, 1950, 1935]
+TOY_SCHEDULER = "tests.toy_schedulers:StepDown"
+# Coordinators that notice unclaimed work and stalled jobs quickly (fault and outage tests).
+FAST_RECOVERY = {"PERSEUS_STALL_TIMEOUT": "2", "PERSEUS_RECONCILE_INTERVAL": "0.3"}
+
+T = TypeVar("T")
+
+
+def wait_for(
+    predicate: Callable[[], T], timeout: float = 10.0, what: str = "condition", poll: float = 0.02
+) -> T:
+    """Poll ``predicate`` until it returns something true; return that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
+
+
+def subprocess_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a spawned `perseus` or rank process.
+
+    ``PYTHONPATH`` names the repository so that spawned processes can import the test
+    schedulers (``tests.toy_schedulers``); ``PERSEUS_SIM_GPU_DIR`` keeps simulated GPUs private
+    to the test.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    if tmp_path is not None:
+        env["PERSEUS_SIM_GPU_DIR"] = str(tmp_path / "simgpu")
+    env.update(extra)
+    return env
+
+
+def start_perseus(
+    args: Iterable[str], tmp_path: Path, log: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """Start ``perseus ARGS`` (e.g. ``worker --simple``), logging to ``tmp_path/log``.
+
+    The process gets a session of its own, so that killing its group reaches an rq work horse.
+    """
+    out = open(tmp_path / log, "a")
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        env=subprocess_env(tmp_path, **(env or {})),
+        cwd=ROOT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def stop(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
+    """Terminate processes and wait for them."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        proc.wait(timeout=timeout)
+
+
+def make_settings(redis_url: str, scheduler: str = TOY_SCHEDULER, **kw: Any) -> PerseusSettings:
+    """Coordinator settings for tests (the toy StepDown scheduler by default)."""
+    return PerseusSettings(redis_url=redis_url, scheduler=scheduler, **kw)
+
+
+def drain(conn: Any) -> None:
+    """Run every queued rq job in this process."""
+    SimpleWorker([Queue(keys.RQ_QUEUE, connection=conn)], connection=conn).work(burst=True)
+
+
+def register(client: CoordinatorClient, pp: int = 2) -> str:
+    """Register a ``pp``-stage job and all its ranks; return the job id."""
+    job_id = client.register_job(JobInfo(pp_degree=pp, dp_degree=1, tp_degree=1, world_size=pp))
+    for rank in range(pp):
+        client.register_rank(
+            job_id,
+            RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS),
+        )
+    return job_id
+
+
+def result(rank: int, version: int) -> ProfilingResult:
+    """A minimal valid profiling result."""
+    return ProfilingResult(rank=rank, schedule_version=version, iter_time=[1.0], iter_energy=[2.0])
+
+
+def make_hook(redis_url: str, controller: Any, world_size: int = 1, **kw: Any) -> PerseusOptimizer:
+    """A one-rank PerseusOptimizer on the simulated GPU."""
+    return PerseusOptimizer(
+        rank=0,
+        dp_rank=0,
+        pp_rank=0,
+        tp_rank=0,
+        device_id=0,
+        dp_degree=1,
+        pp_degree=1,
+        tp_degree=1,
+        world_size=world_size,
+        redis_url=redis_url,
+        nvml_module=SIMULATED_NVML,
+        controller=controller,
+        **kw,
+    )
+
+
+def run_step(
+    hook: PerseusOptimizer,
+    names: Iterable[str] = ("forward", "backward") * 2,
+    between: Callable[[], None] | None = None,
+) -> None:
+    """One training step through the hook (``between`` runs after the first instruction)."""
+    hook.on_step_begin()
+    for i, name in enumerate(names):
+        hook.on_instruction_begin(name)
+        hook.on_instruction_end(name)
+        if between is not None and i == 0:
+            between()
+    hook.on_step_end()
+
+
+def step_until(
+    hook: PerseusOptimizer, predicate: Callable[[], Any], timeout: float, what: str
+) -> int:
+    """Run steps (as training would) until ``predicate()``; return how many ran."""
+    deadline, steps = time.monotonic() + timeout, 0
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        run_step(hook)
+        steps += 1
+        time.sleep(0.02)
+    return steps

@@ -1,0 +1,1 @@
+"""The GPU layer: NVML facades, the frequency controller side process, energy measurement."""

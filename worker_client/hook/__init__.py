@@ -1,0 +1,1 @@
+"""The training hook: PerseusOptimizer, its Redis session and where it gets energy from."""

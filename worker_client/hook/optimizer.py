@@ -1,0 +1,369 @@
+"""PerseusOptimizer: the training hook that runs each instruction at its planned frequency.
+
+Rank 0 registers the job, the job id is broadcast with ``torch.distributed``, and every rank
+registers with its GPU's available frequencies. Each rank then follows its frequency schedule
+instruction by instruction, checks the instruction order against it, reports profiling results
+every ``report_every`` steps, and swaps in a newer schedule version only between steps. Clock
+changes go to a frequency controller in a side process; Redis I/O happens in background
+threads, so neither blocks a step.
+
+Energy: the training thread only takes *marks* of an :class:`EnergySource` (at step
+boundaries, and at instruction boundaries with ``instruction_energy=True``); a result-building
+thread turns them into Joules when a report is due, so a source that must wait for samples
+(:class:`~worker_client.hook.energy_source.MonitorEnergySource`) never stalls a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from protocol.exceptions import PerseusError, ScheduleError
+from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from worker_client.gpu.frequency import make_controller
+from worker_client.gpu.nvml import NVML
+from worker_client.hook.callback import Callback
+from worker_client.hook.energy_source import CounterEnergySource, EnergySource
+from worker_client.hook.session import CoordinatorClient, ResultReporter, ScheduleWatcher
+
+logger = logging.getLogger(__name__)
+
+Mark = tuple[float, float]  # (start mark, end mark) of an energy source
+
+
+class FrequencySetter(Protocol):
+    """What the hook needs from a frequency controller."""
+
+    def set_frequency(self, frequency: int) -> None:
+        """Request ``frequency`` MHz for what runs next."""
+
+    def stop(self) -> None:
+        """Stop controlling and restore the default clocks."""
+
+
+def _default_sync(device_id: int) -> Callable[[], None]:
+    if torch.cuda.is_available():
+        return lambda: torch.cuda.synchronize(device_id)
+    return lambda: None
+
+
+class PerseusOptimizer(Callback):
+    """Perseus frequency-plan hook for one rank.
+
+    Assumes ``torch.distributed`` is initialized (any backend); on GPUs, call
+    ``torch.cuda.set_device(device_id)`` first.
+
+    Args:
+        rank: Global rank.
+        dp_rank: Data parallel rank.
+        pp_rank: Pipeline parallel rank (stage).
+        tp_rank: Tensor parallel rank.
+        device_id: Index of the GPU this rank drives.
+        dp_degree: Data parallel degree.
+        pp_degree: Pipeline parallel degree.
+        tp_degree: Tensor parallel degree.
+        world_size: Number of ranks.
+        redis_url: The Redis the coordinator uses (instead of Zeus's server URL).
+        job_metadata: Optional tag appended to the job id.
+        nvml_module: NVML module to read clocks and energy from: ``"pynvml"`` (real GPU)
+            or ``"worker_client.simulated.gpu"``.
+        controller: Frequency controller, or one of ``"nvml"``, ``"dry-run"``,
+            ``"simulated"`` (see :func:`worker_client.gpu.frequency.make_controller`).
+        report_every: Steps per profiling window; one result is reported per schedule version.
+        schedule_timeout: Seconds to wait for the first schedule.
+        energy_source: Where energy comes from (see :mod:`worker_client.hook.energy_source`).
+            Default: a :class:`~worker_client.hook.energy_source.CounterEnergySource` on this
+            hook's NVML, i.e. the GPU's energy counter (0 J if the GPU has none).
+        instruction_energy: Also mark instruction boundaries and report
+            ``energy_breakdown`` (same shape as ``time_breakdown``). Needed by
+            per-instruction profilers; with the counter source on a real GPU each mark costs
+            a few ms, so prefer a ``MonitorEnergySource`` there.
+        sync_fn: Waits for the GPU to finish queued work before timing an instruction.
+        clock: Seconds for iteration and instruction times (default ``time.perf_counter``);
+            simulations pass their simulated clock.
+        scheduler: A built-in scheduler for this job instead of the coordinator's default
+            (used by rank 0 when it registers the job), e.g. ``"InstructionProfiler"``.
+        scheduler_args: Arguments of ``scheduler`` (JSON-compatible).
+        outage_timeout: Seconds Redis may stay unreachable before a step end raises
+            :class:`~protocol.exceptions.CoordinatorUnavailableError`. ``None`` (default):
+            training never stops for an outage; it keeps the current schedule, results wait
+            and are sent once Redis is back.
+        heartbeat_interval: Seconds between this rank's heartbeats, which keep the job from
+            being deleted as idle while it trains on a schedule that no longer changes.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        dp_rank: int,
+        pp_rank: int,
+        tp_rank: int,
+        device_id: int,
+        dp_degree: int,
+        pp_degree: int,
+        tp_degree: int,
+        world_size: int,
+        redis_url: str,
+        job_metadata: str | None = None,
+        *,
+        nvml_module: str = "pynvml",
+        controller: FrequencySetter | str = "nvml",
+        report_every: int = 10,
+        schedule_timeout: float = 120.0,
+        energy_source: EnergySource | None = None,
+        instruction_energy: bool = False,
+        sync_fn: Callable[[], None] | None = None,
+        clock: Callable[[], float] | None = None,
+        scheduler: str | None = None,
+        scheduler_args: dict[str, Any] | None = None,
+        outage_timeout: float | None = None,
+        heartbeat_interval: float = 60.0,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("Create PerseusOptimizer after torch.distributed.init_process_group")
+        if report_every < 1:
+            raise ValueError(f"report_every must be >= 1, got {report_every}")
+        if outage_timeout is not None and outage_timeout <= 0:
+            raise ValueError(f"outage_timeout must be > 0 seconds or None, got {outage_timeout}")
+        if heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be > 0 seconds, got {heartbeat_interval}")
+        self.rank, self.dp_rank, self.pp_rank, self.tp_rank = rank, dp_rank, pp_rank, tp_rank
+        self.device_id = device_id
+        self.report_every = report_every
+        self.client = CoordinatorClient(redis_url)
+        self._sync = sync_fn or _default_sync(device_id)
+        self._clock = clock or time.perf_counter
+        self.instruction_energy = instruction_energy
+
+        # Rank 0 registers the job; validation errors surface here, before any broadcast.
+        job_id: str | None = None
+        error: str | None = None
+        if rank == 0:
+            try:
+                info = JobInfo(
+                    pp_degree=pp_degree,
+                    dp_degree=dp_degree,
+                    tp_degree=tp_degree,
+                    world_size=world_size,
+                    job_metadata=job_metadata,
+                )
+                job_id = self.client.register_job(info, scheduler, scheduler_args)
+            except (PerseusError, ValueError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        box: list[Any] = [(job_id, error)]
+        dist.broadcast_object_list(box, src=0)
+        job_id, error = box[0]
+        if error is not None or job_id is None:
+            raise PerseusError(f"rank 0 could not register the job: {error}")
+        self.job_id: str = job_id
+
+        self.nvml = NVML(nvml_module)
+        frequencies = self.nvml.graphics_clocks(device_id)
+        self.client.register_rank(
+            self.job_id,
+            RankInfo(
+                rank=rank,
+                dp_rank=dp_rank,
+                pp_rank=pp_rank,
+                tp_rank=tp_rank,
+                available_frequencies=frequencies,
+            ),
+        )
+        if energy_source is None:
+            energy_source = CounterEnergySource(self.nvml, device_id)
+        self.energy_source: EnergySource = energy_source
+        if isinstance(controller, str):
+            controller = make_controller(controller, device_id)  # type: ignore[arg-type]
+        self.controller: FrequencySetter = controller
+
+        self.schedule = self.client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
+        self._iter: Iterator[tuple[str, int]] = iter(self.schedule.frequencies)
+        self.watcher = ScheduleWatcher(
+            self.client,
+            self.job_id,
+            rank,
+            self.schedule.version,
+            outage_timeout=outage_timeout,
+            heartbeat_interval=heartbeat_interval,
+        )
+        self.watcher.start()
+        self.reporter = ResultReporter(self.client, self.job_id, outage_timeout)
+        self.reporter.start()
+        # Turns marks into energies and results, in report order, off the training thread.
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perseus-result")
+        self._build_error: Exception | None = None
+        self._last_result: ProfilingResult | None = None  # set by the result-builder thread
+        self._build_lock = threading.Lock()
+        self._measuring = False
+        self._reset_window()
+        self.steps = 0
+        self.swaps: list[tuple[int, int]] = []  # (step, version) of every swap, for inspection
+        self._in_step = False
+        self._closed = False
+
+    # --- measurement -----------------------------------------------------------------------
+    def _reset_window(self) -> None:
+        self._iter_time: list[float] = []
+        self._iter_marks: list[Mark] = []
+        self._breakdown: dict[str, list[list[float]]] = {}
+        self._mark_breakdown: dict[str, list[list[Mark]]] = {}
+        self._reported = False
+
+    # --- hooks -----------------------------------------------------------------------------
+    def on_step_begin(self) -> None:
+        """Start timing a step."""
+        self._sync()
+        self._in_step = True
+        # After this version's report nothing is measured until the next version.
+        self._measuring = not self._reported
+        self._step_breakdown: dict[str, list[float]] = {}
+        self._step_marks: dict[str, list[Mark]] = {}
+        if self._measuring:
+            self._step_mark = self.energy_source.mark()
+        self._step_time = self._clock()
+
+    def on_instruction_begin(self, name: str) -> None:
+        """Check ``name`` against the schedule and set its frequency."""
+        self._sync()
+        item = next(self._iter, None)
+        if item is None:
+            raise ScheduleError(
+                f"rank {self.rank}: instruction {name!r} but schedule version "
+                f"{self.schedule.version} has only {len(self.schedule.frequencies)} instructions"
+            )
+        expected, frequency = item
+        if expected != name:
+            raise ScheduleError(
+                f"rank {self.rank}: expected instruction {expected!r} but got {name!r} "
+                f"(schedule version {self.schedule.version})"
+            )
+        self.controller.set_frequency(frequency)
+        if self._measuring and self.instruction_energy:
+            self._inst_mark = self.energy_source.mark()
+        self._inst_start = self._clock()
+
+    def on_instruction_end(self, name: str) -> None:
+        """Record the instruction's duration (and energy mark)."""
+        self._sync()
+        if not self._measuring:
+            return
+        elapsed = self._clock() - self._inst_start
+        self._step_breakdown.setdefault(name, []).append(elapsed)
+        if self.instruction_energy:
+            end = self.energy_source.mark()
+            self._step_marks.setdefault(name, []).append((self._inst_mark, end))
+
+    def on_step_end(self) -> None:
+        """Check the schedule was used up, report if due, and swap in a newer version."""
+        self._sync()
+        leftover = next(self._iter, None)
+        if leftover is not None:
+            raise ScheduleError(
+                f"rank {self.rank}: step ended but schedule version {self.schedule.version} "
+                f"still expects {leftover[0]!r} at {leftover[1]} MHz"
+            )
+        self.steps += 1
+        if self._in_step and self._measuring:
+            self._iter_time.append(self._clock() - self._step_time)
+            self._iter_marks.append((self._step_mark, self.energy_source.mark()))
+            for name, times in self._step_breakdown.items():
+                self._breakdown.setdefault(name, []).append(times)
+            for name, marks in self._step_marks.items():
+                self._mark_breakdown.setdefault(name, []).append(marks)
+        self._in_step = False
+        self._measuring = False
+        if not self._reported and len(self._iter_time) >= self.report_every:
+            # The window's lists are not touched again: a swap replaces them.
+            self._builder.submit(
+                self._build_and_submit,
+                self.schedule.version,
+                self._iter_time,
+                self._iter_marks,
+                self._breakdown,
+                self._mark_breakdown,
+            )
+            self._reported = True
+        with self._build_lock:
+            build_error, self._build_error = self._build_error, None
+        if build_error is not None:
+            raise build_error
+        for worker in (self.watcher, self.reporter):
+            if worker.error is not None:
+                raise worker.error
+        self._resend_if_republished()
+        newer = self.watcher.take()
+        if newer is not None:
+            self._swap(newer)
+        self._iter = iter(self.schedule.frequencies)
+
+    def _resend_if_republished(self) -> None:
+        """Send this version's result again if Redis lost the version and got it back."""
+        version = self.watcher.take_republished()
+        last = self._last_result
+        if version is None or last is None or last.schedule_version != version:
+            return  # Not reported yet: the regular report goes to the version now in Redis.
+        logger.warning(
+            "rank %d: schedule version %d was published again (Redis lost it); sending its "
+            "result again",
+            self.rank,
+            version,
+        )
+        self.reporter.submit(last)
+
+    def _build_and_submit(
+        self,
+        version: int,
+        iter_time: list[float],
+        iter_marks: list[Mark],
+        breakdown: dict[str, list[list[float]]],
+        mark_breakdown: dict[str, list[list[Mark]]],
+    ) -> None:
+        """Result-builder thread: marks -> Joules, then hand the result to the reporter."""
+        n = self.report_every
+        source = self.energy_source
+        try:
+            result = ProfilingResult(
+                rank=self.rank,
+                schedule_version=version,
+                iter_time=iter_time[:n],
+                iter_energy=[source.energy(a, b) for a, b in iter_marks[:n]],
+                time_breakdown={k: v[:n] for k, v in breakdown.items()},
+                energy_breakdown={
+                    k: [[source.energy(a, b) for a, b in it] for it in v[:n]]
+                    for k, v in mark_breakdown.items()
+                },
+            )
+        except Exception as exc:  # Raised on the training thread at the next step end.
+            with self._build_lock:
+                self._build_error = exc
+            return
+        self._last_result = result
+        self.reporter.submit(result)
+
+    def _swap(self, schedule: FrequencySchedule) -> None:
+        self.schedule = schedule
+        self.swaps.append((self.steps, schedule.version))
+        self._reset_window()
+        logger.debug("rank %d: now running schedule version %d", self.rank, schedule.version)
+
+    def on_train_end(self) -> None:
+        """Flush results, stop background threads and the frequency controller."""
+        self.close()
+
+    def close(self) -> None:
+        """Same as :meth:`on_train_end`; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._builder.shutdown(wait=True)  # Queued results reach the reporter first.
+        self.reporter.stop()
+        self.watcher.stop()
+        self.controller.stop()
+        self.client.close()

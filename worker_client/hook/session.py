@@ -1,0 +1,443 @@
+"""The rank side of the Redis protocol: register, wait for schedules, report results.
+
+:class:`CoordinatorClient` does request/reply over streams (registrations get an answer on a
+short-lived list) and reads published schedules. :class:`ScheduleWatcher` and
+:class:`ResultReporter` run in background threads so the training thread never waits on Redis:
+it only picks up what they left at step boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any
+
+import redis
+
+from protocol import keys
+from protocol.connection import SOCKET_TIMEOUT_S, connect, redact_url
+from protocol.exceptions import (
+    CoordinatorUnavailableError,
+    PerseusError,
+    ProtocolError,
+    UnknownJobError,
+)
+from protocol.models import (
+    FrequencySchedule,
+    JobInfo,
+    ProfilingResult,
+    RankInfo,
+    RegisterJob,
+    RegisterRank,
+    Reply,
+    ReportResult,
+    SetTarget,
+    encode_message,
+    unpack,
+)
+from protocol.store import JobStore
+
+logger = logging.getLogger(__name__)
+
+STREAM_MAXLEN = 100_000
+# Failures that a restart or failover of Redis causes; anything else is a real error.
+TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+class CoordinatorClient:
+    """Talks to the coordinator through Redis.
+
+    Args:
+        redis_url: The Redis the coordinator uses.
+        reply_timeout: Seconds to wait for a registration reply.
+    """
+
+    def __init__(self, redis_url: str, reply_timeout: float = 60.0) -> None:
+        self.redis_url = redis_url
+        self.where = redact_url(redis_url)  # for messages: never the password
+        self.reply_timeout = reply_timeout
+        # BLPOP waits up to reply_timeout for a registration's answer: the socket must wait longer.
+        self.conn = connect(redis_url, socket_timeout=reply_timeout + SOCKET_TIMEOUT_S)
+        self.store = JobStore(self.conn)
+
+    def _request(self, message: RegisterJob | RegisterRank) -> Reply:
+        try:
+            self.conn.xadd(
+                keys.REGISTRATIONS_STREAM,
+                encode_message(message),
+                maxlen=STREAM_MAXLEN,
+                approximate=True,
+            )
+            answer = self.conn.blpop(
+                [keys.reply_key(message.request_id)], timeout=self.reply_timeout
+            )
+        except redis.RedisError as exc:
+            raise CoordinatorUnavailableError(f"redis at {self.where}: {exc}") from None
+        if answer is None:
+            raise CoordinatorUnavailableError(
+                f"no coordinator answered {message.kind} within {self.reply_timeout:.0f} s; "
+                f"is `perseus coordinator --redis-url {self.where}` running?"
+            )
+        reply = unpack(Reply, answer[1])
+        if not reply.ok:
+            if "unknown job id" in reply.error:
+                raise UnknownJobError(reply.error)
+            raise ProtocolError(f"coordinator rejected {message.kind}: {reply.error}")
+        return reply
+
+    def register_job(
+        self,
+        job: JobInfo,
+        scheduler: str | None = None,
+        scheduler_args: dict[str, Any] | None = None,
+    ) -> str:
+        """Register a job; return the job id the coordinator assigned.
+
+        Args:
+            job: The job.
+            scheduler: A built-in scheduler for this job (default: the coordinator's).
+            scheduler_args: Its arguments.
+        """
+        request = RegisterJob(
+            request_id=uuid.uuid4().hex,
+            job=job,
+            scheduler=scheduler,
+            scheduler_args=scheduler_args or {},
+        )
+        return self._request(request).job_id
+
+    def register_rank(self, job_id: str, rank: RankInfo) -> None:
+        """Register one rank with a job."""
+        self._request(RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=rank))
+
+    def report(self, job_id: str, result: ProfilingResult) -> None:
+        """Publish a profiling result (fire and forget)."""
+        self.conn.xadd(
+            keys.RESULTS_STREAM,
+            encode_message(ReportResult(job_id=job_id, result=result)),
+            maxlen=STREAM_MAXLEN,
+            approximate=True,
+        )
+
+    def set_target(self, job_id: str, iteration_time: float) -> None:
+        """Ask the job's scheduler for a new target iteration time."""
+        self.conn.xadd(
+            keys.CONTROL_STREAM,
+            encode_message(SetTarget(job_id=job_id, iteration_time=iteration_time)),
+            maxlen=STREAM_MAXLEN,
+            approximate=True,
+        )
+
+    def heartbeat(self, job_id: str) -> bool:
+        """Mark the job active (so idle-job GC spares it); return whether Redis still has it."""
+        return self.store.touch(job_id, time.time())
+
+    def latest_version(self, job_id: str) -> int:
+        """Latest published schedule version (0 if none yet)."""
+        return self.store.version(job_id)
+
+    def job_error(self, job_id: str) -> str:
+        """The job's scheduling error, if the scheduler failed."""
+        return self.store.job_error(job_id)
+
+    def fetch_schedule(self, job_id: str, version: int, rank: int) -> FrequencySchedule:
+        """Read and check one rank's schedule of ``version``."""
+        schedule = self.store.schedule(job_id, version, rank)
+        if schedule is None:
+            raise ProtocolError(f"job {job_id} has no schedule version {version} for rank {rank}")
+        if schedule.rank != rank:
+            raise ProtocolError(
+                f"coordinator returned a schedule for rank {schedule.rank} to rank {rank} "
+                f"(job {job_id}, version {version})"
+            )
+        if schedule.version != version:
+            raise ProtocolError(
+                f"schedule stored as version {version} says it is version {schedule.version}"
+            )
+        return schedule
+
+    def wait_schedule(
+        self, job_id: str, rank: int, newer_than: int = 0, timeout: float = 120.0
+    ) -> FrequencySchedule:
+        """Block until a version newer than ``newer_than`` is published; return it."""
+        deadline = time.monotonic() + timeout
+        last_id = "0"
+        while True:
+            version = self.latest_version(job_id)
+            if version > newer_than:
+                return self.fetch_schedule(job_id, version, rank)
+            error = self.job_error(job_id)
+            if error:
+                raise PerseusError(f"the scheduler of job {job_id} failed: {error}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CoordinatorUnavailableError(
+                    f"no schedule for rank {rank} of job {job_id} after {timeout:.0f} s "
+                    f"(latest version {version}); are `perseus worker` processes running?"
+                )
+            block = max(1, int(min(remaining, 1.0) * 1000))
+            reply = self.conn.xread({keys.job_updates(job_id): last_id}, block=block, count=100)
+            for _stream, entries in reply or []:
+                last_id = entries[-1][0].decode()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.conn.close()
+
+
+class _Outage:
+    """One background thread's view of a Redis outage: when it began, and when to give up.
+
+    Args:
+        what: Names the thread in log messages.
+        redis_url: Names the server in log messages and errors.
+        timeout: Seconds of continuous outage after which :meth:`failed` returns an error;
+            ``None`` never gives up.
+    """
+
+    def __init__(self, what: str, redis_url: str, timeout: float | None) -> None:
+        self.what, self.redis_url, self.timeout = what, redis_url, timeout
+        self.since: float | None = None
+        self.count = 0  # outages seen so far
+
+    def failed(self, exc: BaseException) -> CoordinatorUnavailableError | None:
+        """Note a failed call; returns the error to raise once the outage lasted too long."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            self.count += 1
+            logger.warning(
+                "%s: redis at %s unavailable (%s); training goes on with the current "
+                "schedule while this retries",
+                self.what,
+                self.redis_url,
+                exc,
+            )
+        if self.timeout is not None and now - self.since > self.timeout:
+            return CoordinatorUnavailableError(
+                f"{self.what}: redis at {self.redis_url} unreachable for "
+                f"{now - self.since:.1f} s (outage_timeout={self.timeout:g} s): {exc}"
+            )
+        return None
+
+    def recovered(self) -> bool:
+        """Note a successful call; True if it ended an outage."""
+        if self.since is None:
+            return False
+        logger.warning(
+            "%s: redis at %s is back after %.1f s",
+            self.what,
+            self.redis_url,
+            time.monotonic() - self.since,
+        )
+        self.since = None
+        return True
+
+
+class ScheduleWatcher(threading.Thread):
+    """Follows a job's published versions and keeps the newest schedule for one rank.
+
+    The training thread calls :meth:`take` at step boundaries; it never blocks. A Redis
+    outage does not stop training: the watcher retries. Every ``heartbeat_interval`` seconds,
+    and right after an outage, it marks the job active, so that a long run on a converged
+    schedule (which reports nothing new) is not deleted as idle, and checks that Redis still
+    has the job (one restarted without persistence has forgotten it: see :attr:`job_lost`).
+
+    Args:
+        client: Reads schedules.
+        job_id: The job.
+        rank: Whose schedule to keep.
+        version: The version the rank runs now.
+        outage_timeout: Seconds of Redis outage after which :attr:`error` is set (and the hook
+            raises it); ``None`` retries forever.
+        heartbeat_interval: Seconds between heartbeats.
+    """
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        job_id: str,
+        rank: int,
+        version: int,
+        outage_timeout: float | None = None,
+        heartbeat_interval: float = 60.0,
+    ) -> None:
+        super().__init__(daemon=True, name=f"perseus-watch-{rank}")
+        self.client, self.job_id, self.rank = client, job_id, rank
+        self._version = version
+        self._lock = threading.Lock()
+        self._pending: FrequencySchedule | None = None
+        self._seen: set[int] = set()  # versions announced on the updates stream so far
+        self._republished: int | None = None
+        self.error: BaseException | None = None
+        self.outage = _Outage(f"rank {rank} schedule watcher", client.where, outage_timeout)
+        self.job_lost = False
+        self.heartbeat_interval = heartbeat_interval
+        self._next_beat = time.monotonic() + heartbeat_interval
+        self._stop_event = threading.Event()
+        # A dedicated connection: blocking reads must not hold up other callers' commands.
+        self._conn = connect(client.redis_url)
+
+    def run(self) -> None:
+        """Follow the updates stream until stopped (thread body)."""
+        last_id = "0"
+        while not self._stop_event.is_set():
+            try:
+                reply = self._conn.xread({keys.job_updates(self.job_id): last_id}, block=500)
+                if self.outage.recovered() or time.monotonic() >= self._next_beat:
+                    self._beat()
+                for _stream, entries in reply or []:
+                    last_id = entries[-1][0].decode()
+                    versions = [int(fields[b"version"]) for _, fields in entries]
+                    self._note_announcements(versions)
+                    newest = max(versions)
+                    if newest > self._version:
+                        schedule = self.client.fetch_schedule(self.job_id, newest, self.rank)
+                        with self._lock:
+                            self._pending = schedule
+                            self._version = newest
+            except TRANSIENT_ERRORS as exc:
+                self.error = self.outage.failed(exc)
+                if self.error is not None:
+                    return
+                self._stop_event.wait(0.5)
+            except Exception as exc:  # Surfaced to the training thread at the next step end.
+                self.error = exc
+                return
+
+    def _beat(self) -> None:
+        self._next_beat = time.monotonic() + self.heartbeat_interval
+        if self.client.heartbeat(self.job_id) or self.job_lost:
+            return
+        self.job_lost = True
+        logger.error(
+            "job %s is gone from redis at %s (restarted without persistence, or deleted): "
+            "rank %d keeps running schedule version %d, and its results go to %s. Restart "
+            "training to register a new job.",
+            self.job_id,
+            self.client.where,
+            self.rank,
+            self._version,
+            keys.DEADLETTER_STREAM,
+        )
+
+    def _note_announcements(self, versions: list[int]) -> None:
+        # A version is announced once, unless Redis lost it (a crash within its fsync window)
+        # and a worker published it again: results sent for it in between were refused.
+        for version in versions:
+            if version in self._seen and version == self._version:
+                with self._lock:
+                    self._republished = version
+            self._seen.add(version)
+
+    def take_republished(self) -> int | None:
+        """The version this rank runs, if it was announced again since the last call."""
+        with self._lock:
+            republished, self._republished = self._republished, None
+        return republished
+
+    def take(self) -> FrequencySchedule | None:
+        """The newest schedule published since the last call, if any."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return pending
+
+    def stop(self) -> None:
+        """Stop following."""
+        self._stop_event.set()
+        self.join(timeout=2)
+        self._conn.close()
+
+
+class ResultReporter(threading.Thread):
+    """Publishes profiling results from a queue; rides through Redis outages.
+
+    Results wait in the queue while Redis is unreachable (one result per schedule version,
+    so the queue stays short) and are sent once it is back, oldest first.
+
+    Args:
+        client: Sends the results.
+        job_id: The job.
+        outage_timeout: Seconds of Redis outage after which :attr:`error` is set (and the hook
+            raises it); ``None`` retries forever.
+        flush_timeout: At :meth:`stop`, seconds to keep trying to send what is queued.
+    """
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        job_id: str,
+        outage_timeout: float | None = None,
+        flush_timeout: float = 10.0,
+    ) -> None:
+        super().__init__(daemon=True, name="perseus-report")
+        self.client, self.job_id = client, job_id
+        self.flush_timeout = flush_timeout
+        self._queue: queue.Queue[ProfilingResult | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self.outage = _Outage("result reporter", client.where, outage_timeout)
+        self.sent = 0
+        self.unsent = 0  # results given up on at stop (Redis still unreachable)
+        self._stopping = threading.Event()
+        self._flush_deadline = float("inf")
+
+    def submit(self, result: ProfilingResult) -> None:
+        """Queue a result; returns at once."""
+        self._queue.put(result)
+
+    def run(self) -> None:
+        """Send queued results until stopped (thread body)."""
+        while (result := self._queue.get()) is not None:
+            if not self._deliver(result):
+                return
+
+    def _deliver(self, result: ProfilingResult) -> bool:
+        """Send one result, retrying with backoff; False when this thread must end."""
+        delay = 0.2
+        while True:
+            try:
+                self.client.report(self.job_id, result)
+            except TRANSIENT_ERRORS as exc:
+                self.error = self.outage.failed(exc)
+                if self.error is not None:
+                    return False
+                remaining = self._flush_deadline - time.monotonic()
+                if remaining <= 0:
+                    self._give_up(1)
+                    return False
+                # Back off up to 5 s; stop() cuts a wait short, then the flush deadline rules.
+                if not self._stopping.wait(delay):
+                    delay = min(delay * 2, 5.0)
+                else:
+                    time.sleep(min(delay, remaining))
+                continue
+            self.sent += 1
+            self.outage.recovered()
+            return True
+
+    def _give_up(self, count: int) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            count += item is not None
+        self.unsent = count
+        logger.error(
+            "result reporter: %d profiling result(s) of job %s not sent: redis at %s still "
+            "unreachable %.0f s after close",
+            count,
+            self.job_id,
+            self.client.where,
+            self.flush_timeout,
+        )
+
+    def stop(self) -> None:
+        """Send what is queued (for up to ``flush_timeout`` seconds), then stop."""
+        self._flush_deadline = time.monotonic() + self.flush_timeout
+        self._stopping.set()
+        self._queue.put(None)
+        self.join(timeout=self.flush_timeout + 5)

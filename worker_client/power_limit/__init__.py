@@ -1,0 +1,1 @@
+"""The power-limit optimizer (Zeus GlobalPowerLimitOptimizer semantics) and its profile store."""

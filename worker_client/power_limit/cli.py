@@ -1,0 +1,113 @@
+"""``perseus power-limit``: inspect and delete power-limit profiles stored in Redis.
+
+The group is registered on the ``perseus`` command by the root command group
+(:mod:`coordinator.cli`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import datetime, timezone
+
+import click
+
+from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
+from worker_client.power_limit.store import PowerLimitProfileStore
+
+_redis_url_option = click.option(
+    "--redis-url",
+    envvar="PERSEUS_REDIS_URL",
+    default="redis://localhost:6379/0",
+    show_default=True,
+    help="Redis holding the profiles (env PERSEUS_REDIS_URL).",
+)
+
+
+def _when(unix: float) -> str:
+    return datetime.fromtimestamp(unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+@click.group("power-limit")
+def power_limit_group() -> None:
+    """Power-limit profiles shared across runs of a workload."""
+
+
+@power_limit_group.command("show")
+@click.argument("workload", required=False)
+@_redis_url_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def show(workload: str | None, redis_url: str, as_json: bool) -> None:
+    """List stored workloads, or show WORKLOAD's measurements (* marks the chosen limit)."""
+    store = PowerLimitProfileStore.from_url(redis_url)
+    try:
+        if workload is None:
+            summaries = store.list_profiles()
+            if as_json:
+                click.echo(json.dumps([dataclasses.asdict(s) for s in summaries], indent=2))
+                return
+            if not summaries:
+                click.echo("no power-limit profiles stored")
+                return
+            rows = [
+                [
+                    s.workload,
+                    "?" if s.optimal_power_limit is None else str(s.optimal_power_limit),
+                    str(s.num_measurements),
+                    _when(s.updated_at),
+                ]
+                for s in summaries
+            ]
+            click.echo(_table(["workload", "limit (W)", "measurements", "updated"], rows))
+            return
+        profile = store.load(workload)
+        if profile is None:
+            raise click.ClickException(f"no power-limit profile stored for {workload!r}")
+        if as_json:
+            click.echo(profile.model_dump_json(indent=2))
+            return
+        click.echo(
+            f"{workload}: optimal {profile.optimal_power_limit} W, chosen by "
+            f"{profile.selector or '?'}, updated {_when(profile.updated_at)}"
+        )
+        rows = [
+            [
+                ("* " if m.power_limit == profile.optimal_power_limit else "  ")
+                + str(m.power_limit),
+                f"{m.time:.3f}",
+                f"{m.energy:.1f}",
+                f"{m.energy / m.time:.1f}" if m.time > 0 else "-",
+            ]
+            for m in profile.measurements
+        ]
+        click.echo(_table(["  limit (W)", "time (s)", "energy (J)", "avg power (W)"], rows))
+    except (CoordinatorUnavailableError, ConfigError, ProtocolError) as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        store.client.close()
+
+
+@power_limit_group.command("delete")
+@click.argument("workload")
+@_redis_url_option
+def delete(workload: str, redis_url: str) -> None:
+    """Delete WORKLOAD's stored profile (the next run profiles again)."""
+    store = PowerLimitProfileStore.from_url(redis_url)
+    try:
+        if not store.delete(workload):
+            raise click.ClickException(f"no power-limit profile stored for {workload!r}")
+    except (CoordinatorUnavailableError, ConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        store.client.close()
+    click.echo(f"deleted the power-limit profile of {workload!r}")

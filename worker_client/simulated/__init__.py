@@ -1,0 +1,1 @@
+"""A simulated GPU (an importable NVML-like module) and simulated pipeline training on it."""

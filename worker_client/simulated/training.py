@@ -1,0 +1,453 @@
+"""Simulated pipeline-parallel training: one process per rank, a simulated GPU each.
+
+Each rank runs synchronous 1F1B iterations under :class:`PerseusOptimizer`, exactly as a real
+training script would, except that an instruction is a :class:`SimulatedGPU` replaying an
+:class:`InstructionTable` at the clock the frequency controller locked. Pipeline dependencies
+are real: a forward waits for the previous stage's activation and a backward for the next
+stage's gradient, carried by gloo point-to-point messages of a tiny tensor, so a slow stage
+holds the others up as in real training. Sends are non-blocking (as in Megatron's batched
+``isend``/``irecv``): two neighbours sending to each other at once must not deadlock.
+
+Time: instructions sleep ``time * time_scale`` so that real execution order follows the
+pipeline, but every reported time and energy is in the table's (profile) units.
+
+* ``timing="virtual"`` (default): the hook's clock is a simulated clock. It advances by each
+  instruction's replayed time, and each message carries the sender's clock so that a receive
+  moves the receiver's clock to ``max(own, sender's)``; the iteration ends at the largest clock
+  of any rank. This evaluates the 1F1B DAG exactly (no scheduling jitter or per-call overhead
+  in the figures), which is what a profiler test needs to check percent-level accuracy on a
+  busy machine.
+* ``timing="wall"``: the hook's clock is ``time.perf_counter() / time_scale``, i.e. measured
+  wall time scaled back to profile units; overheads (NVML-file I/O, the controller's flush,
+  process scheduling) then show up in the figures, scaled by ``1 / time_scale`` as well.
+
+Energy: the simulated GPU's counter grows by each instruction's replayed energy; whenever a
+GPU is not computing (waiting on a neighbour, or for the slowest rank at the end of the
+iteration) it draws the table's blocking power, accounted once per iteration as
+``gpu.idle(iteration time - compute time)``. Iteration energy is therefore compute plus
+blocking energy, as in Perseus's model (``energy + p2p_power * blocked time``).
+
+:func:`run_simulated_rank` is the body of one rank (top level, so it pickles for ``spawn``);
+:func:`launch_simulated_job` spawns every rank of a job and collects their records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from schedulers.planning.pipeline_dag import one_f_one_b_order
+from worker_client.gpu.frequency import make_controller
+from worker_client.gpu.nvml import SIMULATED_NVML
+from worker_client.simulated.gpu import SimulatedGPU
+from worker_client.simulated.instruction_table import InstructionTable
+
+Row = tuple[int, str, int, float, float]
+#: Instruction table as rows ``(stage, instruction, frequency, time_s, energy_j)`` (or CSV
+#: mappings) or the path of a profile CSV: plain data, so it pickles for ``spawn``.
+TableSpec = str | Sequence[Sequence[Any] | Mapping[str, Any]]
+Timing = Literal["virtual", "wall"]
+
+_TAGS = {"forward": 1, "backward": 2}
+
+
+@dataclass(frozen=True)
+class SimulatedRankConfig:
+    """Everything one simulated rank needs (picklable).
+
+    Attributes:
+        rank: Global rank; ``pp_rank = rank % num_stages``, ``dp_rank = rank // num_stages``.
+        world_size: Number of ranks (``num_stages * dp``).
+        num_stages: Pipeline stages.
+        microbatches: Microbatches per iteration.
+        init_method: ``torch.distributed`` init method, e.g. ``tcp://127.0.0.1:29500``.
+        redis_url: The coordinator's Redis.
+        table: Instruction table rows or a profile CSV path (see :data:`TableSpec`).
+        steps: Most iterations to run.
+        time_scale: Real sleep per instruction over its profile time (0: do not sleep).
+        timing: ``"virtual"`` or ``"wall"`` (module docstring).
+        report_every: The hook's steps per profiling window.
+        instruction_energy: Let the hook report per-instruction energies.
+        noise: Relative noise of each replayed instruction (see :class:`InstructionTable`).
+        seed: Noise seed (each rank adds its rank).
+        blocking_power_w: GPU power while not computing, W.
+        device_id: Simulated GPU index (default: the rank).
+        job_metadata: Tag appended to the job id.
+        stop_file: Stop early once this file exists (checked by every rank at each step end;
+            all ranks stop after the same step).
+        steps_after_stop: Iterations still run after ``stop_file`` appeared.
+        schedule_timeout: Seconds the hook waits for the first schedule.
+        sim_gpu_dir: ``PERSEUS_SIM_GPU_DIR`` to use (default: inherited).
+        sim_gpu_count: ``PERSEUS_SIM_GPU_COUNT`` to use (default: inherited).
+        scheduler: Built-in scheduler the job asks for (default: the coordinator's).
+        scheduler_args: Its arguments.
+
+    """
+
+    rank: int
+    world_size: int
+    num_stages: int
+    microbatches: int
+    init_method: str
+    redis_url: str
+    table: TableSpec
+    steps: int
+    time_scale: float = 0.05
+    timing: Timing = "virtual"
+    report_every: int = 3
+    instruction_energy: bool = True
+    noise: float = 0.0
+    seed: int = 0
+    blocking_power_w: float = 100.0
+    device_id: int | None = None
+    job_metadata: str | None = None
+    stop_file: str | None = None
+    steps_after_stop: int = 0
+    schedule_timeout: float = 60.0
+    sim_gpu_dir: str | None = None
+    sim_gpu_count: int | None = None
+    scheduler: str | None = None
+    scheduler_args: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1 or self.world_size % self.num_stages:
+            raise ValueError(
+                f"world_size {self.world_size} is not a multiple of num_stages {self.num_stages}"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} out of range for world size {self.world_size}")
+        if self.time_scale < 0 or (self.timing == "wall" and self.time_scale <= 0):
+            raise ValueError(
+                f"time_scale must be >= 0 (> 0 for wall timing), got {self.time_scale}"
+            )
+        if self.timing not in ("virtual", "wall"):
+            raise ValueError(f"timing must be 'virtual' or 'wall', got {self.timing!r}")
+
+    @property
+    def pp_rank(self) -> int:
+        """Pipeline stage of this rank."""
+        return self.rank % self.num_stages
+
+    @property
+    def dp_rank(self) -> int:
+        """Data parallel rank."""
+        return self.rank // self.num_stages
+
+
+def rows_of_table(table: InstructionTable) -> list[Row]:
+    """Rows of an InstructionTable, for passing it to spawned ranks."""
+    return [(s, i, f, t, e) for (s, i, f), (t, e) in sorted(table.items())]
+
+
+def load_table(cfg: SimulatedRankConfig) -> InstructionTable:
+    """Build the rank's replay table (per-rank noise seed)."""
+    kwargs: dict[str, Any] = {
+        "noise": cfg.noise,
+        "seed": cfg.seed + cfg.rank,
+        "blocking_power_w": cfg.blocking_power_w,
+    }
+    if isinstance(cfg.table, str):
+        return InstructionTable.from_csv(cfg.table, **kwargs)
+    return InstructionTable(cfg.table, **kwargs)
+
+
+class _Clock:
+    """The hook's clock: simulated (profile-unit) time, or scaled wall time."""
+
+    def __init__(self, timing: Timing, time_scale: float) -> None:
+        self.virtual = timing == "virtual"
+        self.scale = time_scale
+        self.t = 0.0  # Simulated seconds (virtual timing only).
+
+    def now(self) -> float:
+        """Seconds, in profile units."""
+        return self.t if self.virtual else time.perf_counter() / self.scale
+
+    def advance(self, seconds: float) -> None:
+        """An instruction of ``seconds`` (profile units) ran."""
+        self.t += seconds
+
+    def catch_up(self, other: float) -> None:
+        """A message sent at the other rank's clock ``other`` was received."""
+        self.t = max(self.t, other)
+
+
+def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
+    """Run one simulated rank to the end; return its record.
+
+    Initializes gloo, registers through :class:`PerseusOptimizer` (simulated NVML, simulated
+    frequency controller, energy from the GPU's counter), runs up to ``cfg.steps`` 1F1B
+    iterations and tears everything down.
+
+    Returns:
+        ``rank``, ``pp_rank``, ``dp_rank``, ``job_id``, per step ``iter_time``,
+        ``iter_energy``, ``compute_time``, ``compute_energy``, ``idle_energy`` and
+        ``version`` (the schedule version the step ran), ``schedules`` (version as a string ->
+        the rank's ``(instruction, MHz)`` pairs), ``swaps``, ``final_version``,
+        ``reports_sent``.
+
+    """
+    if cfg.sim_gpu_dir is not None:
+        os.environ["PERSEUS_SIM_GPU_DIR"] = cfg.sim_gpu_dir
+    if cfg.sim_gpu_count is not None:
+        os.environ["PERSEUS_SIM_GPU_COUNT"] = str(cfg.sim_gpu_count)
+    # torch (the hook imports it too) loads only in the rank processes, not in the launcher.
+    import torch.distributed as dist
+
+    from worker_client.hook.optimizer import PerseusOptimizer
+
+    device = cfg.rank if cfg.device_id is None else cfg.device_id
+    dist.init_process_group(
+        "gloo", init_method=cfg.init_method, rank=cfg.rank, world_size=cfg.world_size
+    )
+    try:
+        gpu = SimulatedGPU(device, table=load_table(cfg))
+        clock = _Clock(cfg.timing, cfg.time_scale)
+        controller = make_controller("simulated", device)
+        try:
+            # energy_source defaults to CounterEnergySource on the hook's (simulated) NVML.
+            hook = PerseusOptimizer(
+                rank=cfg.rank,
+                dp_rank=cfg.dp_rank,
+                pp_rank=cfg.pp_rank,
+                tp_rank=0,
+                device_id=device,
+                dp_degree=cfg.world_size // cfg.num_stages,
+                pp_degree=cfg.num_stages,
+                tp_degree=1,
+                world_size=cfg.world_size,
+                redis_url=cfg.redis_url,
+                job_metadata=cfg.job_metadata,
+                nvml_module=SIMULATED_NVML,
+                controller=controller,
+                report_every=cfg.report_every,
+                schedule_timeout=cfg.schedule_timeout,
+                instruction_energy=cfg.instruction_energy,
+                clock=clock.now,
+                scheduler=cfg.scheduler,
+                scheduler_args=cfg.scheduler_args,
+            )
+        except BaseException:
+            controller.stop()
+            raise
+        try:
+            record = _train(cfg, hook, gpu, controller, clock)
+        finally:
+            hook.close()  # Also stops the controller, which resets the clocks.
+        return record
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(
+    cfg: SimulatedRankConfig, hook: Any, gpu: Any, controller: Any, clock: _Clock
+) -> dict[str, Any]:
+    """The training loop of one rank (see the module docstring)."""
+    import torch  # torch: only in the rank processes (see run_simulated_rank)
+    import torch.distributed as dist
+
+    stage, rank = cfg.pp_rank, cfg.rank
+    order = one_f_one_b_order(cfg.num_stages, cfg.microbatches, stage)
+    prev_rank = rank - 1 if stage > 0 else None
+    next_rank = rank + 1 if stage < cfg.num_stages - 1 else None
+    upstream = {"forward": prev_rank, "backward": next_rank}  # Who sends us the input.
+    downstream = {"forward": next_rank, "backward": prev_rank}  # Who needs our output.
+    record: dict[str, Any] = {
+        "rank": rank,
+        "pp_rank": stage,
+        "dp_rank": cfg.dp_rank,
+        "job_id": hook.job_id,
+        "schedules": {},
+    }
+    steps: dict[str, list[float]] = {
+        k: [] for k in ("iter_time", "iter_energy", "compute_time", "compute_energy", "idle_energy")
+    }
+    versions: list[int] = []
+    stop_in: int | None = None
+    for _ in range(cfg.steps):
+        versions.append(hook.schedule.version)
+        # String keys, as the records read back from JSON have them.
+        record["schedules"].setdefault(str(hook.schedule.version), hook.schedule.frequencies)
+        energy_start = gpu.energy_mj() / 1000.0
+        start = clock.now()
+        hook.on_step_begin()
+        compute_t = compute_e = 0.0
+        sends: list[tuple[Any, Any]] = []
+        for name in order:
+            source = upstream[name]
+            if source is not None:
+                inbox = torch.zeros(1, dtype=torch.float64)
+                dist.recv(inbox, src=source, tag=_TAGS[name])
+                clock.catch_up(float(inbox[0]))
+            hook.on_instruction_begin(name)
+            controller.flush()  # The clock must be applied before the instruction runs.
+            t, e = gpu.run(stage, name, cfg.time_scale)
+            clock.advance(t)
+            hook.on_instruction_end(name)
+            compute_t += t
+            compute_e += e
+            target = downstream[name]
+            if target is not None:
+                outbox = torch.tensor([clock.now()], dtype=torch.float64)
+                sends.append((dist.isend(outbox, dst=target, tag=_TAGS[name]), outbox))
+        for work, _outbox in sends:
+            work.wait()
+        # The iteration ends for everyone when the slowest rank is done (gradient sync and
+        # optimizer step); the stop decision travels along so that all ranks stop together.
+        seen_stop = cfg.stop_file is not None and os.path.exists(cfg.stop_file)
+        sync = torch.tensor([clock.now(), float(seen_stop)], dtype=torch.float64)
+        dist.all_reduce(sync, op=dist.ReduceOp.MAX)
+        clock.catch_up(float(sync[0]))
+        iter_time = clock.now() - start
+        idle_e = gpu.idle(max(0.0, iter_time - compute_t))
+        energy_end = gpu.energy_mj() / 1000.0
+        hook.on_step_end()
+        for key, value in (
+            ("iter_time", iter_time),
+            ("iter_energy", energy_end - energy_start),
+            ("compute_time", compute_t),
+            ("compute_energy", compute_e),
+            ("idle_energy", idle_e),
+        ):
+            steps[key].append(value)
+        if stop_in is None and sync[1] > 0:
+            stop_in = cfg.steps_after_stop
+        elif stop_in is not None:
+            stop_in -= 1
+        if stop_in is not None and stop_in <= 0:
+            break
+    # The last step end may have swapped in a version no step ran yet: record it too.
+    record["schedules"].setdefault(str(hook.schedule.version), hook.schedule.frequencies)
+    record.update(steps)
+    record["version"] = versions
+    record["swaps"] = list(hook.swaps)
+    record["final_version"] = hook.schedule.version
+    record["reports_sent"] = hook.reporter.sent
+    return record
+
+
+def _rank_main(cfg: SimulatedRankConfig, out_path: str) -> None:
+    """Spawn target: run the rank, write its record (or traceback) as JSON, exit at once."""
+    # Ctrl-C reaches the whole process group; the launcher decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        record = run_simulated_rank(cfg)
+    except BaseException:
+        record = {"rank": cfg.rank, "error": traceback.format_exc()}
+    # The launcher may already be gone (Ctrl-C) and its folder with it.
+    with contextlib.suppress(OSError):
+        Path(out_path).write_text(json.dumps(record))
+    # Skip interpreter teardown: torch/gloo threads can hang it, and the record is written.
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_simulated_job(
+    num_stages: int,
+    microbatches: int,
+    dp: int,
+    table_rows: InstructionTable | TableSpec | Path,
+    redis_url: str,
+    steps: int,
+    *,
+    timeout: float = 600.0,
+    out_dir: str | Path | None = None,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """Spawn every rank of a simulated job, wait for them and return their records.
+
+    Args:
+        num_stages: Pipeline stages.
+        microbatches: Microbatches per iteration.
+        dp: Data parallel degree (``world_size = num_stages * dp``).
+        table_rows: The instruction table: an InstructionTable (its blocking power is used
+            unless ``blocking_power_w`` is given), rows, or a profile CSV path.
+        redis_url: The coordinator's Redis.
+        steps: Most iterations per rank.
+        timeout: Seconds to wait for the ranks; then they are terminated and this raises.
+        out_dir: Where ranks write their records (default: a temporary folder).
+        **options: Any other :class:`SimulatedRankConfig` field (``time_scale``, ``timing``,
+            ``report_every``, ``noise``, ``stop_file``, ...).
+
+    Returns:
+        One record per rank (see :func:`run_simulated_rank`), sorted by rank.
+
+    Raises:
+        RuntimeError: A rank failed (its traceback is in the message) or timed out.
+
+    """
+    if isinstance(table_rows, InstructionTable):
+        options.setdefault("blocking_power_w", table_rows.blocking_power_w)
+        spec: TableSpec = rows_of_table(table_rows)
+    elif isinstance(table_rows, (str, Path)):
+        spec = str(table_rows)
+    else:
+        spec = list(table_rows)
+    world = num_stages * dp
+    if world > int(os.environ.get("PERSEUS_SIM_GPU_COUNT", 8)):
+        options.setdefault("sim_gpu_count", world)
+    base = SimulatedRankConfig(
+        rank=0,
+        world_size=world,
+        num_stages=num_stages,
+        microbatches=microbatches,
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        redis_url=redis_url,
+        table=spec,
+        steps=steps,
+        **options,
+    )
+    with tempfile.TemporaryDirectory(prefix="perseus-sim-") as tmp:
+        folder = Path(out_dir) if out_dir is not None else Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        ctx = mp.get_context("spawn")
+        procs = []
+        for rank in range(world):
+            path = folder / f"rank{rank}.json"
+            path.unlink(missing_ok=True)
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(replace(base, rank=rank), str(path)),
+                name=f"perseus-sim-rank{rank}",
+            )
+            proc.start()
+            procs.append((proc, path))
+        deadline = time.monotonic() + timeout
+        try:
+            for proc, _ in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        finally:  # Also on Ctrl-C: no rank outlives the launcher.
+            stuck = [p.name for p, _ in procs if p.is_alive()]
+            for proc, _ in procs:
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join(5)
+        records = []
+        for proc, path in procs:
+            if not path.exists():
+                raise RuntimeError(
+                    f"{proc.name} left no record (exit code {proc.exitcode}"
+                    + (f"; still running after {timeout:.0f} s: {stuck}" if stuck else "")
+                    + ")"
+                )
+            records.append(json.loads(path.read_text()))
+    errors = [f"rank {r['rank']}:\n{r['error']}" for r in records if "error" in r]
+    if errors:
+        raise RuntimeError("simulated ranks failed:\n" + "\n".join(errors))
+    return sorted(records, key=lambda r: r["rank"])
