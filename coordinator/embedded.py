@@ -16,7 +16,7 @@ from types import TracebackType
 
 import redis
 
-from coordinator.exceptions import CoordinatorUnavailableError
+from protocol.exceptions import CoordinatorUnavailableError
 
 
 def redis_server_binary() -> Path:
