@@ -1,9 +1,10 @@
 """rq job functions: compute and publish a job's next schedule version.
 
-A worker rebuilds the job's scheduler from Redis alone, by constructing it and replaying the
-journal (observations and control messages, in the order they were applied), then computes
+A worker takes the job's scheduler from its process cache (:mod:`coordinator.replay`), or
+rebuilds it from Redis alone (snapshot, then journal), feeds it the new observation, computes
 the next version and publishes it with a compare-and-set. Any worker can therefore continue a
-job after another worker, or the coordinator, was killed.
+job after another worker, or the coordinator, was killed; a long-lived worker pays only for
+what is new.
 """
 
 from __future__ import annotations
@@ -15,15 +16,21 @@ import uuid
 import redis
 
 from coordinator.dump import dump_version
+from coordinator.replay import LiveSchedulers, by_rank, rebuild, summarize
 from protocol.exceptions import ProtocolError
 from protocol.models import FrequencySchedule, JournalEntry, RankInfo
-from protocol.scheduler import FrequencyScheduler, build_scheduler
+from protocol.scheduler import FrequencyScheduler
 from protocol.store import JobRecord, JobStore
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL_MS = 10_000
 _MAX_ROUNDS = 100  # Versions one task may publish before handing over (keeps tasks short).
+SNAPSHOT_EVERY = 10
+"""Default journal entries between scheduler snapshots (schedulers that support them)."""
+
+LIVE = LiveSchedulers()
+"""This process's schedulers: a long-lived worker keeps them from one task to the next."""
 
 
 def _connection() -> redis.Redis:
@@ -82,105 +89,93 @@ def check_schedules(
 def rebuild_scheduler(
     store: JobStore, record: JobRecord
 ) -> tuple[FrequencyScheduler, list[JournalEntry]]:
-    """Construct the job's scheduler and replay its journal; return it and the journal."""
-    job_id = record.job_id
-    ranks = store.ranks(job_id)
-    scheduler = build_scheduler(
-        record.config.scheduler, record.info, ranks, record.config.scheduler_args
-    )
-    controls = store.controls(job_id)
-    applied = 0
-    journal = store.journal(job_id)
-    for entry in journal:
-        _apply_inputs(store, job_id, scheduler, entry, controls, applied)
-        applied = entry.controls_upto
-        replayed = scheduler.next_schedule()
-        if entry.published:
-            _warn_if_diverged(store, job_id, entry.version, replayed)
-    return scheduler, journal
+    """Build the job's scheduler from Redis alone (snapshot, then journal), and its journal."""
+    state = store.job_state(record.job_id)
+    return rebuild(store, state).scheduler, store.journal(record.job_id)
 
 
-def _apply_inputs(
+def advance_once(
     store: JobStore,
     job_id: str,
-    scheduler: FrequencyScheduler,
-    entry: JournalEntry,
-    controls: list,
-    applied: int,
-) -> None:
-    if entry.observed_version is not None:
-        scheduler.observe(store.results(job_id, entry.observed_version))
-    for message in controls[applied : entry.controls_upto]:
-        scheduler.set_target(message.iteration_time)
-
-
-def _warn_if_diverged(
-    store: JobStore, job_id: str, version: int, replayed: list[FrequencySchedule]
-) -> None:
-    stored = {s.rank: s.frequencies for s in store.schedules(job_id, version)}
-    if stored and stored != {s.rank: s.frequencies for s in replayed}:
-        logger.error(
-            "job %s: replaying version %d gave a different schedule; the scheduler is not "
-            "deterministic, later versions may not match what clients ran",
-            job_id,
-            version,
-        )
-
-
-def _by_rank(schedules: list[FrequencySchedule]) -> dict[int, list[tuple[str, int]]]:
-    return {s.rank: s.frequencies for s in schedules}
-
-
-def advance_once(store: JobStore, job_id: str) -> int | None:
+    cache: LiveSchedulers | None = None,
+    snapshot_every: int = SNAPSHOT_EVERY,
+) -> int | None:
     """Compute and publish the next version if one is due; return it (None if none was).
 
     A converged scheduler that returns the schedules in force again only has the observation
     recorded in the journal: clients keep their version, and report no more results for it.
 
+    Args:
+        store: The job store.
+        job_id: The job.
+        cache: Schedulers kept between calls (default: this process's).
+        snapshot_every: Journal entries between scheduler snapshots (0: none).
+
     Raises:
         UnknownJobError: The job is gone.
         ProtocolError: The scheduler returned an invalid schedule.
     """
-    record = store.get_job(job_id)
-    if not store.due(record):
+    cache = LIVE if cache is None else cache
+    state = store.job_state(job_id)
+    if not state.due:
         return None
-    scheduler, journal = rebuild_scheduler(store, record)
-    version = sum(e.published for e in journal)
-    latest = store.version(job_id)
-    if latest != version:
-        raise ProtocolError(f"job {job_id}: journal has {version} versions but version is {latest}")
-    controls = store.controls(job_id)
-    tail = journal[-1] if journal else None
+    record = state.record
+    live = cache.get(store, state)
+    version = state.version
+    if live.version != version:
+        cache.drop(job_id)
+        raise ProtocolError(
+            f"job {job_id}: journal has {live.version} versions but version is {version}"
+        )
     fresh_results = (
         version > 0
-        and (tail is None or tail.observed_version != version)
-        and store.result_count(job_id, version) >= record.info.world_size
+        and record.number("complete") == version
+        and record.fields.get("tail_observed", "") != str(version)
     )
     entry = JournalEntry(
         version=version + 1,
         observed_version=version if fresh_results else None,
-        controls_upto=len(controls),
+        controls_upto=state.control_length,
     )
-    _apply_inputs(store, job_id, scheduler, entry, controls, tail.controls_upto if tail else 0)
-    schedules = check_schedules(
-        scheduler.next_schedule(), store.ranks(job_id), record.config.scheduler
-    )
-    if (
-        version
-        and scheduler.converged
-        and _by_rank(schedules) == _by_rank(store.schedules(job_id, version))
-    ):
-        unpublished = entry.model_copy(update={"version": version, "published": False})
-        if store.record_unpublished(job_id, unpublished, len(journal)):
+    try:
+        # From here the cached scheduler has taken inputs that only a publish records.
+        observed = live.apply_inputs(store, job_id, entry)
+        schedules = check_schedules(
+            live.scheduler.next_schedule(), live.ranks, record.config.scheduler
+        )
+        summary = summarize(observed) if observed is not None else None
+        if (
+            version
+            and live.scheduler.converged
+            and by_rank(schedules) == live.latest_schedules(store, job_id)
+        ):
+            unpublished = entry.model_copy(update={"version": version, "published": False})
+            if not store.record_unpublished(
+                job_id, unpublished, state.journal_length, summary=summary
+            ):
+                cache.drop(job_id)
+                return None
+            live.journal_length += 1
             logger.info("job %s: observed version %d; schedule unchanged", job_id, version)
-        return None
-    if not store.publish(job_id, schedules, entry, journal_length=len(journal)):
-        logger.info("job %s: version %d was published by another worker", job_id, entry.version)
-        return None
+            live.maybe_snapshot(store, job_id, snapshot_every)
+            return None
+        if not store.publish(
+            job_id, schedules, entry, journal_length=state.journal_length, summary=summary
+        ):
+            cache.drop(job_id)
+            logger.info("job %s: version %d was published by another worker", job_id, entry.version)
+            return None
+    except BaseException:
+        cache.drop(job_id)
+        raise
+    live.journal_length += 1
+    live.version = entry.version
+    live.latest = by_rank(schedules)
     logger.info("job %s: published schedule version %d", job_id, entry.version)
-    store.save_artifacts(job_id, scheduler.artifacts())
+    live.save_artifacts(store, job_id)
     if record.config.dump_dir:
         dump_version(store, record, entry.version)
+    live.maybe_snapshot(store, job_id, snapshot_every)
     return entry.version
 
 
@@ -188,11 +183,19 @@ def advance_job(
     job_id: str,
     lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
     conn: redis.Redis | None = None,
+    snapshot_every: int = SNAPSHOT_EVERY,
 ) -> list[int]:
     """Rq entry point: publish every version that is due for ``job_id``.
 
     Holds a lease so that only one worker computes a job at a time. A worker that finds the
-    lease taken returns at once: the holder re-checks for due work after releasing it.
+    lease taken returns at once: the holder re-checks for due work after releasing it. A job
+    with nothing left due leaves the due set that the coordinator's sweep watches.
+
+    Args:
+        job_id: The job.
+        lease_ttl_ms: Lease time-to-live, renewed while computing.
+        conn: Redis client (default: the rq job's).
+        snapshot_every: Journal entries between scheduler snapshots (0: none).
 
     Returns:
         The versions this call published.
@@ -206,7 +209,7 @@ def advance_job(
         keeper = _LeaseKeeper(store, job_id, token, lease_ttl_ms)
         try:
             for _ in range(_MAX_ROUNDS):
-                version = advance_once(store, job_id)
+                version = advance_once(store, job_id, snapshot_every=snapshot_every)
                 if version is None or keeper.lost:
                     break
                 published.append(version)
@@ -222,5 +225,5 @@ def advance_job(
             keeper.stop()
             store.release_lease(job_id, token)
         # Work that arrived while the lease was held may have been skipped by another task.
-        if not store.due(store.get_job(job_id)) or len(published) >= _MAX_ROUNDS:
+        if not store.settle(job_id) or len(published) >= _MAX_ROUNDS:
             return published

@@ -25,6 +25,10 @@ DEADLETTER_STREAM = f"{PREFIX}:stream:deadletter"
 # Sorted set: job id -> unix time of its last activity (drives `perseus status` and GC).
 JOBS_INDEX = f"{PREFIX}:jobs"
 
+# Sorted set: job id -> unix time its next version became due. Holds only jobs with scheduler
+# work outstanding, so the coordinator's sweep costs nothing per finished job.
+DUE_JOBS = f"{PREFIX}:due"
+
 # The rq queue that runs scheduler work (rq stores it as ``rq:queue:perseus``).
 RQ_QUEUE = PREFIX
 
@@ -79,6 +83,16 @@ def job_journal(job_id: str) -> str:
 def job_artifacts(job_id: str) -> str:
     """Hash: name -> bytes a scheduler produced (e.g. ``profile.csv`` of the profiler)."""
     return job_key(job_id, "artifacts")
+
+
+def job_summaries(job_id: str) -> str:
+    """Hash: version -> msgpack summary of its results (kept after the results expire)."""
+    return job_key(job_id, "summaries")
+
+
+def job_snapshot(job_id: str) -> str:
+    """String: msgpack scheduler state after a prefix of the journal (see coordinator.replay)."""
+    return job_key(job_id, "snapshot")
 
 
 def job_lease(job_id: str) -> str:
