@@ -25,7 +25,7 @@ from protocol.store import JobRecord, JobStore
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL_MS = 10_000
-_MAX_ROUNDS = 100  # Versions one task may publish before handing over (keeps tasks short).
+_MAX_ROUNDS = 100  # Steps one task may take before handing over (keeps tasks short).
 SNAPSHOT_EVERY = 10
 """Default journal entries between scheduler snapshots (schedulers that support them)."""
 
@@ -203,15 +203,15 @@ def advance_job(
     store = JobStore(conn if conn is not None else _connection())
     token = uuid.uuid4().hex
     published: list[int] = []
-    while True:
+    for _ in range(_MAX_ROUNDS):
         if not store.acquire_lease(job_id, token, lease_ttl_ms):
             return published
         keeper = _LeaseKeeper(store, job_id, token, lease_ttl_ms)
         try:
-            for _ in range(_MAX_ROUNDS):
-                version = advance_once(store, job_id, snapshot_every=snapshot_every)
-                if version is None or keeper.lost:
-                    break
+            # One step per lease: what is due after it (results come much later, a control
+            # message may be waiting) is found by settle() below, in one round trip.
+            version = advance_once(store, job_id, snapshot_every=snapshot_every)
+            if version is not None:
                 published.append(version)
         except redis.RedisError:
             raise  # Transient: the coordinator's sweep enqueues the work again.
@@ -225,5 +225,6 @@ def advance_job(
             keeper.stop()
             store.release_lease(job_id, token)
         # Work that arrived while the lease was held may have been skipped by another task.
-        if not store.settle(job_id) or len(published) >= _MAX_ROUNDS:
-            return published
+        if not store.settle(job_id):
+            break
+    return published

@@ -58,7 +58,7 @@ class JobStore:
         self.results_decoded = 0  # results decoded by this store: tests check advancing cost
         self._create = conn.register_script(store_scripts.CREATE_JOB)
         self._add_rank = conn.register_script(store_scripts.ADD_RANK)
-        self._add_result = conn.register_script(store_scripts.ADD_RESULT)
+        self._add_results = conn.register_script(store_scripts.ADD_RESULTS)
         self._add_control = conn.register_script(store_scripts.ADD_CONTROL)
         self._publish = conn.register_script(store_scripts.PUBLISH)
         self._record = conn.register_script(store_scripts.RECORD)
@@ -317,8 +317,9 @@ class JobStore:
         now = time.time() if now is None else now
         flat: list[Any] = []
         for schedule in schedules:
-            stamped = schedule.model_copy(update={"version": entry.version})
-            flat += [str(schedule.rank), pack(stamped)]
+            # Validated fields are plain data: packed as the model would be, without a copy.
+            stamped = dict(schedule.__dict__, version=entry.version)
+            flat += [str(schedule.rank), msgpack.packb(stamped, use_bin_type=True)]
         old = entry.version - self.keep_schedules
         published, _current = self._publish(
             keys=[

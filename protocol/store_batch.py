@@ -6,7 +6,10 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from protocol import keys
 from protocol.exceptions import ProtocolError, UnknownJobError
@@ -26,11 +29,20 @@ class StoreBatch:
 
     def __init__(self, store: JobStore) -> None:
         self.store = store
-        self.pipe = store.conn.pipeline(transaction=False)
-        self._finish: list[Callable[[Any], Any]] = []
+        self._commands: list[tuple[Script, list[str], list[Any]]] = []
+        # Per write: the index of the command carrying it (None: refused before sending) and
+        # how to turn that command's reply into the write's outcome.
+        self._ops: list[tuple[int | None, Callable[[Any], Any]]] = []
+        self._result_groups: dict[tuple[str, int], int] = {}  # (job, version) -> command
+
+    def _add(
+        self, command: tuple[Script, list[str], list[Any]], finish: Callable[[Any], Any]
+    ) -> None:
+        self._commands.append(command)
+        self._ops.append((len(self._commands) - 1, finish))
 
     def __len__(self) -> int:
-        return len(self._finish)
+        return len(self._ops)
 
     def create_job(self, job: JobInfo, config: JobConfig, entry_id: str, now: float) -> None:
         """Queue :meth:`JobStore.create_job`."""
@@ -55,10 +67,10 @@ class StoreBatch:
             "results_floor": "1",
         }
         flat = [x for pair in fields.items() for x in pair]
-        self.store._create(
-            keys=[keys.job_info(job.job_id), keys.JOBS_INDEX],
-            args=[job.job_id, now, entry_id, *flat],
-            client=self.pipe,
+        command = (
+            self.store._create,
+            [keys.job_info(job.job_id), keys.JOBS_INDEX],
+            [job.job_id, now, entry_id, *flat],
         )
 
         def finish(reply: Any) -> bool:
@@ -69,7 +81,7 @@ class StoreBatch:
                 )
             return bool(created)
 
-        self._finish.append(finish)
+        self._add(command, finish)
 
     def add_rank(self, job: JobInfo, rank: RankInfo, now: float) -> None:
         """Queue :meth:`JobStore.add_rank` (its fit to the job is checked now)."""
@@ -78,15 +90,15 @@ class StoreBatch:
         except ValueError as exc:
             self._fail(ProtocolError(str(exc)))
             return
-        self.store._add_rank(
-            keys=[
+        command = (
+            self.store._add_rank,
+            [
                 keys.job_info(job.job_id),
                 keys.job_ranks(job.job_id),
                 keys.JOBS_INDEX,
                 keys.DUE_JOBS,
             ],
-            args=[job.job_id, now, rank.rank, pack(rank), job.world_size],
-            client=self.pipe,
+            [job.job_id, now, rank.rank, pack(rank), job.world_size],
         )
 
         def finish(reply: Any) -> int:
@@ -99,50 +111,56 @@ class StoreBatch:
                 )
             return int(count)
 
-        self._finish.append(finish)
+        self._add(command, finish)
 
     def add_result(self, job: JobInfo, result: ProfilingResult, now: float) -> None:
-        """Queue :meth:`JobStore.add_result`."""
+        """Queue :meth:`JobStore.add_result` (results of one version share one script call)."""
         if result.rank >= job.world_size:
             self._fail(ProtocolError(f"rank {result.rank} is out of range for job {job.job_id}"))
             return
         version = result.schedule_version
-        self.store._add_result(
-            keys=[
+        index = self._result_groups.get((job.job_id, version))
+        if index is None:
+            names = [
                 keys.job_info(job.job_id),
                 keys.job_ranks(job.job_id),
                 keys.job_version(job.job_id),
                 keys.job_results(job.job_id, version),
                 keys.JOBS_INDEX,
                 keys.DUE_JOBS,
-            ],
-            args=[job.job_id, now, result.rank, pack(result), version, job.world_size],
-            client=self.pipe,
-        )
+            ]
+            self._commands.append(
+                (self.store._add_results, names, [job.job_id, now, version, job.world_size])
+            )
+            index = self._result_groups[(job.job_id, version)] = len(self._commands) - 1
+        args = self._commands[index][2]
+        position = (len(args) - 4) // 2
+        args += [result.rank, _pack_plain(result)]
 
         def finish(reply: Any) -> tuple[bool, int, int]:
-            added, latest, count = (int(x) for x in reply)
-            if added == -1:
+            status, latest, count, *added = (int(x) for x in reply)
+            if status == -1:
                 raise unknown_job(job.job_id)
-            if added == -3:
-                raise ProtocolError(f"rank {result.rank} is not registered with job {job.job_id}")
-            if added == -4:
+            if status == -4:
                 raise ProtocolError(
                     f"result for schedule version {version} of job {job.job_id}, but the "
                     f"latest published version is {latest}"
                 )
-            # -5: a late result of a version the scheduler has consumed: nothing to do.
-            return added == 1, latest, count
+            if status == -5:  # A late result of a version already consumed: nothing to do.
+                return False, latest, 0
+            if added[position] == -3:
+                raise ProtocolError(f"rank {result.rank} is not registered with job {job.job_id}")
+            return added[position] == 1, latest, count
 
-        self._finish.append(finish)
+        self._ops.append((index, finish))
 
     def add_control(self, message: SetTarget, entry_id: str, now: float) -> None:
         """Queue :meth:`JobStore.add_control`."""
         job_id = message.job_id
-        self.store._add_control(
-            keys=[keys.job_info(job_id), keys.job_control(job_id), keys.JOBS_INDEX, keys.DUE_JOBS],
-            args=[entry_id, pack(message), job_id, now],
-            client=self.pipe,
+        command = (
+            self.store._add_control,
+            [keys.job_info(job_id), keys.job_control(job_id), keys.JOBS_INDEX, keys.DUE_JOBS],
+            [entry_id, pack(message), job_id, now],
         )
 
         def finish(reply: Any) -> bool:
@@ -150,14 +168,13 @@ class StoreBatch:
                 raise unknown_job(job_id)
             return int(reply) == 1
 
-        self._finish.append(finish)
+        self._add(command, finish)
 
     def _fail(self, error: Exception) -> None:
         def finish(_reply: Any) -> Any:
             raise error
 
-        self._finish.append(finish)
-        self.pipe.echo(b"")  # keeps replies aligned with queued writes
+        self._ops.append((None, finish))
 
     def execute(self) -> list[Any]:
         """Send every queued write; return each outcome, or the PerseusError it raised.
@@ -166,19 +183,38 @@ class StoreBatch:
             redis.RedisError: Redis failed (nothing is known about which writes happened;
                 every write is idempotent, so the caller retries them all).
         """
-        if not self._finish:
-            return []
-        replies = self.pipe.execute(raise_on_error=False)
+        ops, commands = self._ops, self._commands
+        self._ops, self._commands, self._result_groups = [], [], {}
+        replies = self._send(commands) if commands else []
         outcomes: list[Any] = []
-        for finish, reply in zip(self._finish, replies, strict=True):
+        for index, finish in ops:
+            reply = replies[index] if index is not None else None
             if isinstance(reply, redis.RedisError):
                 raise reply
             try:
                 outcomes.append(finish(reply))
             except (ProtocolError, UnknownJobError) as exc:
                 outcomes.append(exc)
-        self._finish = []
         return outcomes
+
+    def _send(self, commands: list[tuple[Script, list[str], list[Any]]]) -> list[Any]:
+        # EVALSHA straight away: redis-py's pipelined scripts would first ask SCRIPT EXISTS,
+        # a round trip per batch. A server that lost its scripts (restart) gets them again.
+        for attempt in (1, 2):
+            with self.store.conn.pipeline(transaction=False) as pipe:
+                for script, names, args in commands:
+                    pipe.evalsha(script.sha, len(names), *names, *args)
+                replies = pipe.execute(raise_on_error=False)
+            if attempt == 2 or not any(isinstance(r, NoScriptError) for r in replies):
+                break
+            for script in {id(c[0]): c[0] for c in commands}.values():
+                script.sha = self.store.conn.script_load(script.script)
+        return replies
+
+
+def _pack_plain(model: ProfilingResult) -> bytes:
+    # Its fields are plain lists, dicts and numbers once validated: no model_dump needed.
+    return msgpack.packb(dict(model.__dict__), use_bin_type=True)
 
 
 def single(batch: StoreBatch) -> Any:

@@ -31,28 +31,37 @@ if count >= tonumber(ARGV[5]) then redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
 return {1, count}
 """
 
+# Several ranks' results of one version of one job (a batch of stream entries).
 # KEYS[1] job info, KEYS[2] job ranks, KEYS[3] job version, KEYS[4] results of the version,
 # KEYS[5] jobs index, KEYS[6] due set.
-# ARGV[1] job id, ARGV[2] now, ARGV[3] rank, ARGV[4] msgpack ProfilingResult, ARGV[5] its
-# version, ARGV[6] world size.
-# Returns {added, latest version, results of the version}; added -1 unknown job, -3 rank not
-# registered, -4 version not published, -5 version already consumed (its results expired).
-ADD_RESULT = """
+# ARGV[1] job id, ARGV[2] now, ARGV[3] the version, ARGV[4] world size, ARGV[5..] rank,
+# msgpack ProfilingResult pairs.
+# Returns {status, latest version, results of the version, then per pair: 1 added, 0 already
+# there, -3 rank not registered}; status 1 ok, -1 unknown job, -4 version not published,
+# -5 version already consumed (its results expired after a snapshot).
+ADD_RESULTS = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0, 0} end
-if redis.call('HEXISTS', KEYS[2], ARGV[3]) == 0 then return {-3, 0, 0} end
 local latest = tonumber(redis.call('GET', KEYS[3]) or '0')
-local version = tonumber(ARGV[5])
+local version = tonumber(ARGV[3])
 if version < 1 or version > latest then return {-4, latest, 0} end
 local floor = tonumber(redis.call('HGET', KEYS[1], 'results_floor') or '1')
 if version < floor then return {-5, latest, 0} end
-local added = redis.call('HSETNX', KEYS[4], ARGV[3], ARGV[4])
+local out = {1, latest, 0}
+for i = 5, #ARGV, 2 do
+  if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then
+    out[#out + 1] = -3
+  else
+    out[#out + 1] = redis.call('HSETNX', KEYS[4], ARGV[i], ARGV[i + 1])
+  end
+end
 redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
 local count = redis.call('HLEN', KEYS[4])
-if version == latest and count >= tonumber(ARGV[6]) then
-  redis.call('HSET', KEYS[1], 'complete', ARGV[5])
+out[3] = count
+if version == latest and count >= tonumber(ARGV[4]) then
+  redis.call('HSET', KEYS[1], 'complete', ARGV[3])
   redis.call('ZADD', KEYS[6], ARGV[2], ARGV[1])
 end
-return {added, latest, count}
+return out
 """
 
 # KEYS[1] job info, KEYS[2] job control stream, KEYS[3] jobs index, KEYS[4] due set.
