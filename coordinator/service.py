@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 _WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
 _INFO_CACHE = 10_000  # job infos a coordinator keeps (degrees and world size never change)
 _SWEEP_LIMIT = 1000  # due or idle jobs one sweep looks at, at most
+_RECONCILE_PAGE = 100  # jobs per sweep checked for work due but missing from the due set
 
 Message = Union[RegisterJob, RegisterRank, ReportResult, SetTarget]  # noqa: UP007
 
@@ -147,6 +148,7 @@ class Coordinator:
         self.stop_event = threading.Event()
         self._last_sweep = 0.0
         self._last_claim = float("-inf")
+        self._reconcile_at = 0  # where the next sweep's page of the jobs index starts
         self._infos: OrderedDict[str, JobInfo] = OrderedDict()
         self.processed = 0
         self.dead_lettered = 0
@@ -445,7 +447,8 @@ class Coordinator:
     def sweep(self) -> None:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long.
 
-        Looks only at the due set and at idle jobs, so finished jobs cost it nothing.
+        Looks at the due set, at idle jobs and at one page of all jobs, so the number of
+        finished jobs does not change its cost.
         """
         now = time.time()
         cutoff = now - self.settings.max_job_idle_time
@@ -457,6 +460,13 @@ class Coordinator:
                     job_id,
                     self.settings.max_job_idle_time,
                 )
+        # One page of all jobs per sweep, round robin: a job due but not in the due set (Redis
+        # lost the write that put it there) is found within jobs / page sweeps, at a cost per
+        # sweep that does not grow with the number of jobs.
+        page = self.store.jobs_page(self._reconcile_at, _RECONCILE_PAGE)
+        self._reconcile_at = self._reconcile_at + len(page) if len(page) == _RECONCILE_PAGE else 0
+        for job_id in self.store.mark_due(page):
+            logger.debug("job %s: due, and now in the due set", job_id)
         for job_id in self.store.due_jobs(_SWEEP_LIMIT):
             if not self.store.settle(job_id):
                 continue  # Nothing due (any more): it left the due set.

@@ -127,14 +127,9 @@ def advance_once(
         raise ProtocolError(
             f"job {job_id}: journal has {live.version} versions but version is {version}"
         )
-    fresh_results = (
-        version > 0
-        and record.number("complete") == version
-        and record.fields.get("tail_observed", "") != str(version)
-    )
     entry = JournalEntry(
         version=version + 1,
-        observed_version=version if fresh_results else None,
+        observed_version=version if state.fresh_results else None,
         controls_upto=state.control_length,
     )
     try:

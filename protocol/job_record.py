@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import msgpack
 
 from protocol.exceptions import UnknownJobError
-from protocol.models import JobConfig, JobInfo, ProfilingResult
+from protocol.models import JobConfig, JobInfo, JournalEntry, ProfilingResult
 
 
 @dataclass(frozen=True)
@@ -63,19 +63,26 @@ class JobState:
     version: int
     journal_length: int
     control_length: int
+    tail: JournalEntry | None  # the journal's last entry
+
+    @property
+    def fresh_results(self) -> bool:
+        """Every rank reported the latest version, and no journal entry observed it yet."""
+        return (
+            self.version > 0
+            and self.record.number("complete") == self.version
+            and (self.tail is None or self.tail.observed_version != self.version)
+        )
 
     @property
     def due(self) -> bool:
         """Whether the next version must be computed (same rule as the DUE script)."""
-        record = self.record
-        if self.rank_count < record.info.world_size:
+        if self.rank_count < self.record.info.world_size:
             return False
-        if self.version == 0:
+        if self.version == 0 or self.fresh_results:
             return True
-        observed = record.fields.get("tail_observed", "")
-        if record.number("complete") == self.version and observed != str(self.version):
-            return True
-        return self.control_length > record.number("tail_controls")
+        applied = self.tail.controls_upto if self.tail is not None else 0
+        return self.control_length > applied
 
 
 def unknown_job(job_id: str) -> UnknownJobError:

@@ -111,8 +111,9 @@ class JobStore:
             pipe.hlen(keys.job_ranks(job_id))
             pipe.get(keys.job_version(job_id))
             pipe.llen(keys.job_journal(job_id))
+            pipe.lindex(keys.job_journal(job_id), -1)
             pipe.xlen(keys.job_control(job_id))
-            raw, ranks, version, journal, control = pipe.execute()
+            raw, ranks, version, journal, tail, control = pipe.execute()
         if not raw:
             raise unknown_job(job_id)
         return JobState(
@@ -121,6 +122,7 @@ class JobStore:
             version=int(version or 0),
             journal_length=int(journal),
             control_length=int(control),
+            tail=unpack(JournalEntry, tail) if tail is not None else None,
         )
 
     def job_fields(self, job_id: str, *names: str) -> dict[str, str]:
@@ -340,7 +342,7 @@ class JobStore:
                 pack(entry),
                 self.stream_maxlen,
                 "" if journal_length is None else journal_length,
-                *_tail_args(entry, summary),
+                *_summary_args(entry, summary),
                 "1" if old >= 1 else "0",
                 *flat,
             ],
@@ -362,10 +364,9 @@ class JobStore:
                 keys=[
                     keys.job_journal(job_id),
                     keys.JOBS_INDEX,
-                    keys.job_info(job_id),
                     keys.job_summaries(job_id),
                 ],
-                args=[journal_length, pack(entry), now, job_id, *_tail_args(entry, summary)],
+                args=[journal_length, pack(entry), now, job_id, *_summary_args(entry, summary)],
             )
         )
 
@@ -431,27 +432,42 @@ class JobStore:
         return raw.decode() if raw is not None else None
 
     # --- what is due -----------------------------------------------------------------------
-    def _due_call(self, job_id: str, settle: bool) -> int:
-        return int(
-            self._due(
-                keys=[
-                    keys.job_info(job_id),
-                    keys.job_ranks(job_id),
-                    keys.job_version(job_id),
-                    keys.job_control(job_id),
-                    keys.DUE_JOBS,
-                ],
-                args=[job_id, "1" if settle else "0"],
-            )
-        )
+    def _due_keys(self, job_id: str) -> list[str]:
+        return [
+            keys.job_info(job_id),
+            keys.job_ranks(job_id),
+            keys.job_version(job_id),
+            keys.job_journal(job_id),
+            keys.job_control(job_id),
+            keys.DUE_JOBS,
+        ]
+
+    def _due_call(self, job_id: str, mode: str) -> int:
+        return int(self._due(keys=self._due_keys(job_id), args=[job_id, mode, time.time()]))
 
     def due(self, job: JobRecord | str) -> bool:
         """Whether the job needs its next schedule version computed (one round trip)."""
-        return self._due_call(job if isinstance(job, str) else job.job_id, settle=False) == 1
+        return self._due_call(job if isinstance(job, str) else job.job_id, "") == 1
 
     def settle(self, job_id: str) -> bool:
         """Like :meth:`due`, and a job with nothing due leaves the due set (atomically)."""
-        return self._due_call(job_id, settle=True) == 1
+        return self._due_call(job_id, "settle") == 1
+
+    def mark_due(self, job_ids: list[str]) -> list[str]:
+        """Put those of ``job_ids`` with work due into the due set (one round trip); return them.
+
+        Reconciles the due set with the jobs themselves, e.g. after Redis lost the write that
+        had put a job there.
+        """
+        batch = self.batch()
+        now = time.time()
+        for job_id in job_ids:
+            batch.call(self._due, self._due_keys(job_id), [job_id, "mark", now])
+        return [j for j, due in zip(job_ids, batch.execute(), strict=True) if due == 1]
+
+    def jobs_page(self, start: int, count: int) -> list[str]:
+        """Jobs ``start`` to ``start + count - 1`` of the jobs index (for a sweep in pages)."""
+        return [j.decode() for j in self.conn.zrange(keys.JOBS_INDEX, start, start + count - 1)]
 
     def forget_due(self, job_id: str) -> None:
         """Take a job out of the due set (its next input puts it back)."""
@@ -462,7 +478,7 @@ class JobStore:
         return [j.decode() for j in self.conn.zrange(keys.DUE_JOBS, 0, limit - 1)]
 
 
-def _tail_args(entry: JournalEntry, summary: bytes | None) -> list[Any]:
-    observed = "" if entry.observed_version is None else str(entry.observed_version)
-    field = observed if summary is not None else ""
-    return [observed, entry.controls_upto, field, summary or b""]
+def _summary_args(entry: JournalEntry, summary: bytes | None) -> list[Any]:
+    if summary is None or entry.observed_version is None:
+        return ["", b""]
+    return [str(entry.observed_version), summary]

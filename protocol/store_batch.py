@@ -59,10 +59,9 @@ class StoreBatch:
             "created_at": f"{now:.3f}",
             "entry_id": entry_id,
             "error": "",
-            # Bookkeeping the DUE script reads (see JobState.due).
+            # Bookkeeping: the newest version with every rank's results (see JobState.due),
+            # the journal entries the stored snapshot covers, the oldest results kept.
             "complete": "0",
-            "tail_observed": "",
-            "tail_controls": "0",
             "snapshot_len": "0",
             "results_floor": "1",
         }
@@ -169,6 +168,10 @@ class StoreBatch:
             return int(reply) == 1
 
         self._add(command, finish)
+
+    def call(self, script: Script, names: list[str], args: list[Any]) -> None:
+        """Queue a read-mostly script whose reply is its outcome."""
+        self._add((script, names, args), lambda reply: int(reply))
 
     def _fail(self, error: Exception) -> None:
         def finish(_reply: Any) -> Any:

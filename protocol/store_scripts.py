@@ -85,9 +85,8 @@ return 1
 # stream, KEYS[5] jobs index, KEYS[6] job info, KEYS[7] summaries, KEYS[8] an old schedule.
 # ARGV[1] job id, ARGV[2] now, ARGV[3] expected current version, ARGV[4] new version,
 # ARGV[5] msgpack JournalEntry, ARGV[6] updates MAXLEN, ARGV[7] expected journal length ('':
-# any), ARGV[8] observed version of the entry ('' none), ARGV[9] its controls_upto,
-# ARGV[10] summary field ('' none), ARGV[11] summary, ARGV[12] '1' deletes KEYS[8],
-# ARGV[13..] rank, msgpack FrequencySchedule pairs.
+# any), ARGV[8] summary field ('' none), ARGV[9] summary, ARGV[10] '1' deletes KEYS[8],
+# ARGV[11..] rank, msgpack FrequencySchedule pairs.
 # Returns {1, new version} or {0, current version}.
 PUBLISH = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -95,29 +94,26 @@ if current ~= tonumber(ARGV[3]) then return {0, current} end
 if ARGV[7] ~= '' and redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[7]) then
   return {0, current}
 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 13))
+redis.call('HSET', KEYS[2], unpack(ARGV, 11))
 redis.call('SET', KEYS[1], ARGV[4])
 redis.call('RPUSH', KEYS[3], ARGV[5])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'version', ARGV[4])
 redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
-redis.call('HSET', KEYS[6], 'published_at', ARGV[2], 'error', '',
-  'tail_observed', ARGV[8], 'tail_controls', ARGV[9])
-if ARGV[10] ~= '' then redis.call('HSET', KEYS[7], ARGV[10], ARGV[11]) end
-if ARGV[12] == '1' then redis.call('DEL', KEYS[8]) end
+redis.call('HSET', KEYS[6], 'published_at', ARGV[2], 'error', '')
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[7], ARGV[8], ARGV[9]) end
+if ARGV[10] == '1' then redis.call('DEL', KEYS[8]) end
 return {1, tonumber(ARGV[4])}
 """
 
 # An observation that produced no new version: appended only if nobody appended meanwhile.
-# KEYS[1] journal, KEYS[2] jobs index, KEYS[3] job info, KEYS[4] summaries.
+# KEYS[1] journal, KEYS[2] jobs index, KEYS[3] summaries.
 # ARGV[1] expected journal length, ARGV[2] msgpack JournalEntry, ARGV[3] now, ARGV[4] job id,
-# ARGV[5] observed version ('' none), ARGV[6] controls_upto, ARGV[7] summary field ('' none),
-# ARGV[8] summary. Returns 1 appended, 0 not.
+# ARGV[5] summary field ('' none), ARGV[6] summary. Returns 1 appended, 0 not.
 RECORD = """
 if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return 0 end
 redis.call('RPUSH', KEYS[1], ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
-redis.call('HSET', KEYS[3], 'tail_observed', ARGV[5], 'tail_controls', ARGV[6])
-if ARGV[7] ~= '' then redis.call('HSET', KEYS[4], ARGV[7], ARGV[8]) end
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[6]) end
 return 1
 """
 
@@ -138,30 +134,35 @@ if #KEYS > 3 then redis.call('DEL', unpack(KEYS, 4)) end
 return 1
 """
 
-# Whether a job needs its next version computed, from its info fields alone (kept up to date
-# by the scripts above). With ARGV[2] == '1' a job with nothing due leaves the due set.
-# KEYS[1] job info, KEYS[2] job ranks, KEYS[3] job version, KEYS[4] job control stream,
-# KEYS[5] due set. ARGV[1] job id, ARGV[2] '1' to settle.
+# Whether a job needs its next version computed: all ranks registered, and no version yet, or
+# the latest version's results complete but not observed by the journal's last entry, or
+# control messages it has not applied. ARGV[2] == 'settle': a job with nothing due leaves the
+# due set; 'mark': a due job joins it (if absent, at time ARGV[3]).
+# KEYS[1] job info, KEYS[2] job ranks, KEYS[3] job version, KEYS[4] journal, KEYS[5] job
+# control stream, KEYS[6] due set. ARGV[1] job id, ARGV[2] '', 'settle' or 'mark', ARGV[3] now.
 # Returns 1 due, 0 not, -1 unknown job.
 DUE = """
-local f = redis.call('HMGET', KEYS[1], 'world_size', 'complete', 'tail_observed',
-  'tail_controls')
+local f = redis.call('HMGET', KEYS[1], 'world_size', 'complete')
 if not f[1] then
-  if ARGV[2] == '1' then redis.call('ZREM', KEYS[5], ARGV[1]) end
+  if ARGV[2] == 'settle' then redis.call('ZREM', KEYS[6], ARGV[1]) end
   return -1
 end
 local due = 0
 if redis.call('HLEN', KEYS[2]) >= tonumber(f[1]) then
   local latest = tonumber(redis.call('GET', KEYS[3]) or '0')
+  local raw = redis.call('LINDEX', KEYS[4], -1)
+  local tail = {}
+  if raw then tail = cmsgpack.unpack(raw) end
   if latest == 0 then
     due = 1
-  elseif tonumber(f[2] or '0') == latest and tonumber(f[3] or '') ~= latest then
+  elseif tonumber(f[2] or '0') == latest and tail['observed_version'] ~= latest then
     due = 1
-  elseif redis.call('XLEN', KEYS[4]) > tonumber(f[4] or '0') then
+  elseif redis.call('XLEN', KEYS[5]) > (tail['controls_upto'] or 0) then
     due = 1
   end
 end
-if due == 0 and ARGV[2] == '1' then redis.call('ZREM', KEYS[5], ARGV[1]) end
+if due == 0 and ARGV[2] == 'settle' then redis.call('ZREM', KEYS[6], ARGV[1]) end
+if due == 1 and ARGV[2] == 'mark' then redis.call('ZADD', KEYS[6], 'NX', ARGV[3], ARGV[1]) end
 return due
 """
 
