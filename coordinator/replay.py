@@ -23,7 +23,7 @@ import msgpack
 from protocol.exceptions import ProtocolError
 from protocol.models import FrequencySchedule, JournalEntry, ProfilingResult, RankInfo
 from protocol.scheduler import FrequencyScheduler, build_scheduler
-from protocol.store import JobState, JobStore
+from protocol.store import JobRecord, JobState, JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def summarize(results: list[ProfilingResult]) -> bytes:
 class LiveScheduler:
     """A scheduler fed the first ``journal_length`` entries of its job's journal."""
 
-    identity: str  # the job's registration entry id: a re-created job is another job
+    identity: str  # see identity(): a re-created job is another job
     scheduler: FrequencyScheduler
     ranks: list[RankInfo]
     journal_length: int = 0
@@ -152,6 +152,11 @@ class LiveScheduler:
             self.artifacts_saved.update(changed)
 
 
+def identity(record: JobRecord) -> str:
+    """What tells a job from an earlier one that had the same id (Redis lost or flushed)."""
+    return f"{record.fields.get('entry_id', '')}@{record.fields.get('created_at', '')}"
+
+
 def rebuild(store: JobStore, state: JobState) -> LiveScheduler:
     """Construct a job's scheduler from Redis: newest snapshot, then the journal after it.
 
@@ -166,7 +171,7 @@ def rebuild(store: JobStore, state: JobState) -> LiveScheduler:
         record.config.scheduler, record.info, ranks, record.config.scheduler_args
     )
     live = LiveScheduler(
-        identity=record.fields.get("entry_id", ""),
+        identity=identity(record),
         scheduler=scheduler,
         ranks=ranks,
         results_floor=record.number("results_floor", 1),
@@ -212,7 +217,7 @@ class LiveSchedulers:
         job_id = state.record.job_id
         live = self._jobs.pop(job_id, None)
         if live is not None and (
-            live.identity != state.record.fields.get("entry_id", "")
+            live.identity != identity(state.record)
             or live.journal_length > state.journal_length
             # Another worker snapshotted past this one: the results it lacks may be gone.
             or state.record.number("snapshot_len") > live.journal_length
