@@ -5,12 +5,14 @@ Costs are counted, not timed: Redis commands (the server's own counter) and resu
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
 import pytest
 import redis
 
+from coordinator.dump import dump_job
 from coordinator.replay import LiveSchedulers
 from coordinator.service import _RECONCILE_PAGE, Coordinator
 from coordinator.tasks import advance_job, advance_once
@@ -66,7 +68,7 @@ def test_advancing_at_version_50_costs_what_it_costs_at_version_2(r, scheduler):
     assert cost[50][0] <= cost[2][0] + 1, cost
 
 
-def test_a_worker_that_lost_its_cache_rebuilds_from_the_snapshot_not_the_start(r):
+def test_a_worker_that_lost_its_cache_rebuilds_from_the_snapshot_not_the_start(r, tmp_path):
     store = JobStore(r)
     new_job(store, "snap", SNAPSHOTTING)
     advance_job("snap", conn=r, snapshot_every=5)
@@ -89,6 +91,13 @@ def test_a_worker_that_lost_its_cache_rebuilds_from_the_snapshot_not_the_start(r
     assert summaries[3] == {"ranks": RANKS, "iter_time": 1.0, "iter_energy": 2.0 * RANKS}
     assert not r.exists(keys.job_schedule("snap", 40))
     assert all(store.schedules("snap", v) for v in (48, 49, 50, 51))
+    # `perseus dump` writes what is left, and the summaries of everything observed.
+    folder = dump_job(store, "snap", str(tmp_path))
+    assert sorted(p.name for p in folder.glob("*.sched.json")) == [
+        f"{v}.sched.json" for v in (48, 49, 50, 51)
+    ]
+    dumped = json.loads((folder / "summaries.json").read_text())
+    assert dumped["3"] == summaries[3] and len(dumped) == 50
 
 
 def test_a_late_result_of_a_consumed_version_is_dropped(r, redis_url):
