@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 _WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
 _INFO_CACHE = 10_000  # job infos a coordinator keeps (degrees and world size never change)
+_BATCH = 100  # entries read per stream at a time
 _SWEEP_LIMIT = 1000  # due or idle jobs one sweep looks at, at most
 _RECONCILE_PAGE = 100  # jobs per sweep checked for work due but missing from the due set
 
@@ -199,13 +200,28 @@ class Coordinator:
     def _consume(self, start: str, block_ms: int | None) -> int:
         streams = {s: start for s in keys.INPUT_STREAMS}
         reply = self.conn.xreadgroup(
-            keys.COORDINATOR_GROUP, self.consumer, streams, count=100, block=block_ms
+            keys.COORDINATOR_GROUP, self.consumer, streams, count=_BATCH, block=block_ms
         )
         batch = [
             (stream.decode(), entry_id.decode(), fields)
             for stream, entries in reply or []
             for entry_id, fields in entries
         ]
+        results = sum(s == keys.RESULTS_STREAM for s, _, _ in batch)
+        if block_ms is not None and 0 < results < _BATCH:
+            # A blocked read returns with the first result of a burst (every rank reports at
+            # the end of the same step): take the rest now, so that they form one batch.
+            more = self.conn.xreadgroup(
+                keys.COORDINATOR_GROUP,
+                self.consumer,
+                {keys.RESULTS_STREAM: start},
+                count=_BATCH - results,
+            )
+            batch += [
+                (keys.RESULTS_STREAM, entry_id.decode(), fields)
+                for _stream, entries in more or []
+                for entry_id, fields in entries
+            ]
         return self.handle_batch(batch)
 
     def _claim_stale(self) -> int:

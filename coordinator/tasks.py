@@ -9,6 +9,7 @@ what is new.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
@@ -17,10 +18,10 @@ import redis
 
 from coordinator.dump import dump_version
 from coordinator.replay import LiveSchedulers, by_rank, rebuild, summarize
-from protocol.exceptions import ProtocolError
+from protocol.exceptions import ProtocolError, UnknownJobError
 from protocol.models import FrequencySchedule, JournalEntry, RankInfo
 from protocol.scheduler import FrequencyScheduler
-from protocol.store import JobRecord, JobStore
+from protocol.store import JobRecord, JobState, JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ def advance_once(
     job_id: str,
     cache: LiveSchedulers | None = None,
     snapshot_every: int = SNAPSHOT_EVERY,
+    state: JobState | None = None,
 ) -> int | None:
     """Compute and publish the next version if one is due; return it (None if none was).
 
@@ -110,13 +112,14 @@ def advance_once(
         job_id: The job.
         cache: Schedulers kept between calls (default: this process's).
         snapshot_every: Journal entries between scheduler snapshots (0: none).
+        state: The job's state, if just read (default: read it).
 
     Raises:
         UnknownJobError: The job is gone.
         ProtocolError: The scheduler returned an invalid schedule.
     """
     cache = LIVE if cache is None else cache
-    state = store.job_state(job_id)
+    state = store.job_state(job_id) if state is None else state
     if not state.due:
         return None
     record = state.record
@@ -199,18 +202,31 @@ def advance_job(
     token = uuid.uuid4().hex
     published: list[int] = []
     for _ in range(_MAX_ROUNDS):
-        if not store.acquire_lease(job_id, token, lease_ttl_ms):
+        # Taking the lease and reading the job's state is one round trip.
+        try:
+            state = store.job_state(job_id, lease=(token, lease_ttl_ms))
+        except UnknownJobError:
+            store.release_lease(job_id, token)
+            logger.info("job %s is gone (deleted as idle?): nothing to advance", job_id)
+            return published
+        if not state.leased:
             return published
         keeper = _LeaseKeeper(store, job_id, token, lease_ttl_ms)
         try:
             # One step per lease: what is due after it (results come much later, a control
-            # message may be waiting) is found by settle() below, in one round trip.
-            version = advance_once(store, job_id, snapshot_every=snapshot_every)
+            # message may be waiting) is found when the lease is released, one round trip.
+            version = advance_once(store, job_id, snapshot_every=snapshot_every, state=state)
             if version is not None:
                 published.append(version)
         except redis.RedisError:
+            with contextlib.suppress(redis.RedisError):
+                store.release_lease(job_id, token)
             raise  # Transient: the coordinator's sweep enqueues the work again.
+        except UnknownJobError:
+            store.release_lease(job_id, token)  # Deleted meanwhile: nothing to record.
+            return published
         except Exception as exc:
+            store.release_lease(job_id, token)
             # Recorded on the job: clients waiting for a schedule report it, and the
             # coordinator stops re-enqueueing a job whose scheduler fails deterministically.
             store.set_fields(job_id, error=f"{type(exc).__name__}: {exc}")
@@ -218,8 +234,7 @@ def advance_job(
             raise
         finally:
             keeper.stop()
-            store.release_lease(job_id, token)
         # Work that arrived while the lease was held may have been skipped by another task.
-        if not store.settle(job_id):
+        if not store.release_and_settle(job_id, token):
             break
     return published

@@ -64,6 +64,7 @@ class JobState:
     journal_length: int
     control_length: int
     tail: JournalEntry | None  # the journal's last entry
+    leased: bool = False  # the lease was taken with this read (JobStore.job_state)
 
     @property
     def fresh_results(self) -> bool:

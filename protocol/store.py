@@ -104,16 +104,26 @@ class JobStore:
         pairs = zip(ids, raws, strict=True)
         return {j: JobRecord.from_hash(raw) if raw else None for j, raw in pairs}
 
-    def job_state(self, job_id: str) -> JobState:
-        """Info, rank count, version, journal and control lengths, consistent (one MULTI)."""
+    def job_state(self, job_id: str, lease: tuple[str, int] | None = None) -> JobState:
+        """Info, rank count, version, journal and control lengths, consistent (one MULTI).
+
+        Args:
+            job_id: The job.
+            lease: (token, ttl_ms): also try to take the job's lease in the same round trip;
+                :attr:`JobState.leased` tells whether it was taken.
+        """
         with self.conn.pipeline(transaction=True) as pipe:
+            if lease is not None:
+                pipe.set(keys.job_lease(job_id), lease[0], nx=True, px=lease[1])
             pipe.hgetall(keys.job_info(job_id))
             pipe.hlen(keys.job_ranks(job_id))
             pipe.get(keys.job_version(job_id))
             pipe.llen(keys.job_journal(job_id))
             pipe.lindex(keys.job_journal(job_id), -1)
             pipe.xlen(keys.job_control(job_id))
-            raw, ranks, version, journal, tail, control = pipe.execute()
+            replies = pipe.execute()
+        leased = bool(replies.pop(0)) if lease is not None else False
+        raw, ranks, version, journal, tail, control = replies
         if not raw:
             raise unknown_job(job_id)
         return JobState(
@@ -123,6 +133,7 @@ class JobStore:
             journal_length=int(journal),
             control_length=int(control),
             tail=unpack(JournalEntry, tail) if tail is not None else None,
+            leased=leased,
         )
 
     def job_fields(self, job_id: str, *names: str) -> dict[str, str]:
@@ -425,6 +436,14 @@ class JobStore:
     def release_lease(self, job_id: str, token: str) -> None:
         """Release the lease if still held by ``token``."""
         self._release(keys=[keys.job_lease(job_id)], args=[token])
+
+    def release_and_settle(self, job_id: str, token: str) -> bool:
+        """:meth:`release_lease` and :meth:`settle` in one round trip; return whether due."""
+        batch = self.batch()
+        batch.call(self._release, [keys.job_lease(job_id)], [token])
+        batch.call(self._due, self._due_keys(job_id), [job_id, "settle", time.time()])
+        _released, due = batch.execute()
+        return bool(due == 1)
 
     def lease_holder(self, job_id: str) -> str | None:
         """Token of the current lease holder, if any."""
