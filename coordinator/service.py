@@ -43,6 +43,7 @@ from protocol.models import (
 )
 from protocol.scheduler import BUILTIN, check_scheduler_args
 from protocol.store import JobStore, StoreBatch
+from protocol.store_batch import Answer
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +105,15 @@ class _Outcome:
     reasons: list[str] = field(default_factory=list)
     advance: set[str] = field(default_factory=set)  # job ids
     acks: dict[str, list[str]] = field(default_factory=dict)  # stream -> entry ids
+    self_acked: int = 0  # entries a store script acknowledged
 
     def reply(self, request_id: str, reply: Reply) -> None:
         self.replies[keys.reply_key(request_id)] = reply
+
+    def answered(self, stream: str, entry_id: str) -> None:
+        """The store's script already replied to and acknowledged this entry."""
+        self.acks[stream].remove(entry_id)
+        self.self_acked += 1
 
     def dead(self, stream: str, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
         """Dead-letter an entry; a registration's client gets the reason as its reply."""
@@ -275,7 +282,7 @@ class Coordinator:
         now = time.time()
         for stream, entry_id, fields, message in pending:
             try:
-                self._dispatch(batch, message, entry_id, jobs, now)
+                self._dispatch(batch, message, stream, entry_id, jobs, now)
             except (PerseusError, ValueError) as exc:
                 outcome.dead(stream, entry_id, fields, str(exc) or type(exc).__name__)
                 continue
@@ -292,10 +299,12 @@ class Coordinator:
         ):
             if isinstance(result, Exception):
                 outcome.dead(stream, entry_id, fields, str(result) or type(result).__name__)
-            else:
-                self._settle_entry(message, result, jobs, outcome)
+                continue
+            if isinstance(message, RegisterRank):
+                outcome.answered(stream, entry_id)
+            self._settle_entry(message, result, jobs, outcome)
         self._finish(outcome)
-        return sum(len(ids) for ids in outcome.acks.values())
+        return sum(len(ids) for ids in outcome.acks.values()) + outcome.self_acked
 
     def _job_infos(self, job_ids: Iterable[str]) -> dict[str, JobInfo | None]:
         """Job infos by id, from the cache or one pipeline for those not cached (None: unknown)."""
@@ -321,6 +330,7 @@ class Coordinator:
         self,
         batch: StoreBatch,
         message: Message,
+        stream: str,
         entry_id: str,
         jobs: dict[str, JobInfo | None],
         now: float,
@@ -341,7 +351,16 @@ class Coordinator:
         if info is None:
             raise UnknownJobError(f"unknown job id {message.job_id!r}")
         if isinstance(message, RegisterRank):
-            batch.add_rank(info, message.rank_info, now)
+            # Answered and acknowledged by the store's script: one round trip per request.
+            answer = Answer(
+                reply_key=keys.reply_key(message.request_id),
+                reply=pack(Reply(ok=True, job_id=info.job_id)),
+                ttl=self.settings.reply_ttl,
+                stream=stream,
+                group=keys.COORDINATOR_GROUP,
+                entry_id=entry_id,
+            )
+            batch.add_rank(info, message.rank_info, now, answer)
         elif isinstance(message, ReportResult):
             batch.add_result(info, message.result, now)
         else:
@@ -370,7 +389,6 @@ class Coordinator:
                 result,
                 info.world_size,
             )
-            outcome.reply(message.request_id, Reply(ok=True, job_id=info.job_id))
             if result == info.world_size:
                 outcome.advance.add(info.job_id)
         elif isinstance(message, ReportResult):
@@ -383,6 +401,11 @@ class Coordinator:
     def _finish(self, outcome: _Outcome) -> None:
         """Replies, dead letters, rq enqueues and acknowledgements: one transaction."""
         ttl = self.settings.reply_ttl
+        self.processed += outcome.self_acked
+        if not (outcome.replies or outcome.dead_letters or outcome.advance) and not any(
+            outcome.acks.values()
+        ):
+            return
         with self.conn.pipeline(transaction=True) as pipe:
             pipe.multi()  # explicit, so that rq queues its enqueue in this transaction
             for reply_key, reply in outcome.replies.items():
@@ -398,7 +421,8 @@ class Coordinator:
             for job_id in sorted(outcome.advance):
                 self.enqueue_advance(job_id, pipeline=pipe)
             for stream, ids in outcome.acks.items():
-                pipe.xack(stream, keys.COORDINATOR_GROUP, *ids)
+                if ids:
+                    pipe.xack(stream, keys.COORDINATOR_GROUP, *ids)
             pipe.execute()
         self.dead_lettered += len(outcome.dead_letters)
         self.processed += sum(len(ids) for ids in outcome.acks.values()) - len(outcome.dead_letters)

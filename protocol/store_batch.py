@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -18,6 +19,18 @@ from protocol.models import JobConfig, JobInfo, ProfilingResult, RankInfo, SetTa
 
 if TYPE_CHECKING:
     from protocol.store import JobStore
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How a script answers and acknowledges the stream entry whose write succeeded."""
+
+    reply_key: str
+    reply: bytes
+    ttl: int
+    stream: str
+    group: str
+    entry_id: str
 
 
 class StoreBatch:
@@ -82,23 +95,30 @@ class StoreBatch:
 
         self._add(command, finish)
 
-    def add_rank(self, job: JobInfo, rank: RankInfo, now: float) -> None:
-        """Queue :meth:`JobStore.add_rank` (its fit to the job is checked now)."""
+    def add_rank(
+        self, job: JobInfo, rank: RankInfo, now: float, answer: Answer | None = None
+    ) -> None:
+        """Queue :meth:`JobStore.add_rank` (its fit to the job is checked now).
+
+        With ``answer``, a successful registration is also answered and acknowledged by the
+        same script.
+        """
         try:
             rank.check_fits(job)
         except ValueError as exc:
             self._fail(ProtocolError(str(exc)))
             return
-        command = (
-            self.store._add_rank,
-            [
-                keys.job_info(job.job_id),
-                keys.job_ranks(job.job_id),
-                keys.JOBS_INDEX,
-                keys.DUE_JOBS,
-            ],
-            [job.job_id, now, rank.rank, pack(rank), job.world_size],
-        )
+        names = [
+            keys.job_info(job.job_id),
+            keys.job_ranks(job.job_id),
+            keys.JOBS_INDEX,
+            keys.DUE_JOBS,
+        ]
+        args = [job.job_id, now, rank.rank, pack(rank), job.world_size]
+        if answer is not None:
+            names += [answer.reply_key, answer.stream]
+            args += [answer.reply, answer.ttl, answer.group, answer.entry_id]
+        command = (self.store._add_rank, names, args)
 
         def finish(reply: Any) -> int:
             status, count = reply

@@ -17,9 +17,13 @@ redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 return {1, ARGV[3]}
 """
 
-# KEYS[1] job info, KEYS[2] job ranks, KEYS[3] jobs index, KEYS[4] due set.
-# ARGV[1] job id, ARGV[2] now, ARGV[3] rank, ARGV[4] msgpack RankInfo, ARGV[5] world size.
-# Returns {status, ranks registered}: -1 unknown job, -2 rank registered with other info.
+# KEYS[1] job info, KEYS[2] job ranks, KEYS[3] jobs index, KEYS[4] due set; optionally
+# KEYS[5] reply list, KEYS[6] the registration's source stream.
+# ARGV[1] job id, ARGV[2] now, ARGV[3] rank, ARGV[4] msgpack RankInfo, ARGV[5] world size;
+# with KEYS[5..6]: ARGV[6] msgpack reply, ARGV[7] reply TTL, ARGV[8] consumer group,
+# ARGV[9] source entry id: on success the reply is pushed and the entry acknowledged too, so a
+# registration is answered in the same round trip.
+# Returns {status, ranks registered}: 1 ok, -1 unknown job, -2 rank registered with other info.
 ADD_RANK = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0} end
 local current = redis.call('HGET', KEYS[2], ARGV[3])
@@ -28,6 +32,11 @@ if not current then redis.call('HSET', KEYS[2], ARGV[3], ARGV[4]) end
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
 local count = redis.call('HLEN', KEYS[2])
 if count >= tonumber(ARGV[5]) then redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1]) end
+if KEYS[6] then
+  redis.call('LPUSH', KEYS[5], ARGV[6])
+  redis.call('EXPIRE', KEYS[5], ARGV[7])
+  redis.call('XACK', KEYS[6], ARGV[8], ARGV[9])
+end
 return {1, count}
 """
 
