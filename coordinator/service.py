@@ -282,7 +282,7 @@ class Coordinator:
         now = time.time()
         for stream, entry_id, fields, message in pending:
             try:
-                self._dispatch(batch, message, stream, entry_id, jobs, now)
+                self._dispatch(batch, message, stream, entry_id, fields, jobs, now)
             except (PerseusError, ValueError) as exc:
                 outcome.dead(stream, entry_id, fields, str(exc) or type(exc).__name__)
                 continue
@@ -332,6 +332,7 @@ class Coordinator:
         message: Message,
         stream: str,
         entry_id: str,
+        fields: dict[bytes, bytes],
         jobs: dict[str, JobInfo | None],
         now: float,
     ) -> None:
@@ -362,7 +363,8 @@ class Coordinator:
             )
             batch.add_rank(info, message.rank_info, now, answer)
         elif isinstance(message, ReportResult):
-            batch.add_result(info, message.result, now)
+            # Stored as it arrived (validated above): packing it again costs more than the rest.
+            batch.add_result(info, message.result, now, data=fields[b"data"])
         else:
             batch.add_control(message, entry_id, now)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import msgpack
 
 from protocol.exceptions import UnknownJobError
-from protocol.models import JobConfig, JobInfo, JournalEntry, ProfilingResult
+from protocol.models import JobConfig, JobInfo, JournalEntry, ProfilingResult, validate
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,20 @@ def unknown_job(job_id: str) -> UnknownJobError:
     return UnknownJobError(f"unknown job id {job_id!r} (never registered, or expired)")
 
 
-def trusted_result(data: bytes) -> ProfilingResult:
-    """Decode a result the coordinator validated before storing it (no re-validation)."""
-    return ProfilingResult.model_construct(**msgpack.unpackb(data, raw=False))
+def stored_result(data: bytes, trusted: bool = False) -> ProfilingResult:
+    """Decode a stored result: a msgpack ProfilingResult, or the report message that carried it.
+
+    Args:
+        data: The stored value.
+        trusted: Skip validation: the coordinator validated it before storing it (numbers
+            keep the type they were sent with).
+
+    Raises:
+        ProtocolError: Not a valid result (only without ``trusted``).
+    """
+    raw = msgpack.unpackb(data, raw=False)
+    if isinstance(raw, dict) and raw.get("kind") == "report_result":
+        raw = raw["result"]
+    if trusted:
+        return ProfilingResult.model_construct(**raw)
+    return validate(ProfilingResult, raw)

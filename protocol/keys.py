@@ -66,7 +66,11 @@ def job_schedule(job_id: str, version: int) -> str:
 
 
 def job_results(job_id: str, version: int) -> str:
-    """Hash: rank -> msgpack ProfilingResult measured while running ``version``."""
+    """Hash: rank -> ProfilingResult measured while running ``version``.
+
+    The value is the msgpack ``report_result`` message the rank sent (validated, stored as it
+    arrived), or a msgpack ProfilingResult; ``protocol.job_record.stored_result`` reads both.
+    """
     return job_key(job_id, "results", version)
 
 

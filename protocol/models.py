@@ -319,7 +319,11 @@ def _validation_text(exc: ValidationError) -> str:
 
 def unpack(cls: type[M], data: bytes) -> M:
     """Decode and validate msgpack ``data`` as ``cls``; raise ProtocolError naming the field."""
-    raw = _unpack_raw(data)
+    return validate(cls, _unpack_raw(data))
+
+
+def validate(cls: type[M], raw: Any) -> M:
+    """Validate decoded data as ``cls``; raise ProtocolError naming the field."""
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:

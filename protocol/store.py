@@ -20,7 +20,7 @@ import redis
 from redis.client import Pipeline
 
 from protocol import keys, store_scripts
-from protocol.job_record import JobRecord, JobState, trusted_result, unknown_job
+from protocol.job_record import JobRecord, JobState, stored_result, unknown_job
 from protocol.models import (
     FrequencySchedule,
     JobConfig,
@@ -255,7 +255,7 @@ class JobStore:
         """
         raw = self.conn.hvals(keys.job_results(job_id, version))
         self.results_decoded += len(raw)
-        decoded = [trusted_result(v) if trusted else unpack(ProfilingResult, v) for v in raw]
+        decoded = [stored_result(v, trusted) for v in raw]
         return sorted(decoded, key=lambda r: r.rank)
 
     def result_count(self, job_id: str, version: int) -> int:

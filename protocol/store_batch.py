@@ -132,8 +132,18 @@ class StoreBatch:
 
         self._add(command, finish)
 
-    def add_result(self, job: JobInfo, result: ProfilingResult, now: float) -> None:
-        """Queue :meth:`JobStore.add_result` (results of one version share one script call)."""
+    def add_result(
+        self, job: JobInfo, result: ProfilingResult, now: float, data: bytes | None = None
+    ) -> None:
+        """Queue :meth:`JobStore.add_result` (results of one version share one script call).
+
+        Args:
+            job: The job.
+            result: The validated result.
+            now: Unix time of the activity.
+            data: msgpack that holds it as is, stored instead of packing ``result`` again:
+                the ``report_result`` message it arrived in (see :func:`stored_result`).
+        """
         if result.rank >= job.world_size:
             self._fail(ProtocolError(f"rank {result.rank} is out of range for job {job.job_id}"))
             return
@@ -154,10 +164,11 @@ class StoreBatch:
             index = self._result_groups[(job.job_id, version)] = len(self._commands) - 1
         args = self._commands[index][2]
         position = (len(args) - 4) // 2
-        args += [result.rank, _pack_plain(result)]
+        args += [result.rank, data if data is not None else _pack_plain(result)]
 
         def finish(reply: Any) -> tuple[bool, int, int]:
-            status, latest, count, *added = (int(x) for x in reply)
+            status, latest, count = (int(x) for x in reply[:3])
+            added = reply[3:]
             if status == -1:
                 raise unknown_job(job.job_id)
             if status == -4:
