@@ -67,6 +67,10 @@ class LiveScheduler:
     snapshots: bool = True  # False once the scheduler declined to give a snapshot
     latest: ByRank | None = None  # schedules of the newest published version, when known
     artifacts_saved: dict[str, bytes] = field(default_factory=dict)
+    allowed: dict[int, set[int]] = field(default_factory=dict)  # rank -> its clocks
+
+    def __post_init__(self) -> None:
+        self.allowed = {r.rank: set(r.available_frequencies) for r in self.ranks}
 
     def apply_inputs(
         self, store: JobStore, job_id: str, entry: JournalEntry

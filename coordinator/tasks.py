@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
+import time
 import uuid
 
 import redis
@@ -43,31 +45,77 @@ def _connection() -> redis.Redis:
     return job.connection
 
 
-class _LeaseKeeper:
-    """Renews a job lease in a background thread while the scheduler computes."""
+class _LeaseRenewer:
+    """One thread per process renews the leases its tasks hold while their schedulers compute.
 
-    def __init__(self, store: JobStore, job_id: str, token: str, ttl_ms: int) -> None:
-        self._store, self._job_id, self._token, self._ttl = store, job_id, token, ttl_ms
-        self._stop = threading.Event()
-        self.lost = False
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="perseus-lease")
-        self._thread.start()
+    Started on first use (and again in a forked child, which inherits no threads), so a task
+    costs a dictionary update rather than a thread of its own.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        # A forking worker forks while this thread may hold the lock: the child starts afresh.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._held: dict[tuple[str, str], tuple[JobStore, int, float]] = {}
+        self._cond = threading.Condition()
+        self._pid = 0
+
+    def hold(self, store: JobStore, job_id: str, token: str, ttl_ms: int) -> None:
+        """Renew ``job_id``'s lease every third of its TTL until :meth:`release`."""
+        with self._cond:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._held.clear()
+                thread = threading.Thread(target=self._loop, daemon=True, name="perseus-lease")
+                thread.start()
+            self._held[(job_id, token)] = (store, ttl_ms, time.monotonic() + ttl_ms / 3000)
+            self._cond.notify()
+
+    def release(self, job_id: str, token: str) -> None:
+        """Stop renewing (the caller releases the lease itself)."""
+        with self._cond:
+            self._held.pop((job_id, token), None)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._ttl / 3000):
-            if not self._store.renew_lease(self._job_id, self._token, self._ttl):
-                self.lost = True
-                return
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [(key, held) for key, held in self._held.items() if held[2] <= now]
+                for key, (store, ttl_ms, _) in due:
+                    self._held[key] = (store, ttl_ms, now + ttl_ms / 3000)
+                if not due:
+                    nearest = min((held[2] for held in self._held.values()), default=now + 60)
+                    self._cond.wait(max(0.0, nearest - now))
+                    continue
+            for (job_id, token), (store, ttl_ms, _) in due:
+                try:
+                    renewed = store.renew_lease(job_id, token, ttl_ms)
+                except redis.RedisError:
+                    renewed = True  # Try again next time; the compare-and-set guards publishing.
+                if not renewed:
+                    logger.warning("job %s: lease lost while computing", job_id)
+                    self.release(job_id, token)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+
+_RENEWER = _LeaseRenewer()
 
 
 def check_schedules(
-    schedules: list[FrequencySchedule], ranks: list[RankInfo], scheduler: str
+    schedules: list[FrequencySchedule],
+    ranks: list[RankInfo],
+    scheduler: str,
+    allowed: dict[int, set[int]] | None = None,
 ) -> list[FrequencySchedule]:
-    """Check a scheduler's output: exactly one schedule per rank, allowed frequencies only."""
+    """Check a scheduler's output: exactly one schedule per rank, allowed frequencies only.
+
+    Args:
+        schedules: What the scheduler returned.
+        ranks: The job's ranks.
+        scheduler: Its name, for messages.
+        allowed: Each rank's frequencies as a set, if already built.
+    """
     by_rank = {s.rank: s for s in schedules}
     expected = {r.rank for r in ranks}
     if len(by_rank) != len(schedules) or set(by_rank) != expected:
@@ -76,10 +124,12 @@ def check_schedules(
             f"scheduler {scheduler} returned schedules for ranks {got}, "
             f"expected one for each of {sorted(expected)}"
         )
+    if allowed is None:
+        allowed = {r.rank: set(r.available_frequencies) for r in ranks}
     for rank in ranks:
-        allowed = set(rank.available_frequencies)
+        ok = allowed[rank.rank]
         for i, (name, freq) in enumerate(by_rank[rank.rank].frequencies):
-            if freq not in allowed:
+            if freq not in ok:
                 raise ProtocolError(
                     f"scheduler {scheduler} gave rank {rank.rank} frequency {freq} MHz for "
                     f"instruction {i} ({name}), which its GPU does not support"
@@ -139,7 +189,7 @@ def advance_once(
         # From here the cached scheduler has taken inputs that only a publish records.
         observed = live.apply_inputs(store, job_id, entry)
         schedules = check_schedules(
-            live.scheduler.next_schedule(), live.ranks, record.config.scheduler
+            live.scheduler.next_schedule(), live.ranks, record.config.scheduler, live.allowed
         )
         summary = summarize(observed) if observed is not None else None
         if (
@@ -211,7 +261,7 @@ def advance_job(
             return published
         if not state.leased:
             return published
-        keeper = _LeaseKeeper(store, job_id, token, lease_ttl_ms)
+        _RENEWER.hold(store, job_id, token, lease_ttl_ms)
         try:
             # One step per lease: what is due after it (results come much later, a control
             # message may be waiting) is found when the lease is released, one round trip.
@@ -233,7 +283,7 @@ def advance_job(
             logger.error("job %s: %s", job_id, exc)
             raise
         finally:
-            keeper.stop()
+            _RENEWER.release(job_id, token)
         # Work that arrived while the lease was held may have been skipped by another task.
         if not store.release_and_settle(job_id, token):
             break
