@@ -19,7 +19,7 @@ import msgpack
 import redis
 from redis.client import Pipeline
 
-from protocol import keys, store_scripts
+from protocol import keys
 from protocol.job_record import JobRecord, JobState, stored_result, unknown_job
 from protocol.models import (
     FrequencySchedule,
@@ -33,6 +33,7 @@ from protocol.models import (
     unpack,
 )
 from protocol.store_batch import StoreBatch, single
+from protocol.store_scripts import Scripts
 
 KEEP_SCHEDULES = 4
 """Schedule versions kept per job: the latest and a few before it, for slow readers."""
@@ -56,21 +57,11 @@ class JobStore:
         self.stream_maxlen = stream_maxlen
         self.keep_schedules = keep_schedules
         self.results_decoded = 0  # results decoded by this store: tests check advancing cost
-        self._create = conn.register_script(store_scripts.CREATE_JOB)
-        self._add_rank = conn.register_script(store_scripts.ADD_RANK)
-        self._add_results = conn.register_script(store_scripts.ADD_RESULTS)
-        self._add_control = conn.register_script(store_scripts.ADD_CONTROL)
-        self._publish = conn.register_script(store_scripts.PUBLISH)
-        self._record = conn.register_script(store_scripts.RECORD)
-        self._snapshot = conn.register_script(store_scripts.SNAPSHOT)
-        self._due = conn.register_script(store_scripts.DUE)
-        self._release = conn.register_script(store_scripts.RELEASE)
-        self._delete = conn.register_script(store_scripts.DELETE_JOB)
-        self._renew = conn.register_script(store_scripts.RENEW)
+        self.scripts = Scripts(conn)
 
     def batch(self) -> StoreBatch:
         """A batch of writes sent in one round trip."""
-        return StoreBatch(self)
+        return StoreBatch(self.scripts)
 
     # --- jobs ------------------------------------------------------------------------------
     def create_job(
@@ -203,7 +194,9 @@ class JobStore:
             names += [keys.job_schedule(job_id, version), keys.job_results(job_id, version)]
         cutoff = "" if idle_before is None else repr(float(idle_before))
         return bool(
-            self._delete(keys=[keys.JOBS_INDEX, keys.DUE_JOBS, *names], args=[job_id, cutoff])
+            self.scripts.delete_job(
+                keys=[keys.JOBS_INDEX, keys.DUE_JOBS, *names], args=[job_id, cutoff]
+            )
         )
 
     # --- ranks -----------------------------------------------------------------------------
@@ -334,7 +327,7 @@ class JobStore:
             stamped = dict(schedule.__dict__, version=entry.version)
             flat += [str(schedule.rank), msgpack.packb(stamped, use_bin_type=True)]
         old = entry.version - self.keep_schedules
-        published, _current = self._publish(
+        published, _current = self.scripts.publish(
             keys=[
                 keys.job_version(job_id),
                 keys.job_schedule(job_id, entry.version),
@@ -371,7 +364,7 @@ class JobStore:
         """Append an unpublished journal entry if the journal still has ``journal_length``."""
         now = time.time() if now is None else now
         return bool(
-            self._record(
+            self.scripts.record(
                 keys=[
                     keys.job_journal(job_id),
                     keys.JOBS_INDEX,
@@ -408,7 +401,7 @@ class JobStore:
         """
         doomed = [keys.job_results(job_id, v) for v in consumed]
         return bool(
-            self._snapshot(
+            self.scripts.snapshot(
                 keys=[
                     keys.job_snapshot(job_id),
                     keys.job_journal(job_id),
@@ -431,17 +424,17 @@ class JobStore:
 
     def renew_lease(self, job_id: str, token: str, ttl_ms: int) -> bool:
         """Extend a held lease; False if it was lost."""
-        return bool(self._renew(keys=[keys.job_lease(job_id)], args=[token, ttl_ms]))
+        return bool(self.scripts.renew(keys=[keys.job_lease(job_id)], args=[token, ttl_ms]))
 
     def release_lease(self, job_id: str, token: str) -> None:
         """Release the lease if still held by ``token``."""
-        self._release(keys=[keys.job_lease(job_id)], args=[token])
+        self.scripts.release(keys=[keys.job_lease(job_id)], args=[token])
 
     def release_and_settle(self, job_id: str, token: str) -> bool:
         """:meth:`release_lease` and :meth:`settle` in one round trip; return whether due."""
         batch = self.batch()
-        batch.call(self._release, [keys.job_lease(job_id)], [token])
-        batch.call(self._due, self._due_keys(job_id), [job_id, "settle", time.time()])
+        batch.call(self.scripts.release, [keys.job_lease(job_id)], [token])
+        batch.call(self.scripts.due, self._due_keys(job_id), [job_id, "settle", time.time()])
         _released, due = batch.execute()
         return bool(due == 1)
 
@@ -462,7 +455,7 @@ class JobStore:
         ]
 
     def _due_call(self, job_id: str, mode: str) -> int:
-        return int(self._due(keys=self._due_keys(job_id), args=[job_id, mode, time.time()]))
+        return int(self.scripts.due(keys=self._due_keys(job_id), args=[job_id, mode, time.time()]))
 
     def due(self, job: JobRecord | str) -> bool:
         """Whether the job needs its next schedule version computed (one round trip)."""
@@ -481,7 +474,7 @@ class JobStore:
         batch = self.batch()
         now = time.time()
         for job_id in job_ids:
-            batch.call(self._due, self._due_keys(job_id), [job_id, "mark", now])
+            batch.call(self.scripts.due, self._due_keys(job_id), [job_id, "mark", now])
         return [j for j, due in zip(job_ids, batch.execute(), strict=True) if due == 1]
 
     def jobs_page(self, start: int, count: int) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 import redis
@@ -16,9 +16,7 @@ from protocol import keys
 from protocol.exceptions import ProtocolError, UnknownJobError
 from protocol.job_record import unknown_job
 from protocol.models import JobConfig, JobInfo, ProfilingResult, RankInfo, SetTarget, pack
-
-if TYPE_CHECKING:
-    from protocol.store import JobStore
+from protocol.store_scripts import Scripts
 
 
 @dataclass(frozen=True)
@@ -37,11 +35,11 @@ class StoreBatch:
     """Store writes queued on one pipeline: many entries, one round trip.
 
     Each method queues one atomic write; :meth:`execute` returns, in order, each write's
-    outcome (what the same :class:`JobStore` method returns) or the PerseusError it raised.
+    outcome (what the same ``JobStore`` method returns) or the PerseusError it raised.
     """
 
-    def __init__(self, store: JobStore) -> None:
-        self.store = store
+    def __init__(self, scripts: Scripts) -> None:
+        self.scripts = scripts
         self._commands: list[tuple[Script, list[str], list[Any]]] = []
         # Per write: the index of the command carrying it (None: refused before sending) and
         # how to turn that command's reply into the write's outcome.
@@ -80,7 +78,7 @@ class StoreBatch:
         }
         flat = [x for pair in fields.items() for x in pair]
         command = (
-            self.store._create,
+            self.scripts.create_job,
             [keys.job_info(job.job_id), keys.JOBS_INDEX],
             [job.job_id, now, entry_id, *flat],
         )
@@ -118,7 +116,7 @@ class StoreBatch:
         if answer is not None:
             names += [answer.reply_key, answer.stream]
             args += [answer.reply, answer.ttl, answer.group, answer.entry_id]
-        command = (self.store._add_rank, names, args)
+        command = (self.scripts.add_rank, names, args)
 
         def finish(reply: Any) -> int:
             status, count = reply
@@ -159,7 +157,7 @@ class StoreBatch:
                 keys.DUE_JOBS,
             ]
             self._commands.append(
-                (self.store._add_results, names, [job.job_id, now, version, job.world_size])
+                (self.scripts.add_results, names, [job.job_id, now, version, job.world_size])
             )
             index = self._result_groups[(job.job_id, version)] = len(self._commands) - 1
         args = self._commands[index][2]
@@ -188,7 +186,7 @@ class StoreBatch:
         """Queue :meth:`JobStore.add_control`."""
         job_id = message.job_id
         command = (
-            self.store._add_control,
+            self.scripts.add_control,
             [keys.job_info(job_id), keys.job_control(job_id), keys.JOBS_INDEX, keys.DUE_JOBS],
             [entry_id, pack(message), job_id, now],
         )
@@ -235,14 +233,14 @@ class StoreBatch:
         # EVALSHA straight away: redis-py's pipelined scripts would first ask SCRIPT EXISTS,
         # a round trip per batch. A server that lost its scripts (restart) gets them again.
         for attempt in (1, 2):
-            with self.store.conn.pipeline(transaction=False) as pipe:
+            with self.scripts.conn.pipeline(transaction=False) as pipe:
                 for script, names, args in commands:
                     pipe.evalsha(script.sha, len(names), *names, *args)
                 replies = pipe.execute(raise_on_error=False)
             if attempt == 2 or not any(isinstance(r, NoScriptError) for r in replies):
                 break
             for script in {id(c[0]): c[0] for c in commands}.values():
-                script.sha = self.store.conn.script_load(script.script)
+                script.sha = self.scripts.conn.script_load(script.script)
         return replies
 
 

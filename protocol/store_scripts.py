@@ -6,6 +6,9 @@ KEYS and ARGV. Status codes below zero tell the store which error to raise.
 
 from __future__ import annotations
 
+import redis
+from redis.commands.core import Script
+
 # KEYS[1] job info, KEYS[2] jobs index.
 # ARGV[1] job id, ARGV[2] now, ARGV[3] registration entry id, ARGV[4..] info field, value pairs.
 # Returns {1, entry id} when created, {0, owner entry id} when the job exists.
@@ -200,3 +203,21 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+
+
+class Scripts:
+    """Every script above, registered on one client (EVALSHA, loaded again when missing)."""
+
+    def __init__(self, conn: redis.Redis) -> None:
+        self.conn = conn
+        self.create_job: Script = conn.register_script(CREATE_JOB)
+        self.add_rank: Script = conn.register_script(ADD_RANK)
+        self.add_results: Script = conn.register_script(ADD_RESULTS)
+        self.add_control: Script = conn.register_script(ADD_CONTROL)
+        self.publish: Script = conn.register_script(PUBLISH)
+        self.record: Script = conn.register_script(RECORD)
+        self.snapshot: Script = conn.register_script(SNAPSHOT)
+        self.due: Script = conn.register_script(DUE)
+        self.delete_job: Script = conn.register_script(DELETE_JOB)
+        self.release: Script = conn.register_script(RELEASE)
+        self.renew: Script = conn.register_script(RENEW)
