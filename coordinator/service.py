@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 _WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
 _INFO_CACHE = 10_000  # job infos a coordinator keeps (degrees and world size never change)
 _BATCH = 100  # entries read per stream at a time
+_TOP_UPS = 3  # non-blocking reads that gather a burst of results into one batch
 _SWEEP_LIMIT = 1000  # due or idle jobs one sweep looks at, at most
 _RECONCILE_PAGE = 100  # jobs per sweep checked for work due but missing from the due set
 
@@ -215,20 +216,20 @@ class Coordinator:
             for entry_id, fields in entries
         ]
         results = sum(s == keys.RESULTS_STREAM for s, _, _ in batch)
-        if block_ms is not None and 0 < results < _BATCH:
+        for _ in range(_TOP_UPS if block_ms is not None and results else 0):
             # A blocked read returns with the first result of a burst (every rank reports at
-            # the end of the same step): take the rest now, so that they form one batch.
+            # the end of the same step): take what else arrived, so that they form one batch.
             more = self.conn.xreadgroup(
                 keys.COORDINATOR_GROUP,
                 self.consumer,
                 {keys.RESULTS_STREAM: start},
                 count=_BATCH - results,
             )
-            batch += [
-                (keys.RESULTS_STREAM, entry_id.decode(), fields)
-                for _stream, entries in more or []
-                for entry_id, fields in entries
-            ]
+            got = [(keys.RESULTS_STREAM, e.decode(), f) for _s, es in more or [] for e, f in es]
+            batch += got
+            results += len(got)
+            if not got or results >= _BATCH:
+                break
         return self.handle_batch(batch)
 
     def _claim_stale(self) -> int:
