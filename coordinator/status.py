@@ -10,6 +10,7 @@ from rq import Queue, Worker
 
 from protocol import keys
 from protocol.exceptions import PerseusError
+from protocol.models import ProfilingResult
 from protocol.store import JobStore
 
 
@@ -51,6 +52,13 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
         except PerseusError:
             continue
         version = store.version(job_id)
+        world = record.info.world_size
+        first = _iteration_figures(store.results(job_id, 1), world) if version else None
+        # The newest version all ranks reported for (the latest one may still be running).
+        latest = None
+        for v in (version, version - 1):
+            if v > 1 and latest is None:
+                latest = _iteration_figures(store.results(job_id, v), world)
         jobs.append(
             {
                 "job_id": job_id,
@@ -61,6 +69,8 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
                 "results_for_version": store.result_count(job_id, version) if version else 0,
                 "idle_s": round(now - last_active, 1),
                 "error": record.error,
+                "first": first,
+                "latest": latest,
             }
         )
     queue = Queue(keys.RQ_QUEUE, connection=conn)
@@ -75,6 +85,36 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
             "failed": queue.failed_job_registry.count,
         },
     }
+
+
+def _iteration_figures(results: list[ProfilingResult], world_size: int) -> dict[str, float] | None:
+    """A version's time and energy per iteration (all ranks reported), or None.
+
+    Ranks run in lockstep, so the job's iteration takes the slowest rank's time and the sum of
+    every rank's energy.
+    """
+    if len(results) < world_size or not all(r.iter_time and r.iter_energy for r in results):
+        return None
+    return {
+        "version": results[0].schedule_version,
+        "time_s": max(sum(r.iter_time) / len(r.iter_time) for r in results),
+        "energy_j": sum(sum(r.iter_energy) / len(r.iter_energy) for r in results),
+    }
+
+
+def _savings(job: dict[str, Any]) -> str:
+    """``latest J/iter (v1 -> vN: -x% energy, +y% time)``, or what is missing."""
+    first, latest = job.get("first"), job.get("latest")
+    if first is None:
+        return "-"
+    if latest is None:
+        return f"{first['energy_j']:.1f} J/it (v1)"
+    energy = latest["energy_j"] / first["energy_j"] - 1
+    slower = latest["time_s"] / first["time_s"] - 1
+    return (
+        f"{latest['energy_j']:.1f} J/it v{latest['version']}: {energy:+.1%} energy, "
+        f"{slower:+.1%} time vs v1"
+    )
 
 
 def _planner_runs(conn: redis.Redis, limit: int = 20) -> list[dict[str, Any]]:
@@ -100,13 +140,14 @@ def format_snapshot(snap: dict[str, Any]) -> str:
     lines = [f"jobs: {len(snap['jobs'])}"]
     if snap["jobs"]:
         lines.append(
-            f"  {'JOB ID':<58} {'RANKS':>7} {'VER':>4} {'RESULTS':>8} {'IDLE s':>8}  ERROR"
+            f"  {'JOB ID':<58} {'RANKS':>7} {'VER':>4} {'RESULTS':>8} {'IDLE s':>8}  "
+            "ENERGY PER ITERATION / ERROR"
         )
         for job in snap["jobs"]:
             lines.append(
                 f"  {job['job_id']:<58} {job['ranks']:>3}/{job['world_size']:<3} "
                 f"{job['version']:>4} {job['results_for_version']:>4}/{job['world_size']:<3} "
-                f"{job['idle_s']:>8}  {job['error']}"
+                f"{job['idle_s']:>8}  {job['error'] or _savings(job)}"
             )
     if snap.get("plans"):
         lines.append(f"planner runs: {len(snap['plans'])}")

@@ -61,6 +61,16 @@ class FrequencyScheduler:
         bad configuration fails before any training starts.
         """
 
+    @classmethod
+    def check_files(cls, args: dict[str, Any]) -> None:
+        """Raise ConfigError if what ``args`` point at (plan files, folders) is unusable.
+
+        Called when a coordinator starts with these settings (the operator's), so that a
+        missing or broken file stops it at once instead of failing every job later. Not
+        called for arguments a job sends: telling a client whether a server path exists
+        would leak it.
+        """
+
     def observe(self, profiling_results: list[ProfilingResult]) -> None:
         """Take in the profiling results of the schedule last returned by next_schedule.
 

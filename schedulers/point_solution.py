@@ -106,6 +106,12 @@ class PointSolution(FrequencyScheduler):
                 f"(its text); got {given or 'neither'}"
             )
 
+    @classmethod
+    def check_files(cls, args: dict[str, Any]) -> None:
+        """The plan file must exist and parse."""
+        if args.get("solution_path") is not None:
+            read_plan_file(args["solution_path"])
+
     def _run(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
         """Yield the plan once; the base class then serves it forever."""
         yield [

@@ -222,7 +222,7 @@ _POLICY_HELP = (
 )
 @click.argument("frontier_dir", metavar="DIR", type=click.Path(file_okay=False))
 @click.option("--policy", "-p", default="no-slowdown", show_default=True, help=_POLICY_HELP)
-@click.option("--value", "-v", type=float, default=None, help="The policy's FACTOR or SECONDS.")
+@click.option("--value", type=float, default=None, help="The policy's FACTOR or SECONDS.")
 @click.option(
     "--plot", is_flag=True, help="Draw the frontier with the plan marked, and its timeline."
 )
