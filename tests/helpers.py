@@ -84,6 +84,34 @@ def stop(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
         proc.wait(timeout=timeout)
 
 
+IMPORT_BLOCKER = """
+import sys
+
+class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {names!r}:
+            raise ImportError(name + " {reason}")
+        return None
+
+sys.meta_path.insert(0, _Blocked())
+"""
+
+
+def blocking_env(tmp_path: Path, names: Iterable[str], reason: str, **extra: str) -> dict[str, str]:
+    """A subprocess environment in which the top-level packages ``names`` cannot be imported.
+
+    A ``sitecustomize`` on ``PYTHONPATH`` installs the block, so processes those spawn (rq's
+    work horses, P2P ranks) are blocked too. Importing one raises ``ImportError(name + reason)``.
+    """
+    site = tmp_path / "blocked-site"
+    site.mkdir(exist_ok=True)
+    text = IMPORT_BLOCKER.format(names=set(names), reason=reason)
+    (site / "sitecustomize.py").write_text(text)
+    env = subprocess_env(tmp_path, **extra)
+    env["PYTHONPATH"] = os.pathsep.join((str(site), env["PYTHONPATH"]))
+    return env
+
+
 def make_settings(redis_url: str, scheduler: str = TOY_SCHEDULER, **kw: Any) -> PerseusSettings:
     """Coordinator settings for tests (the toy StepDown scheduler by default)."""
     return PerseusSettings(redis_url=redis_url, scheduler=scheduler, **kw)
