@@ -35,6 +35,7 @@ from protocol.deadletter import get_dead_letter, list_dead_letters, replay
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.scheduler import BUILTIN, FrequencyScheduler, resolve_scheduler
 from protocol.store import JobStore
+from schedulers.instruction_profiler import PROFILE_ARTIFACT
 from schedulers.planning.cli import choose_command, optimize_command
 from worker_client.gpu.cli import profile_p2p_command
 from worker_client.hook.session import CoordinatorClient
@@ -277,6 +278,45 @@ def dump(redis_url: str | None, job_id: str, out_dir: str) -> None:
     except OSError as exc:
         raise click.ClickException(f"cannot write the dump under {out_dir}: {exc}") from None
     click.echo(f"wrote {folder}")
+
+
+@main.command()
+@redis_url_option
+@click.argument("job_id")
+@click.option(
+    "--out",
+    "out_path",
+    default="profile.csv",
+    show_default=True,
+    help="File to write; - for standard output.",
+)
+def profile(redis_url: str | None, job_id: str, out_path: str) -> None:
+    """Fetch the instruction profile that JOB_ID's InstructionProfiler measured.
+
+    The CSV is what `perseus optimize` reads: profile a job, then optimize, choose and train
+    with the chosen plan (Zeus's workflow).
+    """
+    settings = _settings(redis_url=redis_url)
+    store = JobStore(_connect(settings.redis_url))
+    try:
+        record = store.get_job(job_id)
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
+    data = store.artifacts(job_id).get(PROFILE_ARTIFACT)
+    if data is None:
+        state = f"error: {record.error}" if record.error else f"at version {store.version(job_id)}"
+        raise click.ClickException(
+            f"job {job_id} has no profile yet ({record.config.scheduler}, {state}); a job that "
+            "registers with scheduler='InstructionProfiler' gets one when its sweep ends"
+        )
+    if out_path == "-":
+        click.echo(data.decode(), nl=False)
+        return
+    try:
+        Path(out_path).write_bytes(data)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {out_path}: {exc}") from None
+    click.echo(f"wrote {out_path} ({len(data.splitlines()) - 1} rows); next: perseus optimize")
 
 
 # Negative numbers are arguments here, so that `perseus target JOB -1` says what is wrong

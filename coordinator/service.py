@@ -35,7 +35,7 @@ from protocol.models import (
     make_job_id,
     pack,
 )
-from protocol.scheduler import BUILTIN, check_scheduler_args
+from protocol.scheduler import BUILTIN, check_scheduler_args, resolve_scheduler
 from protocol.store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -303,7 +303,8 @@ class Coordinator:
         )
         if count == record.info.world_size:
             self.enqueue_advance(record.job_id)
-        return Reply(ok=True, job_id=record.job_id)
+        needs = resolve_scheduler(record.config.scheduler).needs_instruction_energy
+        return Reply(ok=True, job_id=record.job_id, instruction_energy=needs)
 
     def _report_result(self, message: ReportResult) -> None:
         record = self.store.get_job(message.job_id)

@@ -213,9 +213,10 @@ def advance_job(
         except redis.RedisError:
             raise  # Transient: the coordinator's sweep enqueues the work again.
         except Exception as exc:
-            # Recorded on the job: clients waiting for a schedule report it, and the
-            # coordinator stops re-enqueueing a job whose scheduler fails deterministically.
-            store.set_fields(job_id, error=f"{type(exc).__name__}: {exc}")
+            # Recorded on the job: clients waiting for a schedule report it, running ranks'
+            # watchers log it, and the coordinator stops re-enqueueing a job whose scheduler
+            # fails deterministically.
+            store.fail_job(job_id, f"{type(exc).__name__}: {exc}")
             logger.error("job %s: %s", job_id, exc)
             raise
         finally:

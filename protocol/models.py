@@ -289,6 +289,8 @@ class Reply(_Model):
     ok: bool
     job_id: str = ""
     error: str = ""
+    # To a rank's registration: the job's scheduler needs per-instruction energy.
+    instruction_energy: bool = False
 
 
 # ---------------------------------------------------------------------------------------------

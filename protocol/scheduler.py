@@ -43,6 +43,9 @@ class FrequencyScheduler:
         self._pending_results: list[ProfilingResult] | None = None
         self._finished = False
 
+    needs_instruction_energy: bool = False
+    """Whether results must carry ``energy_breakdown`` (the hook then measures it itself)."""
+
     @property
     def converged(self) -> bool:
         """True once the schedule can only change on a control message, not on results.

@@ -64,6 +64,9 @@ _THEN_KEYS = {"p2p_power", "unit_time", "policy", "policy_arg", "out_dir"}
 
 Key = tuple[int, str]  # (stage, instruction)
 
+PROFILE_ARTIFACT = "profile.csv"
+"""The artifact name under which a finished sweep stores its profile (``perseus profile``)."""
+
 
 @dataclass
 class Sweep:
@@ -126,6 +129,8 @@ class InstructionProfiler(FrequencyScheduler):
         ProtocolError: Missing or duplicate ranks.
 
     """
+
+    needs_instruction_energy = True
 
     def __init__(
         self,
@@ -306,7 +311,7 @@ class InstructionProfiler(FrequencyScheduler):
 
     def artifacts(self) -> dict[str, bytes]:
         """``profile.csv`` once profiling is done."""
-        return {"profile.csv": self.csv_bytes()} if self.done else {}
+        return {PROFILE_ARTIFACT: self.csv_bytes()} if self.done else {}
 
     def write_csv(self) -> None:
         """Write the profile to ``out_path`` atomically; leave an identical file untouched."""

@@ -16,6 +16,7 @@ import redis
 from click.testing import CliRunner
 
 from coordinator.cli import main
+from protocol import keys
 from protocol.models import JobInfo
 from schedulers.planning.plan_file import write_plan_file
 from tests.helpers import ROOT, subprocess_env, wait_for
@@ -218,3 +219,15 @@ def test_profile_p2p_on_the_simulated_gpu_leaves_no_state_behind(tmp_path):
     after = set(shm.glob("perseus-sim-gpu-*")) if shm.exists() else set()
     assert after <= before
     assert not list(tmp_path.glob("perseus-sim-gpu-*"))
+
+
+def test_profile_fetches_the_sweeps_csv_or_says_why_there_is_none(r, redis_url, job, tmp_path):
+    code, out = perseus("profile", job, "--out", str(tmp_path / "p.csv"), "--redis-url", redis_url)
+    assert code == 1 and "has no profile yet (PointSolution, at version" in out
+    csv_text = "stage,instruction,frequency,time,energy\n0,forward,1980,0.01,3.0\n"
+    r.hset(keys.job_artifacts(job), "profile.csv", csv_text)
+    code, out = perseus("profile", job, "--out", str(tmp_path / "p.csv"), "--redis-url", redis_url)
+    assert code == 0 and "(1 rows)" in out
+    assert (tmp_path / "p.csv").read_text() == csv_text
+    code, out = perseus("profile", job, "--out", "-", "--redis-url", redis_url)
+    assert code == 0 and out == csv_text

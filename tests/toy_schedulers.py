@@ -70,3 +70,17 @@ class WithArtifact(StepDown):
 
     def artifacts(self) -> dict[str, bytes]:
         return {"note.txt": b"made by version 1"}
+
+
+class FailsAfterFirst(StepDown):
+    """Serves one version, then fails on the results: a scheduler failure mid-training."""
+
+    def _run(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
+        yield self._schedules(0)
+        raise RuntimeError("this scheduler fails after its first version on purpose")
+
+
+class NeedsInstructionEnergy(StepDown):
+    """StepDown that asks for per-instruction energy, as InstructionProfiler does."""
+
+    needs_instruction_energy = True

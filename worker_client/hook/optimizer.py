@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from protocol.exceptions import PerseusError, ScheduleError
+from protocol.exceptions import ConfigError, JobFailedError, PerseusError, ScheduleError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import NVML
@@ -82,9 +82,11 @@ class PerseusOptimizer(Callback):
             Default: a :class:`~worker_client.hook.energy_source.CounterEnergySource` on this
             hook's NVML, i.e. the GPU's energy counter (0 J if the GPU has none).
         instruction_energy: Also mark instruction boundaries and report
-            ``energy_breakdown`` (same shape as ``time_breakdown``). Needed by
-            per-instruction profilers; with the counter source on a real GPU each mark costs
-            a few ms, so prefer a ``MonitorEnergySource`` there.
+            ``energy_breakdown`` (same shape as ``time_breakdown``). ``None`` (default): when
+            the job's scheduler needs it (``InstructionProfiler``), as the coordinator's reply
+            to this rank's registration says; ``False`` with such a scheduler is an error.
+            With the counter source on a real GPU each mark costs a few ms, so prefer a
+            ``MonitorEnergySource`` there.
         sync_fn: Waits for the GPU to finish queued work before timing an instruction.
         clock: Seconds for iteration and instruction times (default ``time.perf_counter``);
             simulations pass their simulated clock.
@@ -97,6 +99,10 @@ class PerseusOptimizer(Callback):
             and are sent once Redis is back.
         heartbeat_interval: Seconds between this rank's heartbeats, which keep the job from
             being deleted as idle while it trains on a schedule that no longer changes.
+        raise_on_job_error: If the job's scheduler fails, raise
+            :class:`~protocol.exceptions.JobFailedError` at the next step end. Default: log the
+            error loudly once (every rank) and train on at the last schedule; the error is
+            also in :attr:`job_error`.
     """
 
     def __init__(
@@ -118,13 +124,14 @@ class PerseusOptimizer(Callback):
         report_every: int = 10,
         schedule_timeout: float = 120.0,
         energy_source: EnergySource | None = None,
-        instruction_energy: bool = False,
+        instruction_energy: bool | None = None,
         sync_fn: Callable[[], None] | None = None,
         clock: Callable[[], float] | None = None,
         scheduler: str | None = None,
         scheduler_args: dict[str, Any] | None = None,
         outage_timeout: float | None = None,
         heartbeat_interval: float = 60.0,
+        raise_on_job_error: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Create PerseusOptimizer after torch.distributed.init_process_group")
@@ -140,7 +147,7 @@ class PerseusOptimizer(Callback):
         self.client = CoordinatorClient(redis_url)
         self._sync = sync_fn or _default_sync(device_id)
         self._clock = clock or time.perf_counter
-        self.instruction_energy = instruction_energy
+        self.raise_on_job_error = raise_on_job_error
 
         # Rank 0 registers the job; validation errors surface here, before any broadcast.
         job_id: str | None = None
@@ -166,7 +173,7 @@ class PerseusOptimizer(Callback):
 
         self.nvml = NVML(nvml_module)
         frequencies = self.nvml.graphics_clocks(device_id)
-        self.client.register_rank(
+        reply = self.client.register_rank(
             self.job_id,
             RankInfo(
                 rank=rank,
@@ -176,6 +183,13 @@ class PerseusOptimizer(Callback):
                 available_frequencies=frequencies,
             ),
         )
+        if instruction_energy is False and reply.instruction_energy:
+            raise ConfigError(
+                f"job {self.job_id}: its scheduler needs per-instruction energy; leave "
+                "instruction_energy unset (or True) to measure it"
+            )
+        # Unset: measure per-instruction energy exactly when the job's scheduler needs it.
+        self.instruction_energy = bool(reply.instruction_energy or instruction_energy)
         if energy_source is None:
             energy_source = CounterEnergySource(self.nvml, device_id)
         self.energy_source: EnergySource = energy_source
@@ -207,6 +221,11 @@ class PerseusOptimizer(Callback):
         self.swaps: list[tuple[int, int]] = []  # (step, version) of every swap, for inspection
         self._in_step = False
         self._closed = False
+
+    @property
+    def job_error(self) -> str:
+        """The job's scheduler failure as announced to the ranks; empty while there is none."""
+        return self.watcher.job_error
 
     # --- measurement -----------------------------------------------------------------------
     def _reset_window(self) -> None:
@@ -297,6 +316,8 @@ class PerseusOptimizer(Callback):
         for worker in (self.watcher, self.reporter):
             if worker.error is not None:
                 raise worker.error
+        if self.raise_on_job_error and self.watcher.job_error:
+            raise JobFailedError(f"job {self.job_id}: scheduler failed: {self.watcher.job_error}")
         self._resend_if_republished()
         newer = self.watcher.take()
         if newer is not None:
