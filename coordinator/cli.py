@@ -216,6 +216,10 @@ def worker(
         preload_schedulers()
     cls = PerseusSimpleWorker if simple else PerseusWorker
     conn = _connect(settings.redis_url)
+    kind = "in-process" if simple else "forking"
+    click.echo(
+        f"perseus worker: queue={keys.RQ_QUEUE} {kind} redis={redact_url(settings.redis_url)}"
+    )
     run_workers(
         lambda: cls([keys.RQ_QUEUE], connection=conn, name=name),
         burst=burst,

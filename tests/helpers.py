@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,18 @@ TOY_SCHEDULER = "tests.toy_schedulers:StepDown"
 FAST_RECOVERY = {"PERSEUS_STALL_TIMEOUT": "2", "PERSEUS_RECONCILE_INTERVAL": "0.3"}
 
 T = TypeVar("T")
+
+
+def free_ports(n: int = 1) -> list[int]:
+    """``n`` distinct TCP ports of 127.0.0.1 that were free a moment ago."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def wait_for(

@@ -22,6 +22,7 @@ import redis
 from pydantic import ValidationError
 
 from protocol import keys
+from protocol.connection import connect, redact_url
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
 from worker_client.power_limit.selectors import PowerLimitProfile
 
@@ -76,18 +77,18 @@ class PowerLimitProfileStore:
 
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, where: str = "") -> None:
         self.client = client
+        self.where = where  # the server, for messages (never its password)
 
     @classmethod
     def from_url(cls, url: str, timeout: float = 5.0) -> PowerLimitProfileStore:
-        """Connect to the Redis at ``url`` (e.g. ``redis://host:6379/0``)."""
-        return cls(
-            redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-        )
+        """Connect to the Redis at ``url`` (any URL :func:`protocol.connection.connect` takes)."""
+        return cls(connect(url, socket_timeout=timeout, connect_timeout=timeout), redact_url(url))
 
     def _unavailable(self, exc: redis.RedisError) -> CoordinatorUnavailableError:
-        return CoordinatorUnavailableError(f"Redis failed on power-limit profiles: {exc}")
+        at = f" at {self.where}" if self.where else ""
+        return CoordinatorUnavailableError(f"Redis{at} failed on power-limit profiles: {exc}")
 
     def save(
         self,
