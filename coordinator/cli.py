@@ -11,6 +11,7 @@ import inspect
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -30,6 +31,7 @@ from coordinator.settings import PerseusSettings, unknown_variables
 from coordinator.status import format_snapshot, snapshot
 from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_workers
 from protocol import keys
+from protocol.acl import ROLES, acl_file, role_user
 from protocol.cli_options import connect_or_fail, redact_url, redis_url_option, setting_option
 from protocol.deadletter import get_dead_letter, list_dead_letters, replay
 from protocol.exceptions import ConfigError, PerseusError
@@ -364,6 +366,47 @@ def _takes_target(name: str) -> bool:
         return resolve_scheduler(name).set_target is not FrequencyScheduler.set_target
     except ConfigError:
         return False
+
+
+@main.command("acl")
+@click.option(
+    "--out",
+    "out_path",
+    default="-",
+    show_default=True,
+    help="ACL file to write (- for standard output); load it with redis-server --aclfile.",
+)
+@click.option(
+    "--redis-major",
+    type=click.IntRange(min=6),
+    default=7,
+    show_default=True,
+    help="Server major version: 7 makes job keys read-only for ranks; 6 cannot.",
+)
+def acl_command(out_path: str, redis_major: int) -> None:
+    """Write Redis ACL users for ranks, services and operators (README "Who may do what").
+
+    Passwords come from PERSEUS_ACL_RANK_PASSWORD, PERSEUS_ACL_SERVICE_PASSWORD and
+    PERSEUS_ACL_OPERATOR_PASSWORD; a role without one gets a random password, printed once to
+    standard error. The file holds SHA-256 hashes only. Clients log in with
+    redis://perseus-ROLE:PASSWORD@host:6379/0.
+    """
+    passwords = {}
+    for role in ROLES:
+        given = os.environ.get(f"PERSEUS_ACL_{role.upper()}_PASSWORD")
+        passwords[role] = given or secrets.token_urlsafe(24)
+        if not given:
+            click.echo(f"{role_user(role)} password: {passwords[role]}", err=True)
+    text = acl_file(passwords, redis_major)
+    if out_path == "-":
+        click.echo(text, nl=False)
+        return
+    try:
+        Path(out_path).write_text(text)
+        os.chmod(out_path, 0o600)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {out_path}: {exc}") from None
+    click.echo(f"wrote {out_path}: users {', '.join(role_user(r) for r in ROLES)}", err=True)
 
 
 @main.command("redis")

@@ -89,6 +89,10 @@ OTHER_VARIABLES = frozenset(
         # Read by docker-compose.yml and benchmarks/device_h100.sh, not by the services.
         "PERSEUS_PLAN",
         "PERSEUS_DEVICE_SIMULATE",
+        # `perseus acl`'s passwords.
+        "PERSEUS_ACL_RANK_PASSWORD",
+        "PERSEUS_ACL_SERVICE_PASSWORD",
+        "PERSEUS_ACL_OPERATOR_PASSWORD",
     }
 )
 """``PERSEUS_*`` variables that are not settings but are read elsewhere."""

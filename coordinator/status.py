@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 import redis
-from rq import Queue, Worker
+from rq import Queue, worker_registration
 
 from protocol import keys
 from protocol.exceptions import PerseusError
@@ -78,11 +78,12 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
         "jobs": jobs,
         "plans": _planner_runs(conn),
         "streams": [_stream_info(conn, s) for s in (*keys.INPUT_STREAMS, keys.DEADLETTER_STREAM)],
+        # Counted without rq's cleanups (which write), so that a read-only operator can look.
         "rq": {
             "queue": keys.RQ_QUEUE,
             "queued": queue.count,
-            "workers": len(Worker.all(queue=queue)),
-            "failed": queue.failed_job_registry.count,
+            "workers": len(worker_registration.get_keys(queue=queue)),
+            "failed": queue.failed_job_registry.get_job_count(cleanup=False),
         },
     }
 
@@ -107,7 +108,7 @@ def _savings(job: dict[str, Any]) -> str:
     first, latest = job.get("first"), job.get("latest")
     if first is None:
         return "-"
-    if latest is None:
+    if latest is None or not (first["energy_j"] > 0 and first["time_s"] > 0):
         return f"{first['energy_j']:.1f} J/it (v1)"
     energy = latest["energy_j"] / first["energy_j"] - 1
     slower = latest["time_s"] / first["time_s"] - 1

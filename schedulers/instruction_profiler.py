@@ -131,6 +131,7 @@ class InstructionProfiler(FrequencyScheduler):
     """
 
     needs_instruction_energy = True
+    server_path_args = frozenset({"out_path", "then"})  # then names an output folder
 
     def __init__(
         self,
