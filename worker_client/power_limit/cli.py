@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from datetime import datetime, timezone
 
 import click
 
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
+from worker_client.power_limit.profile import format_profile, format_table, format_time
 from worker_client.power_limit.store import PowerLimitProfileStore
 
 _redis_url_option = click.option(
@@ -22,20 +22,6 @@ _redis_url_option = click.option(
     show_default=True,
     help="Redis holding the profiles (env PERSEUS_REDIS_URL).",
 )
-
-
-def _when(unix: float) -> str:
-    return datetime.fromtimestamp(unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-        for row in [header, *rows]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 @click.group("power-limit")
@@ -64,11 +50,11 @@ def show(workload: str | None, redis_url: str, as_json: bool) -> None:
                     s.workload,
                     "?" if s.optimal_power_limit is None else str(s.optimal_power_limit),
                     str(s.num_measurements),
-                    _when(s.updated_at),
+                    format_time(s.updated_at),
                 ]
                 for s in summaries
             ]
-            click.echo(_table(["workload", "limit (W)", "measurements", "updated"], rows))
+            click.echo(format_table(["workload", "limit (W)", "measurements", "updated"], rows))
             return
         profile = store.load(workload)
         if profile is None:
@@ -76,21 +62,7 @@ def show(workload: str | None, redis_url: str, as_json: bool) -> None:
         if as_json:
             click.echo(profile.model_dump_json(indent=2))
             return
-        click.echo(
-            f"{workload}: optimal {profile.optimal_power_limit} W, chosen by "
-            f"{profile.selector or '?'}, updated {_when(profile.updated_at)}"
-        )
-        rows = [
-            [
-                ("* " if m.power_limit == profile.optimal_power_limit else "  ")
-                + str(m.power_limit),
-                f"{m.time:.3f}",
-                f"{m.energy:.1f}",
-                f"{m.energy / m.time:.1f}" if m.time > 0 else "-",
-            ]
-            for m in profile.measurements
-        ]
-        click.echo(_table(["  limit (W)", "time (s)", "energy (J)", "avg power (W)"], rows))
+        click.echo(format_profile(workload, profile))
     except (CoordinatorUnavailableError, ConfigError, ProtocolError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
