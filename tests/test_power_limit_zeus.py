@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel, PositiveFloat, PositiveInt
 
 from tests import fake_nvml_power as fake
 from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, limits_now, limits_set, run_steps
@@ -225,3 +226,30 @@ def test_training_after_close_when_done_goes_back_to_the_optimum(
     assert training.step_limits[-2:] == [optimum, optimum]
     opt.close()
     assert limits_now() == [300, 300]
+
+
+# Zeus's reader: pydantic (v1) models, unknown keys ignored, every number positive.
+class ZeusMeasurement(BaseModel):
+    power_limit: PositiveInt
+    energy: PositiveFloat
+    time: PositiveFloat
+
+
+class ZeusProfileFile(BaseModel):
+    measurements: list[ZeusMeasurement]
+
+
+def test_zeus_reads_the_profile_file_written_here(training: ReplayTraining, tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    opt = make(training, profile_path=path, optimum_selector=Energy())
+    run_steps(opt, training, 40)
+    as_zeus = ZeusProfileFile.model_validate_json(path.read_text())
+    assert [(z.power_limit, z.energy, z.time) for z in as_zeus.measurements] == [
+        (x.power_limit, x.energy, x.time) for x in opt.measurements
+    ]
+    # Zeus, given the same file and selector, keeps the limit this run kept.
+    assert limits_now() == [Energy().select(opt.measurements)] * 2
+    assert min(as_zeus.measurements, key=lambda z: z.energy).power_limit == limits_now()[0]
+    # And a second run here reads it back.
+    again = make(training, profile_path=path, optimum_selector=Energy())
+    assert again.measurements == opt.measurements
