@@ -46,8 +46,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from pydantic import BaseModel
-
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, GPUError
 from worker_client.gpu.nvml import NVML
 from worker_client.power_limit.profile import (
@@ -63,6 +61,7 @@ from worker_client.power_limit.selectors import (
     Time,
     ZeusCost,
 )
+from worker_client.power_limit.states import Done, Paused, Profiling, Ready, State, Warmup
 
 if TYPE_CHECKING:
     from worker_client.power_limit.store import PowerLimitProfileStore
@@ -94,51 +93,6 @@ __all__ = [  # selectors, measurements and profile files live in their own modul
 
 Reducer = Callable[[float, float], tuple[float, float]]
 """(local time s, local energy J) -> (job time, job energy) across ranks."""
-
-
-# --- states (power limits in milliwatts, as Zeus's) ------------------------------------------
-class Ready(BaseModel):
-    """Waiting for the next step to start warming up ``next_power_limit`` (mW)."""
-
-    next_power_limit: int
-
-
-class Warmup(BaseModel):
-    """Running warm-up steps at ``current_power_limit`` (mW); ``steps`` begun so far."""
-
-    current_power_limit: int
-    steps: int = 1
-
-
-class Profiling(BaseModel):
-    """Measuring ``current_power_limit`` (mW); ``steps`` measured so far, this one included."""
-
-    current_power_limit: int
-    steps: int = 1
-
-
-class Paused(BaseModel):
-    """An epoch ended (or :meth:`close` ran) mid-limit with ``carry_across_epochs``.
-
-    Attributes:
-        current_power_limit: The limit being profiled, mW.
-        warmup_steps: Warm-up steps already run at it.
-        profile_steps: Steps already measured (their time and energy are kept).
-
-    """
-
-    current_power_limit: int
-    warmup_steps: int
-    profile_steps: int
-
-
-class Done(BaseModel):
-    """Profiling finished (or skipped); training runs at ``optimal_power_limit`` (mW)."""
-
-    optimal_power_limit: int
-
-
-State = Ready | Warmup | Profiling | Paused | Done
 
 
 # --- monitor interface --------------------------------------------------------------------------
@@ -186,6 +140,10 @@ def torch_distributed_reducer(time_s: float, energy_j: float) -> tuple[float, fl
 def power_limit_ladder(max_mw: int, min_mw: int, pl_step: int) -> list[int]:
     """Zeus's profiled limits (mW): ``max_mw`` down by ``pl_step`` W, none below ``min_mw``."""
     return list(range(max_mw, min_mw - 1, -pl_step * 1000))
+
+
+def _watts(milliwatts: int) -> str:
+    return f"{milliwatts / 1000:g} W"
 
 
 def _is_permission_error(exc: GPUError) -> bool:
@@ -276,6 +234,7 @@ class GlobalPowerLimitOptimizer:
         # The measured part of the limit being profiled: windows paused over epoch ends add up.
         self._carried_time = self._carried_energy = 0.0
         self._resume_steps = 0  # measured steps a paused window resumes from
+        self._profiled_at = 0.0  # unix time the profile was made (0: unknown)
         self.current_power_limit: int | None = None  # mW, the last one set
 
         self.min_power_limit_mw, self.max_power_limit_mw = self._limit_range()
@@ -288,8 +247,9 @@ class GlobalPowerLimitOptimizer:
         profile = self._load_profile()
         if profile is not None:
             self.measurements = list(profile.measurements)
+            self._profiled_at = profile.updated_at
             optimal = self._compute_optimal_power_limit()
-            logger.info("using a stored power-limit profile: %d mW", optimal)
+            logger.info("using a stored power-limit profile: %s", _watts(optimal))
             self.state = Done(optimal_power_limit=optimal)
             self._set_power_limit(optimal)
         else:
@@ -343,8 +303,8 @@ class GlobalPowerLimitOptimizer:
         """Mark the end of an epoch: interrupt the limit being profiled, back to the maximum."""
         if isinstance(self.state, Warmup | Profiling):
             logger.info(
-                "epoch ended while profiling %d mW (%s)",
-                self.state.current_power_limit,
+                "epoch ended while profiling %s (%s)",
+                _watts(self.state.current_power_limit),
                 "paused" if self.carry_across_epochs else "it starts over",
             )
             self._interrupt(self.state)
@@ -372,6 +332,17 @@ class GlobalPowerLimitOptimizer:
             self._set_power_limit(self.max_power_limit_mw)
         except GPUError as exc:
             logger.warning("could not restore the maximum power limit: %s", exc)
+
+    def profile(self) -> PowerLimitProfile | None:
+        """The measurements and the chosen limit once Done (what a profile file holds)."""
+        if not isinstance(self.state, Done):
+            return None
+        return PowerLimitProfile(
+            measurements=self.measurements,
+            optimal_power_limit=self.state.optimal_power_limit // 1000,
+            selector=repr(self.optimum_selector),
+            updated_at=self._profiled_at,
+        )
 
     # --- internals ----------------------------------------------------------------------------
     @staticmethod
@@ -432,10 +403,10 @@ class GlobalPowerLimitOptimizer:
             self.state = Warmup(current_power_limit=following)
             return
         optimal = self._compute_optimal_power_limit()
-        logger.info("profiling done; optimal power limit %d mW", optimal)
+        logger.info("profiling done; optimal power limit %s", _watts(optimal))
         self.state = Done(optimal_power_limit=optimal)
         self._set_power_limit(optimal)
-        self._save_profile(optimal)
+        self._save_profile()
 
     def _limit_range(self) -> tuple[int, int]:
         ranges = {i: self.nvml.power_limit_constraints_mw(i) for i in self.gpu_indices}
@@ -459,7 +430,7 @@ class GlobalPowerLimitOptimizer:
                 if not _is_permission_error(exc):
                     raise
                 raise GPUError(
-                    f"not allowed to set GPU {i}'s power limit to {milliwatts} mW: "
+                    f"not allowed to set GPU {i}'s power limit to {_watts(milliwatts)}: "
                     "nvmlDeviceSetPowerManagementLimit needs root or the CAP_SYS_ADMIN "
                     "capability (run training as root, or grant CAP_SYS_ADMIN, e.g. "
                     f"`docker run --cap-add SYS_ADMIN`); NVML said: {exc}"
@@ -471,7 +442,9 @@ class GlobalPowerLimitOptimizer:
         clamped = min(max(chosen, self.min_power_limit_mw), self.max_power_limit_mw)
         if clamped != chosen:
             logger.warning(
-                "profile's limit %d mW is outside this GPU's range; using %d mW", chosen, clamped
+                "profile's limit %s is outside this GPU's range; using %s",
+                _watts(chosen),
+                _watts(clamped),
             )
         return clamped
 
@@ -485,13 +458,10 @@ class GlobalPowerLimitOptimizer:
                 logger.warning("cannot load the stored power-limit profile: %s", exc)
         return None
 
-    def _save_profile(self, optimal_mw: int) -> None:
-        profile = PowerLimitProfile(
-            measurements=self.measurements,
-            optimal_power_limit=optimal_mw // 1000,
-            selector=repr(self.optimum_selector),
-            updated_at=time.time(),
-        )
+    def _save_profile(self) -> None:
+        self._profiled_at = time.time()
+        profile = self.profile()
+        assert profile is not None
         if self.profile_path is not None:
             save_profile_file(profile, self.profile_path)
         if self.profile_store is not None and self.workload is not None:
