@@ -473,3 +473,38 @@ fake.run_steps(opt, training, 3)
         [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "limits [250000, 300000]"
+
+
+def test_cli_import_export_zeus_files(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    zeus_file = tmp_path / "zeus.json"
+    rows = [{"power_limit": pl, "energy": e, "time": t} for pl, (t, e) in RESULTS.items()]
+    zeus_file.write_text(json.dumps({"measurements": rows}, indent=4))
+    runner = CliRunner()
+    url = ["--redis-url", redis_url]
+
+    result = runner.invoke(power_limit_group, ["show", "--file", str(zeus_file)])
+    assert result.exit_code == 0, result.output
+    assert "no limit chosen" in result.output
+    assert result.output.splitlines()[3].split()[:3] == ["300", "10.000", "1000.0"]
+
+    result = runner.invoke(power_limit_group, ["import", str(zeus_file), "resnet", *url])
+    assert result.exit_code == 0, result.output
+    stored = PowerLimitProfileStore(r).load("resnet")
+    assert stored is not None
+    assert stored.measurements == MEASUREMENTS
+    assert stored.optimal_power_limit is None
+    result = runner.invoke(power_limit_group, ["show", *url])
+    assert result.output.splitlines()[2].split()[:3] == ["resnet", "?", "4"]
+
+    out = tmp_path / "out" / "back.json"
+    result = runner.invoke(power_limit_group, ["export", "resnet", str(out), *url])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["measurements"] == rows
+
+    zeus_file.write_text('{"measurements": [{"power_limit": 300, "energy": 1}]}')
+    result = runner.invoke(power_limit_group, ["import", str(zeus_file), "resnet", *url])
+    assert result.exit_code == 1
+    assert f"{zeus_file}: measurements[0].time: Field required" in result.output
+    result = runner.invoke(power_limit_group, ["export", "nope", str(out), *url])
+    assert result.exit_code == 1
+    assert "no power-limit profile stored for 'nope'" in result.output

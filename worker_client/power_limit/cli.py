@@ -1,4 +1,7 @@
-"""``perseus power-limit``: inspect and delete power-limit profiles stored in Redis.
+"""``perseus power-limit``: inspect, import, export and delete power-limit profiles in Redis.
+
+Profile files are Zeus's format (:mod:`worker_client.power_limit.profile`), so a profile can
+go from a Zeus run to Redis (``import``) and back (``export``).
 
 The group is registered on the ``perseus`` command by the root command group
 (:mod:`coordinator.cli`).
@@ -8,11 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import click
 
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
-from worker_client.power_limit.profile import format_profile, format_table, format_time
+from worker_client.power_limit.profile import (
+    format_profile,
+    format_table,
+    format_time,
+    load_profile_file,
+    save_profile_file,
+)
 from worker_client.power_limit.store import PowerLimitProfileStore
 
 _redis_url_option = click.option(
@@ -33,8 +43,23 @@ def power_limit_group() -> None:
 @click.argument("workload", required=False)
 @_redis_url_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def show(workload: str | None, redis_url: str, as_json: bool) -> None:
+@click.option(
+    "--file",
+    "path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Show this profile file (Zeus's or perseus-mq's) instead of Redis.",
+)
+def show(workload: str | None, redis_url: str, as_json: bool, path: Path | None) -> None:
     """List stored workloads, or show WORKLOAD's measurements (* marks the chosen limit)."""
+    if path is not None:
+        try:
+            from_file = load_profile_file(path)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(
+            from_file.model_dump_json(indent=2) if as_json else format_profile(str(path), from_file)
+        )
+        return
     store = PowerLimitProfileStore.from_url(redis_url)
     try:
         if workload is None:
@@ -83,3 +108,39 @@ def delete(workload: str, redis_url: str) -> None:
     finally:
         store.client.close()
     click.echo(f"deleted the power-limit profile of {workload!r}")
+
+
+@power_limit_group.command("import")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("workload")
+@_redis_url_option
+def import_profile(path: Path, workload: str, redis_url: str) -> None:
+    """Store the profile file PATH (e.g. written by Zeus) as WORKLOAD's profile."""
+    store = PowerLimitProfileStore.from_url(redis_url)
+    try:
+        profile = load_profile_file(path)
+        store.save(workload, profile)
+    except (CoordinatorUnavailableError, ConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        store.client.close()
+    click.echo(f"stored {len(profile.measurements)} measurements from {path} as {workload!r}")
+
+
+@power_limit_group.command("export")
+@click.argument("workload")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@_redis_url_option
+def export_profile(workload: str, path: Path, redis_url: str) -> None:
+    """Write WORKLOAD's stored profile to PATH, a profile file Zeus can read."""
+    store = PowerLimitProfileStore.from_url(redis_url)
+    try:
+        profile = store.load(workload)
+    except (CoordinatorUnavailableError, ConfigError, ProtocolError) as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        store.client.close()
+    if profile is None:
+        raise click.ClickException(f"no power-limit profile stored for {workload!r}")
+    save_profile_file(profile, path)
+    click.echo(f"wrote the power-limit profile of {workload!r} to {path}")

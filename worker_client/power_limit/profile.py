@@ -132,10 +132,12 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 def format_profile(name: str, profile: PowerLimitProfile) -> str:
     """The profile as ``perseus power-limit show WORKLOAD`` prints it (* marks the chosen limit)."""
     optimal = profile.optimal_power_limit
-    head = (
-        f"{name}: optimal {'?' if optimal is None else optimal} W, chosen by "
-        f"{profile.selector or '?'}, updated {format_time(profile.updated_at)}"
+    chosen = (
+        "no limit chosen (the optimizer's selector picks one)"
+        if optimal is None
+        else f"optimal {optimal} W, chosen by {profile.selector or '?'}"
     )
+    head = f"{name}: {chosen}, updated {format_time(profile.updated_at)}"
     rows = [
         [
             ("* " if m.power_limit == optimal else "  ") + str(m.power_limit),
