@@ -25,6 +25,7 @@ from tests.fake_nvml import (
     NVMLError,
 )
 from worker_client.gpu.nvml import NVML
+from worker_client.power_limit.states import Done, Paused, Profiling, Ready, Warmup
 
 NVML_SUCCESS = 0
 
@@ -304,3 +305,18 @@ def run_steps(
         if epoch_steps is not None and n % epoch_steps == 0:
             optimizer.on_epoch_end()
             training.idle(eval_seconds)
+
+
+def describe_state(state: object) -> str:
+    """A power-limit optimizer state with its limits in watts, e.g. ``Warmup(250,2)``."""
+    if isinstance(state, Ready):
+        return f"Ready({state.next_power_limit // 1000})"
+    if isinstance(state, Warmup | Profiling):
+        return f"{type(state).__name__}({state.current_power_limit // 1000},{state.steps})"
+    if isinstance(state, Paused):
+        return (
+            f"Paused({state.current_power_limit // 1000},{state.warmup_steps},"
+            f"{state.profile_steps})"
+        )
+    assert isinstance(state, Done)
+    return f"Done({state.optimal_power_limit // 1000})"

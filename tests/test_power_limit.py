@@ -20,21 +20,24 @@ from click.testing import CliRunner
 from protocol import keys
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, GPUError, ProtocolError
 from tests import fake_nvml_power as fake
-from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, limits_now, limits_set, run_steps
+from tests.fake_nvml_power import (
+    ReplayMonitor,
+    ReplayTraining,
+    limits_now,
+    limits_set,
+    run_steps,
+)
+from tests.fake_nvml_power import describe_state as describe
 from worker_client.power_limit.cli import power_limit_group
 from worker_client.power_limit.hf import HFGlobalPowerLimitOptimizer
 from worker_client.power_limit.optimizer import (
-    Done,
     Energy,
     GlobalPowerLimitOptimizer,
     MaxSlowdownConstraint,
-    Paused,
     PowerLimitMeasurement,
     PowerLimitProfile,
     Profiling,
-    Ready,
     Time,
-    Warmup,
     ZeusCost,
     power_limit_ladder,
     torch_distributed_reducer,
@@ -68,21 +71,6 @@ def expected(pl: int) -> tuple[float, float]:
     """(time, energy) of a PROFILE-step window at ``pl`` W on the two fake GPUs."""
     seconds, watts = TABLE[pl]
     return PROFILE * seconds, 2 * PROFILE * seconds * watts
-
-
-def describe(state: object) -> str:
-    """The state with its limit in watts."""
-    if isinstance(state, Ready):
-        return f"Ready({state.next_power_limit // 1000})"
-    if isinstance(state, Warmup | Profiling):
-        return f"{type(state).__name__}({state.current_power_limit // 1000},{state.steps})"
-    if isinstance(state, Paused):
-        return (
-            f"Paused({state.current_power_limit // 1000},{state.warmup_steps},"
-            f"{state.profile_steps})"
-        )
-    assert isinstance(state, Done)
-    return f"Done({state.optimal_power_limit // 1000})"
 
 
 def test_ladder_is_zeus_range() -> None:

@@ -14,16 +14,14 @@ import pytest
 
 from tests import fake_nvml_power as fake
 from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, limits_now, run_steps
+from tests.fake_nvml_power import describe_state as describe
 from worker_client.power_limit.optimizer import (
     Done,
     Energy,
     GlobalPowerLimitOptimizer,
     MaxSlowdownConstraint,
     OptimumSelector,
-    Paused,
-    Profiling,
     Time,
-    Warmup,
     ZeusCost,
 )
 
@@ -150,17 +148,6 @@ def test_zeus_never_finishes_when_epochs_are_shorter_than_a_limit(
     assert isinstance(carrying.state, Done)
 
 
-def describe(state: object) -> str:
-    if isinstance(state, Warmup | Profiling):
-        return f"{type(state).__name__}({state.current_power_limit // 1000},{state.steps})"
-    if isinstance(state, Paused):
-        return (
-            f"Paused({state.current_power_limit // 1000},{state.warmup_steps},"
-            f"{state.profile_steps})"
-        )
-    return type(state).__name__
-
-
 def test_carry_pauses_the_window_over_the_epoch_end(training: ReplayTraining) -> None:
     opt = make(training, carry_across_epochs=True)
     monitor = opt.monitor
@@ -174,7 +161,7 @@ def test_carry_pauses_the_window_over_the_epoch_end(training: ReplayTraining) ->
             trace.append(describe(opt.state) + f" at {limits_now()[0]} W")
             training.idle(EVAL_SECONDS)
     assert trace == [
-        "Ready",  # wait step
+        "Ready(250)",  # wait step
         "Warmup(250,1)",
         "Warmup(250,2)",
         "Profiling(250,1)",
