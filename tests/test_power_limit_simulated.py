@@ -20,7 +20,7 @@ from worker_client.simulated.gpu import GRAPHICS_CLOCKS, POWER_LIMIT_RANGE_MW
 from worker_client.simulated.instruction_table import synthetic_instruction_table
 
 ROOT = Path(__file__).resolve().parent.parent
-PL_STEP, WARMUP, PROFILE = 100, 1, 4
+PL_STEP, WARMUP, PROFILE = 100, 1, 8
 
 
 def model_window(limit_w: int) -> tuple[float, float]:
@@ -49,7 +49,7 @@ def test_example_profiles_the_simulated_gpu(tmp_path: Path) -> None:
         f"--profile-steps={PROFILE}",
         "--selector=energy",
         f"--profile-path={profile_path}",
-        "--epoch-steps=7",  # a limit that straddles an epoch end starts over
+        "--epoch-steps=12",  # a limit that straddles an epoch end starts over
         "--after-steps=2",
     ]
     out = subprocess.run(
@@ -72,10 +72,10 @@ def test_example_profiles_the_simulated_gpu(tmp_path: Path) -> None:
     assert list(measured) == ladder
     for pl, (t, e) in measured.items():
         model_t, model_e = model_window(pl)
-        # Python overhead between steps only adds time (and idle energy); NVML sampling is
-        # within a few percent.
-        assert model_t * 0.98 <= t <= model_t * 1.3, (pl, t, model_t)
-        assert e == pytest.approx(model_e, rel=0.08), (pl, e, model_e)
+        # Sleeps are never shorter than asked; Python overhead and a loaded machine only add
+        # time (and the GPU's waiting power meanwhile); NVML sampling is within a few percent.
+        assert model_t * 0.98 <= t <= model_t * 2, (pl, t, model_t)
+        assert e == pytest.approx(model_e, rel=0.1), (pl, e, model_e)
 
     best = min(ladder, key=lambda pl: model_window(pl)[1])
     assert low < best < high  # the synthetic H100 wastes energy at both ends

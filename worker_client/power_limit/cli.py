@@ -15,6 +15,8 @@ from pathlib import Path
 
 import click
 
+from protocol.cli_options import redis_url_option
+from protocol.connection import DEFAULT_REDIS_URL
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
 from worker_client.power_limit.profile import (
     format_profile,
@@ -25,13 +27,11 @@ from worker_client.power_limit.profile import (
 )
 from worker_client.power_limit.store import PowerLimitProfileStore
 
-_redis_url_option = click.option(
-    "--redis-url",
-    envvar="PERSEUS_REDIS_URL",
-    default="redis://localhost:6379/0",
-    show_default=True,
-    help="Redis holding the profiles (env PERSEUS_REDIS_URL).",
-)
+_redis_url_option = redis_url_option(default_help=f"Default: {DEFAULT_REDIS_URL}.")
+
+
+def _store(redis_url: str | None) -> PowerLimitProfileStore:
+    return PowerLimitProfileStore.from_url(redis_url or DEFAULT_REDIS_URL)
 
 
 @click.group("power-limit")
@@ -49,7 +49,7 @@ def power_limit_group() -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Show this profile file (Zeus's or perseus-mq's) instead of Redis.",
 )
-def show(workload: str | None, redis_url: str, as_json: bool, path: Path | None) -> None:
+def show(workload: str | None, redis_url: str | None, as_json: bool, path: Path | None) -> None:
     """List stored workloads, or show WORKLOAD's measurements (* marks the chosen limit)."""
     if path is not None:
         try:
@@ -60,7 +60,7 @@ def show(workload: str | None, redis_url: str, as_json: bool, path: Path | None)
             from_file.model_dump_json(indent=2) if as_json else format_profile(str(path), from_file)
         )
         return
-    store = PowerLimitProfileStore.from_url(redis_url)
+    store = _store(redis_url)
     try:
         if workload is None:
             summaries = store.list_profiles()
@@ -97,9 +97,9 @@ def show(workload: str | None, redis_url: str, as_json: bool, path: Path | None)
 @power_limit_group.command("delete")
 @click.argument("workload")
 @_redis_url_option
-def delete(workload: str, redis_url: str) -> None:
+def delete(workload: str, redis_url: str | None) -> None:
     """Delete WORKLOAD's stored profile (the next run profiles again)."""
-    store = PowerLimitProfileStore.from_url(redis_url)
+    store = _store(redis_url)
     try:
         if not store.delete(workload):
             raise click.ClickException(f"no power-limit profile stored for {workload!r}")
@@ -114,9 +114,9 @@ def delete(workload: str, redis_url: str) -> None:
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("workload")
 @_redis_url_option
-def import_profile(path: Path, workload: str, redis_url: str) -> None:
+def import_profile(path: Path, workload: str, redis_url: str | None) -> None:
     """Store the profile file PATH (e.g. written by Zeus) as WORKLOAD's profile."""
-    store = PowerLimitProfileStore.from_url(redis_url)
+    store = _store(redis_url)
     try:
         profile = load_profile_file(path)
         store.save(workload, profile)
@@ -131,9 +131,9 @@ def import_profile(path: Path, workload: str, redis_url: str) -> None:
 @click.argument("workload")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @_redis_url_option
-def export_profile(workload: str, path: Path, redis_url: str) -> None:
+def export_profile(workload: str, path: Path, redis_url: str | None) -> None:
     """Write WORKLOAD's stored profile to PATH, a profile file Zeus can read."""
-    store = PowerLimitProfileStore.from_url(redis_url)
+    store = _store(redis_url)
     try:
         profile = store.load(workload)
     except (CoordinatorUnavailableError, ConfigError, ProtocolError) as exc:
