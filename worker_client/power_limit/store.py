@@ -1,7 +1,7 @@
 """Power-limit profiles in Redis, shared by every run (and rank) of the same workload.
 
 Layout: ``keys.power_limit_profile(workload)`` holds the msgpack-encoded
-:class:`~worker_client.power_limit.selectors.PowerLimitProfile`; the sorted set
+:class:`~worker_client.power_limit.profile.PowerLimitProfile`; the sorted set
 ``keys.POWER_LIMIT_INDEX`` maps each stored workload name to the unix time it was last
 written. Both change in one MULTI/EXEC, so the index never names a profile that is not there
 (or the other way round).
@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from protocol import keys
 from protocol.connection import connect, redact_url
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
-from worker_client.power_limit.selectors import PowerLimitProfile
+from worker_client.power_limit.profile import PowerLimitProfile
 
 # Workload names become part of a key name (perseus:powerlimit:profile:<workload>): no ':'.
 _WORKLOAD_RE = re.compile(r"^[A-Za-z0-9._+/-]{1,128}$")
