@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
+import msgpack
 import pytest
+from pydantic import ValidationError
 
 from protocol.exceptions import ProtocolError
-from protocol.models import JobInfo
+from protocol.models import JobInfo, ProfilingResult, unpack
 from schedulers.planning.plan_file import write_plan_file
 from worker_client.hook.session import CoordinatorClient
 
@@ -41,3 +45,25 @@ def test_a_job_may_send_its_plan_as_data(service, redis_url, tmp_path):
     client = CoordinatorClient(redis_url, reply_timeout=10)
     args = {"plan_text": plan.read_text(), "solution_path": None}
     assert client.register_job(JOB, "PointSolution", args).endswith("+PointSolution")
+
+
+MEASURED = ("iter_time", "iter_energy", "time_breakdown", "energy_breakdown")
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -1.0])
+@pytest.mark.parametrize(
+    "where", ["iter_time", "iter_energy", "time_breakdown", "energy_breakdown"]
+)
+def test_results_hold_finite_non_negative_numbers_only(bad, where):
+    fields: dict = {"rank": 0, "iter_time": [1.0], "iter_energy": [2.0]}
+    if where.endswith("breakdown"):
+        fields[where] = {"forward": [[0.1, bad]]}
+    else:
+        fields[where] = [bad]
+    with pytest.raises(ValidationError, match=where):
+        ProfilingResult(**fields)
+    # Also when it arrives as a stream entry: decoding names the field.
+    good = ProfilingResult(rank=0, iter_time=[1.0], iter_energy=[2.0])
+    raw = msgpack.packb({**good.model_dump(), **{k: v for k, v in fields.items() if k == where}})
+    with pytest.raises(ProtocolError, match=where):
+        unpack(ProfilingResult, raw)
