@@ -33,7 +33,7 @@ from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_work
 from protocol import keys
 from protocol.acl import ROLES, acl_file, role_user
 from protocol.cli_options import connect_or_fail, redact_url, redis_url_option, setting_option
-from protocol.deadletter import get_dead_letter, list_dead_letters, replay
+from protocol.deadletter import get_dead_letter, list_dead_letters, purge, replay
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.scheduler import BUILTIN, FrequencyScheduler, resolve_scheduler
 from protocol.store import JobStore
@@ -508,6 +508,30 @@ def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_
         raise click.ClickException(str(exc)) from None
     if replay_all and not letters:
         click.echo("no replayable dead letters")
+
+
+@deadletter_group.command("purge")
+@redis_url_option
+@click.argument("entry_ids", nargs=-1)
+@click.option(
+    "--older-than",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Delete dead letters older than this many seconds.",
+)
+@click.option("--all", "purge_all", is_flag=True, help="Delete every dead letter.")
+def deadletter_purge(
+    redis_url: str | None, entry_ids: tuple[str, ...], older_than: float | None, purge_all: bool
+) -> None:
+    """Delete dead letters for good: ENTRY_IDS, those older than --older-than, or --all."""
+    if sum((bool(entry_ids), older_than is not None, purge_all)) != 1:
+        raise click.UsageError("give dead-letter ids, --older-than SECONDS, or --all")
+    conn = _connect(_settings(redis_url=redis_url).redis_url)
+    try:
+        removed = purge(conn, list(entry_ids) if entry_ids else None, older_than)
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"deleted {removed} dead letter(s)")
 
 
 # Commands that live next to what they drive (one concept per module).
