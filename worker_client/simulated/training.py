@@ -40,9 +40,10 @@ import os
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -418,16 +419,17 @@ def launch_simulated_job(
         folder.mkdir(parents=True, exist_ok=True)
         ctx = mp.get_context("spawn")
         procs = []
-        for rank in range(world):
-            path = folder / f"rank{rank}.json"
-            path.unlink(missing_ok=True)
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(replace(base, rank=rank), str(path)),
-                name=f"perseus-sim-rank{rank}",
-            )
-            proc.start()
-            procs.append((proc, path))
+        with _sigint_ignored():
+            for rank in range(world):
+                path = folder / f"rank{rank}.json"
+                path.unlink(missing_ok=True)
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(replace(base, rank=rank), str(path)),
+                    name=f"perseus-sim-rank{rank}",
+                )
+                proc.start()
+                procs.append((proc, path))
         deadline = time.monotonic() + timeout
         try:
             for proc, _ in procs:
@@ -451,3 +453,20 @@ def launch_simulated_job(
     if errors:
         raise RuntimeError("simulated ranks failed:\n" + "\n".join(errors))
     return sorted(records, key=lambda r: r["rank"])
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT while ranks start, so that they inherit ignoring it.
+
+    Ctrl-C reaches the whole process group. The launcher stops the ranks itself (above); a rank
+    interrupted in the middle of its imports would only print a traceback.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Only the main thread may change signal handlers.
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
