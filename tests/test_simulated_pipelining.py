@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from click.testing import CliRunner
 
+from coordinator.cli import main
+from coordinator.demo import DemoConfig, format_report, run_demo
 from protocol.store import JobStore
 from schedulers.planning.pipeline_dag import PipelineShape
-from schedulers.planning.plan_file import parse_plan_text, write_plan_file
+from schedulers.planning.plan_file import parse_plan_text, read_plan_file, write_plan_file
 from tests.helpers import wait_for
 from worker_client.simulated.gpu import synthetic_instruction_table
 from worker_client.simulated.training import SimulatedRankConfig, launch_simulated_job
@@ -87,3 +90,33 @@ def test_engine_and_schedule_are_checked() -> None:
         SimulatedRankConfig(**base, **common, engine="deepspeed")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unsupported pipeline schedule 'zb'"):
         SimulatedRankConfig(**base, **common, schedule="zb")
+
+
+def test_demo_through_torch_gpipe_saves_what_the_planner_predicts(tmp_path, redis_url, monkeypatch):
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "gpus"))
+    config = DemoConfig(
+        stages=2,
+        microbatches=4,
+        redis_url=redis_url,
+        out_dir=tmp_path / "out",
+        clock_stride=10,
+        train_steps=3,
+        engine="torch-pipelining",
+        schedule="gpipe",
+    )
+    report = run_demo(config, progress=lambda line: None)
+    assert report.plans > 1 and report.predicted_saving_pct > 1.0
+    assert abs(report.saving_pct - report.predicted_saving_pct) <= 3.0, format_report(report)
+    slack = report.rounding_s / report.allmax.iteration_time * 100  # type: ignore[union-attr]
+    assert report.slowdown_pct <= slack, format_report(report)
+    plan = read_plan_file(tmp_path / "out" / "frontier" / f"freqs_pipeline_{report.chosen_plan}.py")
+    assert plan.header["pipeline_schedule"] == "gpipe"
+
+
+def test_demo_refuses_fewer_microbatches_than_stages_for_torch_1f1b():
+    args = ["demo", "--engine", "torch-pipelining", "--stages", "4", "--microbatches", "2"]
+    result = CliRunner().invoke(main, args)
+    assert (
+        result.exit_code == 2
+        and "Schedule1F1B needs at least as many microbatches" in result.output
+    )
