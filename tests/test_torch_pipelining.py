@@ -20,7 +20,7 @@ from protocol.exceptions import ConfigError, ScheduleError
 from protocol.store import JobStore
 from schedulers.planning.pipeline_schedules import stage_actions
 from schedulers.planning.plan_file import write_plan_file
-from tests.helpers import make_settings, start_perseus, stop, wait_for
+from tests.helpers import make_hook, make_settings, start_perseus, stop, wait_for
 from tests.pipelining_ranks import run_rank
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.gpu.nvml import SIMULATED_NVML
@@ -270,3 +270,20 @@ def test_four_ranks_run_torch_schedule_under_the_plan(kind, plan_service, redis_
         for res in store.results(job_id, v):
             assert [len(it) for it in res.time_breakdown["forward"]] == [MICRO] * 2
             assert [len(it) for it in res.time_breakdown["backward"]] == [MICRO] * 2
+
+
+def test_a_hook_for_another_stage_is_refused(gloo, hook_service, redis_url):
+    _coord, start_worker = hook_service
+    start_worker()
+    hook = make_hook(redis_url, DryRunFrequencyController(0))
+    try:
+        stage = PipelineStage(torch.nn.Linear(4, 4), 1, 2, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, 2, loss_fn=torch.nn.MSELoss())
+        with pytest.raises(
+            ConfigError, match="hook is for pp_rank 0 but the schedule's stage is 1"
+        ):
+            PerseusPipeline(schedule, hook)
+        with pytest.raises(ConfigError, match="either hook or hook options"):
+            PerseusPipeline(schedule, hook, report_every=3)
+    finally:
+        hook.close()

@@ -152,6 +152,11 @@ class PerseusPipeline:
             hook = self._build_hook(dp_rank, dp_degree, tp_rank, tp_degree, device_id, hook_options)
         elif hook_options:
             raise ConfigError(f"pass either hook or hook options, not both: {sorted(hook_options)}")
+        elif hook.pp_rank != self.stage_index:
+            raise ConfigError(
+                f"the hook is for pp_rank {hook.pp_rank} but the schedule's stage is "
+                f"{self.stage_index} of {self.num_stages}"
+            )
         self.hook: PerseusOptimizer = hook
         self._checked_version = -1
         try:
