@@ -1,16 +1,20 @@
 """Hook overhead per step: PerseusPipeline vs the bare torch schedule, in the same run (CPU).
 
-Four rank processes (gloo on CPU) each build two identical stages of a small MLP with the same
+Rank processes (gloo on CPU) each build two identical stages of a small MLP with the same
 schedule: one bare, one under :class:`PerseusPipeline` (a PointSolution plan served by a
 private coordinator and rq worker, dry-run clocks, energy from the simulated GPU's counter,
 results reported every 10 steps). Blocks of ``--block`` steps alternate between the two, so
 drift of the machine's load hits both alike; the first round is a warm-up and is dropped.
 Every step starts after a barrier and its time is the slowest rank's (all-reduce MAX).
 
-    python benchmarks/bench_pipelining.py [--rounds 6] [--block 10] [--width 256]
+Two set-ups: 1 rank holding the whole (1-stage) pipeline, where nothing but the hook differs
+and the figure is stable, and 4 ranks (one stage each), where process scheduling on a small
+machine adds noise to both columns.
 
-Prints, per schedule, the median step time of each, the overhead per step and per action
-(each rank runs 2 x microbatches actions per step) and the ratio hooked / bare.
+    python benchmarks/bench_pipelining.py [--rounds 40] [--block 2] [--width 256]
+
+Prints, per set-up and schedule, the median step time of each, the overhead per step and per
+action (each rank runs 2 x microbatches actions per step) and the ratio hooked / bare.
 """
 
 from __future__ import annotations
@@ -29,23 +33,23 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-STAGES, MICROBATCHES = 4, 8
+MICROBATCHES = 8
 
 
-def _plan_text(schedule: str, folder: Path) -> str:
+def _plan_text(schedule: str, stages: int, folder: Path) -> str:
     """An all-max plan in the schedule's order."""
     from schedulers.planning.pipeline_schedules import stage_order
     from schedulers.planning.plan_file import write_plan_file
 
-    stages = [
-        [(n, 1980) for n in stage_order(schedule, STAGES, MICROBATCHES, s)] for s in range(STAGES)
+    lines = [
+        [(n, 1980) for n in stage_order(schedule, stages, MICROBATCHES, s)] for s in range(stages)
     ]
-    path = folder / f"{schedule}.py"
-    write_plan_file(path, stages, {"pipeline_schedule": schedule})
+    path = folder / f"{schedule}-{stages}.py"
+    write_plan_file(path, lines, {"pipeline_schedule": schedule})
     return path.read_text()
 
 
-def _rank(rank: int, init: str, url: str, args: dict[str, Any], out: str) -> None:
+def _rank(rank: int, world: int, init: str, url: str, args: dict[str, Any], out: str) -> None:
     """One rank: alternate bare and hooked blocks for each schedule; write step times."""
     import torch
     import torch.distributed as dist
@@ -55,7 +59,7 @@ def _rank(rank: int, init: str, url: str, args: dict[str, Any], out: str) -> Non
     from worker_client.integrations.torch_pipelining import PerseusPipeline
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=STAGES)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     width = args["width"]
     x = torch.randn(4 * MICROBATCHES, width)
     y = torch.randn(4 * MICROBATCHES, width)
@@ -65,12 +69,12 @@ def _rank(rank: int, init: str, url: str, args: dict[str, Any], out: str) -> Non
         for kind in ("bare", "hooked"):
             torch.manual_seed(rank)
             model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
-            stage = PipelineStage(model, rank, STAGES, torch.device("cpu"))
+            stage = PipelineStage(model, rank, world, torch.device("cpu"))
             runs[kind] = (stage, cls(stage, MICROBATCHES, loss_fn=torch.nn.MSELoss()))
         perseus = PerseusPipeline(
             runs["hooked"][1],
             redis_url=url,
-            job_metadata=f"bench-{name}",
+            job_metadata=f"bench-{name}-{world}",
             scheduler="PointSolution",
             scheduler_args={"plan_text": args["plans"][name]},
             nvml_module=SIMULATED_NVML,
@@ -81,15 +85,12 @@ def _rank(rank: int, init: str, url: str, args: dict[str, Any], out: str) -> Non
         for round_ in range(args["rounds"] + 1):
             for kind in ("bare", "hooked"):
                 stage, schedule = runs[kind]
+                inputs = (x,) if stage.is_first else ()
+                targets = {"target": y} if stage.is_last else {}
                 for _ in range(args["block"]):
                     dist.barrier()
                     start = time.perf_counter()
-                    if stage.is_first:
-                        schedule.step(x)
-                    elif stage.is_last:
-                        schedule.step(target=y)
-                    else:
-                        schedule.step()
+                    schedule.step(*inputs, **targets)
                     took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                     dist.all_reduce(took, op=dist.ReduceOp.MAX)
                     if round_ > 0:  # Round 0 warms up both (shape inference, caches).
@@ -104,8 +105,8 @@ def _rank(rank: int, init: str, url: str, args: dict[str, Any], out: str) -> Non
 def main() -> None:
     """Start private services, spawn the ranks, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6, help="measured rounds (after 1 warm-up)")
-    parser.add_argument("--block", type=int, default=10, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=40, help="measured rounds (after 1 warm-up)")
+    parser.add_argument("--block", type=int, default=2, help="steps per block")
     parser.add_argument("--width", type=int, default=256, help="MLP width per stage")
     args = parser.parse_args()
 
@@ -115,36 +116,40 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp, services(None, lambda line: None) as url:
         os.environ.setdefault("PERSEUS_SIM_GPU_DIR", str(Path(tmp) / "gpu"))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        spec = {
-            "rounds": args.rounds,
-            "block": args.block,
-            "width": args.width,
-            "plans": {name: _plan_text(name, Path(tmp)) for name in ("1f1b", "gpipe")},
-        }
-        out = str(Path(tmp) / "times.json")
         started = time.perf_counter()
-        mp.spawn(_rank, args=(init, url, spec, out), nprocs=STAGES)
-        results = json.loads(Path(out).read_text())
+        results = {}
+        for world in (1, 4):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                init = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+            spec = {
+                "rounds": args.rounds,
+                "block": args.block,
+                "width": args.width,
+                "plans": {n: _plan_text(n, world, Path(tmp)) for n in ("1f1b", "gpipe")},
+            }
+            out = str(Path(tmp) / f"times-{world}.json")
+            mp.spawn(_rank, args=(world, init, url, spec, out), nprocs=world)
+            results[world] = json.loads(Path(out).read_text())
     steps = args.rounds * args.block
     print(
-        f"{STAGES} ranks (gloo, CPU, {os.cpu_count()} cores), {MICROBATCHES} microbatches, "
-        f"MLP width {args.width}, {steps} measured steps each, "
+        f"gloo on CPU ({os.cpu_count()} cores), {MICROBATCHES} microbatches, MLP width "
+        f"{args.width} per stage, {steps} measured steps of each, "
         f"{time.perf_counter() - started:.0f} s"
     )
     print(
-        f"{'schedule':<9}{'bare ms':>10}{'hooked ms':>11}{'overhead/step':>15}"
+        f"{'ranks':<6}{'schedule':<9}{'bare ms':>10}{'hooked ms':>11}{'overhead/step':>15}"
         f"{'per action':>12}{'ratio':>8}"
     )
-    for name, times in results.items():
-        bare, hooked = statistics.median(times["bare"]), statistics.median(times["hooked"])
-        extra = hooked - bare
-        print(
-            f"{name:<9}{bare * 1e3:>10.2f}{hooked * 1e3:>11.2f}{extra * 1e3:>12.2f} ms"
-            f"{extra / (2 * MICROBATCHES) * 1e6:>9.0f} us{hooked / bare:>8.3f}"
-        )
+    for world, by_schedule in results.items():
+        for name, times in by_schedule.items():
+            bare, hooked = statistics.median(times["bare"]), statistics.median(times["hooked"])
+            extra = hooked - bare
+            print(
+                f"{world:<6}{name:<9}{bare * 1e3:>10.2f}{hooked * 1e3:>11.2f}"
+                f"{extra * 1e3:>12.3f} ms{extra / (2 * MICROBATCHES) * 1e6:>9.1f} us"
+                f"{hooked / bare:>8.3f}"
+            )
 
 
 if __name__ == "__main__":
