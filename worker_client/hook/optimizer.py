@@ -329,6 +329,15 @@ class PerseusOptimizer(Callback):
             self._swap(newer)
         self._iter = iter(self.schedule.frequencies)
 
+    def abandon_step(self) -> None:
+        """Forget the step in progress, e.g. one that raised: nothing of it is measured.
+
+        The next :meth:`on_step_begin` starts again at the schedule's first instruction.
+        """
+        self._in_step = False
+        self._measuring = False
+        self._iter = iter(self.schedule.frequencies)
+
     def _resend_if_republished(self) -> None:
         """Send this version's result again if Redis lost the version and got it back."""
         version = self.watcher.take_republished()
