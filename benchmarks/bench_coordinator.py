@@ -122,7 +122,7 @@ def wait_version(conn: redis.Redis, updates: str, last_id: bytes, newer_than: in
         for _stream, entries in reply:
             for entry_id, fields in entries:
                 last_id = entry_id
-                if int(fields[b"version"]) > newer_than:
+                if b"version" in fields and int(fields[b"version"]) > newer_than:
                     return last_id
 
 

@@ -10,6 +10,8 @@ import importlib
 import inspect
 import json
 import logging
+import os
+import secrets
 import signal
 import sys
 import time
@@ -25,15 +27,17 @@ from coordinator.cli_demo import demo_command
 from coordinator.dump import dump_job
 from coordinator.embedded import EmbeddedRedis, redis_server_binary
 from coordinator.service import Coordinator
-from coordinator.settings import PerseusSettings
+from coordinator.settings import PerseusSettings, unknown_variables
 from coordinator.status import format_snapshot, snapshot
 from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_workers
 from protocol import keys
-from protocol.cli_options import connect_or_fail, redact_url, redis_url_option
-from protocol.deadletter import get_dead_letter, list_dead_letters, replay
-from protocol.exceptions import PerseusError
-from protocol.scheduler import BUILTIN, resolve_scheduler
+from protocol.acl import ROLES, acl_file, role_user
+from protocol.cli_options import connect_or_fail, redact_url, redis_url_option, setting_option
+from protocol.deadletter import get_dead_letter, list_dead_letters, purge, replay
+from protocol.exceptions import ConfigError, PerseusError
+from protocol.scheduler import BUILTIN, FrequencyScheduler, resolve_scheduler
 from protocol.store import JobStore
+from schedulers.instruction_profiler import PROFILE_ARTIFACT
 from schedulers.planning.cli import choose_command, optimize_command
 from worker_client.gpu.cli import profile_p2p_command
 from worker_client.hook.session import CoordinatorClient
@@ -41,6 +45,9 @@ from worker_client.power_limit.cli import power_limit_group
 
 
 def _settings(**overrides: Any) -> PerseusSettings:
+    unknown = unknown_variables(os.environ)
+    if unknown:
+        raise click.UsageError("; ".join(unknown))
     given = {k: v for k, v in overrides.items() if v is not None}
     try:
         return PerseusSettings(**given)
@@ -55,6 +62,7 @@ def _connect(url: str) -> redis.Redis:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="perseus-mq", prog_name="perseus")
 def main() -> None:
     """perseus-mq: remove energy bloat from pipeline-parallel training through Redis.
 
@@ -64,16 +72,38 @@ def main() -> None:
     """
 
 
+LOG_LEVEL_OPTION = setting_option(
+    "--log-level",
+    setting="log_level",
+    help="DEBUG, INFO, WARNING or ERROR.",
+    default_text="INFO",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+
+
 @main.command()
 @redis_url_option
-@click.option("--scheduler", default=None, help="Scheduler for new jobs (env PERSEUS_SCHEDULER).")
-@click.option(
-    "--scheduler-args",
-    default=None,
-    help='JSON keyword arguments for the scheduler, e.g. \'{"solution_path": "plan.py"}\'.',
+@setting_option(
+    "--scheduler",
+    setting="scheduler",
+    help=(
+        f"Scheduler for jobs that do not choose one: {', '.join(sorted(BUILTIN))}, or "
+        "package.module:Class for your own (see `perseus schedulers`)."
+    ),
+    default_text="none: each job names its scheduler",
 )
-@click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
-@click.option("--dump-dir", default=None, help="Also dump job data here (sets dump_data).")
+@setting_option(
+    "--scheduler-args",
+    setting="scheduler_args",
+    help='JSON keyword arguments for the scheduler, e.g. \'{"solution_path": "plan.py"}\'.',
+    default_text="{}",
+)
+@LOG_LEVEL_OPTION
+@setting_option(
+    "--dump-dir",
+    setting="dump_dir",
+    help="Also write each job's data to files under this folder (sets dump_data).",
+)
 def coordinator(
     redis_url: str | None,
     scheduler: str | None,
@@ -106,17 +136,41 @@ def coordinator(
     try:
         settings.check_scheduler()
     except PerseusError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.UsageError(f"{exc}\n{_scheduler_hint(settings.scheduler)}") from None
     service = Coordinator(_connect(settings.redis_url), settings)
     signal.signal(signal.SIGTERM, lambda *_: service.stop_event.set())
     where = redact_url(settings.redis_url)
-    click.echo(f"perseus coordinator: scheduler={settings.scheduler} redis={where}")
+    chosen = settings.scheduler or "none (each job names its own; --scheduler sets a default)"
+    click.echo(f"perseus coordinator: scheduler={chosen} redis={where}")
     try:
         service.run()
     except KeyboardInterrupt:
         pass
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _scheduler_hint(name: str) -> str:
+    """The exact options that start a coordinator with ``name`` or without a default."""
+    try:
+        params = [
+            p
+            for p in inspect.signature(resolve_scheduler(name)).parameters
+            if p not in ("job_info", "rank_infos")
+        ]
+    except PerseusError:
+        params = []
+    lines = ["Start it with, for example:"]
+    if name in ("PointSolution", "PointSolution3D"):
+        lines.append(
+            f"  perseus coordinator --scheduler {name} "
+            '--scheduler-args \'{"solution_path": "plan.py"}\'   (a plan from `perseus choose`)'
+        )
+    elif params:
+        lines.append(f"  perseus coordinator --scheduler {name} --scheduler-args '{{...}}'")
+        lines.append(f"  ({name} takes: {', '.join(params)}; see `perseus schedulers`)")
+    lines.append("  perseus coordinator --scheduler ''   (no default: each job names one)")
+    return "\n".join(lines)
 
 
 # Imported by `perseus worker` before it forks: lowtime alone costs ~0.8 s per forked job
@@ -147,7 +201,7 @@ def preload_schedulers() -> None:
     "--simple", is_flag=True, hidden=True, help="The default now (kept for old command lines)."
 )
 @click.option("--name", default=None, help="Worker name (default: rq's).")
-@click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
+@LOG_LEVEL_OPTION
 @click.option("--no-preload", is_flag=True, help="Skip importing the schedulers (slower jobs).")
 def worker(
     redis_url: str | None,
@@ -176,6 +230,10 @@ def worker(
         preload_schedulers()
     cls = PerseusWorker if fork else PerseusSimpleWorker
     conn = _connect(settings.redis_url)
+    kind = "forking" if fork else "long-lived"
+    click.echo(
+        f"perseus worker: queue={keys.RQ_QUEUE} {kind} redis={redact_url(settings.redis_url)}"
+    )
     run_workers(
         lambda: cls([keys.RQ_QUEUE], connection=conn, name=name),
         burst=burst,
@@ -186,11 +244,40 @@ def worker(
 @main.command()
 @redis_url_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-def status(redis_url: str | None, as_json: bool) -> None:
-    """Show jobs (ranks registered, schedule version, results), stream lag and rq state."""
+@click.option("--watch", is_flag=True, help="Refresh the tables until Ctrl-C (a live view).")
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds between refreshes with --watch.",
+)
+def status(redis_url: str | None, as_json: bool, watch: bool, interval: float) -> None:
+    """Show jobs, planner runs, stream lag, dead letters and rq state.
+
+    Per job: ranks registered, schedule version, results of that version, and the energy per
+    iteration of the latest fully reported version against version 1.
+    """
+    if watch and as_json:
+        raise click.UsageError("--watch shows tables; leave out --json")
     settings = _settings(redis_url=redis_url)
-    snap = snapshot(_connect(settings.redis_url))
-    click.echo(json.dumps(snap, indent=1) if as_json else format_snapshot(snap))
+    conn = _connect(settings.redis_url)
+    if not watch:
+        snap = snapshot(conn)
+        click.echo(json.dumps(snap, indent=1) if as_json else format_snapshot(snap))
+        return
+    try:
+        while True:
+            try:
+                text = format_snapshot(snapshot(conn))
+            except redis.RedisError as exc:
+                text = f"redis at {redact_url(settings.redis_url)} unavailable: {exc}"
+            stamp = datetime.now().strftime("%H:%M:%S")
+            click.clear()
+            click.echo(f"perseus status, every {interval:g} s, {stamp} (Ctrl-C to stop)\n{text}")
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
 
 
 @main.command()
@@ -200,14 +287,59 @@ def status(redis_url: str | None, as_json: bool) -> None:
 def dump(redis_url: str | None, job_id: str, out_dir: str) -> None:
     """Write a job's ranks, schedules, results and journal to OUT/JOB_ID/ as JSON."""
     settings = _settings(redis_url=redis_url)
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise click.BadParameter(f"{out_dir} exists and is not a folder", param_hint="--out")
     try:
         folder = dump_job(JobStore(_connect(settings.redis_url)), job_id, out_dir)
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the dump under {out_dir}: {exc}") from None
     click.echo(f"wrote {folder}")
 
 
 @main.command()
+@redis_url_option
+@click.argument("job_id")
+@click.option(
+    "--out",
+    "out_path",
+    default="profile.csv",
+    show_default=True,
+    help="File to write; - for standard output.",
+)
+def profile(redis_url: str | None, job_id: str, out_path: str) -> None:
+    """Fetch the instruction profile that JOB_ID's InstructionProfiler measured.
+
+    The CSV is what `perseus optimize` reads: profile a job, then optimize, choose and train
+    with the chosen plan (Zeus's workflow).
+    """
+    settings = _settings(redis_url=redis_url)
+    store = JobStore(_connect(settings.redis_url))
+    try:
+        record = store.get_job(job_id)
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
+    data = store.artifacts(job_id).get(PROFILE_ARTIFACT)
+    if data is None:
+        state = f"error: {record.error}" if record.error else f"at version {store.version(job_id)}"
+        raise click.ClickException(
+            f"job {job_id} has no profile yet ({record.config.scheduler}, {state}); a job that "
+            "registers with scheduler='InstructionProfiler' gets one when its sweep ends"
+        )
+    if out_path == "-":
+        click.echo(data.decode(), nl=False)
+        return
+    try:
+        Path(out_path).write_bytes(data)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {out_path}: {exc}") from None
+    click.echo(f"wrote {out_path} ({len(data.splitlines()) - 1} rows); next: perseus optimize")
+
+
+# Negative numbers are arguments here, so that `perseus target JOB -1` says what is wrong
+# with -1 instead of "No such option: -1".
+@main.command(context_settings={"ignore_unknown_options": True})
 @redis_url_option
 @click.argument("job_id")
 @click.argument("seconds", type=float)
@@ -215,16 +347,78 @@ def target(redis_url: str | None, job_id: str, seconds: float) -> None:
     """Ask JOB_ID's scheduler to aim at an iteration time of SECONDS (e.g. a straggler's).
 
     Goes through the control stream like every other input; schedulers that serve a frontier
-    switch every rank to the least-energy plan that meets the target in a new version.
+    switch every rank to the least-energy plan that meets the target in a new version. Fails
+    for an unknown job or a scheduler that takes no target.
     """
     settings = _settings(redis_url=redis_url)
-    _connect(settings.redis_url)
+    if not seconds > 0:
+        raise click.BadParameter(f"must be a positive number of seconds, got {seconds}")
+    store = JobStore(_connect(settings.redis_url))
+    try:
+        record = store.get_job(job_id)
+        scheduler_cls = resolve_scheduler(record.config.scheduler)
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
+    if scheduler_cls.set_target is FrequencyScheduler.set_target:
+        takers = [n for n in sorted(BUILTIN) if _takes_target(n)]
+        raise click.ClickException(
+            f"job {job_id} runs {record.config.scheduler}, which takes no target iteration "
+            f"time (schedulers that do: {', '.join(takers)})"
+        )
     client = CoordinatorClient(settings.redis_url)
     try:
         client.set_target(job_id, seconds)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="SECONDS") from None
     click.echo(f"asked job {job_id} for an iteration time of {seconds} s")
+
+
+def _takes_target(name: str) -> bool:
+    try:
+        return resolve_scheduler(name).set_target is not FrequencyScheduler.set_target
+    except ConfigError:
+        return False
+
+
+@main.command("acl")
+@click.option(
+    "--out",
+    "out_path",
+    default="-",
+    show_default=True,
+    help="ACL file to write (- for standard output); load it with redis-server --aclfile.",
+)
+@click.option(
+    "--redis-major",
+    type=click.IntRange(min=6),
+    default=7,
+    show_default=True,
+    help="Server major version: 7 makes job keys read-only for ranks; 6 cannot.",
+)
+def acl_command(out_path: str, redis_major: int) -> None:
+    """Write Redis ACL users for ranks, services and operators (README "Who may do what").
+
+    Passwords come from PERSEUS_ACL_RANK_PASSWORD, PERSEUS_ACL_SERVICE_PASSWORD and
+    PERSEUS_ACL_OPERATOR_PASSWORD; a role without one gets a random password, printed once to
+    standard error. The file holds SHA-256 hashes only. Clients log in with
+    redis://perseus-ROLE:PASSWORD@host:6379/0.
+    """
+    passwords = {}
+    for role in ROLES:
+        given = os.environ.get(f"PERSEUS_ACL_{role.upper()}_PASSWORD")
+        passwords[role] = given or secrets.token_urlsafe(24)
+        if not given:
+            click.echo(f"{role_user(role)} password: {passwords[role]}", err=True)
+    text = acl_file(passwords, redis_major)
+    if out_path == "-":
+        click.echo(text, nl=False)
+        return
+    try:
+        Path(out_path).write_text(text)
+        os.chmod(out_path, 0o600)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {out_path}: {exc}") from None
+    click.echo(f"wrote {out_path}: users {', '.join(role_user(r) for r in ROLES)}", err=True)
 
 
 @main.command("redis")
@@ -240,11 +434,17 @@ def redis_command(appendonly: bool) -> None:
         click.echo(f"redis url: {server.url}")
         click.echo(f"inspect:   {cli} -s {server.socket_path}")
         click.echo("Ctrl-C to stop (the data is deleted).")
+        # SIGTERM (kill, a service manager) stops it as Ctrl-C does: the server goes with us.
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         try:
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:
             pass
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 @main.command()
@@ -269,7 +469,13 @@ def deadletter_group() -> None:
 
 @deadletter_group.command("list")
 @redis_url_option
-@click.option("--count", default=100, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--count",
+    default=100,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="How many dead letters to show, oldest first.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
 def deadletter_list(redis_url: str | None, count: int, as_json: bool) -> None:
     """Show the oldest COUNT dead letters: id, time, kind, job and reason."""
@@ -314,6 +520,30 @@ def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_
         raise click.ClickException(str(exc)) from None
     if replay_all and not letters:
         click.echo("no replayable dead letters")
+
+
+@deadletter_group.command("purge")
+@redis_url_option
+@click.argument("entry_ids", nargs=-1)
+@click.option(
+    "--older-than",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Delete dead letters older than this many seconds.",
+)
+@click.option("--all", "purge_all", is_flag=True, help="Delete every dead letter.")
+def deadletter_purge(
+    redis_url: str | None, entry_ids: tuple[str, ...], older_than: float | None, purge_all: bool
+) -> None:
+    """Delete dead letters for good: ENTRY_IDS, those older than --older-than, or --all."""
+    if sum((bool(entry_ids), older_than is not None, purge_all)) != 1:
+        raise click.UsageError("give dead-letter ids, --older-than SECONDS, or --all")
+    conn = _connect(_settings(redis_url=redis_url).redis_url)
+    try:
+        removed = purge(conn, list(entry_ids) if entry_ids else None, older_than)
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"deleted {removed} dead letter(s)")
 
 
 # Commands that live next to what they drive (one concept per module).

@@ -37,12 +37,35 @@ class EmbeddedRedis:
     Args:
         appendonly: Turn on append-only persistence (inside the temporary folder).
         startup_timeout: Seconds to wait for the server to answer PING.
+        port: Also listen on this TCP port of 127.0.0.1 (replication and sentinels need TCP);
+            :attr:`url` is then the TCP URL.
+        password: ``requirepass``; :attr:`url` carries it.
+        username: With ``password``: an ACL user (defined by an ``--aclfile`` in
+            ``extra_args``) that :attr:`url` logs in as, instead of ``requirepass``.
+        extra_args: More ``redis-server`` arguments, e.g. ``("--replicaof", "127.0.0.1", "7001")``.
     """
 
-    def __init__(self, appendonly: bool = False, startup_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        appendonly: bool = False,
+        startup_timeout: float = 10.0,
+        *,
+        port: int | None = None,
+        password: str | None = None,
+        username: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="perseus-redis-"))
         self.socket_path = self._dir / "redis.sock"
-        self.url = f"unix://{self.socket_path}"
+        self.port = port
+        self.password = password
+        self.username = username
+        self.extra_args = extra_args
+        auth = f"{username or ''}:{password}@" if password else ""
+        if port is None:
+            self.url = f"unix://{auth}{self.socket_path}"
+        else:
+            self.url = f"redis://{auth}127.0.0.1:{port}/0"
         self.appendonly = appendonly
         self.startup_timeout = startup_timeout
         self._start()
@@ -51,7 +74,9 @@ class EmbeddedRedis:
         args = [
             str(redis_server_binary()),
             "--port",
-            "0",
+            str(self.port or 0),
+            "--bind",
+            "127.0.0.1",
             "--unixsocket",
             str(self.socket_path),
             "--unixsocketperm",
@@ -68,6 +93,12 @@ class EmbeddedRedis:
             "warning",
             "--logfile",
             str(self._dir / "redis.log"),
+            *(
+                ["--requirepass", self.password, "--masterauth", self.password]
+                if self.password and not self.username
+                else []
+            ),
+            *self.extra_args,
         ]
         # A session of its own: Ctrl-C in a terminal must not stop Redis before the processes
         # that use it have been shut down in order (stop() ends it).
@@ -77,7 +108,7 @@ class EmbeddedRedis:
             try:
                 redis.Redis.from_url(self.url).ping()
                 break
-            except (redis.ConnectionError, FileNotFoundError):
+            except (redis.ConnectionError, redis.ResponseError, FileNotFoundError):
                 if self._proc.poll() is not None or time.monotonic() > deadline:
                     log = self._read_log()
                     self.stop()
@@ -131,8 +162,3 @@ class EmbeddedRedis:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def connect(url: str) -> redis.Redis:
-    """A redis-py client for ``url`` that fails fast when nothing listens."""
-    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)

@@ -31,7 +31,6 @@ from protocol import deadletter, keys
 from protocol.exceptions import ConfigError, PerseusError, ProtocolError, UnknownJobError
 from protocol.models import (
     JobConfig,
-    JobInfo,
     RegisterJob,
     RegisterRank,
     Reply,
@@ -41,14 +40,14 @@ from protocol.models import (
     make_job_id,
     pack,
 )
-from protocol.scheduler import BUILTIN, check_scheduler_args
-from protocol.store import JobStore, StoreBatch
+from protocol.scheduler import BUILTIN, check_scheduler_args, resolve_scheduler
+from protocol.store import JobRecord, JobStore, StoreBatch
 from protocol.store_batch import Answer
 
 logger = logging.getLogger(__name__)
 
 _WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
-_INFO_CACHE = 10_000  # job infos a coordinator keeps (degrees and world size never change)
+_INFO_CACHE = 10_000  # jobs whose info a coordinator keeps (none of it changes)
 _BATCH = 100  # entries read per stream at a time
 _TOP_UPS = 3  # non-blocking reads that gather a burst of results into one batch
 _SWEEP_LIMIT = 1000  # due or idle jobs one sweep looks at, at most
@@ -158,7 +157,7 @@ class Coordinator:
         self._last_sweep = 0.0
         self._last_claim = float("-inf")
         self._reconcile_at = 0  # where the next sweep's page of the jobs index starts
-        self._infos: OrderedDict[str, JobInfo] = OrderedDict()
+        self._records: OrderedDict[str, JobRecord] = OrderedDict()
         self.processed = 0
         self.dead_lettered = 0
 
@@ -277,7 +276,7 @@ class Coordinator:
                 pending.append((stream, entry_id, fields, decode_message(fields)))
             except (PerseusError, ValueError) as exc:
                 outcome.dead(stream, entry_id, fields, str(exc) or type(exc).__name__)
-        jobs = self._job_infos(m.job_id for *_, m in pending if not isinstance(m, RegisterJob))
+        jobs = self._job_records(m.job_id for *_, m in pending if not isinstance(m, RegisterJob))
         batch = self.store.batch()
         queued: list[tuple[str, str, dict[bytes, bytes], Message]] = []
         now = time.time()
@@ -307,24 +306,26 @@ class Coordinator:
         self._finish(outcome)
         return sum(len(ids) for ids in outcome.acks.values()) + outcome.self_acked
 
-    def _job_infos(self, job_ids: Iterable[str]) -> dict[str, JobInfo | None]:
-        """Job infos by id, from the cache or one pipeline for those not cached (None: unknown)."""
-        wanted = set(job_ids)
-        found: dict[str, JobInfo | None] = {}
+    def _job_records(self, job_ids: Iterable[str]) -> dict[str, JobRecord | None]:
+        """Jobs by id, from the cache or one pipeline for those not cached (None: unknown).
+
+        Cached: a job's degrees, world size and scheduler never change.
+        """
+        found: dict[str, JobRecord | None] = {}
         missing = []
-        for job_id in wanted:
-            info = self._infos.get(job_id)
-            if info is None:
+        for job_id in set(job_ids):
+            record = self._records.get(job_id)
+            if record is None:
                 missing.append(job_id)
             else:
-                self._infos.move_to_end(job_id)
-                found[job_id] = info
+                self._records.move_to_end(job_id)
+                found[job_id] = record
         for job_id, record in self.store.get_jobs(missing).items():
-            found[job_id] = record.info if record is not None else None
+            found[job_id] = record
             if record is not None:
-                self._infos[job_id] = record.info
-        while len(self._infos) > _INFO_CACHE:
-            self._infos.popitem(last=False)
+                self._records[job_id] = record
+        while len(self._records) > _INFO_CACHE:
+            self._records.popitem(last=False)
         return found
 
     def _dispatch(
@@ -334,7 +335,7 @@ class Coordinator:
         stream: str,
         entry_id: str,
         fields: dict[bytes, bytes],
-        jobs: dict[str, JobInfo | None],
+        jobs: dict[str, JobRecord | None],
         now: float,
     ) -> None:
         if isinstance(message, RegisterJob):
@@ -349,14 +350,16 @@ class Coordinator:
             message.job = job
             batch.create_job(job, config, entry_id, now)
             return
-        info = jobs.get(message.job_id)
-        if info is None:
+        record = jobs.get(message.job_id)
+        if record is None:
             raise UnknownJobError(f"unknown job id {message.job_id!r}")
+        info = record.info
         if isinstance(message, RegisterRank):
             # Answered and acknowledged by the store's script: one round trip per request.
+            needs = resolve_scheduler(record.config.scheduler).needs_instruction_energy
             answer = Answer(
                 reply_key=keys.reply_key(message.request_id),
-                reply=pack(Reply(ok=True, job_id=info.job_id)),
+                reply=pack(Reply(ok=True, job_id=info.job_id, instruction_energy=needs)),
                 ttl=self.settings.reply_ttl,
                 stream=stream,
                 group=keys.COORDINATOR_GROUP,
@@ -373,7 +376,7 @@ class Coordinator:
         self,
         message: Message,
         result: Any,
-        jobs: dict[str, JobInfo | None],
+        jobs: dict[str, JobRecord | None],
         outcome: _Outcome,
     ) -> None:
         """Decide the reply and the scheduler work of an entry whose write succeeded."""
@@ -382,8 +385,9 @@ class Coordinator:
                 logger.info("registered job %s", message.job.job_id)
             outcome.reply(message.request_id, Reply(ok=True, job_id=message.job.job_id))
             return
-        info = jobs[message.job_id]
-        assert info is not None
+        record = jobs[message.job_id]
+        assert record is not None
+        info = record.info
         if isinstance(message, RegisterRank):
             logger.info(
                 "job %s: rank %d registered (%d/%d)",
@@ -452,6 +456,14 @@ class Coordinator:
                 f"job asked for scheduler {message.scheduler!r}; a job may choose one of "
                 f"{', '.join(sorted(BUILTIN))} (others only through the coordinator's settings)"
             )
+        given = {k for k, v in message.scheduler_args.items() if v is not None}
+        paths = sorted(resolve_scheduler(message.scheduler).server_path_args & given)
+        if paths:
+            raise ProtocolError(
+                f"scheduler argument(s) {', '.join(paths)} of {message.scheduler} name paths on "
+                "the server; only the coordinator's settings may set them (a job may send "
+                "data: plan_text, policies, numbers)"
+            )
         check_scheduler_args(message.scheduler, message.scheduler_args)
         return JobConfig(
             scheduler=message.scheduler, scheduler_args=message.scheduler_args, dump_dir=dump_dir
@@ -497,7 +509,7 @@ class Coordinator:
         cutoff = now - self.settings.max_job_idle_time
         for job_id in self.store.idle_jobs(self.settings.max_job_idle_time, now, _SWEEP_LIMIT):
             if self.store.delete_job(job_id, idle_before=cutoff):
-                self._infos.pop(job_id, None)
+                self._records.pop(job_id, None)
                 logger.info(
                     "deleted job %s: idle for more than %d s",
                     job_id,

@@ -6,13 +6,15 @@ values directly: ``PerseusSettings(redis_url=..., scheduler="PointSolution3D")``
 
 from __future__ import annotations
 
+import difflib
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from protocol.scheduler import check_scheduler_args
+from protocol.scheduler import check_scheduler_args, resolve_scheduler
 
 
 class PerseusSettings(BaseSettings):
@@ -21,8 +23,9 @@ class PerseusSettings(BaseSettings):
     Attributes:
         redis_url: Redis to coordinate through, e.g. ``redis://localhost:6379/0`` or
             ``unix:///tmp/redis.sock``.
-        scheduler: Name of the frequency scheduler new jobs get (see ``perseus schedulers``),
-            or ``package.module:ClassName`` for your own; empty: jobs must choose one.
+        scheduler: Name of the frequency scheduler for jobs that do not name one (see
+            ``perseus schedulers``), or ``package.module:ClassName`` for your own. Empty (the
+            default): every job names its scheduler when it registers.
         scheduler_args: Extra keyword arguments for the scheduler's constructor, as JSON in the
             environment, e.g. ``PERSEUS_SCHEDULER_ARGS='{"solution_path": "plan.py"}'``.
         log_level: Logging level name.
@@ -48,7 +51,7 @@ class PerseusSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PERSEUS_", extra="forbid")
 
     redis_url: str = "redis://localhost:6379/0"
-    scheduler: str = "PointSolution"
+    scheduler: str = ""
     scheduler_args: dict[str, Any] = Field(default_factory=dict)
     log_level: str = "INFO"
     dump_data: bool = False
@@ -78,3 +81,39 @@ class PerseusSettings(BaseSettings):
         if not self.scheduler:
             return  # No default: every job must name its scheduler when it registers.
         check_scheduler_args(self.scheduler, self.scheduler_args)
+        resolve_scheduler(self.scheduler).check_files(self.scheduler_args)
+
+
+OTHER_VARIABLES = frozenset(
+    {
+        # The simulated GPU (worker_client/simulated, worker_client/gpu/nvml.py).
+        "PERSEUS_SIM_GPU_DIR",
+        "PERSEUS_SIM_GPU_COUNT",
+        "PERSEUS_SIM_GPU_DENY",
+        # Read by docker-compose.yml and benchmarks/device_h100.sh, not by the services.
+        "PERSEUS_PLAN",
+        "PERSEUS_DEVICE_SIMULATE",
+        # `perseus acl`'s passwords.
+        "PERSEUS_ACL_RANK_PASSWORD",
+        "PERSEUS_ACL_SERVICE_PASSWORD",
+        "PERSEUS_ACL_OPERATOR_PASSWORD",
+    }
+)
+"""``PERSEUS_*`` variables that are not settings but are read elsewhere."""
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """Messages for ``PERSEUS_*`` variables that nothing reads (a typo would go unnoticed).
+
+    pydantic-settings ignores prefixed variables that match no field, so ``extra="forbid"``
+    alone does not catch ``PERSEUS_SCHEDULR``.
+    """
+    fields = {f"PERSEUS_{name.upper()}" for name in PerseusSettings.model_fields}
+    known = fields | OTHER_VARIABLES
+    messages = []
+    for name in sorted(environ):
+        if name.startswith("PERSEUS_") and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            messages.append(f"unknown environment variable {name}{hint}")
+    return messages

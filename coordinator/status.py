@@ -6,10 +6,11 @@ import time
 from typing import Any
 
 import redis
-from rq import Queue, Worker
+from rq import Queue, worker_registration
 
 from protocol import keys
 from protocol.exceptions import PerseusError
+from protocol.models import ProfilingResult
 from protocol.store import JobStore
 
 
@@ -51,6 +52,14 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
         except PerseusError:
             continue
         version = store.version(job_id)
+        world = record.info.world_size
+        summaries = store.summaries(job_id) if version else {}
+        first = _figures(store, job_id, 1, world, summaries) if version else None
+        # The newest version all ranks reported for (the latest one may still be running).
+        latest = None
+        for v in (version, version - 1):
+            if v > 1 and latest is None:
+                latest = _figures(store, job_id, v, world, summaries)
         jobs.append(
             {
                 "job_id": job_id,
@@ -61,6 +70,8 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
                 "results_for_version": store.result_count(job_id, version) if version else 0,
                 "idle_s": round(now - last_active, 1),
                 "error": record.error,
+                "first": first,
+                "latest": latest,
             }
         )
     queue = Queue(keys.RQ_QUEUE, connection=conn)
@@ -68,13 +79,63 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
         "jobs": jobs,
         "plans": _planner_runs(conn),
         "streams": [_stream_info(conn, s) for s in (*keys.INPUT_STREAMS, keys.DEADLETTER_STREAM)],
+        # Counted without rq's cleanups (which write), so that a read-only operator can look.
         "rq": {
             "queue": keys.RQ_QUEUE,
             "queued": queue.count,
-            "workers": len(Worker.all(queue=queue)),
-            "failed": queue.failed_job_registry.count,
+            "workers": len(worker_registration.get_keys(queue=queue)),
+            "failed": queue.failed_job_registry.get_job_count(cleanup=False),
         },
     }
+
+
+def _figures(
+    store: JobStore, job_id: str, version: int, world_size: int, summaries: dict[int, Any]
+) -> dict[str, float] | None:
+    """A version's time and energy per iteration, from its results or their summary.
+
+    A scheduler snapshot deletes the results it consumed; their summary has the same figures.
+    """
+    summary = summaries.get(version)
+    if summary is None or store.result_count(job_id, version):
+        return _iteration_figures(store.results(job_id, version), world_size)
+    if summary["ranks"] < world_size or summary["iter_time"] is None:
+        return None
+    return {
+        "version": version,
+        "time_s": summary["iter_time"],
+        "energy_j": summary["iter_energy"],
+    }
+
+
+def _iteration_figures(results: list[ProfilingResult], world_size: int) -> dict[str, float] | None:
+    """A version's time and energy per iteration (all ranks reported), or None.
+
+    Ranks run in lockstep, so the job's iteration takes the slowest rank's time and the sum of
+    every rank's energy.
+    """
+    if len(results) < world_size or not all(r.iter_time and r.iter_energy for r in results):
+        return None
+    return {
+        "version": results[0].schedule_version,
+        "time_s": max(sum(r.iter_time) / len(r.iter_time) for r in results),
+        "energy_j": sum(sum(r.iter_energy) / len(r.iter_energy) for r in results),
+    }
+
+
+def _savings(job: dict[str, Any]) -> str:
+    """``latest J/iter (v1 -> vN: -x% energy, +y% time)``, or what is missing."""
+    first, latest = job.get("first"), job.get("latest")
+    if first is None:
+        return "-"
+    if latest is None or not (first["energy_j"] > 0 and first["time_s"] > 0):
+        return f"{first['energy_j']:.1f} J/it (v1)"
+    energy = latest["energy_j"] / first["energy_j"] - 1
+    slower = latest["time_s"] / first["time_s"] - 1
+    return (
+        f"{latest['energy_j']:.1f} J/it v{latest['version']}: {energy:+.1%} energy, "
+        f"{slower:+.1%} time vs v1"
+    )
 
 
 def _planner_runs(conn: redis.Redis, limit: int = 20) -> list[dict[str, Any]]:
@@ -100,13 +161,14 @@ def format_snapshot(snap: dict[str, Any]) -> str:
     lines = [f"jobs: {len(snap['jobs'])}"]
     if snap["jobs"]:
         lines.append(
-            f"  {'JOB ID':<58} {'RANKS':>7} {'VER':>4} {'RESULTS':>8} {'IDLE s':>8}  ERROR"
+            f"  {'JOB ID':<58} {'RANKS':>7} {'VER':>4} {'RESULTS':>8} {'IDLE s':>8}  "
+            "ENERGY PER ITERATION / ERROR"
         )
         for job in snap["jobs"]:
             lines.append(
                 f"  {job['job_id']:<58} {job['ranks']:>3}/{job['world_size']:<3} "
                 f"{job['version']:>4} {job['results_for_version']:>4}/{job['world_size']:<3} "
-                f"{job['idle_s']:>8}  {job['error']}"
+                f"{job['idle_s']:>8}  {job['error'] or _savings(job)}"
             )
     if snap.get("plans"):
         lines.append(f"planner runs: {len(snap['plans'])}")

@@ -277,9 +277,10 @@ def advance_job(
             return published
         except Exception as exc:
             store.release_lease(job_id, token)
-            # Recorded on the job: clients waiting for a schedule report it, and the
-            # coordinator stops re-enqueueing a job whose scheduler fails deterministically.
-            store.set_fields(job_id, error=f"{type(exc).__name__}: {exc}")
+            # Recorded on the job: clients waiting for a schedule report it, running ranks'
+            # watchers log it, and the coordinator stops re-enqueueing a job whose scheduler
+            # fails deterministically.
+            store.fail_job(job_id, f"{type(exc).__name__}: {exc}")
             logger.error("job %s: %s", job_id, exc)
             raise
         finally:

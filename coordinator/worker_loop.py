@@ -21,6 +21,8 @@ from rq import SimpleWorker, Worker
 
 logger = logging.getLogger(__name__)
 
+TEARDOWN_WAIT_S = 3.0
+
 
 class _StopAware:
     """Remembers that a warm shutdown was asked for (rq's hook for exactly that)."""
@@ -33,6 +35,29 @@ class _StopAware:
     def handle_warm_shutdown_request(self) -> None:
         self.stop_requested = True
         super().handle_warm_shutdown_request()  # type: ignore[misc]
+
+    def teardown(self) -> None:
+        """Run rq's teardown (record the worker's death, unsubscribe), for at most a few seconds.
+
+        Right after a Redis restart or failover it can hang: redis-py retries a lost connection
+        with backoff (seen: 11 s), and rq's pubsub thread and its unsubscribe can race on the
+        reconnected connection and wait a whole socket timeout (seen: 30 s). A stopping worker
+        must not outlive ``docker stop``'s grace period for a record that is best effort anyway:
+        rq's registry cleanup drops a worker whose key has expired.
+        """
+        thread = threading.Thread(
+            target=super().teardown,  # type: ignore[misc]
+            name="rq-teardown",
+            daemon=True,
+        )
+        thread.start()
+        thread.join(TEARDOWN_WAIT_S)
+        if thread.is_alive():
+            logger.warning(
+                "rq worker %s: recording its exit in Redis took over %.0f s; exiting without it",
+                self.name,  # type: ignore[attr-defined]
+                TEARDOWN_WAIT_S,
+            )
 
 
 class PerseusWorker(_StopAware, Worker):

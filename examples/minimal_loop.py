@@ -2,14 +2,18 @@
 
 Runs on a machine without a GPU (simulated GPU, dry-run clocks):
 
-    python examples/minimal_loop.py
+    python examples/minimal_loop.py                         # starts its own Redis and services
+    python examples/minimal_loop.py --redis-url URL         # joins a running coordinator + worker
 
-In real training you would run `perseus coordinator` and `perseus worker` as services and
-keep only the part between "--- your training script ---" markers.
+The job names its scheduler and sends its plan's text, so it runs against a coordinator started
+with no scheduler settings (`perseus coordinator --redis-url URL`). In real training you run
+`perseus coordinator` and `perseus worker` as services and keep only the part between
+"--- your training script ---" markers.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -29,39 +33,52 @@ from schedulers.planning.plan_file import write_plan_file
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def one_stage_plan(folder: Path) -> str:
+    """A one-stage plan's text: two microbatches, forward at 1410 MHz, backward at 1980 MHz."""
+    plan = folder / "freqs_pipeline_00000.py"
+    steps = [("forward", 1410), ("forward", 1410), ("backward", 1980), ("backward", 1980)]
+    write_plan_file(plan, [steps], {"plan": 0})
+    return plan.read_text()
+
+
 def main() -> None:
-    """Start the services, train, stop the services."""
-    with EmbeddedRedis() as server, tempfile.TemporaryDirectory() as tmp:
-        os.environ["PERSEUS_SIM_GPU_DIR"] = str(Path(tmp) / "gpu")
-        # A one-stage plan: two microbatches, forward at 1410 MHz, backward at 1980 MHz.
-        plan = Path(tmp) / "freqs_pipeline_00000.py"
-        steps = [("forward", 1410), ("forward", 1410), ("backward", 1980), ("backward", 1980)]
-        write_plan_file(plan, [steps], {"plan": 0})
-        settings = PerseusSettings(
-            redis_url=server.url,
-            scheduler="PointSolution",
-            scheduler_args={"solution_path": str(plan)},
-        )
-        coordinator = Coordinator(redis.Redis.from_url(server.url), settings)
-        thread = threading.Thread(target=coordinator.run, kwargs={"block_ms": 100})
-        thread.start()
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "worker", "--redis-url", server.url],
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            train(server.url)
-        finally:
-            worker.terminate()
-            worker.wait()
-            coordinator.stop_event.set()
-            thread.join()
+    """Train against running services (--redis-url) or start private ones around training."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--redis-url", help="join the coordinator and worker serving this Redis")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("PERSEUS_SIM_GPU_DIR", str(Path(tmp) / "gpu"))
+        plan_text = one_stage_plan(Path(tmp))
+        if args.redis_url:
+            train(args.redis_url, plan_text)
+        else:
+            with EmbeddedRedis() as server:
+                run_services_around_training(server.url, plan_text)
 
 
-def train(redis_url: str) -> None:
-    """One rank's training loop with the Perseus hook."""
+def run_services_around_training(url: str, plan_text: str) -> None:
+    """What `perseus coordinator` and `perseus worker` do, in and beside this process."""
+    settings = PerseusSettings(redis_url=url)  # no default scheduler: the job names its own
+    coordinator = Coordinator(redis.Redis.from_url(url), settings)
+    thread = threading.Thread(target=coordinator.run, kwargs={"block_ms": 100})
+    thread.start()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "worker", "--redis-url", url],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        train(url, plan_text)
+    finally:
+        worker.terminate()
+        worker.wait()
+        coordinator.stop_event.set()
+        thread.join()
+
+
+def train(redis_url: str, plan_text: str) -> None:
+    """One rank's training loop with the Perseus hook, running the plan ``plan_text``."""
     # --- your training script ---------------------------------------------------------------
     from worker_client.hook.optimizer import PerseusOptimizer
 
@@ -79,6 +96,8 @@ def train(redis_url: str) -> None:
         world_size=1,
         redis_url=redis_url,
         job_metadata="example",
+        scheduler="PointSolution",  # leave out to get the coordinator's --scheduler
+        scheduler_args={"plan_text": plan_text},
         nvml_module="worker_client.simulated.gpu",  # "pynvml" on a real GPU
         controller="dry-run",  # "nvml" to really lock clocks (needs root)
         report_every=2,

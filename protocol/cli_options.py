@@ -37,6 +37,32 @@ def redis_url_option(func: F | None = None, *, default_help: str | None = None) 
     return option(func) if func is not None else option
 
 
+def setting_option(
+    *decls: str, setting: str, help: str, default_text: str | None = None, **kwargs: Any
+) -> Callable[[F], F]:
+    """An option for a ``PerseusSettings`` field, also read from ``PERSEUS_<SETTING>``.
+
+    Every settings option shows its variable the same way (click's ``[env var: ...]``) and,
+    when given, its default; ``None`` reaches the command when neither flag nor variable is set.
+
+    Args:
+        decls: The option's names, e.g. ``"--scheduler"``.
+        setting: The settings field it sets.
+        help: What it does.
+        default_text: The default to show (the settings' default applies).
+        kwargs: More ``click.option`` arguments.
+    """
+    shown = f" Default: {default_text}." if default_text else ""
+    return click.option(
+        *decls,
+        envvar=f"PERSEUS_{setting.upper()}",
+        show_envvar=True,
+        default=None,
+        help=f"{help}{shown}",
+        **kwargs,
+    )
+
+
 def connect_or_fail(url: str | None, socket_timeout: float | None = 30.0) -> redis.Redis:
     """A client on ``url`` (default :data:`DEFAULT_REDIS_URL`) that answered a PING.
 
@@ -50,4 +76,4 @@ def connect_or_fail(url: str | None, socket_timeout: float | None = 30.0) -> red
         raise click.ClickException(str(exc)) from None
 
 
-__all__ = ["connect_or_fail", "redact_url", "redis_url_option"]
+__all__ = ["connect_or_fail", "redact_url", "redis_url_option", "setting_option"]

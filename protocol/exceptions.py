@@ -23,6 +23,10 @@ class ScheduleError(PerseusError):
     """The schedule and the training loop disagree (wrong instruction, too few or many)."""
 
 
+class JobFailedError(PerseusError):
+    """The job's scheduler failed; the ranks keep their last schedule (see ``job_error``)."""
+
+
 class CoordinatorUnavailableError(PerseusError):
     """Redis or the coordinator did not answer in time."""
 

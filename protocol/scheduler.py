@@ -45,6 +45,15 @@ class FrequencyScheduler:
         self._pending_results: list[ProfilingResult] | None = None
         self._finished = False
 
+    needs_instruction_energy: bool = False
+    """Whether results must carry ``energy_breakdown`` (the hook then measures it itself)."""
+
+    server_path_args: frozenset[str] = frozenset()
+    """Arguments that name files or folders on the worker's machine. Only the operator's
+    settings may give them: a job that sends one is refused before any path is touched, so
+    that no client can make a worker read or write a path of its choosing, or learn whether
+    one exists."""
+
     @property
     def converged(self) -> bool:
         """True once the schedule can only change on a control message, not on results.
@@ -61,6 +70,16 @@ class FrequencyScheduler:
 
         Called when a coordinator starts and when a job asks for this scheduler, so that a
         bad configuration fails before any training starts.
+        """
+
+    @classmethod
+    def check_files(cls, args: dict[str, Any]) -> None:
+        """Raise ConfigError if what ``args`` point at (plan files, folders) is unusable.
+
+        Called when a coordinator starts with these settings (the operator's), so that a
+        missing or broken file stops it at once instead of failing every job later. Not
+        called for arguments a job sends: telling a client whether a server path exists
+        would leak it.
         """
 
     def observe(self, profiling_results: list[ProfilingResult]) -> None:

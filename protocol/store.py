@@ -153,6 +153,23 @@ class JobStore:
         target = pipeline if pipeline is not None else self.conn
         target.hset(keys.job_info(job_id), mapping={k: str(v) for k, v in fields.items()})
 
+    def fail_job(self, job_id: str, error: str, pipeline: Pipeline | None = None) -> None:
+        """Record that the job's scheduler failed, and announce it to the job's ranks.
+
+        One transaction sets the ``error`` field and appends ``error=...`` to the job's updates
+        stream, which every rank's watcher follows: training logs it at once.
+        """
+        pipe = pipeline if pipeline is not None else self.conn.pipeline(transaction=True)
+        self.set_fields(job_id, pipeline=pipe, error=error)
+        pipe.xadd(
+            keys.job_updates(job_id),
+            {"error": error},
+            maxlen=self.stream_maxlen,
+            approximate=True,
+        )
+        if pipeline is None:
+            pipe.execute()
+
     def list_jobs(self) -> list[tuple[str, float]]:
         """(job id, last activity) of every job, most recent first."""
         rows = self.conn.zrevrange(keys.JOBS_INDEX, 0, -1, withscores=True)

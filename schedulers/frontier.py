@@ -17,6 +17,8 @@ it, which holds for planner output (written once).
 
 from __future__ import annotations
 
+from typing import Any
+
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos, make_3d_parallel
@@ -62,6 +64,16 @@ class FrontierScheduler(FrequencyScheduler):
         point, _, _ = select_point(self.frontier, self.policy, self.policy_arg)
         self._load(point)
         self.current: FrontierPoint = point
+
+    server_path_args = frozenset({"frontier_dir"})
+
+    @classmethod
+    def check_files(cls, args: dict[str, Any]) -> None:
+        """The frontier folder must load and the policy must pick one of its plans."""
+        frontier = load_frontier(args["frontier_dir"])
+        policy, value = parse_policy(args.get("policy", "no-slowdown"), args.get("policy_arg"))
+        point, _, _ = select_point(frontier, policy, value)
+        read_plan_file(frontier.path(point))
 
     @property
     def plan(self) -> PlanFile:

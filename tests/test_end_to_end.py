@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,10 @@ from protocol.store import JobStore
 from schedulers.planning.pipeline_dag import one_f_one_b_order
 from schedulers.planning.plan_file import write_plan_file
 from tests.e2e_ranks import run_rank
-from tests.helpers import ROOT, start_perseus, subprocess_env
+from tests.helpers import ROOT, free_ports, start_perseus, subprocess_env
 
 PP, MICROBATCHES = 4, 4
 STAGE_CLOCKS = [(1980, 1980), (1830, 1905), (1710, 1800), (1605, 1710)]  # (forward, backward)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_plan(path: Path) -> list[list[tuple[str, int]]]:
@@ -40,7 +33,7 @@ def write_plan(path: Path) -> list[list[tuple[str, int]]]:
 
 def launch_job(world: int, dp: int, redis_url: str, out: Path, meta: str, steps: int):
     ctx = mp.get_context("spawn")
-    init = f"tcp://127.0.0.1:{free_port()}"
+    init = f"tcp://127.0.0.1:{free_ports()[0]}"
     procs = [
         ctx.Process(
             target=run_rank,

@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, start_perseus, stop, subprocess_env
 
 
 def test_minimal_loop_example_runs(tmp_path):
@@ -23,3 +22,42 @@ def test_minimal_loop_example_runs(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "+dp1+pp1+tp1+PointSolution+example: ran schedule version" in out.stdout
     assert "clocks requested: [1410, 1410, 1980, 1980]" in out.stdout
+
+
+def test_minimal_loop_joins_running_services(redis_url, tmp_path):
+    # A coordinator started with no scheduler settings, as the README's start without Docker.
+    services = [
+        start_perseus(["coordinator", "--redis-url", redis_url], tmp_path, "coordinator.log"),
+        start_perseus(["worker", "--simple", "--redis-url", redis_url], tmp_path, "worker.log"),
+    ]
+    try:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "minimal_loop.py"), "--redis-url", redis_url],
+            env=subprocess_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "clocks requested: [1410, 1410, 1980, 1980]" in out.stdout
+    finally:
+        stop(services)
+    assert "scheduler=none" in (tmp_path / "coordinator.log").read_text()
+
+
+def test_torch_pipelining_example_runs(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PERSEUS_SIM_GPU_DIR=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "torch_pipelining.py"), "--schedule", "gpipe"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "+dp1+pp4+tp1+PointSolution+example-pipelining, clocks requested" in out.stdout
+    # GPipe: every stage runs its 8 forwards (1410 MHz) first.
+    assert out.stdout.count("clocks requested [1410, 1410, 1410, 1410]") == 4
+    assert "step 5: loss" in out.stdout

@@ -35,15 +35,19 @@ def drain(r) -> None:
 
 
 def test_target_through_redis_switches_plan(r, redis_url, frontier_dir):
-    coord = Coordinator(r, PerseusSettings(redis_url=redis_url, scheduler=""))
+    # The frontier folder is the operator's setting: a job may not name server paths.
+    settings = PerseusSettings(
+        redis_url=redis_url,
+        scheduler="FrontierScheduler3D",
+        scheduler_args={"frontier_dir": str(frontier_dir)},
+    )
+    coord = Coordinator(r, settings)
     thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
     thread.start()
     try:
         client = CoordinatorClient(redis_url, reply_timeout=5)
         job = JobInfo(pp_degree=2, dp_degree=2, tp_degree=1, world_size=4)
-        job_id = client.register_job(
-            job, "FrontierScheduler3D", {"frontier_dir": str(frontier_dir)}
-        )
+        job_id = client.register_job(job)
         for rank in range(4):
             client.register_rank(
                 job_id,
@@ -91,9 +95,12 @@ def test_target_for_unknown_job_and_bad_value(r, redis_url):
     coord_thread.start()
     try:
         result = CliRunner().invoke(main, ["target", "nope", "0", "--redis-url", redis_url])
-        assert result.exit_code == 2 and "greater than 0" in result.output
+        assert result.exit_code == 2 and "must be a positive number" in result.output
+        # The command checks the job first; a target that reaches the stream anyway (the job
+        # went away meanwhile) is dead-lettered.
         result = CliRunner().invoke(main, ["target", "nope", "1.5", "--redis-url", redis_url])
-        assert result.exit_code == 0
+        assert result.exit_code == 1 and "nope" in result.output
+        CoordinatorClient(redis_url).set_target("nope", 1.5)
         deadline = time.monotonic() + 5
         while not r.xlen(keys.DEADLETTER_STREAM) and time.monotonic() < deadline:
             time.sleep(0.02)

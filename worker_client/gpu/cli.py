@@ -7,7 +7,11 @@ Registered on the ``perseus`` command by the CLI module; on its own::
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -100,17 +104,22 @@ def profile_p2p_command(
         raise click.BadParameter(
             f"{sample_interval} is longer than --seconds {seconds}", param_hint="--sample-interval"
         )
-    try:
-        result = measure_p2p_power(
-            "simulated" if gpu == "simulated" else "nvml",
-            seconds=seconds,
-            repeats=repeats,
-            devices=devices,
-            sample_interval=sample_interval,
-            sim_blocking_power_w=sim_blocking_power,
-        )
-    except PerseusError as exc:
-        raise click.ClickException(str(exc)) from None
+    with contextlib.ExitStack() as stack:
+        if gpu == "simulated" and "PERSEUS_SIM_GPU_DIR" not in os.environ:
+            # The simulated GPU's state lives in files; these go when the command ends.
+            state = stack.enter_context(tempfile.TemporaryDirectory(prefix="perseus-sim-gpu-"))
+            stack.enter_context(_environ("PERSEUS_SIM_GPU_DIR", state))
+        try:
+            result = measure_p2p_power(
+                "simulated" if gpu == "simulated" else "nvml",
+                seconds=seconds,
+                repeats=repeats,
+                devices=devices,
+                sample_interval=sample_interval,
+                sim_blocking_power_w=sim_blocking_power,
+            )
+        except PerseusError as exc:
+            raise click.ClickException(str(exc)) from None
     click.echo(format_report(result))
     if csv_path is not None:
         try:
@@ -118,6 +127,16 @@ def profile_p2p_command(
         except OSError as exc:
             raise click.ClickException(f"cannot write {csv_path}: {exc}") from None
         click.echo(f"wrote {csv_path}")
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """Set an environment variable (inherited by child processes) for the block."""
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        del os.environ[name]
 
 
 # --- output --------------------------------------------------------------------------------

@@ -24,8 +24,9 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 
-from protocol.exceptions import PerseusError, ScheduleError
+from protocol.exceptions import ConfigError, JobFailedError, PerseusError, ScheduleError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import NVML
@@ -83,9 +84,11 @@ class PerseusOptimizer(Callback):
             thread where a read is cheap and by a sampler thread where it is not (see
             :func:`~worker_client.hook.energy_source.default_energy_source`).
         instruction_energy: Also mark instruction boundaries and report
-            ``energy_breakdown`` (same shape as ``time_breakdown``). Needed by
-            per-instruction profilers; with the counter source on a real GPU each mark costs
-            a few ms, so prefer a ``MonitorEnergySource`` there.
+            ``energy_breakdown`` (same shape as ``time_breakdown``). ``None`` (default): when
+            the job's scheduler needs it (``InstructionProfiler``), as the coordinator's reply
+            to this rank's registration says; ``False`` with such a scheduler is an error.
+            With the counter source on a real GPU each mark costs a few ms, so prefer a
+            ``MonitorEnergySource`` there.
         sync_fn: Waits for the GPU to finish queued work before timing an instruction.
         clock: Seconds for iteration and instruction times (default ``time.perf_counter``);
             simulations pass their simulated clock.
@@ -98,6 +101,10 @@ class PerseusOptimizer(Callback):
             and are sent once Redis is back.
         heartbeat_interval: Seconds between this rank's heartbeats, which keep the job from
             being deleted as idle while it trains on a schedule that no longer changes.
+        raise_on_job_error: If the job's scheduler fails, raise
+            :class:`~protocol.exceptions.JobFailedError` at the next step end. Default: log the
+            error loudly once (every rank) and train on at the last schedule; the error is
+            also in :attr:`job_error`.
     """
 
     def __init__(
@@ -119,13 +126,14 @@ class PerseusOptimizer(Callback):
         report_every: int = 10,
         schedule_timeout: float = 120.0,
         energy_source: EnergySource | None = None,
-        instruction_energy: bool = False,
+        instruction_energy: bool | None = None,
         sync_fn: Callable[[], None] | None = None,
         clock: Callable[[], float] | None = None,
         scheduler: str | None = None,
         scheduler_args: dict[str, Any] | None = None,
         outage_timeout: float | None = None,
         heartbeat_interval: float = 60.0,
+        raise_on_job_error: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Create PerseusOptimizer after torch.distributed.init_process_group")
@@ -141,7 +149,7 @@ class PerseusOptimizer(Callback):
         self.client = CoordinatorClient(redis_url)
         self._sync = sync_fn or _default_sync(device_id)
         self._clock = clock or time.perf_counter
-        self.instruction_energy = instruction_energy
+        self.raise_on_job_error = raise_on_job_error
 
         # Rank 0 registers the job; validation errors surface here, before any broadcast.
         job_id: str | None = None
@@ -167,7 +175,7 @@ class PerseusOptimizer(Callback):
 
         self.nvml = NVML(nvml_module)
         frequencies = self.nvml.graphics_clocks(device_id)
-        self.client.register_rank(
+        reply = self.client.register_rank(
             self.job_id,
             RankInfo(
                 rank=rank,
@@ -177,6 +185,13 @@ class PerseusOptimizer(Callback):
                 available_frequencies=frequencies,
             ),
         )
+        if instruction_energy is False and reply.instruction_energy:
+            raise ConfigError(
+                f"job {self.job_id}: its scheduler needs per-instruction energy; leave "
+                "instruction_energy unset (or True) to measure it"
+            )
+        # Unset: measure per-instruction energy exactly when the job's scheduler needs it.
+        self.instruction_energy = bool(reply.instruction_energy or instruction_energy)
         self._owned_source = energy_source is None
         if energy_source is None:
             energy_source = default_energy_source(self.nvml, device_id)
@@ -201,6 +216,7 @@ class PerseusOptimizer(Callback):
         # Turns marks into energies and results, in report order, off the training thread.
         self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perseus-result")
         self._build_error: Exception | None = None
+        self._remeasure = False  # set by the result builder when a window must be measured again
         self._last_result: ProfilingResult | None = None  # set by the result-builder thread
         self._build_lock = threading.Lock()
         self._measuring = False
@@ -211,6 +227,11 @@ class PerseusOptimizer(Callback):
         self._closed = False
         self._frequency: int | None = None  # the clock last requested
         self.syncs = 0  # GPU synchronizations so far (each costs a pipeline bubble)
+
+    @property
+    def job_error(self) -> str:
+        """The job's scheduler failure as announced to the ranks; empty while there is none."""
+        return self.watcher.job_error
 
     # --- measurement -----------------------------------------------------------------------
     def _reset_window(self) -> None:
@@ -306,15 +327,29 @@ class PerseusOptimizer(Callback):
             self._reported = True
         with self._build_lock:
             build_error, self._build_error = self._build_error, None
+            remeasure, self._remeasure = self._remeasure, False
         if build_error is not None:
             raise build_error
+        if remeasure and self._reported:
+            self._reset_window()
         for worker in (self.watcher, self.reporter):
             if worker.error is not None:
                 raise worker.error
+        if self.raise_on_job_error and self.watcher.job_error:
+            raise JobFailedError(f"job {self.job_id}: scheduler failed: {self.watcher.job_error}")
         self._resend_if_republished()
         newer = self.watcher.take()
         if newer is not None:
             self._swap(newer)
+        self._iter = iter(self.schedule.frequencies)
+
+    def abandon_step(self) -> None:
+        """Forget the step in progress, e.g. one that raised: nothing of it is measured.
+
+        The next :meth:`on_step_begin` starts again at the schedule's first instruction.
+        """
+        self._in_step = False
+        self._measuring = False
         self._iter = iter(self.schedule.frequencies)
 
     def _resend_if_republished(self) -> None:
@@ -354,6 +389,19 @@ class PerseusOptimizer(Callback):
                     for k, v in mark_breakdown.items()
                 },
             )
+        except ValidationError as exc:
+            # A glitch of the energy source (NaN, a counter that went backwards) must not stop
+            # training, and a result the coordinator would refuse must not be sent: measure
+            # this version again.
+            logger.warning(
+                "rank %d: measurements of schedule version %d are unusable, measuring again: %s",
+                self.rank,
+                version,
+                exc.errors()[0].get("msg", exc) if exc.errors() else exc,
+            )
+            with self._build_lock:
+                self._remeasure = True
+            return
         except Exception as exc:  # Raised on the training thread at the next step end.
             with self._build_lock:
                 self._build_error = exc

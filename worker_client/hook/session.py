@@ -111,9 +111,11 @@ class CoordinatorClient:
         )
         return self._request(request).job_id
 
-    def register_rank(self, job_id: str, rank: RankInfo) -> None:
-        """Register one rank with a job."""
-        self._request(RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=rank))
+    def register_rank(self, job_id: str, rank: RankInfo) -> Reply:
+        """Register one rank with a job; the reply says what the job's scheduler needs."""
+        return self._request(
+            RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=rank)
+        )
 
     def report(self, job_id: str, result: ProfilingResult) -> None:
         """Publish a profiling result (fire and forget)."""
@@ -277,6 +279,7 @@ class ScheduleWatcher(threading.Thread):
         self.error: BaseException | None = None
         self.outage = _Outage(f"rank {rank} schedule watcher", client.where, outage_timeout)
         self.job_lost = False
+        self.job_error = ""  # the scheduler's failure, once announced (logged once)
         self.heartbeat_interval = heartbeat_interval
         self._next_beat = time.monotonic() + heartbeat_interval
         self._stop_event = threading.Event()
@@ -297,7 +300,12 @@ class ScheduleWatcher(threading.Thread):
                     self._beat()
                 for _stream, entries in reply or []:
                     last_id = entries[-1][0].decode()
-                    versions = [int(fields[b"version"]) for _, fields in entries]
+                    versions = [int(f[b"version"]) for _, f in entries if b"version" in f]
+                    for _, fields in entries:
+                        if b"error" in fields:
+                            self._note_error(fields[b"error"].decode(errors="replace"))
+                    if not versions:
+                        continue
                     self._note_announcements(versions)
                     newest = max(versions)
                     if newest > self._version:
@@ -337,6 +345,20 @@ class ScheduleWatcher(threading.Thread):
             self.rank,
             self._version,
             keys.DEADLETTER_STREAM,
+        )
+
+    def _note_error(self, error: str) -> None:
+        if error == self.job_error:
+            return
+        self.job_error = error
+        logger.error(
+            "job %s: its scheduler failed: %s. Rank %d keeps running schedule version %d; no "
+            "new version will come. Fix the cause and restart training (pass "
+            "raise_on_job_error=True to PerseusOptimizer to stop training here instead).",
+            self.job_id,
+            error,
+            self.rank,
+            self._version,
         )
 
     def _note_announcements(self, versions: list[int]) -> None:

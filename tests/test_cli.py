@@ -1,0 +1,233 @@
+"""The `perseus` command line as a new user meets it: options, exit codes and messages."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from coordinator.cli import main
+from protocol import keys
+from protocol.models import JobInfo
+from schedulers.planning.plan_file import write_plan_file
+from tests.helpers import ROOT, subprocess_env, wait_for
+from worker_client.hook.session import CoordinatorClient
+
+
+def perseus(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``perseus ARGS`` in this process; return the exit code and everything printed."""
+    result = CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def test_version():
+    code, out = perseus("--version")
+    assert code == 0
+    assert importlib.metadata.version("perseus-mq") in out
+
+
+def test_a_misspelt_perseus_variable_is_an_error_with_the_likely_name(redis_url):
+    code, out = perseus("status", env={"PERSEUS_SCHEDULR": "x", "PERSEUS_REDIS_URL": redis_url})
+    assert code == 2
+    assert "unknown environment variable PERSEUS_SCHEDULR" in out
+    assert "did you mean PERSEUS_SCHEDULER?" in out
+
+
+def test_settings_options_show_their_variable_one_way_with_choices_and_defaults():
+    code, out = perseus("coordinator", "--help")
+    assert code == 0
+    flat = " ".join(out.split())
+    for var in ("REDIS_URL", "SCHEDULER", "SCHEDULER_ARGS", "LOG_LEVEL", "DUMP_DIR"):
+        assert f"[env var: PERSEUS_{var}]" in flat
+    assert "(env PERSEUS" not in flat
+    assert "PointSolution, PointSolution3D" in flat and "Default: none" in flat
+
+
+def test_every_option_has_help():
+    # Walk the whole command tree: an option without help is a rough edge.
+    def walk(command, path):
+        for param in command.params:
+            if param.param_type_name == "option" and param.name != "help":
+                assert param.help, f"{path} {param.opts} has no help"
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    walk(main, "perseus")
+
+
+def test_choose_has_no_short_v_for_value():
+    code, out = perseus("choose", "somewhere", "-v", "1.1")
+    assert code == 2 and "No such option '-v'" in out
+
+
+@pytest.fixture
+def job(service, redis_url, tmp_path):
+    """A job registered through the streams that runs PointSolution (which takes no target)."""
+    plan = tmp_path / "freqs_pipeline_00000.py"
+    write_plan_file(plan, [[("forward", 1980), ("backward", 1980)]], {"plan": 0})
+    info = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    client = CoordinatorClient(redis_url)
+    return client.register_job(info, "PointSolution", {"plan_text": plan.read_text()})
+
+
+def test_target_refuses_negative_unknown_jobs_and_schedulers_without_targets(redis_url, job):
+    code, out = perseus("target", job, "-1", "--redis-url", redis_url)
+    assert code == 2 and "must be a positive number of seconds, got -1.0" in out
+    code, out = perseus("target", "no-such-job", "0.5", "--redis-url", redis_url)
+    assert code == 1 and "no-such-job" in out
+    code, out = perseus("target", job, "0.5", "--redis-url", redis_url)
+    assert code == 1
+    assert "runs PointSolution, which takes no target" in out and "FrontierScheduler" in out
+
+
+def test_dump_into_a_file_is_a_clear_error(redis_url, job, tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    code, out = perseus("dump", job, "--out", str(not_a_folder), "--redis-url", redis_url)
+    assert code == 2 and "exists and is not a folder" in out and "Traceback" not in out
+
+
+def test_coordinator_without_scheduler_settings_starts(redis_url, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "coordinator", "--redis-url", redis_url],
+        env=subprocess_env(tmp_path),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("perseus coordinator: scheduler=none (each job names its own")
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--scheduler", "PointSolution"], """--scheduler-args '{"solution_path": "plan.py"}'"""),
+        (
+            [
+                "--scheduler",
+                "PointSolution",
+                "--scheduler-args",
+                '{"solution_path": "/no/plan"}',
+            ],
+            "/no/plan: plan file not found",
+        ),
+        (
+            [
+                "--scheduler",
+                "FrontierScheduler",
+                "--scheduler-args",
+                '{"frontier_dir": "/no/d"}',
+            ],
+            "/no/d: no such folder",
+        ),
+        (["--scheduler", "NoSuchScheduler"], "unknown scheduler 'NoSuchScheduler'"),
+    ],
+)
+def test_coordinator_refuses_bad_scheduler_settings_with_the_option_to_add(
+    redis_url, args, expected
+):
+    code, out = perseus("coordinator", "--redis-url", redis_url, *args)
+    assert code == 2, out
+    assert expected in out
+    assert "perseus coordinator --scheduler ''" in out
+
+
+def test_status_watch_refreshes_until_interrupted(redis_url, job, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "status", "--watch", "--interval", "0.2"],
+        env=subprocess_env(tmp_path, PERSEUS_REDIS_URL=redis_url),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 0, out
+    assert out.count("perseus status, every 0.2 s") >= 2
+    assert job in out and "jobs: 1" in out
+
+
+def test_status_json_has_energy_figures(redis_url, job):
+    code, out = perseus("status", "--json", "--redis-url", redis_url)
+    assert code == 0
+    (listed,) = json.loads(out)["jobs"]
+    assert listed["job_id"] == job and listed["first"] is None  # No results yet.
+
+
+def test_perseus_redis_stops_its_server_on_sigterm(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "redis"],
+        env=subprocess_env(tmp_path),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    url = proc.stdout.readline().split("redis url: ", 1)[1].strip()
+    conn = redis.Redis.from_url(url)
+    server_pid = int(conn.info("server")["process_id"])
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=15)
+
+    def gone() -> bool:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for(gone, 10, "the redis-server to stop")
+    assert not Path(url.removeprefix("unix://")).parent.exists()
+
+
+P2P_ARGS = ("--seconds", "0.5", "--repeats", "1", "--sample-interval", "0.1")
+
+
+def test_profile_p2p_on_the_simulated_gpu_leaves_no_state_behind(tmp_path):
+    shm = Path("/dev/shm")
+    before = set(shm.glob("perseus-sim-gpu-*")) if shm.exists() else set()
+    env = subprocess_env(tmp_path, TMPDIR=str(tmp_path))
+    env.pop("PERSEUS_SIM_GPU_DIR", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "profile-p2p", "--gpu", "simulated", *P2P_ARGS],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    after = set(shm.glob("perseus-sim-gpu-*")) if shm.exists() else set()
+    assert after <= before
+    assert not list(tmp_path.glob("perseus-sim-gpu-*"))
+
+
+def test_profile_fetches_the_sweeps_csv_or_says_why_there_is_none(r, redis_url, job, tmp_path):
+    code, out = perseus("profile", job, "--out", str(tmp_path / "p.csv"), "--redis-url", redis_url)
+    assert code == 1 and "has no profile yet (PointSolution, at version" in out
+    csv_text = "stage,instruction,frequency,time,energy\n0,forward,1980,0.01,3.0\n"
+    r.hset(keys.job_artifacts(job), "profile.csv", csv_text)
+    code, out = perseus("profile", job, "--out", str(tmp_path / "p.csv"), "--redis-url", redis_url)
+    assert code == 0 and "(1 rows)" in out
+    assert (tmp_path / "p.csv").read_text() == csv_text
+    code, out = perseus("profile", job, "--out", "-", "--redis-url", redis_url)
+    assert code == 0 and out == csv_text

@@ -1,0 +1,122 @@
+"""What a rank learns from the coordinator: a scheduler failure, and what its scheduler needs."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from coordinator.service import Coordinator
+from protocol.exceptions import ConfigError, JobFailedError
+from tests.helpers import make_hook, make_settings, run_step, start_perseus, step_until, stop
+from worker_client.gpu.frequency import DryRunFrequencyController
+
+
+@pytest.fixture
+def serve(gloo, r, redis_url, tmp_path, monkeypatch) -> Iterator[object]:
+    """Factory: a coordinator thread with ``scheduler`` as default, and one `perseus worker`."""
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
+    started: list[tuple[Coordinator, threading.Thread]] = []
+    workers = []
+
+    def make(scheduler: str) -> None:
+        settings = make_settings(redis_url, scheduler, scheduler_args={"microbatches": 2})
+        coord = Coordinator(r, settings)
+        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+        thread.start()
+        started.append((coord, thread))
+        args = ["worker", "--simple", "--redis-url", redis_url]
+        workers.append(start_perseus(args, tmp_path, "worker.log"))
+
+    yield make
+    stop(workers)
+    for coord, thread in started:
+        coord.stop_event.set()
+        thread.join(timeout=5)
+
+
+def test_a_scheduler_failure_is_logged_once_and_training_goes_on(serve, redis_url, caplog):
+    serve("tests.toy_schedulers:FailsAfterFirst")
+    hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
+    try:
+        with caplog.at_level(logging.ERROR, logger="worker_client.hook.session"):
+            step_until(hook, lambda: hook.job_error, 30, "the job error to reach the hook")
+            for _ in range(5):
+                run_step(hook)  # Training goes on at version 1's clocks.
+        assert "fails after its first version on purpose" in hook.job_error
+        assert hook.schedule.version == 1
+        logged = [r for r in caplog.records if "its scheduler failed" in r.getMessage()]
+        assert len(logged) == 1, [r.getMessage() for r in logged]
+    finally:
+        hook.close()
+
+
+def test_raise_on_job_error_stops_training_at_a_step_end(serve, redis_url):
+    serve("tests.toy_schedulers:FailsAfterFirst")
+    hook = make_hook(
+        redis_url, DryRunFrequencyController(0), report_every=1, raise_on_job_error=True
+    )
+    try:
+        with pytest.raises(JobFailedError, match="fails after its first version on purpose"):
+            step_until(hook, lambda: False, 30, "JobFailedError")
+    finally:
+        hook.close()
+
+
+def test_a_job_whose_scheduler_needs_instruction_energy_gets_it_without_asking(serve, redis_url):
+    serve("tests.toy_schedulers:NeedsInstructionEnergy")
+    hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
+    try:
+        assert hook.instruction_energy
+        step_until(hook, lambda: hook.schedule.version >= 2, 30, "version 2")
+        sent = hook._last_result
+        assert sent is not None and set(sent.energy_breakdown) == {"forward", "backward"}
+    finally:
+        hook.close()
+    with pytest.raises(ConfigError, match="needs per-instruction energy"):
+        make_hook(redis_url, DryRunFrequencyController(0), instruction_energy=False)
+
+
+def test_a_job_whose_scheduler_does_not_need_it_measures_steps_only(serve, redis_url):
+    serve("tests.toy_schedulers:StepDown")
+    hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
+    try:
+        assert not hook.instruction_energy
+    finally:
+        hook.close()
+
+
+class GlitchyEnergy:
+    """An energy source whose first ``bad`` readings are NaN (a glitching counter)."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad, self.t = bad, 0.0
+
+    def mark(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    def energy(self, start_mark: float, end_mark: float) -> float:
+        if self.bad > 0:
+            self.bad -= 1
+            return math.nan
+        return 5.0 * (end_mark - start_mark)
+
+
+def test_unusable_measurements_are_measured_again_not_raised_into_training(
+    serve, redis_url, caplog
+):
+    serve("tests.toy_schedulers:StepDown")
+    hook = make_hook(
+        redis_url, DryRunFrequencyController(0), report_every=1, energy_source=GlitchyEnergy(1)
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="worker_client.hook.optimizer"):
+            step_until(hook, lambda: hook.schedule.version >= 2, 30, "version 2 after a glitch")
+        assert "unusable, measuring again" in caplog.text
+        assert hook.reporter.sent >= 1
+    finally:
+        hook.close()
