@@ -24,9 +24,10 @@ import msgpack
 import redis
 from redis.client import Pipeline
 from rq import Queue
-from rq.job import Job, JobStatus
+from rq.job import Job
 
 from coordinator.settings import PerseusSettings
+from coordinator.sweep import Sweeper
 from protocol import deadletter, keys
 from protocol.exceptions import ConfigError, PerseusError, ProtocolError, UnknownJobError
 from protocol.models import (
@@ -46,12 +47,9 @@ from protocol.store_batch import Answer
 
 logger = logging.getLogger(__name__)
 
-_WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
 _INFO_CACHE = 10_000  # jobs whose info a coordinator keeps (none of it changes)
 _BATCH = 100  # entries read per stream at a time
 _TOP_UPS = 3  # non-blocking reads that gather a burst of results into one batch
-_SWEEP_LIMIT = 1000  # due or idle jobs one sweep looks at, at most
-_RECONCILE_PAGE = 100  # jobs per sweep checked for work due but missing from the due set
 
 Message = Union[RegisterJob, RegisterRank, ReportResult, SetTarget]  # noqa: UP007
 
@@ -156,8 +154,8 @@ class Coordinator:
         self.stop_event = threading.Event()
         self._last_sweep = 0.0
         self._last_claim = float("-inf")
-        self._reconcile_at = 0  # where the next sweep's page of the jobs index starts
         self._records: OrderedDict[str, JobRecord] = OrderedDict()
+        self.sweeper = Sweeper(self.store)
         self.processed = 0
         self.dead_lettered = 0
 
@@ -500,52 +498,6 @@ class Coordinator:
         return job
 
     def sweep(self) -> None:
-        """Re-enqueue due work nobody is doing, and delete jobs idle too long.
-
-        Looks at the due set, at idle jobs and at one page of all jobs, so the number of
-        finished jobs does not change its cost.
-        """
-        now = time.time()
-        cutoff = now - self.settings.max_job_idle_time
-        for job_id in self.store.idle_jobs(self.settings.max_job_idle_time, now, _SWEEP_LIMIT):
-            if self.store.delete_job(job_id, idle_before=cutoff):
-                self._records.pop(job_id, None)
-                logger.info(
-                    "deleted job %s: idle for more than %d s",
-                    job_id,
-                    self.settings.max_job_idle_time,
-                )
-        # One page of all jobs per sweep, round robin: a job due but not in the due set (Redis
-        # lost the write that put it there) is found within jobs / page sweeps, at a cost per
-        # sweep that does not grow with the number of jobs.
-        page = self.store.jobs_page(self._reconcile_at, _RECONCILE_PAGE)
-        self._reconcile_at = self._reconcile_at + len(page) if len(page) == _RECONCILE_PAGE else 0
-        for job_id in self.store.mark_due(page):
-            logger.debug("job %s: due, and now in the due set", job_id)
-        for job_id in self.store.due_jobs(_SWEEP_LIMIT):
-            if not self.store.settle(job_id):
-                continue  # Nothing due (any more): it left the due set.
-            fields = self.store.job_fields(job_id, "error", "enqueued_at", "rq_job")
-            if fields["error"]:
-                # Fails deterministically: only new input (which marks it due) retries it.
-                self.store.forget_due(job_id)
-                continue
-            if self.store.lease_holder(job_id) is not None:
-                continue
-            enqueued_at = float(fields["enqueued_at"] or 0)
-            if now - enqueued_at < self.settings.stall_timeout:
-                continue
-            rq_id = fields["rq_job"]
-            if rq_id and self._rq_waiting(rq_id):
-                continue  # Still in the queue: a worker will get to it.
-            logger.warning(
-                "job %s: due work unclaimed for %.1f s; enqueueing again", job_id, now - enqueued_at
-            )
-            self.enqueue_advance(job_id)
-
-    def _rq_waiting(self, rq_id: str) -> bool:
-        try:
-            status = Job.fetch(rq_id, connection=self.conn).get_status()
-        except Exception:  # rq raises NoSuchJobError and friends: treat as gone.
-            return False
-        return status in _WAITING
+        """Re-enqueue due work nobody is doing, and delete jobs idle too long (see Sweeper)."""
+        for job_id in self.sweeper.run(self.settings, self.enqueue_advance):
+            self._records.pop(job_id, None)

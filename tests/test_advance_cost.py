@@ -16,7 +16,8 @@ import redis
 
 from coordinator.dump import dump_job
 from coordinator.replay import LiveSchedulers
-from coordinator.service import _RECONCILE_PAGE, Coordinator
+from coordinator.service import Coordinator
+from coordinator.sweep import RECONCILE_PAGE
 from coordinator.tasks import advance_job, advance_once
 from protocol import keys
 from protocol.models import JobConfig, JobInfo, RankInfo, ReportResult, encode_message
@@ -184,7 +185,7 @@ def test_sweep_cost_does_not_grow_with_finished_jobs(r, redis_url):
         cost[finished] = commands(r) - before
     # One page of the jobs index per sweep (each check a script of a few commands), however
     # many jobs there are; checking every job each time cost ~10 commands per job.
-    assert cost[600] == cost[300] <= 7 * _RECONCILE_PAGE, cost
+    assert cost[600] == cost[300] <= 7 * RECONCILE_PAGE, cost
 
 
 def test_a_batch_of_results_is_one_script_call_and_one_xack(r, redis_url):
