@@ -21,6 +21,7 @@ import redis
 from rq import Queue
 from rq.job import Job, JobStatus
 
+from coordinator.health import HEARTBEAT_INTERVAL_S, beat, forget_stale
 from coordinator.settings import PerseusSettings
 from protocol import deadletter, keys
 from protocol.exceptions import ConfigError, PerseusError, ProtocolError
@@ -112,6 +113,7 @@ class Coordinator:
         self.queue = Queue(keys.RQ_QUEUE, connection=conn)
         self.stop_event = threading.Event()
         self._last_sweep = 0.0
+        self._last_beat = 0.0
         self.processed = 0
         self.dead_lettered = 0
 
@@ -149,6 +151,9 @@ class Coordinator:
         """One round: claim stale entries, read new ones, maybe sweep. Returns entries handled."""
         handled = self._claim_stale()
         handled += self._consume(">", block_ms=block_ms)
+        if time.monotonic() - self._last_beat >= HEARTBEAT_INTERVAL_S:
+            self._last_beat = time.monotonic()
+            beat(self.conn, self.consumer, time.time())  # the container healthcheck reads it
         if time.monotonic() - self._last_sweep >= self.settings.reconcile_interval:
             self._last_sweep = time.monotonic()
             self.sweep()
@@ -340,6 +345,7 @@ class Coordinator:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long."""
         now = time.time()
         cutoff = now - self.settings.max_job_idle_time
+        forget_stale(self.conn, now)
         for job_id in self.store.idle_jobs(self.settings.max_job_idle_time, now):
             if self.store.delete_job(job_id, idle_before=cutoff):
                 logger.info(

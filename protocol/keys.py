@@ -25,6 +25,10 @@ DEADLETTER_STREAM = f"{PREFIX}:stream:deadletter"
 # Sorted set: job id -> unix time of its last activity (drives `perseus status` and GC).
 JOBS_INDEX = f"{PREFIX}:jobs"
 
+# Hash: coordinator consumer name (``<host>-<pid>``) -> unix time of its last loop round
+# (the container healthcheck, coordinator/health.py).
+COORDINATORS = f"{PREFIX}:coordinators"
+
 # The rq queue that runs scheduler work (rq stores it as ``rq:queue:perseus``).
 RQ_QUEUE = PREFIX
 
