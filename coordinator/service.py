@@ -378,4 +378,9 @@ class Coordinator:
             status = Job.fetch(rq_id, connection=self.conn).get_status()
         except Exception:  # rq raises NoSuchJobError and friends: treat as gone.
             return False
+        if status == JobStatus.QUEUED:
+            # A worker killed between taking the job and starting it leaves it "queued" but
+            # out of the queue (in rq's intermediate list) until rq's maintenance, 10+ minutes
+            # later: only a job still in the queue is waiting.
+            return self.conn.lpos(self.queue.key, rq_id) is not None
         return status in _WAITING

@@ -109,12 +109,16 @@ def _savings(job: dict[str, Any]) -> str:
         return "-"
     if latest is None:
         return f"{first['energy_j']:.1f} J/it (v1)"
-    energy = latest["energy_j"] / first["energy_j"] - 1
-    slower = latest["time_s"] / first["time_s"] - 1
     return (
-        f"{latest['energy_j']:.1f} J/it v{latest['version']}: {energy:+.1%} energy, "
-        f"{slower:+.1%} time vs v1"
+        f"{latest['energy_j']:.1f} J/it v{latest['version']}: "
+        f"{_change(latest['energy_j'], first['energy_j'])} energy, "
+        f"{_change(latest['time_s'], first['time_s'])} time vs v1"
     )
+
+
+def _change(new: float, old: float) -> str:
+    # Version 1 can measure 0 (a GPU without an energy counter, dry runs): no ratio then.
+    return f"{new / old - 1:+.1%}" if old > 0 else "n/a"
 
 
 def _planner_runs(conn: redis.Redis, limit: int = 20) -> list[dict[str, Any]]:

@@ -81,7 +81,9 @@ class Stack:
         with self.transcript.open("a") as f:
             f.write(f"[{stamp:7.1f} s] {text}\n")
 
-    def run(self, argv: list[str], check: bool = True, timeout: float = 900) -> str:
+    def run(
+        self, argv: list[str], check: bool = True, timeout: float = 900, limit: int = 3000
+    ) -> str:
         t0 = time.monotonic()
         proc = subprocess.run(
             argv,
@@ -92,7 +94,7 @@ class Stack:
             timeout=timeout,
         )
         out = (proc.stdout + proc.stderr).strip()
-        shown = out if len(out) < 3000 else out[:1500] + "\n...\n" + out[-1500:]
+        shown = out if len(out) < limit else out[: limit // 2] + "\n...\n" + out[-limit // 2 :]
         self.note(f"$ {shlex.join(argv)}  (rc {proc.returncode}, {time.monotonic() - t0:.1f} s)")
         if shown:
             with self.transcript.open("a") as f:
@@ -104,8 +106,8 @@ class Stack:
     def shell(self, line: str) -> str:
         return self.run(["bash", "-c", line])
 
-    def dc(self, *args: str, check: bool = True, timeout: float = 900) -> str:
-        return self.run([*self.compose, *args], check=check, timeout=timeout)
+    def dc(self, *args: str, check: bool = True, timeout: float = 900, limit: int = 3000) -> str:
+        return self.run([*self.compose, *args], check=check, timeout=timeout, limit=limit)
 
     def containers(self, service: str) -> list[str]:
         """Ids of the service's running containers."""
@@ -448,7 +450,8 @@ def test_compose_stack_end_to_end(compose, tmp_path, monkeypatch):
         assert sorted(smoke.done) == sorted(STEPS.values())
         stack.note(f"passed with `{compose}` in {time.monotonic() - stack.started:.0f} s")
     except BaseException:
-        stack.dc("logs", "--no-color", "--tail", "60", check=False)
+        for service in ("coordinator", "worker", "redis"):
+            stack.dc("logs", "--no-color", "--tail", "150", service, check=False, limit=10**6)
         raise
     finally:
         if not went_down:
