@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 import redis
 from rq import Worker
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
 
 from protocol import keys
 from protocol.store import JobStore
@@ -313,10 +315,10 @@ class SmokeRun:
         job_id = wait_for(quiet(lambda: find_job(store, "faults")), timeout=120, what="the job")
         wait_for(quiet(lambda: store.version(job_id) >= 2), timeout=120, what="version 2")
 
-        victim, busy = self.pick_busy_worker(conn)
+        victim, doing = self.pick_busy_worker(conn)
         at_kill = store.version(job_id)
         self.stack.run(["docker", "kill", victim])
-        self.stack.note(f"killed worker {victim[:12]} at version {at_kill} (computing: {busy})")
+        self.stack.note(f"killed worker {victim[:12]} at version {at_kill} (its rq job: {doing})")
         wait_for(
             quiet(lambda: store.version(job_id) > at_kill),
             timeout=120,
@@ -339,18 +341,26 @@ class SmokeRun:
         records = collect_ranks(procs, self.out, "faults", timeout=600)
         self.check_fault_job(store, job_id, records)
 
-    def pick_busy_worker(self, conn: redis.Redis) -> tuple[str, bool]:
-        """A worker container computing a version if one is caught within 20 s, else any."""
+    def pick_busy_worker(self, conn: redis.Redis) -> tuple[str, str]:
+        """A worker container holding an rq job if one is caught within 20 s, else any.
+
+        Returns the container and what its rq job was doing: "queued" (taken, not started:
+        the fork window), "started" (computing), or "idle" when none was caught.
+        """
         containers = self.stack.containers("worker")
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             for worker in Worker.all(connection=conn):
-                if worker.get_current_job_id() and worker.hostname:
-                    match = [c for c in containers if c.startswith(worker.hostname)]
-                    if match:
-                        return match[0], True
+                rq_id = worker.get_current_job_id()
+                match = [c for c in containers if worker.hostname and c.startswith(worker.hostname)]
+                if rq_id and match:
+                    try:
+                        status = Job.fetch(rq_id, connection=conn).get_status()
+                    except NoSuchJobError:
+                        continue
+                    return match[0], getattr(status, "value", str(status))
             time.sleep(0.005)
-        return containers[0], False
+        return containers[0], "idle"
 
     def check_fault_job(self, store: JobStore, job_id: str, records: list[dict]) -> None:
         assert {rec["job_id"] for rec in records} == {job_id}
