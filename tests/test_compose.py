@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import click
@@ -142,3 +145,30 @@ def test_dockerignore_lets_in_only_the_package():
     include = re.search(r"include = \[([^\]]*)\]", (ROOT / "pyproject.toml").read_text()).group(1)
     packages = {p.strip().strip('"').rstrip("*") for p in include.split(",")}
     assert packages == allowed - {"pyproject.toml", "README.md"}
+
+
+@pytest.mark.parametrize("compose", ["docker compose", "docker-compose"])
+def test_compose_config_validates(compose, tmp_path):
+    """The compose tool's own schema check passes, and refuses to run without the password."""
+    argv = compose.split()
+    if shutil.which(argv[0]) is None:
+        pytest.skip(f"`{compose}` is not installed")
+    if subprocess.run([*argv, "version"], capture_output=True, timeout=60).returncode != 0:
+        pytest.skip(f"`{compose}` is not installed")
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    base = [*argv, "--env-file", str(empty), "-f", str(ROOT / "docker-compose.yml"), "config"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSEUS_")}
+
+    def config(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            base, env={**env, **extra}, capture_output=True, text=True, timeout=120, cwd=tmp_path
+        )
+
+    ok = config(PERSEUS_REDIS_PASSWORD="0123abcd")
+    assert ok.returncode == 0, ok.stderr
+    rendered = yaml.safe_load(ok.stdout)
+    assert "0123abcd" in rendered["services"]["redis"]["command"]
+    missing = config()
+    assert missing.returncode != 0
+    assert "set PERSEUS_REDIS_PASSWORD in .env" in missing.stderr

@@ -252,16 +252,21 @@ def test_idle_jobs_are_deleted_with_all_their_keys(service, r, redis_url):
     assert r.zscore(keys.JOBS_INDEX, job_id) is None
 
 
-def test_sweep_reenqueues_stalled_work(r, redis_url):
-    coord = Coordinator(r, make_settings(redis_url, stall_timeout=0.1))
-    store = JobStore(r)
+def due_one_rank_job(store: JobStore, job_id: str) -> None:
+    """A registered one-rank job whose first version is due, enqueued nowhere."""
     from protocol.models import JobConfig
 
-    job = JobInfo(job_id="j2", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    job = JobInfo(job_id=job_id, pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
     store.create_job(job, JobConfig(scheduler="tests.toy_schedulers:StepDown"), "1-0")
     store.add_rank(
         job, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
     )
+
+
+def test_sweep_reenqueues_stalled_work(r, redis_url):
+    coord = Coordinator(r, make_settings(redis_url, stall_timeout=0.1))
+    store = JobStore(r)
+    due_one_rank_job(store, "j2")
     # Due work with no rq job at all (e.g. the enqueue was lost): the sweep enqueues it.
     coord.sweep()
     assert Queue(keys.RQ_QUEUE, connection=r).count == 1
@@ -272,15 +277,9 @@ def test_sweep_reenqueues_stalled_work(r, redis_url):
 
 
 def test_sweep_reenqueues_work_a_killed_worker_had_dequeued(r, redis_url):
-    from protocol.models import JobConfig
-
     coord = Coordinator(r, make_settings(redis_url, stall_timeout=0.1))
     store = JobStore(r)
-    job = JobInfo(job_id="j3", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
-    store.create_job(job, JobConfig(scheduler="tests.toy_schedulers:StepDown"), "1-0")
-    store.add_rank(
-        job, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
-    )
+    due_one_rank_job(store, "j3")
     coord.sweep()
     queue = Queue(keys.RQ_QUEUE, connection=r)
     (first,) = queue.job_ids
