@@ -11,6 +11,7 @@ import inspect
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -30,8 +31,9 @@ from coordinator.settings import PerseusSettings, unknown_variables
 from coordinator.status import format_snapshot, snapshot
 from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_workers
 from protocol import keys
+from protocol.acl import ROLES, acl_file, role_user
 from protocol.cli_options import connect_or_fail, redact_url, redis_url_option, setting_option
-from protocol.deadletter import get_dead_letter, list_dead_letters, replay
+from protocol.deadletter import get_dead_letter, list_dead_letters, purge, replay
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.scheduler import BUILTIN, FrequencyScheduler, resolve_scheduler
 from protocol.store import JobStore
@@ -216,6 +218,10 @@ def worker(
         preload_schedulers()
     cls = PerseusSimpleWorker if simple else PerseusWorker
     conn = _connect(settings.redis_url)
+    kind = "in-process" if simple else "forking"
+    click.echo(
+        f"perseus worker: queue={keys.RQ_QUEUE} {kind} redis={redact_url(settings.redis_url)}"
+    )
     run_workers(
         lambda: cls([keys.RQ_QUEUE], connection=conn, name=name),
         burst=burst,
@@ -362,6 +368,47 @@ def _takes_target(name: str) -> bool:
         return False
 
 
+@main.command("acl")
+@click.option(
+    "--out",
+    "out_path",
+    default="-",
+    show_default=True,
+    help="ACL file to write (- for standard output); load it with redis-server --aclfile.",
+)
+@click.option(
+    "--redis-major",
+    type=click.IntRange(min=6),
+    default=7,
+    show_default=True,
+    help="Server major version: 7 makes job keys read-only for ranks; 6 cannot.",
+)
+def acl_command(out_path: str, redis_major: int) -> None:
+    """Write Redis ACL users for ranks, services and operators (README "Who may do what").
+
+    Passwords come from PERSEUS_ACL_RANK_PASSWORD, PERSEUS_ACL_SERVICE_PASSWORD and
+    PERSEUS_ACL_OPERATOR_PASSWORD; a role without one gets a random password, printed once to
+    standard error. The file holds SHA-256 hashes only. Clients log in with
+    redis://perseus-ROLE:PASSWORD@host:6379/0.
+    """
+    passwords = {}
+    for role in ROLES:
+        given = os.environ.get(f"PERSEUS_ACL_{role.upper()}_PASSWORD")
+        passwords[role] = given or secrets.token_urlsafe(24)
+        if not given:
+            click.echo(f"{role_user(role)} password: {passwords[role]}", err=True)
+    text = acl_file(passwords, redis_major)
+    if out_path == "-":
+        click.echo(text, nl=False)
+        return
+    try:
+        Path(out_path).write_text(text)
+        os.chmod(out_path, 0o600)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {out_path}: {exc}") from None
+    click.echo(f"wrote {out_path}: users {', '.join(role_user(r) for r in ROLES)}", err=True)
+
+
 @main.command("redis")
 @click.option("--appendonly", is_flag=True, help="Turn on append-only persistence.")
 def redis_command(appendonly: bool) -> None:
@@ -461,6 +508,30 @@ def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_
         raise click.ClickException(str(exc)) from None
     if replay_all and not letters:
         click.echo("no replayable dead letters")
+
+
+@deadletter_group.command("purge")
+@redis_url_option
+@click.argument("entry_ids", nargs=-1)
+@click.option(
+    "--older-than",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Delete dead letters older than this many seconds.",
+)
+@click.option("--all", "purge_all", is_flag=True, help="Delete every dead letter.")
+def deadletter_purge(
+    redis_url: str | None, entry_ids: tuple[str, ...], older_than: float | None, purge_all: bool
+) -> None:
+    """Delete dead letters for good: ENTRY_IDS, those older than --older-than, or --all."""
+    if sum((bool(entry_ids), older_than is not None, purge_all)) != 1:
+        raise click.UsageError("give dead-letter ids, --older-than SECONDS, or --all")
+    conn = _connect(_settings(redis_url=redis_url).redis_url)
+    try:
+        removed = purge(conn, list(entry_ids) if entry_ids else None, older_than)
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"deleted {removed} dead letter(s)")
 
 
 # Commands that live next to what they drive (one concept per module).

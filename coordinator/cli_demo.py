@@ -8,6 +8,7 @@ import click
 
 from protocol.cli_options import redis_url_option
 from protocol.exceptions import PerseusError
+from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
 
 
 @click.command("demo")
@@ -34,6 +35,21 @@ from protocol.exceptions import PerseusError
 @click.option(
     "--train-steps", default=5, show_default=True, help="Iterations measured per training run."
 )
+@click.option(
+    "--engine",
+    type=click.Choice(["loop", "torch-pipelining"]),
+    default="loop",
+    show_default=True,
+    help="How ranks train: the simulation's own loop, or torch.distributed.pipelining's "
+    "schedule (a small real model per stage) under PerseusPipeline.",
+)
+@click.option(
+    "--schedule",
+    type=click.Choice(PIPELINE_SCHEDULES),
+    default=DEFAULT_SCHEDULE,
+    show_default=True,
+    help="Pipeline schedule to profile, plan and train (1f1b or gpipe).",
+)
 def demo_command(
     stages: int,
     microbatches: int,
@@ -42,6 +58,8 @@ def demo_command(
     out_dir: Path,
     clock_stride: int,
     train_steps: int,
+    engine: str,
+    schedule: str,
 ) -> None:
     """Run a whole Perseus job on this machine: no GPU and no Redis needed.
 
@@ -66,6 +84,11 @@ def demo_command(
             raise click.BadParameter(f"must be >= 1, got {value}", param_hint=name)
     if stages < 2:
         raise click.BadParameter("a pipeline needs at least 2 stages", param_hint="--stages")
+    if engine == "torch-pipelining" and schedule == "1f1b" and microbatches < stages:
+        raise click.BadParameter(
+            f"torch's Schedule1F1B needs at least as many microbatches as stages ({stages})",
+            param_hint="--microbatches",
+        )
     config = DemoConfig(
         stages=stages,
         microbatches=microbatches,
@@ -74,6 +97,8 @@ def demo_command(
         out_dir=out_dir,
         clock_stride=clock_stride,
         train_steps=train_steps,
+        engine=engine,
+        schedule=schedule,
     )
     try:
         report = run_demo(config, progress=lambda line: click.echo(line))

@@ -2,9 +2,11 @@
 
 Phases: start a private Redis (or use ``--redis-url``), a coordinator and an rq worker; run a
 pipeline of real rank processes (gloo) on simulated GPUs that replay an imbalanced, H100-like
-profile; profile every stage's instructions with the InstructionProfiler scheduler; measure
-the P2P blocking power; plan the time-energy frontier with lowtime; choose the no-slowdown
-plan; train once at all-max clocks and once with the plan; compare.
+profile, either in the simulation's own loop or through torch's ``Schedule1F1B`` /
+``ScheduleGPipe`` with a small real model (``engine="torch-pipelining"``); profile every
+stage's instructions with the InstructionProfiler scheduler; measure the P2P blocking power;
+plan the time-energy frontier with lowtime; choose the no-slowdown plan; train once at all-max
+clocks and once with the plan; compare.
 
 Jobs pick their scheduler at registration and plans travel as text in Redis, so the demo works
 against any coordinator and workers sharing the Redis (e.g. the docker compose stack).
@@ -33,7 +35,7 @@ from protocol.connection import connect
 from protocol.exceptions import PerseusError
 from protocol.store import JobStore
 from schedulers.planning.choose import choose_plan
-from schedulers.planning.pipeline_dag import one_f_one_b_order
+from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, stage_order
 from schedulers.planning.plan_file import write_plan_file
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.plots import plot_frontier, plot_plan_timeline
@@ -61,6 +63,9 @@ class DemoConfig:
         time_scale: Real seconds slept per simulated second (keeps the ranks in step).
         noise: Relative noise of each simulated instruction.
         blocking_power_w: The simulated GPUs' power while blocked on communication.
+        engine: ``"loop"`` (the simulation's own 1F1B/GPipe loop) or ``"torch-pipelining"``
+            (torch's schedule under :class:`PerseusPipeline`, a small real model per stage).
+        schedule: Pipeline schedule, ``"1f1b"`` or ``"gpipe"``: profiled, planned and trained.
     """
 
     stages: int = 4
@@ -73,6 +78,8 @@ class DemoConfig:
     time_scale: float = 0.01
     noise: float = 0.01
     blocking_power_w: float = 100.0
+    engine: str = "loop"
+    schedule: str = DEFAULT_SCHEDULE
 
 
 @dataclass
@@ -172,11 +179,13 @@ def _figures(records: list[dict[str, Any]], skip: int = 1) -> RunFigures:
     return RunFigures(sum(times) / len(times), sum(energies) / len(energies), len(times))
 
 
-def _all_max_plan_text(stages: int, microbatches: int, clock: int) -> str:
-    plan = [[(n, clock) for n in one_f_one_b_order(stages, microbatches, s)] for s in range(stages)]
+def _all_max_plan_text(stages: int, microbatches: int, clock: int, schedule: str) -> str:
+    plan = [
+        [(n, clock) for n in stage_order(schedule, stages, microbatches, s)] for s in range(stages)
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "allmax.py"
-        write_plan_file(path, plan, {"plan": "allmax"})
+        write_plan_file(path, plan, {"plan": "allmax", "pipeline_schedule": schedule})
         return path.read_text()
 
 
@@ -194,6 +203,8 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         "time_scale": cfg.time_scale,
         "noise": cfg.noise,
         "blocking_power_w": cfg.blocking_power_w,
+        "engine": cfg.engine,
+        "schedule": cfg.schedule,
     }
     with (
         tempfile.TemporaryDirectory(prefix="perseus-demo-") as tmp,
@@ -205,7 +216,12 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         # 1. Profile, inside training, through the coordinator.
         progress(f"[1/4] profiling {len(clocks)} clocks x {cfg.stages} stages x fwd/bwd ...")
         stop_file = Path(tmp) / "profiled"
-        args = {"microbatches": cfg.microbatches, "frequencies": clocks, "warmup_iters": 1}
+        args = {
+            "microbatches": cfg.microbatches,
+            "frequencies": clocks,
+            "warmup_iters": 1,
+            "schedule": cfg.schedule,
+        }
         watcher = _ProfileWatcher(store, stop_file, progress, len(clocks))
         watcher.start()
         records = launch_simulated_job(
@@ -256,6 +272,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
             out_dir=frontier_dir,
             p2p_power=p2p.mean_w,
             progress=_planner_progress(progress),
+            schedule=cfg.schedule,
         )
         chosen = choose_plan(frontier_dir, "no-slowdown")
         report.plans = len(result.points)
@@ -271,7 +288,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
 
         # 4. Train at all-max clocks, then with the plan.
         runs = {
-            "allmax": _all_max_plan_text(cfg.stages, cfg.microbatches, clocks[0]),
+            "allmax": _all_max_plan_text(cfg.stages, cfg.microbatches, clocks[0], cfg.schedule),
             "plan": Path(chosen.file).read_text(),
         }
         for i, (name, plan_text) in enumerate(runs.items()):

@@ -40,6 +40,8 @@ class EmbeddedRedis:
         port: Also listen on this TCP port of 127.0.0.1 (replication and sentinels need TCP);
             :attr:`url` is then the TCP URL.
         password: ``requirepass``; :attr:`url` carries it.
+        username: With ``password``: an ACL user (defined by an ``--aclfile`` in
+            ``extra_args``) that :attr:`url` logs in as, instead of ``requirepass``.
         extra_args: More ``redis-server`` arguments, e.g. ``("--replicaof", "127.0.0.1", "7001")``.
     """
 
@@ -50,14 +52,16 @@ class EmbeddedRedis:
         *,
         port: int | None = None,
         password: str | None = None,
+        username: str | None = None,
         extra_args: tuple[str, ...] = (),
     ) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="perseus-redis-"))
         self.socket_path = self._dir / "redis.sock"
         self.port = port
         self.password = password
+        self.username = username
         self.extra_args = extra_args
-        auth = f":{password}@" if password else ""
+        auth = f"{username or ''}:{password}@" if password else ""
         if port is None:
             self.url = f"unix://{auth}{self.socket_path}"
         else:
@@ -91,7 +95,7 @@ class EmbeddedRedis:
             str(self._dir / "redis.log"),
             *(
                 ["--requirepass", self.password, "--masterauth", self.password]
-                if self.password
+                if self.password and not self.username
                 else []
             ),
             *self.extra_args,

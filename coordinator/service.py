@@ -278,6 +278,14 @@ class Coordinator:
                 f"job asked for scheduler {message.scheduler!r}; a job may choose one of "
                 f"{', '.join(sorted(BUILTIN))} (others only through the coordinator's settings)"
             )
+        given = {k for k, v in message.scheduler_args.items() if v is not None}
+        paths = sorted(resolve_scheduler(message.scheduler).server_path_args & given)
+        if paths:
+            raise ProtocolError(
+                f"scheduler argument(s) {', '.join(paths)} of {message.scheduler} name paths on "
+                "the server; only the coordinator's settings may set them (a job may send "
+                "data: plan_text, policies, numbers)"
+            )
         check_scheduler_args(message.scheduler, message.scheduler_args)
         return JobConfig(
             scheduler=message.scheduler, scheduler_args=message.scheduler_args, dump_dir=dump_dir

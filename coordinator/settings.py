@@ -91,6 +91,10 @@ OTHER_VARIABLES = frozenset(
         "PERSEUS_REDIS_PASSWORD",
         "PERSEUS_REDIS_PORT",
         "PERSEUS_DEVICE_SIMULATE",
+        # `perseus acl`'s passwords.
+        "PERSEUS_ACL_RANK_PASSWORD",
+        "PERSEUS_ACL_SERVICE_PASSWORD",
+        "PERSEUS_ACL_OPERATOR_PASSWORD",
     }
 )
 """``PERSEUS_*`` variables that are not settings but are read elsewhere."""

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 import redis
-from rq import Queue, Worker
+from rq import Queue, worker_registration
 
 from protocol import keys
 from protocol.exceptions import PerseusError
@@ -78,11 +78,12 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
         "jobs": jobs,
         "plans": _planner_runs(conn),
         "streams": [_stream_info(conn, s) for s in (*keys.INPUT_STREAMS, keys.DEADLETTER_STREAM)],
+        # Counted without rq's cleanups (which write), so that a read-only operator can look.
         "rq": {
             "queue": keys.RQ_QUEUE,
             "queued": queue.count,
-            "workers": len(Worker.all(queue=queue)),
-            "failed": queue.failed_job_registry.count,
+            "workers": len(worker_registration.get_keys(queue=queue)),
+            "failed": queue.failed_job_registry.get_job_count(cleanup=False),
         },
     }
 
@@ -107,18 +108,14 @@ def _savings(job: dict[str, Any]) -> str:
     first, latest = job.get("first"), job.get("latest")
     if first is None:
         return "-"
-    if latest is None:
+    if latest is None or not (first["energy_j"] > 0 and first["time_s"] > 0):
         return f"{first['energy_j']:.1f} J/it (v1)"
+    energy = latest["energy_j"] / first["energy_j"] - 1
+    slower = latest["time_s"] / first["time_s"] - 1
     return (
-        f"{latest['energy_j']:.1f} J/it v{latest['version']}: "
-        f"{_change(latest['energy_j'], first['energy_j'])} energy, "
-        f"{_change(latest['time_s'], first['time_s'])} time vs v1"
+        f"{latest['energy_j']:.1f} J/it v{latest['version']}: {energy:+.1%} energy, "
+        f"{slower:+.1%} time vs v1"
     )
-
-
-def _change(new: float, old: float) -> str:
-    # Version 1 can measure 0 (a GPU without an energy counter, dry runs): no ratio then.
-    return f"{new / old - 1:+.1%}" if old > 0 else "n/a"
 
 
 def _planner_runs(conn: redis.Redis, limit: int = 20) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ longer waiting, and a replayed ``register_job`` would create a job nobody runs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,3 +161,32 @@ def replay(conn: redis.Redis, letter: DeadLetter, stream_maxlen: int = 100_000) 
     if new_id is None:
         return None
     return new_id.decode() if isinstance(new_id, bytes) else str(new_id)
+
+
+def purge(
+    conn: redis.Redis,
+    entry_ids: list[str] | None = None,
+    older_than_s: float | None = None,
+    now: float | None = None,
+) -> int:
+    """Delete dead letters: the given ids, or all older than ``older_than_s``; return how many.
+
+    Entry ids start with the time they were dead-lettered (ms), so "older than" is one
+    ``XTRIM MINID``. With neither argument every dead letter goes (the stream is deleted).
+
+    Raises:
+        ConfigError: Both selections given, or a negative age.
+    """
+    if entry_ids is not None and older_than_s is not None:
+        raise ConfigError("purge either entry ids or entries older than a time, not both")
+    if entry_ids is not None:
+        return int(conn.xdel(keys.DEADLETTER_STREAM, *entry_ids)) if entry_ids else 0
+    if older_than_s is not None:
+        if older_than_s < 0:
+            raise ConfigError(f"older_than_s must be >= 0, got {older_than_s}")
+        now = time.time() if now is None else now
+        cutoff_ms = int((now - older_than_s) * 1000)
+        return int(conn.xtrim(keys.DEADLETTER_STREAM, minid=f"{cutoff_ms}-0", approximate=False))
+    count = int(conn.xlen(keys.DEADLETTER_STREAM))
+    conn.delete(keys.DEADLETTER_STREAM)
+    return count

@@ -7,6 +7,7 @@ pydantic reports the field that is wrong.
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, TypeVar
@@ -22,7 +23,8 @@ _INSTRUCTION_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    # No NaN or infinity anywhere: one NaN in a measurement makes every later comparison false.
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
 
 class JobInfo(_Model):
@@ -167,9 +169,27 @@ class ProfilingResult(_Model):
                 f"iter_time has {len(self.iter_time)} entries but iter_energy has "
                 f"{len(self.iter_energy)}"
             )
-        if any(t < 0 for t in self.iter_time) or any(e < 0 for e in self.iter_energy):
-            raise ValueError("iter_time and iter_energy must not be negative")
+        _check_measurements("iter_time", self.iter_time)
+        _check_measurements("iter_energy", self.iter_energy)
+        for name, table in (
+            ("time_breakdown", self.time_breakdown),
+            ("energy_breakdown", self.energy_breakdown),
+        ):
+            for instruction, rows in table.items():
+                for i, row in enumerate(rows):
+                    _check_measurements(f"{name}[{instruction!r}][{i}]", row)
         return self
+
+
+def _check_measurements(field: str, values: list[float]) -> None:
+    """Raise ValueError naming ``field`` and the first value that is negative, NaN or infinite.
+
+    A NaN would compare as neither smaller nor larger than anything, so the planner and the
+    schedulers would go on with nonsense: measurements must be finite and not negative.
+    """
+    for i, value in enumerate(values):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{field}[{i}] is {value}: measurements must be finite and >= 0")
 
 
 class OfflineProfilingResult(_Model):

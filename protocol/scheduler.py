@@ -46,6 +46,12 @@ class FrequencyScheduler:
     needs_instruction_energy: bool = False
     """Whether results must carry ``energy_breakdown`` (the hook then measures it itself)."""
 
+    server_path_args: frozenset[str] = frozenset()
+    """Arguments that name files or folders on the worker's machine. Only the operator's
+    settings may give them: a job that sends one is refused before any path is touched, so
+    that no client can make a worker read or write a path of its choosing, or learn whether
+    one exists."""
+
     @property
     def converged(self) -> bool:
         """True once the schedule can only change on a control message, not on results.

@@ -65,6 +65,8 @@ class FrontierScheduler(FrequencyScheduler):
         self._load(point)
         self.current: FrontierPoint = point
 
+    server_path_args = frozenset({"frontier_dir"})
+
     @classmethod
     def check_files(cls, args: dict[str, Any]) -> None:
         """The frontier folder must load and the policy must pick one of its plans."""

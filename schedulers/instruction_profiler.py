@@ -3,13 +3,14 @@
 :class:`InstructionProfiler` is a frequency scheduler whose schedules *are* the profiling
 sweep. Each (stage, instruction) pair has its own sweep over the stage's clocks, high to low;
 schedule version ``k`` runs every forward of a stage at that stage's ``k``-th forward clock and
-every backward at its ``k``-th backward clock, in 1F1B order. From each version's results
-(which the hook must report with ``instruction_energy=True``) the profiler drops the first
-``warmup_iters`` iterations, averages each instruction's time and energy over the remaining
-iterations and instances, and over the data/tensor-parallel ranks of the stage (each runs the
-same instruction on its own GPU). Following the Perseus docs, a sweep stops once energy has
-risen ``stop_after_rises`` times in a row (lower clocks only cost more time *and* energy) or at
-the lowest clock; a stopped instruction then runs at the stage's highest clock, unmeasured.
+every backward at its ``k``-th backward clock, in the job's pipeline order (1F1B or GPipe).
+From each version's results (which the hook must report with ``instruction_energy=True``)
+the profiler drops the first ``warmup_iters`` iterations, averages each instruction's time and
+energy over the remaining iterations and instances, and over the data/tensor-parallel ranks of
+the stage (each runs the same instruction on its own GPU). Following the Perseus docs, a sweep
+stops once energy has risen ``stop_after_rises`` times in a row (lower clocks only cost more
+time *and* energy) or at the lowest clock; a stopped instruction then runs at the stage's
+highest clock, unmeasured.
 
 When every sweep has stopped, the profile is written as a full-form CSV (one row group per
 rank with that rank's own figures; :mod:`schedulers.planning.profile_csv`), and then either
@@ -53,7 +54,7 @@ from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos
 from schedulers.planning.choose import ChosenPlan, choose_plan, parse_policy
 from schedulers.planning.frontier_files import FRONTIER_CSV
-from schedulers.planning.pipeline_dag import one_f_one_b_order
+from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule, stage_order
 from schedulers.planning.plan_file import read_plan_file
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.profile_csv import read_profile_csv, write_profile_csv
@@ -110,7 +111,7 @@ class InstructionProfiler(FrequencyScheduler):
     Args:
         job_info: The training job (any dp/tp degree).
         rank_infos: Every rank of the job.
-        microbatches: Microbatches per iteration (the 1F1B order depends on it).
+        microbatches: Microbatches per iteration (the instruction order depends on it).
         warmup_iters: Iterations of each version's results to ignore (clock changes,
             caches); the hook's ``report_every`` must be larger.
         stop_after_rises: Stop a sweep after this many consecutive energy rises.
@@ -123,6 +124,8 @@ class InstructionProfiler(FrequencyScheduler):
             profile is always kept with the job in Redis as the artifact ``profile.csv``
             (``perseus dump`` writes it out); with ``then`` and no ``out_path`` it is written
             to ``<out_dir>/profile.csv`` for the planner.
+        schedule: The pipeline schedule the training runs, ``"1f1b"`` or ``"gpipe"``: the
+            order of every version's instructions, and the schedule ``then`` plans for.
 
     Raises:
         ConfigError: Bad arguments, or a restricted clock a stage's GPUs do not support.
@@ -131,6 +134,7 @@ class InstructionProfiler(FrequencyScheduler):
     """
 
     needs_instruction_energy = True
+    server_path_args = frozenset({"out_path", "then"})  # then names an output folder
 
     def __init__(
         self,
@@ -142,8 +146,10 @@ class InstructionProfiler(FrequencyScheduler):
         frequencies: list[int] | None = None,
         then: dict[str, Any] | None = None,
         out_path: str | None = None,
+        schedule: str = DEFAULT_SCHEDULE,
     ) -> None:
         super().__init__(job_info, rank_infos)
+        self.schedule = check_schedule(schedule)
         if microbatches < 1:
             raise ConfigError(f"microbatches must be >= 1, got {microbatches}")
         if warmup_iters < 0:
@@ -162,7 +168,7 @@ class InstructionProfiler(FrequencyScheduler):
         self.stage_ranks: dict[int, list[RankInfo]] = {s: [] for s in range(pp)}
         for info in self.ranks:
             self.stage_ranks[info.pp_rank].append(info)
-        self.order = {s: one_f_one_b_order(pp, microbatches, s) for s in range(pp)}
+        self.order = {s: stage_order(schedule, pp, microbatches, s) for s in range(pp)}
         self.max_frequency: dict[int, int] = {}
         self.sweeps: dict[Key, Sweep] = {}
         for stage in range(pp):
@@ -337,6 +343,7 @@ class InstructionProfiler(FrequencyScheduler):
             "num_microbatches": self.microbatches,
             "p2p_power": then["p2p_power"],
             "unit_time": then["unit_time"],
+            "schedule": self.schedule,
         }
         assert self.out_path is not None  # `then` always sets it
         digest = hashlib.sha256(self.out_path.read_bytes())
@@ -353,6 +360,7 @@ class InstructionProfiler(FrequencyScheduler):
                 out_dir=out_dir,
                 p2p_power=then["p2p_power"],
                 unit_time=then["unit_time"],
+                schedule=self.schedule,
             )
             marker.write_text(
                 json.dumps({"key": key, "profile": str(self.out_path), **params}, indent=1) + "\n"

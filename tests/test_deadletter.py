@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -78,3 +79,22 @@ def test_registrations_and_unknown_ids_are_refused_clearly(r, redis_url):
     assert code == 1 and "not a stream entry id" in out, out
     code, out = cli("deadletter", "replay", "--redis-url", redis_url)
     assert code == 2 and "give dead-letter ids, or --all" in out
+
+
+def test_purge_by_id_by_age_and_all(r, redis_url):
+    now_ms = int(time.time() * 1000)
+    old = [
+        r.xadd(keys.DEADLETTER_STREAM, {"reason": "x"}, id=f"{now_ms - 3_600_000 + i}-0")
+        for i in range(3)
+    ]
+    new = [r.xadd(keys.DEADLETTER_STREAM, {"reason": "y"}) for _ in range(2)]
+    code, out = cli("deadletter", "purge", "--redis-url", redis_url)
+    assert code == 2 and "give dead-letter ids, --older-than SECONDS, or --all" in out
+    code, out = cli("deadletter", "purge", old[0].decode(), "--redis-url", redis_url)
+    assert code == 0 and "deleted 1 dead letter(s)" in out
+    code, out = cli("deadletter", "purge", "--older-than", "600", "--redis-url", redis_url)
+    assert code == 0 and "deleted 2 dead letter(s)" in out
+    assert [e[0] for e in r.xrange(keys.DEADLETTER_STREAM)] == new
+    code, out = cli("deadletter", "purge", "--all", "--redis-url", redis_url)
+    assert code == 0 and "deleted 2 dead letter(s)" in out
+    assert not r.exists(keys.DEADLETTER_STREAM)

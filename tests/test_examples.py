@@ -44,3 +44,20 @@ def test_minimal_loop_joins_running_services(redis_url, tmp_path):
     finally:
         stop(services)
     assert "scheduler=none" in (tmp_path / "coordinator.log").read_text()
+
+
+def test_torch_pipelining_example_runs(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PERSEUS_SIM_GPU_DIR=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "torch_pipelining.py"), "--schedule", "gpipe"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "+dp1+pp4+tp1+PointSolution+example-pipelining, clocks requested" in out.stdout
+    # GPipe: every stage runs its 8 forwards (1410 MHz) first.
+    assert out.stdout.count("clocks requested [1410, 1410, 1410, 1410]") == 4
+    assert "step 5: loss" in out.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Iterator
 
@@ -84,5 +85,38 @@ def test_a_job_whose_scheduler_does_not_need_it_measures_steps_only(serve, redis
     hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
     try:
         assert not hook.instruction_energy
+    finally:
+        hook.close()
+
+
+class GlitchyEnergy:
+    """An energy source whose first ``bad`` readings are NaN (a glitching counter)."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad, self.t = bad, 0.0
+
+    def mark(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    def energy(self, start_mark: float, end_mark: float) -> float:
+        if self.bad > 0:
+            self.bad -= 1
+            return math.nan
+        return 5.0 * (end_mark - start_mark)
+
+
+def test_unusable_measurements_are_measured_again_not_raised_into_training(
+    serve, redis_url, caplog
+):
+    serve("tests.toy_schedulers:StepDown")
+    hook = make_hook(
+        redis_url, DryRunFrequencyController(0), report_every=1, energy_source=GlitchyEnergy(1)
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="worker_client.hook.optimizer"):
+            step_until(hook, lambda: hook.schedule.version >= 2, 30, "version 2 after a glitch")
+        assert "unusable, measuring again" in caplog.text
+        assert hook.reporter.sent >= 1
     finally:
         hook.close()

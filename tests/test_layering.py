@@ -9,8 +9,9 @@ the groups listed for it, nothing else of the project:
 - ``worker_client.gpu``: NVML facades, frequency controller, energy measurement.
 - ``worker_client.hook``: the training hook and its Redis session.
 - ``worker_client.power_limit``: the power-limit optimizer.
-- ``worker_client.simulated``: the simulated GPU and simulated pipeline training.
 - ``worker_client.integrations``: adapters for third-party pipeline engines.
+- ``worker_client.simulated``: the simulated GPU and simulated pipeline training (which trains
+  through the integrations as a user's script would).
 - ``coordinator``: the stream consumer, rq tasks, worker loop, status, embedded Redis.
 - top floor: ``coordinator.cli``, ``coordinator.cli_demo`` and ``coordinator.demo`` (the
   ``perseus`` command group and the demo), which may import anything below.
@@ -43,6 +44,7 @@ ALLOWED: dict[str, set[str]] = {
         "schedulers.planning",
         "worker_client.gpu",
         "worker_client.hook",
+        "worker_client.integrations",
     },
     "worker_client.integrations": {
         "protocol",

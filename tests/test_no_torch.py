@@ -6,6 +6,7 @@ operator's machine have none. Every process here runs with torch made unimportab
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -45,14 +46,16 @@ def test_services_and_planner_run_without_torch(r, redis_url, tmp_path):
     assert done.returncode == 0, done.stderr
 
     # Services: a coordinator and a forking rq worker serve a job from that frontier.
+    frontier = ["--scheduler", "FrontierScheduler", "--scheduler-args"]
+    frontier.append(json.dumps({"frontier_dir": str(out)}))
     services = [
-        start_perseus(["coordinator", "--redis-url", redis_url], tmp_path, "c.log", env),
+        start_perseus(["coordinator", "--redis-url", redis_url, *frontier], tmp_path, "c.log", env),
         start_perseus(["worker", "--redis-url", redis_url], tmp_path, "w.log", env),
     ]
     try:
         client = CoordinatorClient(redis_url)
         job = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
-        job_id = client.register_job(job, "FrontierScheduler", {"frontier_dir": str(out)})
+        job_id = client.register_job(job)  # the coordinator's FrontierScheduler
         for rank in range(2):
             info = RankInfo(
                 rank=rank,

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from protocol.exceptions import ConfigError
+from schedulers.planning.pipeline_schedules import one_f_one_b_order
 from schedulers.planning.plan_file import (
     PlanFile,
-    one_f_one_b_order,
     parse_plan_text,
     read_plan_file,
     write_plan_file,

@@ -424,7 +424,7 @@ def test_cli_optimize_and_choose(tmp_path: Path) -> None:
     res = runner.invoke(_cli(), ["choose", str(out), "--policy", "max-slowdown 1.1", "--plot"])
     assert res.exit_code == 0, res.output
     assert "saving:" in res.output and "frontier plot:" in res.output
-    res = runner.invoke(_cli(), ["choose", str(out), "-p", "deadline", "-v", "0.001"])
+    res = runner.invoke(_cli(), ["choose", str(out), "-p", "deadline", "--value", "0.001"])
     assert res.exit_code == 1 and "infeasible" in res.output
     res = runner.invoke(_cli(), ["optimize", str(profile), "-s", "3", "-m", "2", "--out", str(out)])
     assert res.exit_code == 1 and "no rows for stage 2" in res.output

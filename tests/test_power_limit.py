@@ -1,7 +1,7 @@
 """GlobalPowerLimitOptimizer state machine, selectors, HF wrapper, Redis store and CLI.
 
 NVML is the in-process fake (tests/fake_nvml_power.py): no real GPU setting is ever written.
-The monitor is a fake whose window results depend on the power limit the fake GPU is at.
+Steps run on its virtual clock, at the power limit the fake GPUs are at (ReplayTraining).
 """
 
 from __future__ import annotations
@@ -20,106 +20,79 @@ from click.testing import CliRunner
 from protocol import keys
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, GPUError, ProtocolError
 from tests import fake_nvml_power as fake
-from worker_client.gpu.energy import Measurement
-from worker_client.gpu.nvml import NVML
+from tests.fake_nvml_power import (
+    ReplayMonitor,
+    ReplayTraining,
+    limits_now,
+    limits_set,
+    run_steps,
+)
+from tests.fake_nvml_power import describe_state as describe
 from worker_client.power_limit.cli import power_limit_group
 from worker_client.power_limit.hf import HFGlobalPowerLimitOptimizer
 from worker_client.power_limit.optimizer import (
-    Done,
     Energy,
     GlobalPowerLimitOptimizer,
     MaxSlowdownConstraint,
     PowerLimitMeasurement,
     PowerLimitProfile,
     Profiling,
-    Ready,
     Time,
-    Warmup,
     ZeusCost,
     power_limit_ladder,
     torch_distributed_reducer,
 )
 from worker_client.power_limit.store import PowerLimitProfileStore
 
-# Power limit (W) -> (time s, energy J) that a profiling window at that limit reports.
-RESULTS = {300: (10.0, 1000.0), 250: (10.2, 900.0), 200: (11.0, 850.0), 160: (14.0, 950.0)}
-
-
-class FakeMonitor:
-    def __init__(self, gpu_indices: list[int], results: dict[int, tuple[float, float]]) -> None:
-        self.gpu_indices = gpu_indices
-        self.nvml = NVML(fake.__name__)
-        self.results = results
-        self.events: list[tuple[str, str]] = []
-        self.open: set[str] = set()
-
-    def begin_window(self, name: str) -> None:
-        assert name not in self.open
-        self.open.add(name)
-        self.events.append(("begin", name))
-
-    def end_window(self, name: str) -> Measurement:
-        self.open.remove(name)
-        self.events.append(("end", name))
-        limit = fake.STATE.gpus[self.gpu_indices[0]].limit_mw // 1000  # what is really set
-        t, e = self.results[limit]
-        share = e / len(self.gpu_indices)
-        return Measurement(time=t, gpu_energy={i: share for i in self.gpu_indices})
-
-    def cancel_window(self, name: str) -> None:
-        self.open.remove(name)
-        self.events.append(("cancel", name))
+# Power limit (W) -> (step time s, power per GPU W) of the fake GPUs (160-300 W).
+TABLE = {300: (0.100, 280.0), 250: (0.104, 245.0), 200: (0.115, 198.0), 160: (0.140, 158.0)}
+LADDER = [300, 250, 200]  # range(300, 160 - 1, -50) W
+PROFILE = 3
 
 
 @pytest.fixture
-def monitor() -> FakeMonitor:
+def training() -> ReplayTraining:
     fake.reset(num_gpus=2, min_limit_mw=160_000, max_limit_mw=300_000)
-    return FakeMonitor([0, 1], RESULTS)
+    return ReplayTraining(TABLE, [0, 1])
 
 
-def make(monitor: FakeMonitor, **kwargs: Any) -> GlobalPowerLimitOptimizer:
-    args: dict[str, Any] = dict(wait_steps=1, warmup_steps=2, profile_steps=3, pl_step=50)
+def make(training: ReplayTraining, **kwargs: Any) -> GlobalPowerLimitOptimizer:
+    args: dict[str, Any] = dict(wait_steps=1, warmup_steps=2, profile_steps=PROFILE, pl_step=50)
     args.update(kwargs)
     args.setdefault("restore_on_exit", False)
-    return GlobalPowerLimitOptimizer(monitor, **args)
+    return GlobalPowerLimitOptimizer(ReplayMonitor(training), **args)
 
 
-def limits_set() -> list[int]:
-    """Power limits set on GPU 0 (W), in order; each one also went to GPU 1."""
-    on0 = [mw // 1000 for gpu, mw in fake.STATE.set_calls if gpu == 0]
-    on1 = [mw // 1000 for gpu, mw in fake.STATE.set_calls if gpu == 1]
-    assert on0 == on1
-    return on0
+def window(pl: int) -> str:
+    return f"__perseus_power_limit_{pl}"
 
 
-def describe(state: object) -> str:
-    if isinstance(state, Ready):
-        return f"Ready({state.next_power_limit})"
-    if isinstance(state, Warmup | Profiling):
-        return f"{type(state).__name__}({state.current_power_limit},{state.steps})"
-    assert isinstance(state, Done)
-    return f"Done({state.optimal_power_limit})"
+def expected(pl: int) -> tuple[float, float]:
+    """(time, energy) of a PROFILE-step window at ``pl`` W on the two fake GPUs."""
+    seconds, watts = TABLE[pl]
+    return PROFILE * seconds, 2 * PROFILE * seconds * watts
 
 
-def test_ladder_clamps_to_min() -> None:
-    assert power_limit_ladder(300, 160, 50) == [300, 250, 200, 160]
-    assert power_limit_ladder(300, 200, 50) == [300, 250, 200]
-    assert power_limit_ladder(300, 300, 25) == [300]
-    assert power_limit_ladder(700, 200, 1000) == [700, 200]
+def test_ladder_is_zeus_range() -> None:
+    assert power_limit_ladder(300_000, 160_000, 50) == [300_000, 250_000, 200_000]
+    assert power_limit_ladder(300_000, 200_000, 50) == [300_000, 250_000, 200_000]
+    assert power_limit_ladder(300_000, 300_000, 25) == [300_000]
+    assert power_limit_ladder(700_000, 200_000, 1000) == [700_000]
 
 
-def test_full_state_machine(monitor: FakeMonitor, tmp_path: Path) -> None:
-    opt = make(monitor, profile_path=tmp_path / "profile.json")
-    assert opt.power_limits == [300, 250, 200, 160]
+def test_full_state_machine(training: ReplayTraining, tmp_path: Path) -> None:
+    opt = make(training, profile_path=tmp_path / "profile.json")
+    assert opt.power_limits == [pl * 1000 for pl in LADDER]
     assert describe(opt.state) == "Ready(300)"
     trace = []
-    for _ in range(23):
+    for _ in range(18):
         opt.on_step_begin()
+        training.step()
         opt.on_step_end()
         trace.append(describe(opt.state))
     assert trace == [
         "Ready(300)",  # step 1: waited
-        "Warmup(300,1)",  # step 2: 300 W set
+        "Warmup(300,1)",  # step 2: 300 W (already set at construction)
         "Warmup(300,2)",
         "Profiling(300,1)",  # step 4: window begins
         "Profiling(300,2)",
@@ -134,114 +107,115 @@ def test_full_state_machine(monitor: FakeMonitor, tmp_path: Path) -> None:
         "Profiling(200,1)",
         "Profiling(200,2)",
         "Profiling(200,3)",
-        "Warmup(160,1)",  # the minimum, not 150
-        "Warmup(160,2)",
-        "Profiling(160,1)",
-        "Profiling(160,2)",
-        "Profiling(160,3)",
-        "Done(300)",  # default selector Time: 300 W is the fastest
-        "Done(300)",
+        "Done(250)",  # default ZeusCost(0.5, world_size=2)
+        "Done(250)",
     ]
-    # The GPU starts at its maximum (300 W): setting 300 W first needs no (privileged) write.
-    assert limits_set() == [250, 200, 160, 300]
-    assert monitor.events == [
-        (kind, f"__perseus_power_limit_{pl}") for pl in RESULTS for kind in ("begin", "end")
-    ]
-    assert [(m.power_limit, m.time, m.energy) for m in opt.measurements] == [
-        (pl, t, e) for pl, (t, e) in RESULTS.items()
-    ]
+    assert training.step_limits == [300] * 6 + [250] * 5 + [200] * 5 + [250] * 2
+    assert limits_set() == [250, 200, 250]  # the GPUs started at 300 W: no write needed
+    assert training.gpu_indices and limits_set(1) == limits_set(0)
+    monitor = opt.monitor
+    assert isinstance(monitor, ReplayMonitor)
+    assert monitor.events == [(kind, window(pl)) for pl in LADDER for kind in ("begin", "end")]
+    assert [m.power_limit for m in opt.measurements] == LADDER
+    for m in opt.measurements:
+        assert (m.time, m.energy) == pytest.approx(expected(m.power_limit))
     saved = json.loads((tmp_path / "profile.json").read_text())
-    assert saved["optimal_power_limit"] == 300
-    assert [m["power_limit"] for m in saved["measurements"]] == [300, 250, 200, 160]
-    assert saved["selector"] == "Time()"
+    assert saved["optimal_power_limit"] == 250
+    assert [m["power_limit"] for m in saved["measurements"]] == LADDER
+    assert saved["selector"] == "ZeusCost(eta_knob=0.5, world_size=2)"
 
 
-def test_saved_profile_skips_profiling(monitor: FakeMonitor, tmp_path: Path) -> None:
+def test_saved_profile_skips_profiling(training: ReplayTraining, tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
-    first = make(monitor, profile_path=path, optimum_selector=Energy())
-    for _ in range(22):
-        first.on_step_begin()
-    assert isinstance(first.state, Done)
-    assert first.state.optimal_power_limit == 200
+    first = make(training, profile_path=path, optimum_selector=Energy())
+    run_steps(first, training, 17)
+    assert describe(first.state) == "Done(200)"
     fake.STATE.set_calls.clear()
-    monitor.events.clear()
     # Same profile, another selector: it chooses from the stored measurements at once.
-    second = make(monitor, profile_path=path, optimum_selector=MaxSlowdownConstraint(1.5))
-    assert describe(second.state) == "Done(160)"
-    assert limits_set() == [160]
-    for _ in range(30):
-        second.on_step_begin()
-        second.on_epoch_end()
+    second = make(training, profile_path=path, optimum_selector=MaxSlowdownConstraint(1.1))
+    assert describe(second.state) == "Done(250)"
+    assert limits_set() == [250]
+    monitor = second.monitor
+    assert isinstance(monitor, ReplayMonitor)
+    run_steps(second, training, 30, epoch_steps=7)
     assert monitor.events == []
-    assert limits_set() == [160]
+    assert limits_set() == [250]
 
 
-def test_bad_profile_file(monitor: FakeMonitor, tmp_path: Path) -> None:
+def test_bad_profile_files(training: ReplayTraining, tmp_path: Path) -> None:
     path = tmp_path / "broken.json"
-    path.write_text('{"measurements": []}')
-    with pytest.raises(ConfigError, match="bad power-limit profile"):
-        make(monitor, profile_path=path)
+    for text, expect in (
+        ('{"measurements": []}', "measurements: List should have at least 1 item"),
+        ('{"measurements": [\n  {"power_limit": 300, "energy": 1.0}\n', "line 3"),
+        ('{"measurements": [{"power_limit": 300, "energy": 1, "time": -2}]}', r"\[0\]\.time"),
+        ('{"measurements": [{"power_limit": 300, "energy": 1}]}', r"\[0\]\.time: Field required"),
+        ("[1, 2]", "expected an object with 'measurements'"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=expect) as info:
+            make(training, profile_path=path)
+        assert str(path) in str(info.value)
 
 
-def test_epoch_end_restarts_the_limit(monitor: FakeMonitor) -> None:
-    opt = make(monitor)
-    for _ in range(8):  # 300 W done; 250 W warm-up step 2
-        opt.on_step_begin()
+def test_epoch_end_restarts_the_limit(training: ReplayTraining) -> None:
+    opt = make(training)
+    run_steps(opt, training, 8)  # 300 W done; 250 W warm-up step 2
     assert describe(opt.state) == "Warmup(250,2)"
     opt.on_epoch_end()
     assert describe(opt.state) == "Ready(250)"
-    opt.on_step_begin()  # no wait_steps again: the limit restarts at once
+    assert limits_now() == [300, 300]
+    run_steps(opt, training, 1)  # no wait_steps again: the limit restarts at once
     assert describe(opt.state) == "Warmup(250,1)"
-    opt.on_step_begin()
-    opt.on_step_begin()
-    opt.on_step_begin()
+    run_steps(opt, training, 3)
     assert describe(opt.state) == "Profiling(250,2)"
     opt.on_epoch_end()  # mid-window: the partial window is discarded
     assert describe(opt.state) == "Ready(250)"
-    assert monitor.events[-1] == ("cancel", "__perseus_power_limit_250")
+    monitor = opt.monitor
+    assert isinstance(monitor, ReplayMonitor)
+    assert monitor.events[-1] == ("cancel", window(250))
     assert not monitor.open
-    for _ in range(6):
-        opt.on_step_begin()
+    run_steps(opt, training, 6)
     assert describe(opt.state) == "Warmup(200,1)"
     assert [m.power_limit for m in opt.measurements] == [300, 250]
-    # NVML is written only when the limit changes (the GPU starts at 300 W, and the restarted
-    # 250 W limit is still in place).
-    assert limits_set() == [250, 200]
+    assert (opt.measurements[1].time, opt.measurements[1].energy) == pytest.approx(expected(250))
+    assert limits_set() == [250, 300, 250, 300, 250, 200]
     opt.on_epoch_end()
+    assert describe(opt.state) == "Ready(200)"
+    opt.on_epoch_end()  # nothing to interrupt: nothing happens
     assert describe(opt.state) == "Ready(200)"
 
 
-def test_close_restores_max(monitor: FakeMonitor) -> None:
-    opt = make(monitor)
+def test_close_restores_max(training: ReplayTraining) -> None:
+    opt = make(training)
     opt.close()
-    assert limits_set() == []  # never touched the GPUs: nothing to restore
-    opt = make(monitor)
-    for _ in range(10):
-        opt.on_step_begin()
+    assert limits_set() == []  # the GPUs are at the maximum already: no write
+    opt = make(training)
+    run_steps(opt, training, 10)
     assert isinstance(opt.state, Profiling)
     opt.close()
     opt.close()
-    assert limits_set() == [250, 300]  # 300 W was already set at the start: no write
+    assert limits_set() == [250, 300]
+    monitor = opt.monitor
+    assert isinstance(monitor, ReplayMonitor)
     assert not monitor.open  # the open window was cancelled
-    assert all(g.limit_mw == 300_000 for g in fake.STATE.gpus)
+    assert limits_now() == [300, 300]
+    assert describe(opt.state) == "Ready(250)"
 
 
-def test_permission_error_names_the_privilege(monitor: FakeMonitor) -> None:
+def test_permission_error_names_the_privilege(training: ReplayTraining) -> None:
     fake.STATE.permission_denied = True
-    opt = make(monitor)
-    for _ in range(5):  # Profiling the maximum, the current limit, needs no privilege.
-        opt.on_step_begin()
+    opt = make(training)  # the GPUs are at the maximum: no privilege needed yet
+    run_steps(opt, training, 5)  # profiling the maximum needs none either
     assert describe(opt.state).startswith("Profiling(300")
     with pytest.raises(GPUError) as info:
-        for _ in range(10):
-            opt.on_step_begin()
+        run_steps(opt, training, 10)
     message = str(info.value)
     assert "root" in message
     assert "CAP_SYS_ADMIN" in message
     assert "nvmlDeviceSetPowerManagementLimit" in message
 
 
-def test_argument_errors(monitor: FakeMonitor) -> None:
+def test_argument_errors(training: ReplayTraining) -> None:
     for bad in (
         {"warmup_steps": 0},
         {"profile_steps": 0},
@@ -250,23 +224,25 @@ def test_argument_errors(monitor: FakeMonitor) -> None:
         {"profile_store": object()},
     ):
         with pytest.raises(ConfigError):
-            make(monitor, **bad)
-    for eta in (-0.1, 1.1):
+            make(training, **bad)
+    for eta in (-0.1, 1.1, float("nan")):
         with pytest.raises(ValueError, match="eta"):
             ZeusCost(eta)
-    with pytest.raises(ValueError, match=r"at least 1\.0"):
-        MaxSlowdownConstraint(0.9)
+    for factor in (0.9, float("nan")):
+        with pytest.raises(ValueError, match=r"at least 1\.0"):
+            MaxSlowdownConstraint(factor)
     with pytest.raises(ValueError, match="world_size"):
         ZeusCost(0.5, world_size=0)
 
 
+RESULTS = {300: (10.0, 1000.0), 250: (10.2, 900.0), 200: (11.0, 850.0), 160: (14.0, 950.0)}
 MEASUREMENTS = [
     PowerLimitMeasurement(power_limit=pl, time=t, energy=e) for pl, (t, e) in RESULTS.items()
 ]
 
 
 @pytest.mark.parametrize(
-    ("selector", "expected"),
+    ("selector", "expected_limit"),
     [
         (Energy(), 200),
         (Time(), 300),
@@ -279,33 +255,32 @@ MEASUREMENTS = [
         (MaxSlowdownConstraint(1.5), 160),
     ],
 )
-def test_selectors(selector: Any, expected: int) -> None:
-    assert selector.select(MEASUREMENTS) == expected
+def test_selectors(selector: Any, expected_limit: int) -> None:
+    assert selector.select(MEASUREMENTS) == expected_limit
 
 
-def test_time_ties_go_to_the_lower_limit() -> None:
-    tied = [
-        PowerLimitMeasurement(power_limit=300, time=10.0, energy=5.0),
-        PowerLimitMeasurement(power_limit=275, time=10.0, energy=4.0),
-    ]
-    assert Time().select(tied) == 275
-    with pytest.raises(ValueError, match="no power limit measurements"):
-        Energy().select([])
+def test_selectors_need_measurements() -> None:
+    for selector in (Energy(), Time(), ZeusCost(0.5), MaxSlowdownConstraint(1.1)):
+        with pytest.raises(ValueError, match="no power limit measurements"):
+            selector.select([])
+    with pytest.raises(ValueError, match="finite"):
+        PowerLimitMeasurement(power_limit=300, time=float("nan"), energy=1.0)
 
 
-def test_reducer_is_pluggable(monitor: FakeMonitor) -> None:
+def test_reducer_is_pluggable(training: ReplayTraining) -> None:
     calls = []
 
     def reducer(t: float, e: float) -> tuple[float, float]:
         calls.append((t, e))
         return t + 1.0, e * 4
 
-    opt = make(monitor, reducer=reducer, optimum_selector=Energy())
-    for _ in range(22):
-        opt.on_step_begin()
-    assert calls == list(RESULTS.values())
-    assert opt.measurements[0].time == 11.0
-    assert opt.measurements[0].energy == 4000.0
+    opt = make(training, reducer=reducer, optimum_selector=Energy())
+    run_steps(opt, training, 17)
+    assert len(calls) == len(LADDER)
+    for call, pl in zip(calls, LADDER, strict=True):
+        assert call == pytest.approx(expected(pl))
+    assert opt.measurements[0].time == pytest.approx(expected(300)[0] + 1.0)
+    assert opt.measurements[0].energy == pytest.approx(expected(300)[1] * 4)
 
 
 def test_torch_distributed_reducer(tmp_path: Path) -> None:
@@ -326,24 +301,34 @@ class Recorder:
         return lambda: self.calls.append(name)
 
 
-def test_hf_wrapper_forwards_events(monitor: FakeMonitor) -> None:
+def test_hf_wrapper_forwards_events(training: ReplayTraining) -> None:
     cb = HFGlobalPowerLimitOptimizer(
-        monitor, wait_steps=0, warmup_steps=1, profile_steps=1, pl_step=50, restore_on_exit=False
+        ReplayMonitor(training),
+        wait_steps=0,
+        warmup_steps=1,
+        profile_steps=1,
+        pl_step=50,
+        restore_on_exit=False,
+        carry_across_epochs=True,
     )
     assert isinstance(cb.optimizer, GlobalPowerLimitOptimizer)
+    assert cb.optimizer.carry_across_epochs
     cb.on_step_begin(None, None, None)
     assert describe(cb.optimizer.state) == "Warmup(300,1)"
     cb.on_epoch_end(None, None, None, model=None, logs={})
-    assert describe(cb.optimizer.state) == "Ready(300)"
+    assert describe(cb.optimizer.state) == "Paused(300,1,0)"
     cb.on_train_end(None, None, None)
-    assert all(g.limit_mw == 300_000 for g in fake.STATE.gpus)
+    assert limits_now() == [300, 300]
 
     recorder = Recorder()
     cb.optimizer = recorder  # type: ignore[assignment]
     cb.on_step_begin("args", "state", "control", model="m", extra=1)
     cb.on_step_end("args", "state", "control")
     cb.on_epoch_end("args", "state", "control")
-    assert recorder.calls == ["on_step_begin", "on_step_end", "on_epoch_end"]
+    cb.on_train_end("args", "state", "control")
+    assert recorder.calls == ["on_step_begin", "on_step_end", "on_epoch_end", "close"]
+    with pytest.raises(TypeError, match="profile_setps"):
+        HFGlobalPowerLimitOptimizer(ReplayMonitor(training), profile_setps=3)  # type: ignore[call-arg]
 
 
 # --- Redis store --------------------------------------------------------------------------------
@@ -396,26 +381,25 @@ def test_store_errors(r: redis.Redis) -> None:
         down.save("bert", profile())
 
 
-def test_optimizer_with_redis_store(monitor: FakeMonitor, r: redis.Redis) -> None:
+def test_optimizer_with_redis_store(training: ReplayTraining, r: redis.Redis) -> None:
     store = PowerLimitProfileStore(r)
-    first = make(monitor, profile_store=store, workload="bert", optimum_selector=Energy())
-    for _ in range(22):
-        first.on_step_begin()
+    first = make(training, profile_store=store, workload="bert", optimum_selector=Energy())
+    run_steps(first, training, 17)
     stored = store.load("bert")
     assert stored is not None
     assert stored.optimal_power_limit == 200
-    assert [m.power_limit for m in stored.measurements] == [300, 250, 200, 160]
+    assert [m.power_limit for m in stored.measurements] == LADDER
 
     fake.STATE.set_calls.clear()
     for gpu in fake.STATE.gpus:  # a fresh run starts at the maximum limit again
         gpu.limit_mw = 300_000
-    second = make(monitor, profile_store=store, workload="bert", optimum_selector=Energy())
+    second = make(training, profile_store=store, workload="bert", optimum_selector=Energy())
     assert describe(second.state) == "Done(200)"
     assert limits_set() == [200]
 
     # Redis unreachable: the optimizer profiles instead of failing the training job.
     down = PowerLimitProfileStore.from_url("redis://127.0.0.1:1/0", timeout=0.5)
-    third = make(monitor, profile_store=down, workload="bert")
+    third = make(training, profile_store=down, workload="bert")
     assert describe(third.state) == "Ready(300)"
 
 
@@ -464,17 +448,51 @@ def test_max_restored_at_interpreter_exit() -> None:
     script = """
 import atexit
 from tests import fake_nvml_power as fake
-from tests.test_power_limit import RESULTS, FakeMonitor
 from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer
 fake.reset(num_gpus=1, min_limit_mw=160_000, max_limit_mw=300_000)
 atexit.register(lambda: print("limits", [mw for _, mw in fake.STATE.set_calls]))  # runs last
-opt = GlobalPowerLimitOptimizer(FakeMonitor([0], RESULTS), wait_steps=0, warmup_steps=1,
+training = fake.ReplayTraining({300: (0.1, 280.0), 250: (0.1, 240.0)}, [0])
+opt = GlobalPowerLimitOptimizer(fake.ReplayMonitor(training), wait_steps=0, warmup_steps=1,
                                 profile_steps=1, pl_step=50)
-for _ in range(3):
-    opt.on_step_begin()
+fake.run_steps(opt, training, 3)
 """
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run(
         [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "limits [250000, 300000]"
+
+
+def test_cli_import_export_zeus_files(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    zeus_file = tmp_path / "zeus.json"
+    rows = [{"power_limit": pl, "energy": e, "time": t} for pl, (t, e) in RESULTS.items()]
+    zeus_file.write_text(json.dumps({"measurements": rows}, indent=4))
+    runner = CliRunner()
+    url = ["--redis-url", redis_url]
+
+    result = runner.invoke(power_limit_group, ["show", "--file", str(zeus_file)])
+    assert result.exit_code == 0, result.output
+    assert "no limit chosen" in result.output
+    assert result.output.splitlines()[3].split()[:3] == ["300", "10.000", "1000.0"]
+
+    result = runner.invoke(power_limit_group, ["import", str(zeus_file), "resnet", *url])
+    assert result.exit_code == 0, result.output
+    stored = PowerLimitProfileStore(r).load("resnet")
+    assert stored is not None
+    assert stored.measurements == MEASUREMENTS
+    assert stored.optimal_power_limit is None
+    result = runner.invoke(power_limit_group, ["show", *url])
+    assert result.output.splitlines()[2].split()[:3] == ["resnet", "?", "4"]
+
+    out = tmp_path / "out" / "back.json"
+    result = runner.invoke(power_limit_group, ["export", "resnet", str(out), *url])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["measurements"] == rows
+
+    zeus_file.write_text('{"measurements": [{"power_limit": 300, "energy": 1}]}')
+    result = runner.invoke(power_limit_group, ["import", str(zeus_file), "resnet", *url])
+    assert result.exit_code == 1
+    assert f"{zeus_file}: measurements[0].time: Field required" in result.output
+    result = runner.invoke(power_limit_group, ["export", "nope", str(out), *url])
+    assert result.exit_code == 1
+    assert "no power-limit profile stored for 'nope'" in result.output

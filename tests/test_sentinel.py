@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from protocol.connection import connect, parse_sentinel_url, redact_url
 from tests.helpers import (
     FAST_RECOVERY,
     TOY_SCHEDULER,
+    free_ports,
     make_hook,
     start_perseus,
     step_until,
@@ -32,17 +32,6 @@ from tests.helpers import stop as stop_procs
 from worker_client.gpu.frequency import DryRunFrequencyController
 
 SERVICE = "perseus"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def start_sentinel(folder: Path, port: int, master_port: int) -> subprocess.Popen:

@@ -35,15 +35,19 @@ def drain(r) -> None:
 
 
 def test_target_through_redis_switches_plan(r, redis_url, frontier_dir):
-    coord = Coordinator(r, PerseusSettings(redis_url=redis_url, scheduler=""))
+    # The frontier folder is the operator's setting: a job may not name server paths.
+    settings = PerseusSettings(
+        redis_url=redis_url,
+        scheduler="FrontierScheduler3D",
+        scheduler_args={"frontier_dir": str(frontier_dir)},
+    )
+    coord = Coordinator(r, settings)
     thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
     thread.start()
     try:
         client = CoordinatorClient(redis_url, reply_timeout=5)
         job = JobInfo(pp_degree=2, dp_degree=2, tp_degree=1, world_size=4)
-        job_id = client.register_job(
-            job, "FrontierScheduler3D", {"frontier_dir": str(frontier_dir)}
-        )
+        job_id = client.register_job(job)
         for rank in range(4):
             client.register_rank(
                 job_id,

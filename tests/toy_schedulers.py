@@ -7,6 +7,7 @@ from collections.abc import Generator
 
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from protocol.scheduler import FrequencyScheduler
+from schedulers.planning.plan_file import parse_plan_text
 
 
 class StepDown(FrequencyScheduler):
@@ -84,3 +85,21 @@ class NeedsInstructionEnergy(StepDown):
     """StepDown that asks for per-instruction energy, as InstructionProfiler does."""
 
     needs_instruction_energy = True
+
+
+class PlanSequence(FrequencyScheduler):
+    """Serves plan texts in turn, one version per round of results, then the last forever.
+
+    Rank ``r`` runs line ``r`` of each plan (a pure pipeline job).
+    """
+
+    def __init__(self, job_info: JobInfo, rank_infos: list[RankInfo], plans: list[str]) -> None:
+        super().__init__(job_info, rank_infos)
+        self.plans = [parse_plan_text(text, source=f"<plan {i}>") for i, text in enumerate(plans)]
+
+    def _run(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
+        for plan in self.plans:
+            yield [
+                FrequencySchedule(rank=rank, frequencies=list(stage))
+                for rank, stage in enumerate(plan.stages)
+            ]

@@ -22,6 +22,7 @@ from protocol.connection import DEFAULT_REDIS_URL
 from protocol.exceptions import PerseusError
 from schedulers.planning.choose import choose_plan
 from schedulers.planning.job import enqueue_planning
+from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.profile_csv import read_profile_csv
 
@@ -79,6 +80,14 @@ def _redis_watch_hint(url: str, key: str) -> str:
     help="Microbatches per iteration.",
 )
 @click.option(
+    "--schedule",
+    type=click.Choice(PIPELINE_SCHEDULES),
+    default=DEFAULT_SCHEDULE,
+    show_default=True,
+    help="Pipeline schedule the training runs: 1f1b (Schedule1F1B, Megatron, DeepSpeed) or "
+    "gpipe (ScheduleGPipe: all forwards, then all backwards). Recorded in every plan.",
+)
+@click.option(
     "--p2p-power",
     type=click.FloatRange(min=0),
     default=0.0,
@@ -107,6 +116,7 @@ def optimize_command(
     profile: str,
     stages: int,
     microbatches: int,
+    schedule: str,
     p2p_power: float,
     unit_time: float,
     out_dir: str,
@@ -114,7 +124,7 @@ def optimize_command(
     enqueue: bool,
     redis_url: str | None,
 ) -> None:
-    """Compute every Pareto-optimal frequency plan of a 1F1B pipeline from a PROFILE CSV.
+    """Compute every Pareto-optimal frequency plan of a pipeline from a PROFILE CSV.
 
     PROFILE has columns stage,instruction,frequency,time,energy (or the per-rank form with
     rank,dp_rank,pp_rank,tp_rank in front). Then pick a plan with `perseus choose DIR`.
@@ -124,7 +134,9 @@ def optimize_command(
     except PerseusError as exc:
         raise _fail(exc) from None
     if enqueue:
-        _enqueue(prof, stages, microbatches, p2p_power, unit_time, out_dir, plot, redis_url)
+        _enqueue(
+            prof, stages, microbatches, p2p_power, unit_time, out_dir, plot, redis_url, schedule
+        )
         return
 
     bar = _ProgressLine()
@@ -137,6 +149,7 @@ def optimize_command(
             p2p_power=p2p_power,
             unit_time=unit_time,
             progress=bar,
+            schedule=schedule,
         )
     except PerseusError as exc:
         raise _fail(exc) from None
@@ -181,6 +194,7 @@ def _enqueue(
     out_dir: str,
     plot: bool,
     redis_url: str | None,
+    schedule: str,
 ) -> None:
     conn = connect_or_fail(redis_url)
     try:
@@ -193,6 +207,7 @@ def _enqueue(
             p2p_power=p2p_power,
             unit_time=unit_time,
             plot=plot,
+            schedule=schedule,
         )
     except redis.RedisError as exc:
         where = redact_url(redis_url or DEFAULT_REDIS_URL)

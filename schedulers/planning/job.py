@@ -17,6 +17,7 @@ from protocol import keys
 from protocol.connection import connect
 from protocol.exceptions import ConfigError
 from schedulers.planning.pipeline_dag import PipelineShape
+from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.profile_csv import InstructionProfile, ProfileRow, build_profile
 
@@ -45,6 +46,7 @@ def enqueue_planning(
     unit_time: float = 0.001,
     plot: bool = False,
     plan_id: str | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> str:
     """Enqueue :func:`run_planning_job` on the perseus rq queue and return the plan id.
 
@@ -67,7 +69,7 @@ def enqueue_planning(
     if not unit_time > 0 or not p2p_power >= 0:
         raise ConfigError(f"need unit_time > 0 and p2p_power >= 0, got {unit_time}, {p2p_power}")
     profile.check_stages(num_stages)
-    PipelineShape(num_stages, num_microbatches)  # Checks the shape.
+    PipelineShape(num_stages, num_microbatches, schedule)  # Checks the shape and schedule.
     pid = plan_id or new_plan_id()
     out = str(Path(out_dir).resolve())
     rows = [
@@ -85,6 +87,7 @@ def enqueue_planning(
         "profile": profile.path,
         "num_stages": num_stages,
         "num_microbatches": num_microbatches,
+        "schedule": schedule,
         "unit_time": unit_time,
         "p2p_power": p2p_power,
     }
@@ -104,10 +107,11 @@ def enqueue_planning(
             "unit_time": unit_time,
             "profile_path": profile.path,
             "plot": plot,
+            "schedule": schedule,
         },
         job_timeout=PLAN_JOB_TIMEOUT,
         job_id=f"perseus-plan-{pid}",
-        description=f"perseus plan {pid}: {num_stages}x{num_microbatches} -> {out}",
+        description=f"perseus plan {pid}: {num_stages}x{num_microbatches} {schedule} -> {out}",
     )
     return pid
 
@@ -123,6 +127,7 @@ def run_planning_job(
     profile_path: str = "",
     plot: bool = False,
     redis_url: str | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> dict[str, Any]:
     """Run :func:`~schedulers.planning.planner.plan_frontier` as an rq job; progress goes to Redis.
 
@@ -164,6 +169,7 @@ def run_planning_job(
             p2p_power=p2p_power,
             unit_time=unit_time,
             progress=report,
+            schedule=schedule,
         )
         if plot:
             from schedulers.planning.plots import plot_run  # matplotlib: only when plotting

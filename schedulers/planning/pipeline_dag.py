@@ -1,7 +1,8 @@
-"""The synchronous 1F1B pipeline as a DAG: a lowtime-free shape, and the lowtime graph.
+"""A synchronous pipeline (1F1B or GPipe) as a DAG: a lowtime-free shape, and the lowtime graph.
 
-:class:`PipelineShape` knows the instruction order of every stage and the dependencies
-between instructions, and computes start/finish times for given durations. It needs no
+:class:`PipelineShape` knows the instruction order of every stage (from
+:mod:`schedulers.planning.pipeline_schedules`) and the dependencies between instructions,
+and computes start/finish times for given durations. It needs no
 lowtime (whose import costs close to a second), so the chooser, the plots and the tests use it.
 
 :func:`build_lowtime_dag` turns a shape into the activity-on-node graph that lowtime's
@@ -23,41 +24,21 @@ from typing import TYPE_CHECKING, Any
 
 from protocol.constants import INSTRUCTIONS
 from protocol.exceptions import ConfigError
+from schedulers.planning.pipeline_schedules import (
+    DEFAULT_SCHEDULE,
+    check_schedule,
+    one_f_one_b_order,
+    stage_order,
+)
+
+__all__ = ["PipelineShape", "build_lowtime_dag", "one_f_one_b_order"]
 
 if TYPE_CHECKING:
     import networkx as nx
 
 
-def one_f_one_b_order(num_stages: int, num_microbatches: int, stage: int) -> list[str]:
-    """Instruction names of one stage under synchronous 1F1B scheduling.
-
-    Stage ``s`` of ``S`` first runs ``min(S - s - 1, M)`` warm-up forwards, then alternates
-    forward and backward for the remaining microbatches, then drains the warm-up backwards.
-
-    Args:
-        num_stages: Number of pipeline stages ``S``.
-        num_microbatches: Microbatches per iteration ``M``.
-        stage: The stage ``s`` (0 is the first stage).
-
-    Returns:
-        ``2 * M`` instruction names.
-
-    Raises:
-        ConfigError: Arguments out of range.
-
-    """
-    if num_stages < 1 or num_microbatches < 1 or not 0 <= stage < num_stages:
-        raise ConfigError(
-            f"invalid 1F1B shape: {num_stages} stages, {num_microbatches} microbatches, "
-            f"stage {stage}"
-        )
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    steady = num_microbatches - warmup
-    return ["forward"] * warmup + ["forward", "backward"] * steady + ["backward"] * warmup
-
-
 class PipelineShape:
-    """Instructions and dependencies of a synchronous 1F1B pipeline.
+    """Instructions and dependencies of a synchronous pipeline (1F1B or GPipe).
 
     Node ``i`` is an instruction; nodes are numbered stage by stage in execution order, so
     ``node(s, k)`` is the ``k``-th instruction that stage ``s`` runs.
@@ -65,8 +46,11 @@ class PipelineShape:
     Args:
         num_stages: Pipeline stages ``S``.
         num_microbatches: Microbatches per iteration ``M``.
+        schedule: ``"1f1b"`` (default) or ``"gpipe"``: the order each stage runs its
+            instructions in (the dependencies between stages are the same).
 
     Attributes:
+        schedule_name: The schedule, ``"1f1b"`` or ``"gpipe"``.
         order: ``order[s]`` lists stage ``s``'s instruction names in execution order.
         nodes: ``nodes[i] = (stage, instruction, microbatch)``.
         preds: ``preds[i]`` lists the nodes that must finish before node ``i`` starts.
@@ -74,14 +58,19 @@ class PipelineShape:
 
     """
 
-    def __init__(self, num_stages: int, num_microbatches: int) -> None:
+    def __init__(
+        self, num_stages: int, num_microbatches: int, schedule: str = DEFAULT_SCHEDULE
+    ) -> None:
+        self.schedule_name = check_schedule(schedule)
         if num_stages < 1 or num_microbatches < 1:
             raise ConfigError(
                 f"need at least 1 stage and 1 microbatch, got {num_stages} and {num_microbatches}"
             )
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
-        self.order = [one_f_one_b_order(num_stages, num_microbatches, s) for s in range(num_stages)]
+        self.order = [
+            stage_order(schedule, num_stages, num_microbatches, s) for s in range(num_stages)
+        ]
         self.nodes: list[tuple[int, str, int]] = []
         self._index: dict[tuple[int, str, int], int] = {}
         for s, names in enumerate(self.order):
@@ -132,8 +121,8 @@ class PipelineShape:
                 indeg[j] -= 1
                 if indeg[j] == 0:
                     ready.append(j)
-        if len(out) != len(self.nodes):  # pragma: no cover - 1F1B is always acyclic
-            raise AssertionError("1F1B dependency graph has a cycle")
+        if len(out) != len(self.nodes):  # pragma: no cover - both schedules are acyclic
+            raise AssertionError(f"{self.schedule_name} dependency graph has a cycle")
         return out
 
     def schedule(self, durations: Sequence[float]) -> tuple[list[float], list[float]]:
@@ -181,9 +170,12 @@ def build_lowtime_dag(
         ``sink_node`` graph attributes), and ``ops[i]``, the lowtime instruction of node ``i``.
 
     Raises:
-        AssertionError: lowtime's ``Synchronous1F1B`` order or its dependency rules disagree
-            with the shape (a lowtime change this code would have to follow).
+        AssertionError: lowtime's ``Synchronous1F1B`` order (for a 1F1B shape) or its
+            dependency rules disagree with the shape (a lowtime change this code would have
+            to follow).
 
+    lowtime has no GPipe schedule; for a GPipe shape the instructions are made directly in
+    the shape's order (the dependency rules are the same).
     """
     import networkx as nx
     from lowtime.graph_utils import DependencyResolver, add_sink_node, add_source_node
@@ -201,7 +193,15 @@ def build_lowtime_dag(
     ops: list[Any] = [None] * shape.num_nodes
     for s in range(S):
         spec_map = {Forward: specs[(s, "forward")], Backward: specs[(s, "backward")]}
-        for k, inst in enumerate(Synchronous1F1B(S, M, s, spec_map)):
+        if shape.schedule_name == "1f1b":
+            stage_ops: Any = Synchronous1F1B(S, M, s, spec_map)
+        else:
+            kinds = {"forward": Forward, "backward": Backward}
+            stage_ops = [
+                kinds[name](spec=spec_map[kinds[name]], stage_id=s, micro_batch_id=m)
+                for _, name, m in shape.nodes[shape.node(s, 0) : shape.node(s, 2 * M)]
+            ]
+        for k, inst in enumerate(stage_ops):
             node = shape.node(s, k)
             name = "forward" if isinstance(inst, Forward) else "backward"
             if shape.nodes[node] != (inst.stage_id, name, inst.micro_batch_id):

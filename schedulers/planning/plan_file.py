@@ -1,7 +1,7 @@
 """Perseus plan files: one frequency plan of a pipeline, as written by lowtime.
 
 A plan file (``freqs_pipeline_%05d.py``) holds one list per pipeline stage of
-``(instruction, frequency)`` pairs in execution (1F1B) order, plus ``#`` comment lines::
+``(instruction, frequency)`` pairs in execution order, plus ``#`` comment lines::
 
     # perseus plan 00012
     # iteration_time: 1.2345
@@ -12,8 +12,10 @@ A plan file (``freqs_pipeline_%05d.py``) holds one list per pipeline stage of
     ]
 
 Comment lines of the form ``# key: value`` form the header; other comment lines are kept as
-notes. The older lowtime format, where each stage is a plain list of frequencies, is accepted
-too: instruction names are then inferred from synchronous 1F1B order.
+notes. A ``# pipeline_schedule: gpipe`` (or ``1f1b``) header names the schedule the plan was
+made for; every stage must then follow that schedule's order. The older lowtime format, where
+each stage is a plain list of frequencies, is accepted too: instruction names are then
+inferred from the header's schedule (synchronous 1F1B without one).
 
 The files look like Python but are never executed: the text is parsed with :func:`ast.parse`
 and only list, tuple, string and integer nodes are accepted, so a plan file cannot run code
@@ -32,7 +34,13 @@ from pathlib import Path
 
 from protocol.constants import INSTRUCTIONS
 from protocol.exceptions import ConfigError
-from schedulers.planning.pipeline_dag import one_f_one_b_order
+from schedulers.planning.pipeline_schedules import (
+    DEFAULT_SCHEDULE,
+    PIPELINE_SCHEDULES,
+    SCHEDULE_HEADER,
+    schedules_matching,
+    stage_order,
+)
 
 #: The instructions a plan may name, in the order a microbatch runs them.
 # `# key: value`. The key may not contain spaces, so that lowtime's
@@ -74,6 +82,19 @@ class PlanFile:
     def source(self) -> str:
         """The file name for messages, or ``<plan>`` when not read from a file."""
         return str(self.path) if self.path is not None else "<plan>"
+
+    @property
+    def schedule(self) -> str | None:
+        """The pipeline schedule the plan is for, or None if it follows no supported order.
+
+        The ``pipeline_schedule`` header if there is one, else the schedule whose order every
+        stage follows (``1f1b`` where both fit, i.e. with one microbatch).
+        """
+        named = self.header.get(SCHEDULE_HEADER)
+        if named is not None:
+            return named
+        matching = schedules_matching([[n for n, _ in stage] for stage in self.stages])
+        return matching[0] if matching else None
 
     def frequencies(self, stage: int) -> list[int]:
         """Frequencies of one stage, in execution order."""
@@ -137,7 +158,13 @@ def parse_plan_text(text: str, source: str = "<string>") -> PlanFile:
         raise ConfigError(f"{source}:{exc.lineno or '?'}: syntax error: {exc.msg}") from None
     except (ValueError, MemoryError, RecursionError) as exc:  # e.g. NUL bytes, absurd nesting
         raise ConfigError(f"{source}: cannot parse plan: {exc}") from None
-    stages = _Walker(text, source).stages(tree.body)
+    schedule = header.get(SCHEDULE_HEADER)
+    if schedule is not None and schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(
+            f"{source}: header {SCHEDULE_HEADER!r} names unsupported schedule {schedule!r} "
+            f"(supported: {', '.join(PIPELINE_SCHEDULES)})"
+        )
+    stages = _Walker(text, source, schedule).stages(tree.body)
     return PlanFile(stages=stages, header=header, notes=notes)
 
 
@@ -207,9 +234,10 @@ def _read_comments(text: str) -> tuple[dict[str, str], list[str], bool]:
 class _Walker:
     """Turns the expression tree of a plan into stages, rejecting every other node."""
 
-    def __init__(self, text: str, source: str) -> None:
+    def __init__(self, text: str, source: str, schedule: str | None) -> None:
         self.text = text
         self.source = source
+        self.schedule = schedule
 
     def error(self, node: ast.AST, where: str, message: str) -> ConfigError:
         line = getattr(node, "lineno", "?")
@@ -260,7 +288,38 @@ class _Walker:
                 if got != want:
                     raise self.error(node, where, f"has {got} microbatches but stage 0 has {want}")
             stages.append(stage)
+        if self.schedule is not None:
+            for s, (node, stage) in enumerate(zip(body.elts, stages, strict=True)):
+                self.check_schedule(node, f"stage {s}", stage, num_stages, s)
         return stages
+
+    def check_schedule(
+        self,
+        node: ast.expr,
+        where: str,
+        stage: list[tuple[str, int]],
+        num_stages: int,
+        index: int,
+    ) -> None:
+        """The stage must follow the order of the schedule the header names."""
+        assert self.schedule is not None
+        names = [name for name, _ in stage]
+        want = stage_order(self.schedule, num_stages, _count_forward(stage), index)
+        if names == want:
+            return
+        i = next(i for i, (a, b) in enumerate(zip(names, want, strict=True)) if a != b)
+        others = [
+            other
+            for other in PIPELINE_SCHEDULES
+            if names == stage_order(other, num_stages, _count_forward(stage), index)
+        ]
+        hint = f" (it follows {others[0]} order)" if others else ""
+        raise self.error(
+            node,
+            where,
+            f"item {i} is {names[i]!r} but the header's {SCHEDULE_HEADER} {self.schedule} "
+            f"runs {want[i]!r} there{hint}",
+        )
 
     def pair(self, node: ast.expr, where: str) -> tuple[str, int]:
         if not isinstance(node, (ast.Tuple, ast.List)) or len(node.elts) != 2:
@@ -297,10 +356,10 @@ class _Walker:
             raise self.error(
                 node,
                 where,
-                f"odd number of frequencies ({len(freqs)}); a 1F1B stage has one forward and "
+                f"odd number of frequencies ({len(freqs)}); a stage has one forward and "
                 "one backward per microbatch",
             )
-        names = one_f_one_b_order(num_stages, len(freqs) // 2, stage)
+        names = stage_order(self.schedule or DEFAULT_SCHEDULE, num_stages, len(freqs) // 2, stage)
         return list(zip(names, freqs, strict=True))
 
     def check_order(

@@ -10,7 +10,8 @@ clock), :func:`plan_frontier`
    blocked on communication at ``p2p_power``, so only the difference is the instruction's own,
 3. fits lowtime's exponential cost model per ``(stage, instruction)`` (a straight-line
    interpolation where fewer than four distinct quantized times are left or the fit fails),
-4. builds the synchronous 1F1B DAG (:mod:`schedulers.planning.pipeline_dag`) and runs lowtime's
+4. builds the pipeline DAG of the chosen schedule, synchronous 1F1B or GPipe
+   (:mod:`schedulers.planning.pipeline_dag`), and runs lowtime's
    Phillips-Dessouky solver, which starts from every instruction at its slowest option and
    shortens the iteration by one time unit per step at the least added cost, and
 5. writes every frontier point as ``freqs_pipeline_%05d.py``: plan ``00000`` is the starting
@@ -53,6 +54,7 @@ from schedulers.planning.frontier_files import (
     write_frontier_json,
 )
 from schedulers.planning.pipeline_dag import PipelineShape, build_lowtime_dag
+from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULE_HEADER
 from schedulers.planning.plan_file import write_plan_file
 from schedulers.planning.profile_csv import InstructionProfile, write_profile_rows
 
@@ -157,6 +159,7 @@ def plan_frontier(
     p2p_power: float = 0.0,
     unit_time: float = 0.001,
     progress: ProgressCallback | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> Frontier:
     """Compute the iteration time-energy frontier and write one plan file per point.
 
@@ -169,6 +172,9 @@ def plan_frontier(
         unit_time: Time quantum of the solver, seconds. Smaller is finer but slower: the
             solver takes one step per unit between the slowest and the fastest plan.
         progress: Called with ``(fraction, message)`` as the work advances.
+        schedule: The pipeline schedule the training runs, ``"1f1b"`` or ``"gpipe"``
+            (:mod:`schedulers.planning.pipeline_schedules`); recorded in every plan's
+            ``pipeline_schedule`` header and in ``frontier.json``.
 
     Returns:
         The frontier, also written to ``out_dir``.
@@ -182,7 +188,7 @@ def plan_frontier(
     if not p2p_power >= 0:
         raise ConfigError(f"P2P power must not be negative, got {p2p_power}")
     profile.check_stages(num_stages)
-    shape = PipelineShape(num_stages, num_microbatches)
+    shape = PipelineShape(num_stages, num_microbatches, schedule)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("freqs_pipeline_*.py"):
@@ -216,7 +222,7 @@ def plan_frontier(
             specs[(stage, inst)] = OperationSpec(options=candidates, cost_model=model)
     timings["fit_s"] = _time.perf_counter() - started
 
-    _emit(progress, 0.02, "building the 1F1B DAG")
+    _emit(progress, 0.02, f"building the {schedule} DAG")
     t0 = _time.perf_counter()
     graph, ops = build_lowtime_dag(shape, specs)
     timings["dag_s"] = _time.perf_counter() - t0
@@ -263,6 +269,7 @@ def plan_frontier(
             "p2p_power": repr(p2p_power),
             "num_stages": num_stages,
             "num_microbatches": num_microbatches,
+            SCHEDULE_HEADER: schedule,
         }
         notes = [f"perseus-mq frequency plan {point.plan} (a larger number is a shorter iteration)"]
         write_plan_file(out / point.file, stages, header, notes)
@@ -295,6 +302,7 @@ def plan_frontier(
     meta: dict[str, Any] = {
         "num_stages": num_stages,
         "num_microbatches": num_microbatches,
+        SCHEDULE_HEADER: schedule,
         "unit_time": unit_time,
         "p2p_power": p2p_power,
         "profile": profile.path or "",

@@ -20,6 +20,7 @@ from protocol.exceptions import ConfigError
 from schedulers.planning.choose import choose_plan
 from schedulers.planning.frontier_files import PROFILE_CSV, Frontier, load_frontier
 from schedulers.planning.pipeline_dag import PipelineShape
+from schedulers.planning.pipeline_schedules import PIPELINE_SCHEDULES, schedules_matching
 from schedulers.planning.plan_file import read_plan_file
 from schedulers.planning.profile_csv import ProfileTable, read_profile_csv
 
@@ -109,14 +110,14 @@ def plot_timeline(
     out_path: str | Path,
     title: str = "",
 ) -> Path:
-    """Draw a plan's 1F1B timeline: one row per stage, bars coloured by clock.
+    """Draw a plan's timeline (1F1B or GPipe): one row per stage, bars coloured by clock.
 
     Bars start as soon as the stage is free and the instruction's input has arrived (previous
     stage's forward, next stage's backward); durations are the profile's times at the plan's
     clocks. Communication time is not modelled.
 
     Args:
-        stages: ``stages[s]``: ``(instruction, MHz)`` pairs of stage ``s`` in 1F1B order.
+        stages: ``stages[s]``: ``(instruction, MHz)`` pairs of stage ``s`` in execution order.
         table: ``table[(stage, instruction)][MHz] = (time, energy)``.
         out_path: PNG to write.
         title: Figure title.
@@ -125,17 +126,20 @@ def plot_timeline(
         The PNG's path.
 
     Raises:
-        ConfigError: The plan is not 1F1B-shaped or uses a clock the profile lacks.
+        ConfigError: The plan follows no supported schedule or uses a clock the profile lacks.
 
     """
     num_stages = len(stages)
     num_micro = sum(1 for name, _ in stages[0] if name == "forward") if stages else 0
-    shape = PipelineShape(num_stages, num_micro)
+    matching = schedules_matching([[name for name, _ in stage] for stage in stages])
+    if not matching:
+        raise ConfigError(
+            f"the plan follows none of the supported orders ({', '.join(PIPELINE_SCHEDULES)})"
+        )
+    shape = PipelineShape(num_stages, num_micro, matching[0])
     freqs: list[int] = []
     durations: list[float] = []
     for s, stage in enumerate(stages):
-        if [name for name, _ in stage] != shape.order[s]:
-            raise ConfigError(f"stage {s} of the plan is not in synchronous 1F1B order")
         for name, freq in stage:
             entry = table.get((s, name), {})
             if freq not in entry:
@@ -176,7 +180,7 @@ def plot_timeline(
     ax.invert_yaxis()
     ax.set_xlim(0, span * 1.01)
     ax.set_xlabel("time (s)")
-    ax.set_title(title or f"1F1B timeline: iteration {span:.3f} s")
+    ax.set_title(title or f"{shape.schedule_name} timeline: iteration {span:.3f} s")
     fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="GPU clock (MHz)")
     fig.tight_layout()
     return _save(fig, out_path)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 
 from protocol.exceptions import ConfigError, JobFailedError, PerseusError, ScheduleError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
@@ -213,6 +214,7 @@ class PerseusOptimizer(Callback):
         # Turns marks into energies and results, in report order, off the training thread.
         self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perseus-result")
         self._build_error: Exception | None = None
+        self._remeasure = False  # set by the result builder when a window must be measured again
         self._last_result: ProfilingResult | None = None  # set by the result-builder thread
         self._build_lock = threading.Lock()
         self._measuring = False
@@ -311,8 +313,11 @@ class PerseusOptimizer(Callback):
             self._reported = True
         with self._build_lock:
             build_error, self._build_error = self._build_error, None
+            remeasure, self._remeasure = self._remeasure, False
         if build_error is not None:
             raise build_error
+        if remeasure and self._reported:
+            self._reset_window()
         for worker in (self.watcher, self.reporter):
             if worker.error is not None:
                 raise worker.error
@@ -322,6 +327,15 @@ class PerseusOptimizer(Callback):
         newer = self.watcher.take()
         if newer is not None:
             self._swap(newer)
+        self._iter = iter(self.schedule.frequencies)
+
+    def abandon_step(self) -> None:
+        """Forget the step in progress, e.g. one that raised: nothing of it is measured.
+
+        The next :meth:`on_step_begin` starts again at the schedule's first instruction.
+        """
+        self._in_step = False
+        self._measuring = False
         self._iter = iter(self.schedule.frequencies)
 
     def _resend_if_republished(self) -> None:
@@ -361,6 +375,19 @@ class PerseusOptimizer(Callback):
                     for k, v in mark_breakdown.items()
                 },
             )
+        except ValidationError as exc:
+            # A glitch of the energy source (NaN, a counter that went backwards) must not stop
+            # training, and a result the coordinator would refuse must not be sent: measure
+            # this version again.
+            logger.warning(
+                "rank %d: measurements of schedule version %d are unusable, measuring again: %s",
+                self.rank,
+                version,
+                exc.errors()[0].get("msg", exc) if exc.errors() else exc,
+            )
+            with self._build_lock:
+                self._remeasure = True
+            return
         except Exception as exc:  # Raised on the training thread at the next step end.
             with self._build_lock:
                 self._build_error = exc

@@ -1,4 +1,7 @@
-"""``perseus power-limit``: inspect and delete power-limit profiles stored in Redis.
+"""``perseus power-limit``: inspect, import, export and delete power-limit profiles in Redis.
+
+Profile files are Zeus's format (:mod:`worker_client.power_limit.profile`), so a profile can
+go from a Zeus run to Redis (``import``) and back (``export``).
 
 The group is registered on the ``perseus`` command by the root command group
 (:mod:`coordinator.cli`).
@@ -8,34 +11,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from datetime import datetime, timezone
+from pathlib import Path
 
 import click
 
+from protocol.cli_options import redis_url_option
+from protocol.connection import DEFAULT_REDIS_URL
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
+from worker_client.power_limit.profile import (
+    format_profile,
+    format_table,
+    format_time,
+    load_profile_file,
+    save_profile_file,
+)
 from worker_client.power_limit.store import PowerLimitProfileStore
 
-_redis_url_option = click.option(
-    "--redis-url",
-    envvar="PERSEUS_REDIS_URL",
-    default="redis://localhost:6379/0",
-    show_default=True,
-    help="Redis holding the profiles (env PERSEUS_REDIS_URL).",
-)
+_redis_url_option = redis_url_option(default_help=f"Default: {DEFAULT_REDIS_URL}.")
 
 
-def _when(unix: float) -> str:
-    return datetime.fromtimestamp(unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-        for row in [header, *rows]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+def _store(redis_url: str | None) -> PowerLimitProfileStore:
+    return PowerLimitProfileStore.from_url(redis_url or DEFAULT_REDIS_URL)
 
 
 @click.group("power-limit")
@@ -47,9 +43,24 @@ def power_limit_group() -> None:
 @click.argument("workload", required=False)
 @_redis_url_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def show(workload: str | None, redis_url: str, as_json: bool) -> None:
+@click.option(
+    "--file",
+    "path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Show this profile file (Zeus's or perseus-mq's) instead of Redis.",
+)
+def show(workload: str | None, redis_url: str | None, as_json: bool, path: Path | None) -> None:
     """List stored workloads, or show WORKLOAD's measurements (* marks the chosen limit)."""
-    store = PowerLimitProfileStore.from_url(redis_url)
+    if path is not None:
+        try:
+            from_file = load_profile_file(path)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(
+            from_file.model_dump_json(indent=2) if as_json else format_profile(str(path), from_file)
+        )
+        return
+    store = _store(redis_url)
     try:
         if workload is None:
             summaries = store.list_profiles()
@@ -64,11 +75,11 @@ def show(workload: str | None, redis_url: str, as_json: bool) -> None:
                     s.workload,
                     "?" if s.optimal_power_limit is None else str(s.optimal_power_limit),
                     str(s.num_measurements),
-                    _when(s.updated_at),
+                    format_time(s.updated_at),
                 ]
                 for s in summaries
             ]
-            click.echo(_table(["workload", "limit (W)", "measurements", "updated"], rows))
+            click.echo(format_table(["workload", "limit (W)", "measurements", "updated"], rows))
             return
         profile = store.load(workload)
         if profile is None:
@@ -76,21 +87,7 @@ def show(workload: str | None, redis_url: str, as_json: bool) -> None:
         if as_json:
             click.echo(profile.model_dump_json(indent=2))
             return
-        click.echo(
-            f"{workload}: optimal {profile.optimal_power_limit} W, chosen by "
-            f"{profile.selector or '?'}, updated {_when(profile.updated_at)}"
-        )
-        rows = [
-            [
-                ("* " if m.power_limit == profile.optimal_power_limit else "  ")
-                + str(m.power_limit),
-                f"{m.time:.3f}",
-                f"{m.energy:.1f}",
-                f"{m.energy / m.time:.1f}" if m.time > 0 else "-",
-            ]
-            for m in profile.measurements
-        ]
-        click.echo(_table(["  limit (W)", "time (s)", "energy (J)", "avg power (W)"], rows))
+        click.echo(format_profile(workload, profile))
     except (CoordinatorUnavailableError, ConfigError, ProtocolError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
@@ -100,9 +97,9 @@ def show(workload: str | None, redis_url: str, as_json: bool) -> None:
 @power_limit_group.command("delete")
 @click.argument("workload")
 @_redis_url_option
-def delete(workload: str, redis_url: str) -> None:
+def delete(workload: str, redis_url: str | None) -> None:
     """Delete WORKLOAD's stored profile (the next run profiles again)."""
-    store = PowerLimitProfileStore.from_url(redis_url)
+    store = _store(redis_url)
     try:
         if not store.delete(workload):
             raise click.ClickException(f"no power-limit profile stored for {workload!r}")
@@ -111,3 +108,39 @@ def delete(workload: str, redis_url: str) -> None:
     finally:
         store.client.close()
     click.echo(f"deleted the power-limit profile of {workload!r}")
+
+
+@power_limit_group.command("import")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("workload")
+@_redis_url_option
+def import_profile(path: Path, workload: str, redis_url: str | None) -> None:
+    """Store the profile file PATH (e.g. written by Zeus) as WORKLOAD's profile."""
+    store = _store(redis_url)
+    try:
+        profile = load_profile_file(path)
+        store.save(workload, profile)
+    except (CoordinatorUnavailableError, ConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        store.client.close()
+    click.echo(f"stored {len(profile.measurements)} measurements from {path} as {workload!r}")
+
+
+@power_limit_group.command("export")
+@click.argument("workload")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@_redis_url_option
+def export_profile(workload: str, path: Path, redis_url: str | None) -> None:
+    """Write WORKLOAD's stored profile to PATH, a profile file Zeus can read."""
+    store = _store(redis_url)
+    try:
+        profile = store.load(workload)
+    except (CoordinatorUnavailableError, ConfigError, ProtocolError) as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        store.client.close()
+    if profile is None:
+        raise click.ClickException(f"no power-limit profile stored for {workload!r}")
+    save_profile_file(profile, path)
+    click.echo(f"wrote the power-limit profile of {workload!r} to {path}")

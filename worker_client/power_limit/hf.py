@@ -10,13 +10,18 @@ Importing this module never needs ``transformers``: the callback subclasses
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from worker_client.gpu.nvml import NVML
 from worker_client.power_limit.optimizer import (
     GlobalPowerLimitOptimizer,
     OptimumSelector,
+    Reducer,
     WindowMonitor,
 )
+
+if TYPE_CHECKING:
+    from worker_client.power_limit.store import PowerLimitProfileStore
 
 try:
     from transformers import TrainerCallback as _CallbackBase
@@ -29,9 +34,11 @@ except ImportError:  # transformers is optional
 class HFGlobalPowerLimitOptimizer(_CallbackBase):
     """Power-limit optimizer as a Hugging Face ``TrainerCallback``.
 
-    Takes the arguments of :class:`~worker_client.power_limit.optimizer.GlobalPowerLimitOptimizer`
-    (extra keyword arguments such as ``profile_store`` are passed through) and forwards the
-    Trainer's step and epoch events to it as :attr:`optimizer`.
+    Takes exactly the arguments of
+    :class:`~worker_client.power_limit.optimizer.GlobalPowerLimitOptimizer` (a misspelt one is
+    a TypeError here) and forwards the Trainer's step and epoch events to it as
+    :attr:`optimizer`. ``on_train_end`` restores the maximum power limit; a later ``train()``
+    goes on where the optimizer stopped.
     """
 
     def __init__(
@@ -43,17 +50,28 @@ class HFGlobalPowerLimitOptimizer(_CallbackBase):
         profile_steps: int = 40,
         pl_step: int = 25,
         profile_path: str | Path | None = None,
-        **kwargs: Any,
+        *,
+        carry_across_epochs: bool = False,
+        nvml: NVML | None = None,
+        profile_store: PowerLimitProfileStore | None = None,
+        workload: str | None = None,
+        reducer: Reducer | None = None,
+        restore_on_exit: bool = True,
     ) -> None:
         self.optimizer = GlobalPowerLimitOptimizer(
             monitor,
-            optimum_selector=optimum_selector,
-            wait_steps=wait_steps,
-            warmup_steps=warmup_steps,
-            profile_steps=profile_steps,
-            pl_step=pl_step,
-            profile_path=profile_path,
-            **kwargs,
+            optimum_selector,
+            wait_steps,
+            warmup_steps,
+            profile_steps,
+            pl_step,
+            profile_path,
+            carry_across_epochs=carry_across_epochs,
+            nvml=nvml,
+            profile_store=profile_store,
+            workload=workload,
+            reducer=reducer,
+            restore_on_exit=restore_on_exit,
         )
 
     def on_step_begin(

@@ -1,68 +1,80 @@
 """Pick one GPU power limit for a whole training job by profiling limits during training.
 
-:class:`GlobalPowerLimitOptimizer` is a training callback. Starting at the GPUs' maximum power
-limit and going down in ``pl_step`` watt steps to the minimum, it runs ``warmup_steps``
-training steps at each limit and then measures ``profile_steps`` steps in one monitor window.
-Once every limit is measured, an :class:`OptimumSelector` picks the limit that training keeps
-(the selectors and the measurement models live in :mod:`worker_client.power_limit.selectors`).
+:class:`GlobalPowerLimitOptimizer` is a training callback with Zeus's semantics. The GPUs
+start at their maximum limit. Going down ``range(max, min - 1, -pl_step)`` (milliwatts, so the
+minimum is profiled only if the ladder lands on it), it runs ``warmup_steps`` training steps at
+each limit and then measures ``profile_steps`` steps in one monitor window. Once every limit is
+measured, an :class:`OptimumSelector` (default ``ZeusCost(0.5, world_size=number of monitored
+GPUs)``) picks the limit that training keeps.
 
-States (``optimizer.state``), driven by :meth:`~GlobalPowerLimitOptimizer.on_step_begin` and
-:meth:`~GlobalPowerLimitOptimizer.on_epoch_end`::
+States (``optimizer.state``; limits in milliwatts as in Zeus), driven by the
+:meth:`~GlobalPowerLimitOptimizer.on_step_begin` and
+:meth:`~GlobalPowerLimitOptimizer.on_epoch_end` hooks::
 
     Ready(next limit) --step begin--> Warmup: the limit is set; that step is warm-up step 1
     Warmup --step begin after warmup_steps steps--> Profiling: the window begins
     Profiling --step begin after profile_steps steps--> window ends, measurement recorded;
-        Warmup of the next lower limit, or Done once the minimum limit is measured
-    Warmup/Profiling --epoch end--> Ready(same limit): the partial window is discarded, the
-        limit is profiled again from its first warm-up step (epoch boundaries run evaluation,
-        checkpointing and data loader restarts, which would distort the measurement)
+        Warmup of the next lower limit, or Done once the last limit is measured
+    Warmup/Profiling --epoch end--> the GPUs go back to the maximum limit (evaluation and
+        checkpointing run at full power) and
+        - by default (Zeus): Ready(same limit), the partial window is discarded and the limit
+          is profiled again from its first warm-up step;
+        - with ``carry_across_epochs=True``: Paused, the steps done and the measured part of
+          the window are kept (windows are paused over the epoch end).
+    Paused --step begin--> the limit is set again; that step is a warm-up step (the first
+        step of an epoch includes the data loader's restart), then the window resumes where
+        it stopped. Profiling finishes even when epochs are shorter than
+        ``warmup_steps + profile_steps`` (at least 2 steps long).
     Done(optimal limit): nothing more happens
 
 The first ``wait_steps`` step begins are ignored (e.g. a first step that compiles kernels).
-A known profile (``profile_path`` that exists, or a Redis ``profile_store`` entry for
-``workload``) skips profiling: the selector picks from the stored measurements and the state
-starts as Done. The maximum limit is restored by :meth:`~GlobalPowerLimitOptimizer.close` and
-at interpreter exit.
+A known profile (``profile_path`` that exists, Zeus's file format or perseus-mq's, or a Redis
+``profile_store`` entry for ``workload``) skips profiling: the selector picks from the stored
+measurements and the state starts as Done. :meth:`~GlobalPowerLimitOptimizer.close` (also at
+interpreter exit) restores the maximum limit; training may go on after it, the next step
+resumes where the optimizer was (a limit being profiled starts over, or stays paused with
+``carry_across_epochs``).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import math
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from pydantic import BaseModel, ValidationError
-
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, GPUError
 from worker_client.gpu.nvml import NVML
+from worker_client.power_limit.profile import (
+    PowerLimitProfile,
+    load_profile_file,
+    save_profile_file,
+)
 from worker_client.power_limit.selectors import (
     Energy,
     MaxSlowdownConstraint,
     OptimumSelector,
     PowerLimitMeasurement,
-    PowerLimitProfile,
     Time,
     ZeusCost,
 )
+from worker_client.power_limit.states import Done, Paused, Profiling, Ready, State, Warmup
 
 if TYPE_CHECKING:
     from worker_client.power_limit.store import PowerLimitProfileStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = [  # The selectors and measurement models live in power_limit_selectors.
+__all__ = [  # selectors, measurements and profile files live in their own modules
     "Done",
     "Energy",
     "GlobalPowerLimitOptimizer",
     "MaxSlowdownConstraint",
     "OptimumSelector",
+    "Paused",
     "PowerLimitMeasurement",
     "PowerLimitProfile",
     "Profiling",
@@ -73,6 +85,7 @@ __all__ = [  # The selectors and measurement models live in power_limit_selector
     "Warmup",
     "WindowMonitor",
     "ZeusCost",
+    "load_profile_file",
     "power_limit_ladder",
     "save_profile_file",
     "torch_distributed_reducer",
@@ -80,36 +93,6 @@ __all__ = [  # The selectors and measurement models live in power_limit_selector
 
 Reducer = Callable[[float, float], tuple[float, float]]
 """(local time s, local energy J) -> (job time, job energy) across ranks."""
-
-
-# --- states -----------------------------------------------------------------------------------
-class Ready(BaseModel):
-    """Waiting for the next step to start warming up ``next_power_limit``."""
-
-    next_power_limit: int
-
-
-class Warmup(BaseModel):
-    """Running warm-up steps at ``current_power_limit``; ``steps`` begun so far."""
-
-    current_power_limit: int
-    steps: int = 1
-
-
-class Profiling(BaseModel):
-    """Measuring ``current_power_limit`` in a monitor window; ``steps`` begun so far."""
-
-    current_power_limit: int
-    steps: int = 1
-
-
-class Done(BaseModel):
-    """Profiling finished (or skipped); training runs at ``optimal_power_limit``."""
-
-    optimal_power_limit: int
-
-
-State = Ready | Warmup | Profiling | Done
 
 
 # --- monitor interface --------------------------------------------------------------------------
@@ -154,11 +137,13 @@ def torch_distributed_reducer(time_s: float, energy_j: float) -> tuple[float, fl
     return float(t.item()), float(e.item())
 
 
-def power_limit_ladder(max_w: int, min_w: int, pl_step: int) -> list[int]:
-    """Power limits from ``max_w`` down by ``pl_step``; the last one is exactly ``min_w``."""
-    limits = list(range(max_w, min_w, -pl_step))
-    limits.append(min_w)  # clamp: never below the minimum, always including it
-    return limits
+def power_limit_ladder(max_mw: int, min_mw: int, pl_step: int) -> list[int]:
+    """Zeus's profiled limits (mW): ``max_mw`` down by ``pl_step`` W, none below ``min_mw``."""
+    return list(range(max_mw, min_mw - 1, -pl_step * 1000))
+
+
+def _watts(milliwatts: int) -> str:
+    return f"{milliwatts / 1000:g} W"
 
 
 def _is_permission_error(exc: GPUError) -> bool:
@@ -169,16 +154,22 @@ def _is_permission_error(exc: GPUError) -> bool:
 class GlobalPowerLimitOptimizer:
     """Profile power limits during training and keep the best one (see the module docstring).
 
+    The first seven arguments are Zeus's, with Zeus's defaults and meaning.
+
     Args:
         monitor: Measurement windows over the GPUs whose power limit is optimized
             (``monitor.gpu_indices``), e.g. an :class:`~worker_client.gpu.energy.EnergyMonitor`.
-        optimum_selector: How to choose the limit (default :class:`Time`).
+        optimum_selector: How to choose the limit (default ``ZeusCost(0.5, world_size=
+            len(monitor.gpu_indices))``).
         wait_steps: Step begins to ignore before profiling starts (>= 0).
         warmup_steps: Steps run at each limit before its window begins (>= 1).
         profile_steps: Steps measured at each limit (>= 1).
         pl_step: Watts between two profiled limits (>= 1).
-        profile_path: An existing JSON profile to use instead of profiling, or where to save
-            the profile once profiling finishes.
+        profile_path: An existing JSON profile (Zeus's or perseus-mq's) to use instead of
+            profiling, or where to save the profile once profiling finishes.
+        carry_across_epochs: Keep a limit's warm-up and measurement across an epoch end
+            instead of profiling it again (for epochs shorter than ``warmup_steps +
+            profile_steps``); Zeus has no such mode.
         nvml: NVML facade for the power limits (default: ``monitor.nvml`` or the real one).
         profile_store: Redis store of profiles shared across runs (needs ``workload``).
         workload: Name of the workload in ``profile_store``.
@@ -187,7 +178,8 @@ class GlobalPowerLimitOptimizer:
         restore_on_exit: Register :meth:`close` to run at interpreter exit.
 
     Raises:
-        ConfigError: A bad argument, or an unreadable profile file.
+        ConfigError: A bad argument, GPUs whose power limit ranges differ, or an unreadable
+            profile file (ConfigError is a ValueError, which Zeus raises for these).
         GPUError: NVML failed (with a hint when the process lacks the privilege to set
             power limits).
 
@@ -203,6 +195,7 @@ class GlobalPowerLimitOptimizer:
         pl_step: int = 25,
         profile_path: str | Path | None = None,
         *,
+        carry_across_epochs: bool = False,
         nvml: NVML | None = None,
         profile_store: PowerLimitProfileStore | None = None,
         workload: str | None = None,
@@ -224,38 +217,52 @@ class GlobalPowerLimitOptimizer:
         if not self.gpu_indices:
             raise ConfigError("the monitor has no GPUs")
         self.nvml: NVML = nvml or getattr(monitor, "nvml", None) or NVML()
-        self.optimum_selector = optimum_selector if optimum_selector is not None else Time()
+        self.optimum_selector = optimum_selector or ZeusCost(
+            eta_knob=0.5, world_size=len(self.gpu_indices)
+        )
         self.warmup_steps = warmup_steps
         self.profile_steps = profile_steps
         self.pl_step = pl_step
+        self.carry_across_epochs = carry_across_epochs
         self.profile_path = Path(profile_path) if profile_path is not None else None
         self.profile_store = profile_store
         self.workload = workload
         self.reducer: Reducer = reducer or torch_distributed_reducer
         self._wait_left = wait_steps
         self._restore_on_exit = restore_on_exit
-        self._touched = False  # whether we ever set a limit (then close() restores the max)
         self._closed = False
-        self.current_power_limit: int | None = None
+        # The measured part of the limit being profiled: windows paused over epoch ends add up.
+        self._carried_time = self._carried_energy = 0.0
+        self._resume_steps = 0  # measured steps a paused window resumes from
+        self._profiled_at = 0.0  # unix time the profile was made (0: unknown)
+        self.current_power_limit: int | None = None  # mW, the last one set
 
-        self.min_power_limit, self.max_power_limit = self._limit_range()
-        self.power_limits = power_limit_ladder(self.max_power_limit, self.min_power_limit, pl_step)
+        self.min_power_limit_mw, self.max_power_limit_mw = self._limit_range()
+        self.power_limits = power_limit_ladder(
+            self.max_power_limit_mw, self.min_power_limit_mw, pl_step
+        )
         self.measurements: list[PowerLimitMeasurement] = []
         self.state: State = Ready(next_power_limit=self.power_limits[0])
-        if restore_on_exit:
-            atexit.register(self.close)
 
         profile = self._load_profile()
         if profile is not None:
             self.measurements = list(profile.measurements)
+            self._profiled_at = profile.updated_at
             optimal = self._compute_optimal_power_limit()
-            logger.info("using a stored power-limit profile: %d W", optimal)
+            logger.info("using a stored power-limit profile: %s", _watts(optimal))
             self.state = Done(optimal_power_limit=optimal)
             self._set_power_limit(optimal)
+        else:
+            # A GPU left low (e.g. by a crashed job) would run the wait steps low.
+            self._set_power_limit(self.max_power_limit_mw)
+        if restore_on_exit:
+            atexit.register(self.close)
 
     # --- training hooks ---------------------------------------------------------------------
     def on_step_begin(self) -> None:
         """Mark the beginning of a training step."""
+        if self._closed:
+            self._reopen()
         if self._wait_left > 0:
             self._wait_left -= 1
             return
@@ -263,16 +270,27 @@ class GlobalPowerLimitOptimizer:
         if isinstance(state, Ready):
             self._set_power_limit(state.next_power_limit)
             self.state = Warmup(current_power_limit=state.next_power_limit)
+        elif isinstance(state, Paused):
+            if state.profile_steps >= self.profile_steps:  # paused right after its last step
+                self._finish_limit(state.current_power_limit)
+                return
+            self._set_power_limit(state.current_power_limit)
+            warmed = min(state.warmup_steps + 1, self.warmup_steps)
+            self.state = Warmup(current_power_limit=state.current_power_limit, steps=warmed)
+            self._resume_steps = state.profile_steps
         elif isinstance(state, Warmup):
             if state.steps < self.warmup_steps:
                 state.steps += 1
                 return
             self.monitor.begin_window(self._window(state.current_power_limit))
-            self.state = Profiling(current_power_limit=state.current_power_limit)
+            self.state = Profiling(
+                current_power_limit=state.current_power_limit, steps=self._resume_steps + 1
+            )
         elif isinstance(state, Profiling):
             if state.steps < self.profile_steps:
                 state.steps += 1
                 return
+            self._end_window(state.current_power_limit)
             self._finish_limit(state.current_power_limit)
 
     def on_step_end(self) -> None:
@@ -282,108 +300,157 @@ class GlobalPowerLimitOptimizer:
         """Mark the beginning of an epoch (nothing to do)."""
 
     def on_epoch_end(self) -> None:
-        """Mark the end of an epoch: restart a limit that was warming up or being profiled."""
-        state = self.state
-        if isinstance(state, Profiling):
-            self.monitor.cancel_window(self._window(state.current_power_limit))
-        if isinstance(state, Warmup | Profiling):
+        """Mark the end of an epoch: interrupt the limit being profiled, back to the maximum."""
+        if isinstance(self.state, Warmup | Profiling):
             logger.info(
-                "epoch ended while profiling %d W; restarting it", state.current_power_limit
+                "epoch ended while profiling %s (%s)",
+                _watts(self.state.current_power_limit),
+                "paused" if self.carry_across_epochs else "it starts over",
             )
-            self.state = Ready(next_power_limit=state.current_power_limit)
+            self._interrupt(self.state)
+            self._set_power_limit(self.max_power_limit_mw)
 
     def close(self) -> None:
         """Restore the maximum power limit on every GPU (idempotent; also runs at exit).
 
-        Training may go on afterwards; the next limit set re-arms the restore.
+        Training may go on afterwards (e.g. Hugging Face ``train()`` called again): the next
+        step begin re-applies the optimum, or goes on profiling where it stopped.
         """
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
-        if isinstance(self.state, Profiling):
+        state = self.state
+        if isinstance(state, Warmup | Profiling):
             try:
-                self.monitor.cancel_window(self._window(self.state.current_power_limit))
-            except ValueError:
-                pass
-        if self._touched:
-            try:
-                self._set_power_limit(self.max_power_limit, restoring=True)
-            except GPUError as exc:
-                logger.warning("could not restore the maximum power limit: %s", exc)
+                self._interrupt(state)
+            except (ValueError, GPUError) as exc:  # e.g. a monitor already closed at exit
+                logger.warning("could not pause the power-limit window: %s", exc)
+                self.state = Ready(next_power_limit=state.current_power_limit)
+                self._reset_carried()
+        try:
+            self._set_power_limit(self.max_power_limit_mw)
+        except GPUError as exc:
+            logger.warning("could not restore the maximum power limit: %s", exc)
+
+    def profile(self) -> PowerLimitProfile | None:
+        """The measurements and the chosen limit once Done (what a profile file holds)."""
+        if not isinstance(self.state, Done):
+            return None
+        return PowerLimitProfile(
+            measurements=self.measurements,
+            optimal_power_limit=self.state.optimal_power_limit // 1000,
+            selector=repr(self.optimum_selector),
+            updated_at=self._profiled_at,
+        )
 
     # --- internals ----------------------------------------------------------------------------
     @staticmethod
-    def _window(power_limit: int) -> str:
-        return f"__perseus_power_limit_{power_limit}"
+    def _window(power_limit_mw: int) -> str:
+        return f"__perseus_power_limit_{power_limit_mw // 1000}"
 
-    def _finish_limit(self, power_limit: int) -> None:
-        result = self.monitor.end_window(self._window(power_limit))
-        time_s, energy_j = self.reducer(float(result.time), float(result.total_energy))
+    def _reopen(self) -> None:
+        self._closed = False
+        if self._restore_on_exit:
+            atexit.register(self.close)
+        if isinstance(self.state, Done):
+            self._set_power_limit(self.state.optimal_power_limit)
+
+    def _reset_carried(self) -> None:
+        self._carried_time = self._carried_energy = 0.0
+        self._resume_steps = 0
+
+    def _end_window(self, power_limit_mw: int) -> None:
+        result = self.monitor.end_window(self._window(power_limit_mw))
+        self._carried_time += float(result.time)
+        self._carried_energy += float(result.total_energy)
+
+    def _interrupt(self, state: Warmup | Profiling) -> None:
+        """Leave Warmup/Profiling for an epoch end or close(): start over, or pause."""
+        limit = state.current_power_limit
+        if not self.carry_across_epochs:
+            if isinstance(state, Profiling):
+                self.monitor.cancel_window(self._window(limit))
+            self._reset_carried()
+            self.state = Ready(next_power_limit=limit)
+            return
+        if isinstance(state, Profiling):
+            self._end_window(limit)
+            self.state = Paused(
+                current_power_limit=limit,
+                warmup_steps=self.warmup_steps,
+                profile_steps=state.steps,
+            )
+        else:
+            self.state = Paused(
+                current_power_limit=limit,
+                warmup_steps=state.steps,
+                profile_steps=self._resume_steps,
+            )
+
+    def _finish_limit(self, power_limit_mw: int) -> None:
+        time_s, energy_j = self.reducer(self._carried_time, self._carried_energy)
+        self._reset_carried()
+        watts = power_limit_mw // 1000  # measurements are in whole watts, as Zeus's
         self.measurements.append(
-            PowerLimitMeasurement(power_limit=power_limit, energy=energy_j, time=time_s)
+            PowerLimitMeasurement(power_limit=watts, energy=energy_j, time=time_s)
         )
-        logger.info("power limit %d W: %.3f s, %.1f J", power_limit, time_s, energy_j)
-        position = self.power_limits.index(power_limit)
+        logger.info("power limit %d W: %.3f s, %.1f J", watts, time_s, energy_j)
+        position = self.power_limits.index(power_limit_mw)
         if position + 1 < len(self.power_limits):
             following = self.power_limits[position + 1]
-            self.state = Warmup(current_power_limit=following)
             self._set_power_limit(following)
+            self.state = Warmup(current_power_limit=following)
             return
         optimal = self._compute_optimal_power_limit()
-        logger.info("profiling done; optimal power limit %d W", optimal)
+        logger.info("profiling done; optimal power limit %s", _watts(optimal))
         self.state = Done(optimal_power_limit=optimal)
         self._set_power_limit(optimal)
-        self._save_profile(optimal)
+        self._save_profile()
 
     def _limit_range(self) -> tuple[int, int]:
-        lows, highs = [], []
-        for i in self.gpu_indices:
-            low_mw, high_mw = self.nvml.power_limit_constraints_mw(i)
-            lows.append(math.ceil(low_mw / 1000))
-            highs.append(high_mw // 1000)
-        low, high = max(lows), min(highs)  # limits every GPU accepts
-        if low > high:
-            raise GPUError(f"the GPUs {self.gpu_indices} share no settable power limit")
-        return low, high
+        ranges = {i: self.nvml.power_limit_constraints_mw(i) for i in self.gpu_indices}
+        if len(set(ranges.values())) > 1:
+            listed = ", ".join(f"GPU {i}: {lo}-{hi} mW" for i, (lo, hi) in ranges.items())
+            raise ConfigError(
+                f"power limit ranges differ across the monitored GPUs ({listed}); one "
+                "optimizer needs GPUs of one kind (monitor them with one optimizer each)"
+            )
+        return ranges[self.gpu_indices[0]]
 
-    def _set_power_limit(self, watts: int, restoring: bool = False) -> None:
-        if self._closed and not restoring:  # used again after close(): re-arm the restore
-            self._closed = False
-            if self._restore_on_exit:
-                atexit.register(self.close)
+    def _set_power_limit(self, milliwatts: int) -> None:
         for i in self.gpu_indices:
             # Reading needs no privilege: write (root or CAP_SYS_ADMIN) only what changes, so
             # a job whose optimum is the current limit never needs the privilege at all.
-            if self.nvml.power_limit_mw(i) == watts * 1000:
+            if self.nvml.power_limit_mw(i) == milliwatts:
                 continue
             try:
-                self.nvml.set_power_limit_mw(i, watts * 1000)
+                self.nvml.set_power_limit_mw(i, milliwatts)
             except GPUError as exc:
                 if not _is_permission_error(exc):
                     raise
                 raise GPUError(
-                    f"not allowed to set GPU {i}'s power limit to {watts} W: "
+                    f"not allowed to set GPU {i}'s power limit to {_watts(milliwatts)}: "
                     "nvmlDeviceSetPowerManagementLimit needs root or the CAP_SYS_ADMIN "
                     "capability (run training as root, or grant CAP_SYS_ADMIN, e.g. "
                     f"`docker run --cap-add SYS_ADMIN`); NVML said: {exc}"
                 ) from None
-            self._touched = True
-        self.current_power_limit = watts
+        self.current_power_limit = milliwatts
 
     def _compute_optimal_power_limit(self) -> int:
-        chosen = self.optimum_selector.select(self.measurements)
-        clamped = min(max(chosen, self.min_power_limit), self.max_power_limit)
+        chosen = self.optimum_selector.select(self.measurements) * 1000
+        clamped = min(max(chosen, self.min_power_limit_mw), self.max_power_limit_mw)
         if clamped != chosen:
-            logger.warning("profile's limit %d W is outside this GPU's range", chosen)
+            logger.warning(
+                "profile's limit %s is outside this GPU's range; using %s",
+                _watts(chosen),
+                _watts(clamped),
+            )
         return clamped
 
     def _load_profile(self) -> PowerLimitProfile | None:
         if self.profile_path is not None and self.profile_path.exists():
-            try:
-                return PowerLimitProfile.model_validate_json(self.profile_path.read_bytes())
-            except (OSError, ValidationError) as exc:
-                raise ConfigError(f"bad power-limit profile {self.profile_path}: {exc}") from None
+            return load_profile_file(self.profile_path)
         if self.profile_store is not None and self.workload is not None:
             try:
                 return self.profile_store.load(self.workload)
@@ -391,13 +458,10 @@ class GlobalPowerLimitOptimizer:
                 logger.warning("cannot load the stored power-limit profile: %s", exc)
         return None
 
-    def _save_profile(self, optimal: int) -> None:
-        profile = PowerLimitProfile(
-            measurements=self.measurements,
-            optimal_power_limit=optimal,
-            selector=repr(self.optimum_selector),
-            updated_at=time.time(),
-        )
+    def _save_profile(self) -> None:
+        self._profiled_at = time.time()
+        profile = self.profile()
+        assert profile is not None
         if self.profile_path is not None:
             save_profile_file(profile, self.profile_path)
         if self.profile_store is not None and self.workload is not None:
@@ -405,17 +469,3 @@ class GlobalPowerLimitOptimizer:
                 self.profile_store.save(self.workload, profile)
             except CoordinatorUnavailableError as exc:
                 logger.warning("cannot store the power-limit profile: %s", exc)
-
-
-def save_profile_file(profile: PowerLimitProfile, path: str | Path) -> None:
-    """Write ``profile`` as JSON, atomically (ranks sharing a path never see half a file)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(profile.model_dump_json(indent=2))
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

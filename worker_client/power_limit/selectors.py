@@ -1,15 +1,16 @@
-"""What the power-limit optimizer measures and how it picks a limit from the measurements.
+"""What the power-limit optimizer measures per limit and how a selector picks the limit to keep.
 
-:class:`PowerLimitMeasurement` and :class:`PowerLimitProfile` (also the JSON profile file's and
-the Redis store's format) are the data; an :class:`OptimumSelector` (:class:`Energy`,
-:class:`Time`, :class:`ZeusCost`, :class:`MaxSlowdownConstraint`) picks the limit that
-:class:`~worker_client.power_limit.optimizer.GlobalPowerLimitOptimizer` keeps.
+:class:`PowerLimitMeasurement` is one profiled limit; an :class:`OptimumSelector`
+(:class:`Energy`, :class:`Time`, :class:`ZeusCost`, :class:`MaxSlowdownConstraint`) picks the
+limit that :class:`~worker_client.power_limit.optimizer.GlobalPowerLimitOptimizer` keeps.
+Each selector decides exactly as Zeus's selector of the same name does, ties included: the
+measurement listed first wins (profiling lists the highest limit first).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,37 +20,25 @@ from protocol.exceptions import ConfigError
 class PowerLimitMeasurement(BaseModel):
     """Time and energy of ``profile_steps`` training steps at one power limit.
 
+    Keys other than these three are ignored, as Zeus ignores them.
+
     Attributes:
-        power_limit: The power limit, Watts.
+        power_limit: The power limit, whole Watts (a limit in milliwatts, truncated).
         energy: Energy of all measured GPUs (of all ranks), Joules.
         time: Wall time of the profiled steps (slowest rank), seconds.
 
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
     power_limit: int = Field(ge=1)
-    energy: float = Field(ge=0)
-    time: float = Field(ge=0)
+    energy: float = Field(ge=0, allow_inf_nan=False)
+    time: float = Field(ge=0, allow_inf_nan=False)
 
 
-class PowerLimitProfile(BaseModel):
-    """A workload's profiling result; also the JSON profile file's format.
-
-    Attributes:
-        measurements: One entry per profiled power limit, highest limit first.
-        optimal_power_limit: The limit the selector chose, Watts.
-        selector: Description of the selector that chose it (informative).
-        updated_at: Unix time the profile was produced or stored.
-
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    measurements: list[PowerLimitMeasurement] = Field(min_length=1)
-    optimal_power_limit: int = Field(ge=1)
-    selector: str = ""
-    updated_at: float = 0.0
+def _require(measurements: Sequence[PowerLimitMeasurement]) -> None:
+    if not measurements:
+        raise ValueError("no power limit measurements to select from")
 
 
 class OptimumSelector(ABC):
@@ -64,24 +53,17 @@ class OptimumSelector(ABC):
         return f"{type(self).__name__}({args})"
 
 
-def _argmin(measurements: Sequence[PowerLimitMeasurement], key: Callable[..., float]) -> int:
-    if not measurements:
-        raise ValueError("no power limit measurements to select from")
-    # Ties go to the lower power limit: same objective, less power.
-    best = min(measurements, key=lambda m: (key(m), m.power_limit))
-    return best.power_limit
-
-
 class Energy(OptimumSelector):
-    """The power limit with the least energy."""
+    """The power limit with the least energy (the first listed among equals)."""
 
     def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
         """Return the power limit (W) with the least energy."""
-        return _argmin(measurements, lambda m: m.energy)
+        _require(measurements)
+        return min(measurements, key=lambda m: m.energy).power_limit
 
 
 class Time(OptimumSelector):
-    """The power limit with the shortest time.
+    """The power limit with the shortest time (the first listed among equals).
 
     Times are noisy, so this is not necessarily the maximum limit; a slightly lower limit
     with an equally short time is a good pick anyway (same speed, less power).
@@ -89,14 +71,17 @@ class Time(OptimumSelector):
 
     def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
         """Return the power limit (W) with the shortest time."""
-        return _argmin(measurements, lambda m: m.time)
+        _require(measurements)
+        return min(measurements, key=lambda m: m.time).power_limit
 
 
 class ZeusCost(OptimumSelector):
-    """The power limit minimising ``eta * E + (1 - eta) * MaxPower * world_size * T``.
+    """The power limit minimising ``eta * E + (1 - eta) * MaxPower * T``.
 
-    ``MaxPower`` is the largest profiled power limit: the second term prices time as energy
-    drawn at full power by all ``world_size`` GPUs, so ``eta`` trades energy (1) for time (0).
+    ``MaxPower`` is the largest profiled power limit times ``world_size``: the second term
+    prices time as energy drawn at full power by ``world_size`` GPUs, so ``eta`` trades
+    energy (1) for time (0). The optimizer's default is ``ZeusCost(0.5, world_size=number of
+    GPUs its monitor measures)``, as in Zeus.
 
     Args:
         eta_knob: Weight of energy, in [0, 1].
@@ -105,7 +90,7 @@ class ZeusCost(OptimumSelector):
     """
 
     def __init__(self, eta_knob: float, world_size: int = 1) -> None:
-        if not 0.0 <= eta_knob <= 1.0:
+        if not 0.0 <= eta_knob <= 1.0:  # also rejects NaN
             raise ConfigError(f"eta_knob must be in [0, 1], got {eta_knob}")
         if world_size < 1:
             raise ConfigError(f"world_size must be at least 1, got {world_size}")
@@ -114,21 +99,26 @@ class ZeusCost(OptimumSelector):
 
     def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
         """Return the power limit (W) with the least Zeus cost."""
-        if not measurements:
-            raise ValueError("no power limit measurements to select from")
-        max_power = max(m.power_limit for m in measurements)
+        _require(measurements)
+        max_power = max(m.power_limit for m in measurements) * self.world_size
         eta = self.eta_knob
-        return _argmin(
-            measurements,
-            lambda m: eta * m.energy + (1 - eta) * max_power * self.world_size * m.time,
-        )
+        # One cost per limit, in first-seen order (a repeated limit keeps its first place and
+        # its last cost, as Zeus's dict does); the expression's operation order is Zeus's too,
+        # so floating-point near-ties round the same way.
+        cost: dict[int, float] = {}
+        for m in measurements:
+            cost[m.power_limit] = eta * m.energy + (1 - eta) * max_power * m.time
+        return min(cost, key=cost.__getitem__)
 
 
 class MaxSlowdownConstraint(OptimumSelector):
-    """The lowest power limit whose time is at most ``factor`` x the shortest time.
+    """The lowest power limit whose time is at most ``factor`` x the maximum limit's time.
+
+    The yardstick is the time measured at the highest profiled limit (Zeus's definition), not
+    the shortest time measured: noise can make a lower limit look faster than the maximum.
 
     Args:
-        factor: Allowed slowdown, at least 1.0 (1.0: as fast as the fastest limit).
+        factor: Allowed slowdown, at least 1.0 (1.0: no slower than at the maximum limit).
 
     """
 
@@ -139,7 +129,7 @@ class MaxSlowdownConstraint(OptimumSelector):
 
     def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
         """Return the lowest power limit (W) within the allowed slowdown."""
-        if not measurements:
-            raise ValueError("no power limit measurements to select from")
-        shortest = min(m.time for m in measurements)
-        return min(m.power_limit for m in measurements if m.time <= self.factor * shortest)
+        _require(measurements)
+        highest = max(m.power_limit for m in measurements)
+        baseline = next(m.time for m in measurements if m.power_limit == highest)
+        return min(m.power_limit for m in measurements if m.time <= self.factor * baseline)

@@ -1,7 +1,7 @@
 """Power-limit profiles in Redis, shared by every run (and rank) of the same workload.
 
 Layout: ``keys.power_limit_profile(workload)`` holds the msgpack-encoded
-:class:`~worker_client.power_limit.selectors.PowerLimitProfile`; the sorted set
+:class:`~worker_client.power_limit.profile.PowerLimitProfile`; the sorted set
 ``keys.POWER_LIMIT_INDEX`` maps each stored workload name to the unix time it was last
 written. Both change in one MULTI/EXEC, so the index never names a profile that is not there
 (or the other way round).
@@ -22,8 +22,9 @@ import redis
 from pydantic import ValidationError
 
 from protocol import keys
+from protocol.connection import connect, redact_url
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
-from worker_client.power_limit.selectors import PowerLimitProfile
+from worker_client.power_limit.profile import PowerLimitProfile
 
 # Workload names become part of a key name (perseus:powerlimit:profile:<workload>): no ':'.
 _WORKLOAD_RE = re.compile(r"^[A-Za-z0-9._+/-]{1,128}$")
@@ -76,18 +77,18 @@ class PowerLimitProfileStore:
 
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, where: str = "") -> None:
         self.client = client
+        self.where = where  # the server, for messages (never its password)
 
     @classmethod
     def from_url(cls, url: str, timeout: float = 5.0) -> PowerLimitProfileStore:
-        """Connect to the Redis at ``url`` (e.g. ``redis://host:6379/0``)."""
-        return cls(
-            redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-        )
+        """Connect to the Redis at ``url`` (any URL :func:`protocol.connection.connect` takes)."""
+        return cls(connect(url, socket_timeout=timeout, connect_timeout=timeout), redact_url(url))
 
     def _unavailable(self, exc: redis.RedisError) -> CoordinatorUnavailableError:
-        return CoordinatorUnavailableError(f"Redis failed on power-limit profiles: {exc}")
+        at = f" at {self.where}" if self.where else ""
+        return CoordinatorUnavailableError(f"Redis{at} failed on power-limit profiles: {exc}")
 
     def save(
         self,

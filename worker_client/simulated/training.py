@@ -1,12 +1,14 @@
 """Simulated pipeline-parallel training: one process per rank, a simulated GPU each.
 
-Each rank runs synchronous 1F1B iterations under :class:`PerseusOptimizer`, exactly as a real
-training script would, except that an instruction is a :class:`SimulatedGPU` replaying an
+Each rank runs synchronous 1F1B (or GPipe) iterations under :class:`PerseusOptimizer`, exactly
+as a real training script would, except that an instruction is a :class:`SimulatedGPU` replaying an
 :class:`InstructionTable` at the clock the frequency controller locked. Pipeline dependencies
 are real: a forward waits for the previous stage's activation and a backward for the next
 stage's gradient, carried by gloo point-to-point messages of a tiny tensor, so a slow stage
 holds the others up as in real training. Sends are non-blocking (as in Megatron's batched
-``isend``/``irecv``): two neighbours sending to each other at once must not deadlock.
+``isend``/``irecv``): two neighbours sending to each other at once must not deadlock. With
+``engine="torch-pipelining"`` torch's own schedule runs the iterations instead
+(:mod:`worker_client.simulated.pipelining`).
 
 Time: instructions sleep ``time * time_scale`` so that real execution order follows the
 pipeline, but every reported time and energy is in the table's (profile) units.
@@ -14,7 +16,7 @@ pipeline, but every reported time and energy is in the table's (profile) units.
 * ``timing="virtual"`` (default): the hook's clock is a simulated clock. It advances by each
   instruction's replayed time, and each message carries the sender's clock so that a receive
   moves the receiver's clock to ``max(own, sender's)``; the iteration ends at the largest clock
-  of any rank. This evaluates the 1F1B DAG exactly (no scheduling jitter or per-call overhead
+  of any rank. This evaluates the pipeline DAG exactly (no scheduling jitter or per-call overhead
   in the figures), which is what a profiler test needs to check percent-level accuracy on a
   busy machine.
 * ``timing="wall"``: the hook's clock is ``time.perf_counter() / time_scale``, i.e. measured
@@ -34,30 +36,35 @@ blocking energy, as in Perseus's model (``energy + p2p_power * blocked time``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import multiprocessing as mp
 import os
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from schedulers.planning.pipeline_dag import one_f_one_b_order
+from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule, stage_order
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import SIMULATED_NVML
 from worker_client.simulated.gpu import SimulatedGPU
 from worker_client.simulated.instruction_table import InstructionTable
+from worker_client.simulated.step_account import SimClock, StepAccount, Timing
 
 Row = tuple[int, str, int, float, float]
 #: Instruction table as rows ``(stage, instruction, frequency, time_s, energy_j)`` (or CSV
 #: mappings) or the path of a profile CSV: plain data, so it pickles for ``spawn``.
 TableSpec = str | Sequence[Sequence[Any] | Mapping[str, Any]]
-Timing = Literal["virtual", "wall"]
+#: How a rank runs its instructions: this module's own loop, or torch's pipeline schedules.
+Engine = Literal["loop", "torch-pipelining"]
+ENGINES: tuple[str, ...] = ("loop", "torch-pipelining")
 
 _TAGS = {"forward": 1, "backward": 2}
 
@@ -92,6 +99,10 @@ class SimulatedRankConfig:
         sim_gpu_count: ``PERSEUS_SIM_GPU_COUNT`` to use (default: inherited).
         scheduler: Built-in scheduler the job asks for (default: the coordinator's).
         scheduler_args: Its arguments.
+        schedule: Pipeline schedule, ``"1f1b"`` or ``"gpipe"``.
+        engine: ``"loop"`` (this module's loop) or ``"torch-pipelining"`` (a small real
+            model under torch's ``Schedule1F1B``/``ScheduleGPipe`` and
+            :class:`~worker_client.integrations.torch_pipelining.PerseusPipeline`).
 
     """
 
@@ -119,6 +130,8 @@ class SimulatedRankConfig:
     sim_gpu_count: int | None = None
     scheduler: str | None = None
     scheduler_args: dict[str, Any] | None = None
+    schedule: str = DEFAULT_SCHEDULE
+    engine: Engine = "loop"
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.world_size % self.num_stages:
@@ -133,6 +146,9 @@ class SimulatedRankConfig:
             )
         if self.timing not in ("virtual", "wall"):
             raise ValueError(f"timing must be 'virtual' or 'wall', got {self.timing!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        check_schedule(self.schedule)
 
     @property
     def pp_rank(self) -> int:
@@ -160,27 +176,6 @@ def load_table(cfg: SimulatedRankConfig) -> InstructionTable:
     if isinstance(cfg.table, str):
         return InstructionTable.from_csv(cfg.table, **kwargs)
     return InstructionTable(cfg.table, **kwargs)
-
-
-class _Clock:
-    """The hook's clock: simulated (profile-unit) time, or scaled wall time."""
-
-    def __init__(self, timing: Timing, time_scale: float) -> None:
-        self.virtual = timing == "virtual"
-        self.scale = time_scale
-        self.t = 0.0  # Simulated seconds (virtual timing only).
-
-    def now(self) -> float:
-        """Seconds, in profile units."""
-        return self.t if self.virtual else time.perf_counter() / self.scale
-
-    def advance(self, seconds: float) -> None:
-        """An instruction of ``seconds`` (profile units) ran."""
-        self.t += seconds
-
-    def catch_up(self, other: float) -> None:
-        """A message sent at the other rank's clock ``other`` was received."""
-        self.t = max(self.t, other)
 
 
 def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
@@ -213,7 +208,7 @@ def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
     )
     try:
         gpu = SimulatedGPU(device, table=load_table(cfg))
-        clock = _Clock(cfg.timing, cfg.time_scale)
+        clock = SimClock(cfg.timing, cfg.time_scale)
         controller = make_controller("simulated", device)
         try:
             # energy_source defaults to CounterEnergySource on the hook's (simulated) NVML.
@@ -242,47 +237,38 @@ def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
             controller.stop()
             raise
         try:
-            record = _train(cfg, hook, gpu, controller, clock)
+            if cfg.engine == "torch-pipelining":
+                # torch's pipelining: imported in the rank processes only.
+                from worker_client.simulated.pipelining import train_torch_pipelining
+
+                steps = train_torch_pipelining(cfg, hook, gpu, controller, clock)
+            else:
+                steps = _train(cfg, hook, gpu, controller, clock)
         finally:
             hook.close()  # Also stops the controller, which resets the clocks.
-        return record
+        record = {"rank": cfg.rank, "pp_rank": cfg.pp_rank, "dp_rank": cfg.dp_rank}
+        return {**record, "job_id": hook.job_id, **steps}
     finally:
         dist.destroy_process_group()
 
 
 def _train(
-    cfg: SimulatedRankConfig, hook: Any, gpu: Any, controller: Any, clock: _Clock
+    cfg: SimulatedRankConfig, hook: Any, gpu: Any, controller: Any, clock: SimClock
 ) -> dict[str, Any]:
     """The training loop of one rank (see the module docstring)."""
     import torch  # torch: only in the rank processes (see run_simulated_rank)
     import torch.distributed as dist
 
     stage, rank = cfg.pp_rank, cfg.rank
-    order = one_f_one_b_order(cfg.num_stages, cfg.microbatches, stage)
+    order = stage_order(cfg.schedule, cfg.num_stages, cfg.microbatches, stage)
     prev_rank = rank - 1 if stage > 0 else None
     next_rank = rank + 1 if stage < cfg.num_stages - 1 else None
     upstream = {"forward": prev_rank, "backward": next_rank}  # Who sends us the input.
     downstream = {"forward": next_rank, "backward": prev_rank}  # Who needs our output.
-    record: dict[str, Any] = {
-        "rank": rank,
-        "pp_rank": stage,
-        "dp_rank": cfg.dp_rank,
-        "job_id": hook.job_id,
-        "schedules": {},
-    }
-    steps: dict[str, list[float]] = {
-        k: [] for k in ("iter_time", "iter_energy", "compute_time", "compute_energy", "idle_energy")
-    }
-    versions: list[int] = []
-    stop_in: int | None = None
+    account = StepAccount(gpu, clock, cfg.stop_file, cfg.steps_after_stop)
     for _ in range(cfg.steps):
-        versions.append(hook.schedule.version)
-        # String keys, as the records read back from JSON have them.
-        record["schedules"].setdefault(str(hook.schedule.version), hook.schedule.frequencies)
-        energy_start = gpu.energy_mj() / 1000.0
-        start = clock.now()
+        account.begin(hook)
         hook.on_step_begin()
-        compute_t = compute_e = 0.0
         sends: list[tuple[Any, Any]] = []
         for name in order:
             source = upstream[name]
@@ -295,46 +281,18 @@ def _train(
             t, e = gpu.run(stage, name, cfg.time_scale)
             clock.advance(t)
             hook.on_instruction_end(name)
-            compute_t += t
-            compute_e += e
+            account.add(t, e)
             target = downstream[name]
             if target is not None:
                 outbox = torch.tensor([clock.now()], dtype=torch.float64)
                 sends.append((dist.isend(outbox, dst=target, tag=_TAGS[name]), outbox))
         for work, _outbox in sends:
             work.wait()
-        # The iteration ends for everyone when the slowest rank is done (gradient sync and
-        # optimizer step); the stop decision travels along so that all ranks stop together.
-        seen_stop = cfg.stop_file is not None and os.path.exists(cfg.stop_file)
-        sync = torch.tensor([clock.now(), float(seen_stop)], dtype=torch.float64)
-        dist.all_reduce(sync, op=dist.ReduceOp.MAX)
-        clock.catch_up(float(sync[0]))
-        iter_time = clock.now() - start
-        idle_e = gpu.idle(max(0.0, iter_time - compute_t))
-        energy_end = gpu.energy_mj() / 1000.0
+        account.sync()
         hook.on_step_end()
-        for key, value in (
-            ("iter_time", iter_time),
-            ("iter_energy", energy_end - energy_start),
-            ("compute_time", compute_t),
-            ("compute_energy", compute_e),
-            ("idle_energy", idle_e),
-        ):
-            steps[key].append(value)
-        if stop_in is None and sync[1] > 0:
-            stop_in = cfg.steps_after_stop
-        elif stop_in is not None:
-            stop_in -= 1
-        if stop_in is not None and stop_in <= 0:
+        if account.end():
             break
-    # The last step end may have swapped in a version no step ran yet: record it too.
-    record["schedules"].setdefault(str(hook.schedule.version), hook.schedule.frequencies)
-    record.update(steps)
-    record["version"] = versions
-    record["swaps"] = list(hook.swaps)
-    record["final_version"] = hook.schedule.version
-    record["reports_sent"] = hook.reporter.sent
-    return record
+    return account.record(hook)
 
 
 def _rank_main(cfg: SimulatedRankConfig, out_path: str) -> None:
@@ -348,6 +306,9 @@ def _rank_main(cfg: SimulatedRankConfig, out_path: str) -> None:
     # The launcher may already be gone (Ctrl-C) and its folder with it.
     with contextlib.suppress(OSError):
         Path(out_path).write_text(json.dumps(record))
+    # Objects in reference cycles (torch's autograd graph, the schedule) may still hold the
+    # frequency controller's queue; collecting them unregisters its semaphores.
+    gc.collect()
     # Skip interpreter teardown: torch/gloo threads can hang it, and the record is written.
     os._exit(0)
 
@@ -418,16 +379,17 @@ def launch_simulated_job(
         folder.mkdir(parents=True, exist_ok=True)
         ctx = mp.get_context("spawn")
         procs = []
-        for rank in range(world):
-            path = folder / f"rank{rank}.json"
-            path.unlink(missing_ok=True)
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(replace(base, rank=rank), str(path)),
-                name=f"perseus-sim-rank{rank}",
-            )
-            proc.start()
-            procs.append((proc, path))
+        with _sigint_ignored():
+            for rank in range(world):
+                path = folder / f"rank{rank}.json"
+                path.unlink(missing_ok=True)
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(replace(base, rank=rank), str(path)),
+                    name=f"perseus-sim-rank{rank}",
+                )
+                proc.start()
+                procs.append((proc, path))
         deadline = time.monotonic() + timeout
         try:
             for proc, _ in procs:
@@ -451,3 +413,20 @@ def launch_simulated_job(
     if errors:
         raise RuntimeError("simulated ranks failed:\n" + "\n".join(errors))
     return sorted(records, key=lambda r: r["rank"])
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT while ranks start, so that they inherit ignoring it.
+
+    Ctrl-C reaches the whole process group. The launcher stops the ranks itself (above); a rank
+    interrupted in the middle of its imports would only print a traceback.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Only the main thread may change signal handlers.
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

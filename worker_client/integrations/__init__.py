@@ -1,0 +1,1 @@
+"""Adapters that run third-party pipeline engines through the Perseus hook."""

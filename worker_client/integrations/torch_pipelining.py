@@ -1,0 +1,359 @@
+"""Perseus on ``torch.distributed.pipelining``: every action a schedule runs goes through the hook.
+
+:class:`PerseusPipeline` takes a rank's ``Schedule1F1B`` or ``ScheduleGPipe`` (one
+``PipelineStage`` per rank) and patches three things on that schedule object and its stage,
+nothing else:
+
+* ``schedule.step(...)`` runs between ``on_step_begin`` and ``on_step_end``, so a newer
+  schedule version is swapped in only between steps;
+* ``stage.forward_one_chunk`` / ``stage.backward_one_chunk`` (what both schedules call for
+  every microbatch) run between ``on_instruction_begin`` and ``on_instruction_end``: the planned
+  clock is requested before the action, its time (and energy) measured around it. On the last
+  stage the forward's window also covers the loss the schedule computes right after it.
+
+Each action is checked against the planner's order for that schedule
+(:mod:`schedulers.planning.pipeline_schedules`), microbatch index included; a torch whose
+schedule runs another order fails at the first differing action with a
+:class:`~protocol.exceptions.ScheduleError`, never with a wrong plan. The schedule the
+coordinator serves is checked at wrap time and at every new version: a plan made for the
+other schedule (``perseus optimize --schedule``) is a clear error naming both.
+
+Supported: ``Schedule1F1B`` and ``ScheduleGPipe`` and subclasses that keep their
+``_step_microbatches``. Anything else (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``,
+zero-bubble and V schedules: several stages per rank or split backwards) is refused at wrap
+time. ``schedule.eval(...)`` (forward only) runs without the hook.
+
+torch is imported here at module level: this module is only for training processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    Schedule1F1B,
+    ScheduleGPipe,
+)
+
+from protocol.exceptions import ConfigError, ScheduleError
+from schedulers.planning.pipeline_schedules import (
+    PIPELINE_SCHEDULES,
+    schedules_matching,
+    stage_actions,
+)
+from worker_client.hook.optimizer import PerseusOptimizer
+
+#: torch schedule class -> the planner's name for its order.
+SUPPORTED_SCHEDULES: dict[type, str] = {Schedule1F1B: "1f1b", ScheduleGPipe: "gpipe"}
+
+
+def schedule_kind(schedule: object) -> str:
+    """The planner schedule (``"1f1b"``/``"gpipe"``) a torch pipeline schedule runs.
+
+    A subclass counts as its base only if it runs the base's ``_step_microbatches``: that
+    method decides the order of the actions.
+
+    Raises:
+        ConfigError: An unsupported schedule, named with the supported ones.
+
+    """
+    supported = ", ".join(cls.__name__ for cls in SUPPORTED_SCHEDULES)
+    name = type(schedule).__name__
+    run = getattr(type(schedule), "_step_microbatches", None)
+    for cls, kind in SUPPORTED_SCHEDULES.items():
+        if run is getattr(cls, "_step_microbatches", None):
+            return kind
+    if isinstance(schedule, PipelineScheduleMulti):
+        why = "it runs several stages per rank (interleaved, looped or V schedules)"
+    elif isinstance(schedule, tuple(SUPPORTED_SCHEDULES)):
+        why = "it overrides _step_microbatches, so its action order is unknown to the planner"
+    else:
+        why = "the planner knows no order for it"
+    raise ConfigError(
+        f"Perseus does not support {name}: {why}; supported schedules: {supported} "
+        f"(planner: perseus optimize --schedule {{{','.join(PIPELINE_SCHEDULES)}}})"
+    )
+
+
+def _default_device_id(stage: Any) -> int:
+    device = torch.device(stage.device)
+    if device.type == "cuda":
+        return device.index if device.index is not None else torch.cuda.current_device()
+    return 0
+
+
+class PerseusPipeline:
+    """Run a rank's ``torch.distributed.pipelining`` schedule under the Perseus hook.
+
+    Create it after ``dist.init_process_group`` and after building the schedule; keep calling
+    ``schedule.step(...)`` as before; call :meth:`close` (or use ``with``) at the end.
+
+    Args:
+        schedule: This rank's ``Schedule1F1B`` or ``ScheduleGPipe`` (with a ``loss_fn``).
+        hook: A hook you built yourself; by default one is built from the stage (rank,
+            ``pp_rank = stage.stage_index``, ``pp_degree = stage.num_stages``) and
+            ``hook_options``, and closed by :meth:`close`.
+        dp_rank: Data parallel rank (needed, with ``dp_degree``, when the world is larger
+            than the pipeline).
+        dp_degree: Data parallel degree.
+        tp_rank: Tensor parallel rank.
+        tp_degree: Tensor parallel degree.
+        device_id: NVML index of this rank's GPU (default: the stage's CUDA device index,
+            which is the NVML index unless ``CUDA_VISIBLE_DEVICES`` reorders devices).
+        **hook_options: :class:`~worker_client.hook.optimizer.PerseusOptimizer` keywords:
+            ``redis_url`` (required), ``job_metadata``, ``controller``, ``report_every``, ...
+
+    Raises:
+        ConfigError: Unsupported schedule, no ``loss_fn``, or rank layout arguments missing.
+        ScheduleError: The schedule the coordinator serves does not follow this schedule's
+            order (e.g. a plan made with ``--schedule gpipe`` for a ``Schedule1F1B``).
+
+    """
+
+    def __init__(
+        self,
+        schedule: Any,
+        hook: PerseusOptimizer | None = None,
+        *,
+        dp_rank: int | None = None,
+        dp_degree: int | None = None,
+        tp_rank: int = 0,
+        tp_degree: int = 1,
+        device_id: int | None = None,
+        **hook_options: Any,
+    ) -> None:
+        self.kind = schedule_kind(schedule)
+        stage = getattr(schedule, "_stage", None)
+        if stage is None or not hasattr(stage, "forward_one_chunk"):
+            raise ConfigError(
+                f"{type(schedule).__name__} has no PipelineStage (this torch "
+                f"{torch.__version__} keeps it elsewhere); cannot attach Perseus"
+            )
+        if getattr(schedule, "_loss_fn", None) is None:
+            raise ConfigError(
+                f"{type(schedule).__name__} has no loss_fn: it runs forwards only, and Perseus "
+                "plans training iterations (forward and backward)"
+            )
+        self.schedule = schedule
+        self.stage = stage
+        self.num_stages: int = stage.num_stages
+        self.stage_index: int = stage.stage_index
+        self.num_microbatches: int = schedule._n_microbatches
+        self.actions = stage_actions(
+            self.kind, self.num_stages, self.num_microbatches, self.stage_index
+        )
+        self._names = [name for name, _ in self.actions]
+        self._owns_hook = hook is None
+        if hook is None:
+            hook = self._build_hook(dp_rank, dp_degree, tp_rank, tp_degree, device_id, hook_options)
+        elif hook_options:
+            raise ConfigError(f"pass either hook or hook options, not both: {sorted(hook_options)}")
+        elif hook.pp_rank != self.stage_index:
+            raise ConfigError(
+                f"the hook is for pp_rank {hook.pp_rank} but the schedule's stage is "
+                f"{self.stage_index} of {self.num_stages}"
+            )
+        self.hook: PerseusOptimizer = hook
+        self._checked_version = -1
+        try:
+            self._check_served_order()
+        except BaseException:
+            if self._owns_hook:
+                hook.close()
+            raise
+        self.last_step_actions: list[tuple[str, int]] = []  # What torch ran in the last step.
+        self._in_step = False
+        self._pending: str | None = None  # The last stage's forward, open until its loss.
+        self._patched: list[tuple[Any, str]] = []
+        self._patch(schedule, "step", self._step)
+        self._patch(stage, "forward_one_chunk", self._forward_one_chunk)
+        self._patch(stage, "backward_one_chunk", self._backward_one_chunk)
+        # The last stage's loss belongs to its forward (as in Perseus's profiles).
+        self._loss_ends_forward = stage.is_last and hasattr(schedule, "_maybe_compute_loss")
+        if self._loss_ends_forward:
+            self._patch(schedule, "_maybe_compute_loss", self._compute_loss)
+        self._closed = False
+
+    # --- setup ---------------------------------------------------------------------------------
+    def _build_hook(
+        self,
+        dp_rank: int | None,
+        dp_degree: int | None,
+        tp_rank: int,
+        tp_degree: int,
+        device_id: int | None,
+        options: dict[str, Any],
+    ) -> PerseusOptimizer:
+        if "redis_url" not in options:
+            raise ConfigError("PerseusPipeline needs redis_url= (the coordinator's Redis)")
+        world = dist.get_world_size()
+        if dp_degree is None:
+            dp_degree = world // (self.num_stages * tp_degree)
+        if dp_degree * self.num_stages * tp_degree != world:
+            raise ConfigError(
+                f"world size {world} is not pp {self.num_stages} x dp {dp_degree} x tp "
+                f"{tp_degree}; pass dp_degree= and tp_degree="
+            )
+        if dp_rank is None:
+            if dp_degree > 1:
+                raise ConfigError(
+                    f"world size {world} holds {dp_degree} pipelines: pass dp_rank= (and "
+                    "tp_rank=) for this rank, as your device mesh assigns them"
+                )
+            dp_rank = 0
+        return PerseusOptimizer(
+            rank=dist.get_rank(),
+            dp_rank=dp_rank,
+            pp_rank=self.stage_index,
+            tp_rank=tp_rank,
+            device_id=_default_device_id(self.stage) if device_id is None else device_id,
+            dp_degree=dp_degree,
+            pp_degree=self.num_stages,
+            tp_degree=tp_degree,
+            world_size=world,
+            **options,
+        )
+
+    def _patch(self, owner: Any, name: str, replacement: Callable[..., Any]) -> None:
+        original = getattr(owner, name)
+        setattr(self, f"_orig_{name}", original)
+        setattr(owner, name, replacement)  # An instance attribute: the class stays as it is.
+        self._patched.append((owner, name))
+
+    def _check_served_order(self) -> None:
+        """The coordinator's schedule for this rank must follow this torch schedule's order."""
+        served = self.hook.schedule
+        if served.version == self._checked_version:
+            return
+        names = [name for name, _ in served.frequencies]
+        if names != self._names:
+            cls = type(self.schedule).__name__
+            others = schedules_matching([names], num_stages=self.num_stages)
+            micro = names.count("forward")
+            if others and micro != self.num_microbatches:
+                what = f"{micro} microbatches in {others[0]} order"
+            elif others:
+                what = f"{others[0]} order"
+            else:
+                what = "an order of no supported schedule"
+            raise ScheduleError(
+                f"rank {self.hook.rank} (stage {self.stage_index}): schedule version "
+                f"{served.version} from the coordinator runs {len(names)} instructions in "
+                f"{what}, but {cls} runs {self.num_microbatches} microbatches in {self.kind} "
+                f"order; plan with `perseus optimize --schedule {self.kind} --microbatches "
+                f"{self.num_microbatches}` (or InstructionProfiler schedule={self.kind!r})"
+            )
+        self._checked_version = served.version
+
+    # --- what the schedule calls ---------------------------------------------------------------
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        step: Callable[..., Any] = self._orig_step  # type: ignore[attr-defined]
+        if not self.schedule._has_backward:  # eval(): forward only, not a training iteration
+            return step(*args, **kwargs)
+        self._check_served_order()
+        self.last_step_actions = []
+        self._pending = None
+        self.hook.on_step_begin()
+        self._in_step = True
+        try:
+            out = step(*args, **kwargs)
+            self._close_pending()
+            if len(self.last_step_actions) != len(self.actions):
+                missing = self.actions[len(self.last_step_actions)]
+                raise ScheduleError(
+                    f"rank {self.hook.rank} (stage {self.stage_index}): "
+                    f"{type(self.schedule).__name__}.step returned after "
+                    f"{len(self.last_step_actions)} of {len(self.actions)} actions; "
+                    f"next expected: {missing[0]} of microbatch {missing[1]}"
+                )
+            self.before_step_end()
+        except BaseException:
+            self._in_step = False
+            self.hook.abandon_step()
+            raise
+        self._in_step = False
+        self.hook.on_step_end()
+        return out
+
+    def _forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        run: Callable[..., Any] = self._orig_forward_one_chunk  # type: ignore[attr-defined]
+        if not self._in_step:
+            return run(fwd_chunk_id, *args, **kwargs)
+        self._begin("forward", fwd_chunk_id)
+        out = run(fwd_chunk_id, *args, **kwargs)
+        self.during_instruction("forward", fwd_chunk_id)
+        if self._loss_ends_forward:
+            self._pending = "forward"  # Closed once the schedule has computed the loss.
+        else:
+            self.hook.on_instruction_end("forward")
+        return out
+
+    def _backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        run: Callable[..., Any] = self._orig_backward_one_chunk  # type: ignore[attr-defined]
+        if not self._in_step:
+            return run(bwd_chunk_id, *args, **kwargs)
+        self._begin("backward", bwd_chunk_id)
+        out = run(bwd_chunk_id, *args, **kwargs)
+        self.during_instruction("backward", bwd_chunk_id)
+        self.hook.on_instruction_end("backward")
+        return out
+
+    def _compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._orig__maybe_compute_loss(*args, **kwargs)  # type: ignore[attr-defined]
+        self._close_pending()
+        return out
+
+    def _close_pending(self) -> None:
+        if self._pending is not None:
+            name, self._pending = self._pending, None
+            self.hook.on_instruction_end(name)
+
+    def _begin(self, name: str, microbatch: int) -> None:
+        self._close_pending()
+        done = len(self.last_step_actions)
+        expected = self.actions[done] if done < len(self.actions) else None
+        if expected != (name, microbatch):
+            want = (
+                "nothing more" if expected is None else f"{expected[0]} of microbatch {expected[1]}"
+            )
+            raise ScheduleError(
+                f"rank {self.hook.rank} (stage {self.stage_index}): "
+                f"{type(self.schedule).__name__} ran {name} of microbatch {microbatch} as "
+                f"action {done}, but the planner's {self.kind} order has {want} there "
+                f"(torch {torch.__version__})"
+            )
+        self.last_step_actions.append((name, microbatch))
+        self.before_instruction(name, microbatch)
+        self.hook.on_instruction_begin(name)
+
+    # --- extension points (the simulated GPU uses them) --------------------------------------
+    def before_instruction(self, name: str, microbatch: int) -> None:
+        """Called before an action's hook window opens (its input has arrived)."""
+
+    def during_instruction(self, name: str, microbatch: int) -> None:
+        """Called inside an action's hook window, after torch computed it."""
+
+    def before_step_end(self) -> None:
+        """Called after ``schedule.step`` ran every action, before ``on_step_end``."""
+
+    # --- teardown -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Restore the schedule and stage; close the hook if this object built it (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for owner, name in reversed(self._patched):
+            delattr(owner, name)  # The class's method shows through again.
+        self._patched.clear()
+        if self._owns_hook:
+            self.hook.close()
+
+    def __enter__(self) -> PerseusPipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,151 @@
+"""A workload's power-limit profile: the model, Zeus's JSON profile file, and its text table.
+
+The file is Zeus's format, ``{"measurements": [{"power_limit": W, "energy": J, "time": s},
+...]}``; perseus-mq adds ``optimal_power_limit``, ``selector`` and ``updated_at`` beside
+``measurements``. Zeus ignores keys it does not know and so reads these files; this module
+reads Zeus's (the added keys are optional, unknown keys are ignored like Zeus does). The Redis
+store (:mod:`worker_client.power_limit.store`) keeps the same model, msgpack-encoded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from protocol.exceptions import ConfigError
+from worker_client.power_limit.selectors import PowerLimitMeasurement
+
+
+class PowerLimitProfile(BaseModel):
+    """A workload's profiling result.
+
+    Attributes:
+        measurements: One entry per profiled power limit, in profiling order (highest first).
+        optimal_power_limit: The limit the selector chose, W (None in a file Zeus wrote).
+        selector: Description of the selector that chose it (informative).
+        updated_at: Unix time the profile was produced or stored (0: unknown).
+
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    measurements: list[PowerLimitMeasurement] = Field(min_length=1)
+    optimal_power_limit: int | None = Field(default=None, ge=1)
+    selector: str = ""
+    updated_at: float = 0.0
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``measurements[2].energy: Input should be ...``."""
+    lines = []
+    for error in exc.errors():
+        where = ""
+        for part in error["loc"]:
+            where += f"[{part}]" if isinstance(part, int) else (f".{part}" if where else part)
+        lines.append(f"{where or 'profile'}: {error['msg']}")
+    return "; ".join(lines)
+
+
+def parse_profile(text: str | bytes, source: str) -> PowerLimitProfile:
+    """Parse a JSON profile (Zeus's or perseus-mq's); ConfigError names ``source`` and the spot."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"bad power-limit profile {source}: not JSON (line {exc.lineno}, column "
+            f"{exc.colno}: {exc.msg})"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"bad power-limit profile {source}: expected an object with 'measurements', "
+            f"got {type(data).__name__}"
+        )
+    try:
+        return PowerLimitProfile.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(
+            f"bad power-limit profile {source}: {describe_validation_error(exc)}"
+        ) from None
+
+
+def load_profile_file(path: str | Path) -> PowerLimitProfile:
+    """Read a profile file written by Zeus or by perseus-mq.
+
+    Raises:
+        ConfigError: The file cannot be read, is not JSON, or a field is invalid (the message
+            names the file and the field, e.g. ``measurements[1].time``).
+
+    """
+    try:
+        text = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read power-limit profile {path}: {exc}") from None
+    return parse_profile(text, str(path))
+
+
+def save_profile_file(profile: PowerLimitProfile, path: str | Path) -> None:
+    """Write ``profile`` in Zeus's layout plus perseus-mq's keys, atomically.
+
+    Ranks sharing a path never see half a file (temporary file + rename).
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "measurements": [m.model_dump() for m in profile.measurements],
+        "optimal_power_limit": profile.optimal_power_limit,
+        "selector": profile.selector,
+        "updated_at": profile.updated_at,
+    }
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(document, out, indent=4)  # Zeus indents its files by 4 too
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def format_time(unix: float) -> str:
+    """``2026-11-23 10:00:00 UTC``, or ``?`` for an unknown time (0)."""
+    if not unix:
+        return "?"
+    return datetime.fromtimestamp(unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned columns, a dashed line under the header."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_profile(name: str, profile: PowerLimitProfile) -> str:
+    """The profile as ``perseus power-limit show WORKLOAD`` prints it (* marks the chosen limit)."""
+    optimal = profile.optimal_power_limit
+    chosen = (
+        "no limit chosen (the optimizer's selector picks one)"
+        if optimal is None
+        else f"optimal {optimal} W, chosen by {profile.selector or '?'}"
+    )
+    head = f"{name}: {chosen}, updated {format_time(profile.updated_at)}"
+    rows = [
+        [
+            ("* " if m.power_limit == optimal else "  ") + str(m.power_limit),
+            f"{m.time:.3f}",
+            f"{m.energy:.1f}",
+            f"{m.energy / m.time:.1f}" if m.time > 0 else "-",
+        ]
+        for m in profile.measurements
+    ]
+    table = format_table(["  limit (W)", "time (s)", "energy (J)", "avg power (W)"], rows)
+    return f"{head}\n{table}"
