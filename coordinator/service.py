@@ -26,6 +26,7 @@ from redis.client import Pipeline
 from rq import Queue
 from rq.job import Job
 
+from coordinator.health import HEARTBEAT_INTERVAL_S, beat, forget_stale
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
 from protocol import deadletter, keys
@@ -153,6 +154,7 @@ class Coordinator:
         self.queue = Queue(keys.RQ_QUEUE, connection=conn)
         self.stop_event = threading.Event()
         self._last_sweep = 0.0
+        self._last_beat = 0.0
         self._last_claim = float("-inf")
         self._records: OrderedDict[str, JobRecord] = OrderedDict()
         self.sweeper = Sweeper(self.store)
@@ -197,6 +199,9 @@ class Coordinator:
             self._last_claim = now
             handled += self._claim_stale()
         handled += self._consume(">", block_ms=block_ms)
+        if time.monotonic() - self._last_beat >= HEARTBEAT_INTERVAL_S:
+            self._last_beat = time.monotonic()
+            beat(self.conn, self.consumer, time.time())  # the container healthcheck reads it
         if time.monotonic() - self._last_sweep >= self.settings.reconcile_interval:
             self._last_sweep = time.monotonic()
             self.sweep()
@@ -499,5 +504,6 @@ class Coordinator:
 
     def sweep(self) -> None:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long (see Sweeper)."""
+        forget_stale(self.conn, time.time())
         for job_id in self.sweeper.run(self.settings, self.enqueue_advance):
             self._records.pop(job_id, None)

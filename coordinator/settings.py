@@ -92,6 +92,8 @@ OTHER_VARIABLES = frozenset(
         "PERSEUS_SIM_GPU_DENY",
         # Read by docker-compose.yml and benchmarks/device_h100.sh, not by the services.
         "PERSEUS_PLAN",
+        "PERSEUS_REDIS_PASSWORD",
+        "PERSEUS_REDIS_PORT",
         "PERSEUS_DEVICE_SIMULATE",
         # `perseus acl`'s passwords.
         "PERSEUS_ACL_RANK_PASSWORD",

@@ -13,9 +13,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rq import Queue
 from rq.job import Job, JobStatus
 
 from coordinator.settings import PerseusSettings
+from protocol import keys
 from protocol.store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -92,4 +94,10 @@ class Sweeper:
             status = Job.fetch(rq_id, connection=self.store.conn).get_status()
         except Exception:  # rq raises NoSuchJobError and friends: treat as gone.
             return False
+        if status == JobStatus.QUEUED:
+            # A worker killed between taking the job and starting it leaves it "queued" but
+            # out of the queue (in rq's intermediate list) until rq's maintenance, 10+ minutes
+            # later: only a job still in the queue is waiting.
+            queue_key = Queue(keys.RQ_QUEUE, connection=self.store.conn).key
+            return self.store.conn.lpos(queue_key, rq_id) is not None
         return status in _WAITING

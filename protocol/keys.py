@@ -29,6 +29,10 @@ JOBS_INDEX = f"{PREFIX}:jobs"
 # work outstanding, so the coordinator's sweep costs nothing per finished job.
 DUE_JOBS = f"{PREFIX}:due"
 
+# Hash: coordinator consumer name (``<host>-<pid>``) -> unix time of its last loop round
+# (the container healthcheck, coordinator/health.py).
+COORDINATORS = f"{PREFIX}:coordinators"
+
 # The rq queue that runs scheduler work (rq stores it as ``rq:queue:perseus``).
 RQ_QUEUE = PREFIX
 

@@ -21,8 +21,18 @@ def run_rank(
     out_dir: str,
     metadata: str,
     report_every: int = 2,
+    scheduler: str | None = None,
+    scheduler_args: dict[str, Any] | None = None,
+    step_sleep: float = 0.0,
 ) -> None:
-    """Run ``steps`` 1F1B iterations under PerseusOptimizer and write what happened to JSON."""
+    """Run ``steps`` 1F1B iterations under PerseusOptimizer and write what happened to JSON.
+
+    ``scheduler`` (and its arguments) is the one rank 0 names for the job (default: the
+    coordinator's); ``step_sleep`` seconds pass in every step, so a job lasts long enough for
+    faults injected while it runs.
+    """
+    import time
+
     import torch
     import torch.distributed as dist
 
@@ -52,8 +62,11 @@ def run_rank(
             controller=controller,
             report_every=report_every,
             schedule_timeout=60,
+            scheduler=scheduler,
+            scheduler_args=scheduler_args,
         )
         record["job_id"] = hook.job_id
+        record["first_version"] = hook.schedule.version
         x = torch.ones(64, 64)
         for _ in range(steps):
             hook.on_step_begin()
@@ -61,6 +74,7 @@ def run_rank(
                 hook.on_instruction_begin(name)
                 x = torch.tanh(x @ x / 64)  # a little real work per instruction
                 hook.on_instruction_end(name)
+            time.sleep(step_sleep)
             hook.on_step_end()
             dist.barrier()  # ranks of a pipeline move in lockstep, as in real training
         record["frequencies"] = [f for _, f in controller.records]

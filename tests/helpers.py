@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import multiprocessing as mp
 import os
 import socket
 import ssl
@@ -19,6 +21,9 @@ from rq import Queue, SimpleWorker
 from coordinator.settings import PerseusSettings
 from protocol import keys
 from protocol.models import JobInfo, ProfilingResult, RankInfo
+from schedulers.planning.pipeline_dag import one_f_one_b_order
+from schedulers.planning.plan_file import write_plan_file
+from tests.e2e_ranks import run_rank
 from worker_client.gpu.nvml import SIMULATED_NVML
 from worker_client.hook.optimizer import PerseusOptimizer
 from worker_client.hook.session import CoordinatorClient
@@ -199,6 +204,62 @@ def step_until(
         steps += 1
         time.sleep(0.02)
     return steps
+
+
+def write_1f1b_plan(
+    path: Path, pp: int, microbatches: int, stage_clocks: list[tuple[int, int]]
+) -> list[list[tuple[str, int]]]:
+    """Write a plan file: stage s runs forwards at ``stage_clocks[s][0]``, backwards at [1]."""
+    stages = []
+    for stage, (fwd, bwd) in enumerate(stage_clocks):
+        names = one_f_one_b_order(pp, microbatches, stage)
+        stages.append([(n, fwd if n == "forward" else bwd) for n in names])
+    write_plan_file(path, stages, {"plan": 1, "iteration_time": 1.0})
+    return stages
+
+
+def spawn_ranks(
+    world: int,
+    pp: int,
+    redis_url: str,
+    out: Path,
+    meta: str,
+    steps: int,
+    microbatches: int,
+    **kw: Any,
+) -> list[mp.process.BaseProcess]:
+    """Start ``world`` rank processes of one job (tests/e2e_ranks.py; gloo, dry-run clocks).
+
+    ``kw`` goes to :func:`tests.e2e_ranks.run_rank` (scheduler, step_sleep, ...).
+    """
+    ctx = mp.get_context("spawn")
+    init = f"tcp://127.0.0.1:{free_ports()[0]}"
+    dp = world // pp
+    procs = [
+        ctx.Process(
+            target=run_rank,
+            args=(rank, world, pp, dp, init, redis_url, steps, microbatches, str(out), meta),
+            kwargs=kw,
+        )
+        for rank in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def collect_ranks(
+    procs: list[mp.process.BaseProcess], out: Path, meta: str, timeout: float = 240
+) -> list[dict[str, Any]]:
+    """Wait for the rank processes and return their records; fail on a rank's error."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    records = [json.loads((out / f"{meta}-rank{r}.json").read_text()) for r in range(len(procs))]
+    for rec in records:
+        assert "error" not in rec, rec["error"]
+    return records
 
 
 def self_signed_cert(folder: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:

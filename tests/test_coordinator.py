@@ -9,6 +9,7 @@ import msgpack
 import pytest
 import redis
 from rq import Queue
+from rq.job import Job, JobStatus
 
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
@@ -251,16 +252,21 @@ def test_idle_jobs_are_deleted_with_all_their_keys(service, r, redis_url):
     assert r.zscore(keys.JOBS_INDEX, job_id) is None
 
 
-def test_sweep_reenqueues_stalled_work(r, redis_url):
-    coord = Coordinator(r, make_settings(redis_url, stall_timeout=0.1))
-    store = JobStore(r)
+def due_one_rank_job(store: JobStore, job_id: str) -> None:
+    """A registered one-rank job whose first version is due, enqueued nowhere."""
     from protocol.models import JobConfig
 
-    job = JobInfo(job_id="j2", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    job = JobInfo(job_id=job_id, pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
     store.create_job(job, JobConfig(scheduler="tests.toy_schedulers:StepDown"), "1-0")
     store.add_rank(
         job, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
     )
+
+
+def test_sweep_reenqueues_stalled_work(r, redis_url):
+    coord = Coordinator(r, make_settings(redis_url, stall_timeout=0.1))
+    store = JobStore(r)
+    due_one_rank_job(store, "j2")
     # Due work with no rq job at all (e.g. the enqueue was lost): the sweep enqueues it.
     coord.sweep()
     assert Queue(keys.RQ_QUEUE, connection=r).count == 1
@@ -268,6 +274,26 @@ def test_sweep_reenqueues_stalled_work(r, redis_url):
     assert Queue(keys.RQ_QUEUE, connection=r).count == 1
     drain(r)
     assert store.version("j2") == 1
+
+
+def test_sweep_reenqueues_work_a_killed_worker_had_dequeued(r, redis_url):
+    coord = Coordinator(r, make_settings(redis_url, stall_timeout=0.1))
+    store = JobStore(r)
+    due_one_rank_job(store, "j3")
+    coord.sweep()
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    (first,) = queue.job_ids
+    # A worker took the job (rq moves it to an intermediate list) and was killed before it
+    # started it (`docker kill` in the fork window): rq still calls it queued, until its
+    # maintenance notices, 10 minutes or more later.
+    r.lmove(queue.key, queue.intermediate_queue_key)
+    assert queue.count == 0
+    assert Job.fetch(first, connection=r).get_status() == JobStatus.QUEUED
+    time.sleep(0.2)
+    coord.sweep()
+    assert queue.count == 1 and queue.job_ids != [first]
+    drain(r)
+    assert store.version("j3") == 1
 
 
 def test_stale_pending_entries_are_claimed(r, redis_url):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import subprocess
 import sys
 import time
@@ -13,47 +12,31 @@ import pytest
 
 from protocol import keys
 from protocol.store import JobStore
-from schedulers.planning.pipeline_dag import one_f_one_b_order
-from schedulers.planning.plan_file import write_plan_file
-from tests.e2e_ranks import run_rank
-from tests.helpers import ROOT, free_ports, start_perseus, subprocess_env
+from tests.helpers import (
+    ROOT,
+    collect_ranks,
+    spawn_ranks,
+    start_perseus,
+    subprocess_env,
+    write_1f1b_plan,
+)
 
 PP, MICROBATCHES = 4, 4
 STAGE_CLOCKS = [(1980, 1980), (1830, 1905), (1710, 1800), (1605, 1710)]  # (forward, backward)
 
 
 def write_plan(path: Path) -> list[list[tuple[str, int]]]:
-    stages = []
-    for stage, (fwd, bwd) in enumerate(STAGE_CLOCKS):
-        names = one_f_one_b_order(PP, MICROBATCHES, stage)
-        stages.append([(n, fwd if n == "forward" else bwd) for n in names])
-    write_plan_file(path, stages, {"plan": 1, "iteration_time": 1.0})
-    return stages
+    return write_1f1b_plan(path, PP, MICROBATCHES, STAGE_CLOCKS)
 
 
 def launch_job(world: int, dp: int, redis_url: str, out: Path, meta: str, steps: int):
-    ctx = mp.get_context("spawn")
-    init = f"tcp://127.0.0.1:{free_ports()[0]}"
-    procs = [
-        ctx.Process(
-            target=run_rank,
-            args=(rank, world, PP, dp, init, redis_url, steps, MICROBATCHES, str(out), meta),
-        )
-        for rank in range(world)
-    ]
-    for p in procs:
-        p.start()
-    return procs
+    assert world == dp * PP
+    return spawn_ranks(world, PP, redis_url, out, meta, steps, MICROBATCHES)
 
 
 def collect(procs, out: Path, meta: str, world: int) -> list[dict]:
-    for p in procs:
-        p.join(timeout=240)
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-    records = [json.loads((out / f"{meta}-rank{r}.json").read_text()) for r in range(world)]
-    for rec in records:
-        assert "error" not in rec, rec["error"]
-    return records
+    assert len(procs) == world
+    return collect_ranks(procs, out, meta)
 
 
 @pytest.fixture

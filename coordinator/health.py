@@ -1,0 +1,103 @@
+"""Coordinator heartbeats in Redis, and the container healthcheck that reads them."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+
+import redis
+
+from coordinator.settings import PerseusSettings
+from protocol import keys
+from protocol.connection import connect, redact_url
+from protocol.exceptions import PerseusError
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""A coordinator records a heartbeat at most this often (after a loop round)."""
+DEFAULT_MAX_IDLE_S = 30.0
+FORGET_AFTER_S = 3600.0
+"""Heartbeats older than this are deleted by the sweep (coordinators that are gone)."""
+
+
+def beat(
+    conn: redis.Redis, consumer: str, now: float, pipeline: redis.client.Pipeline | None = None
+) -> None:
+    """Record that coordinator ``consumer`` finished a loop round at unix time ``now``."""
+    (pipeline if pipeline is not None else conn).hset(keys.COORDINATORS, consumer, f"{now:.3f}")
+
+
+def last_beats(conn: redis.Redis) -> dict[str, float]:
+    """Consumer name -> unix time of its last heartbeat, for every coordinator seen lately."""
+    return {name.decode(): float(t) for name, t in conn.hgetall(keys.COORDINATORS).items()}
+
+
+def forget_stale(
+    conn: redis.Redis,
+    now: float,
+    older_than: float = FORGET_AFTER_S,
+    pipeline: redis.client.Pipeline | None = None,
+) -> list[str]:
+    """Delete heartbeats older than ``older_than`` seconds; return whose they were.
+
+    A coordinator that beats again after this only re-adds its own field.
+    """
+    stale = [name for name, t in last_beats(conn).items() if now - t > older_than]
+    if stale:
+        (pipeline if pipeline is not None else conn).hdel(keys.COORDINATORS, *stale)
+    return stale
+
+
+def host_idle_s(conn: redis.Redis, hostname: str, now: float) -> float | None:
+    """Seconds since a coordinator of ``hostname`` (consumer ``<hostname>-<pid>``) beat.
+
+    None when no coordinator of that host has beaten (none started, or forgotten).
+    """
+    prefix = f"{hostname}-"
+    ages = [now - t for name, t in last_beats(conn).items() if name.startswith(prefix)]
+    return min(ages) if ages else None
+
+
+def check(redis_url: str, hostname: str, max_idle_s: float) -> tuple[bool, str]:
+    """Whether a coordinator of ``hostname`` beat within ``max_idle_s``, and a line saying so.
+
+    The line names the Redis URL with its password hidden.
+    """
+    where = redact_url(redis_url)
+    try:
+        conn = connect(redis_url, socket_timeout=5.0, ping=True)
+        idle = host_idle_s(conn, hostname, time.time())
+    except (PerseusError, redis.RedisError) as exc:
+        return False, f"unhealthy: redis {where}: {exc}"
+    if idle is None:
+        return False, f"unhealthy: no coordinator of host {hostname} has run at {where}"
+    if idle > max_idle_s:
+        return False, (
+            f"unhealthy: the coordinator of host {hostname} last ran a round {idle:.1f} s ago "
+            f"(limit {max_idle_s:g} s)"
+        )
+    return True, f"healthy: the coordinator of host {hostname} ran a round {idle:.1f} s ago"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m coordinator.health``: exit 0 while this host's coordinator is running rounds.
+
+    Reads ``PERSEUS_REDIS_URL`` like the coordinator, and imports no scheduler, so a
+    healthcheck every few seconds stays cheap.
+    """
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--max-idle",
+        type=float,
+        default=DEFAULT_MAX_IDLE_S,
+        help=f"seconds without a heartbeat that mean unhealthy (default {DEFAULT_MAX_IDLE_S:g})",
+    )
+    args = parser.parse_args(argv)
+    ok, message = check(PerseusSettings().redis_url, socket.gethostname(), args.max_idle)
+    print(message)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
