@@ -1,27 +1,34 @@
-"""Coordinator latencies on a private Redis, measured side by side in one run.
+"""Coordinator latencies and throughput on a private Redis, measured side by side in one run.
 
-1. report -> new schedule version: every rank of a job reports its result; time until the
-   next version is visible to a client (coordinator thread + one rq worker), with a forking
-   `perseus worker` and with `perseus worker --simple`. The scheduler is
-   `tests.toy_schedulers:StepDown`, which changes the clocks every round, so that every round
-   publishes a version.
-2. rq round trip of a task that imports the planner (lowtime): forking worker with the
+1. report -> next version: all ranks of a 64-rank job report (results shaped as the hook sends
+   them: 10 iterations, 16 instructions each), then the time until the next version is visible
+   to a client, for 200 versions. `perseus coordinator` and one `perseus worker` (the default,
+   long-lived) or `perseus worker --fork` run as processes. The yardstick ("raw limit") is the
+   same traffic served by one process with one pipeline per batch, msgpack only: no
+   validation, no rq, no scheduler. The scheduler is `tests.toy_schedulers:SnapshotStepDown`,
+   which lowers the clocks every round, so every round publishes a version.
+2. Redis memory of that job (every `perseus:job:<id>:*` key) at versions 20 and 200.
+3. Registrations per second from one client (request, then wait for the reply), against the
+   raw request/reply limit (a responder that only answers).
+4. rq round trip of a task that imports the planner (lowtime): forking worker with the
    scheduler modules preloaded (the default) against `--no-preload`.
 
-    python benchmarks/bench_coordinator.py [--rounds 20]
+    python benchmarks/bench_coordinator.py [--versions 200] [--ranks 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
 import redis
 from rq import Queue, Worker
 
@@ -29,33 +36,38 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from coordinator.embedded import EmbeddedRedis  # noqa: E402
-from coordinator.service import Coordinator  # noqa: E402
-from coordinator.settings import PerseusSettings  # noqa: E402
 from protocol import keys  # noqa: E402
-from protocol.models import JobInfo, ProfilingResult, RankInfo  # noqa: E402
+from protocol.constants import H100_GRAPHICS_CLOCKS  # noqa: E402
+from protocol.models import (  # noqa: E402
+    JobInfo,
+    ProfilingResult,
+    RankInfo,
+    ReportResult,
+    encode_message,
+)
 from worker_client.hook.session import CoordinatorClient  # noqa: E402
 
-FREQS = list(range(1980, 344, -15))
+FREQS = list(H100_GRAPHICS_CLOCKS)
+MICROBATCHES = 8  # 16 instructions per step
+ITERS = 10  # the hook's default report_every
+SCHEDULER = "tests.toy_schedulers:SnapshotStepDown"
+RAW = "bench-raw"  # job id of the raw limit's keys (built with protocol.keys like the rest)
+WINDOWS = ((2, 21), (182, 201))
 
 
-def start_worker(url: str, *flags: str) -> subprocess.Popen:
+def perseus(url: str, *args: str) -> subprocess.Popen:
+    """Start a `perseus` command on ``url`` (output discarded)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "coordinator.cli",
-            "worker",
-            "--redis-url",
-            url,
-            "--log-level",
-            "WARNING",
-            *flags,
-        ],
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", *args, "--redis-url", url],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def start_worker(url: str, *flags: str) -> subprocess.Popen:
+    proc = perseus(url, "worker", "--log-level", "WARNING", *flags)
     conn = redis.Redis.from_url(url)
     deadline = time.monotonic() + 60
     while not Worker.all(connection=conn) and time.monotonic() < deadline:
@@ -73,30 +85,199 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def report_to_version(url: str, rounds: int, pp: int = 4) -> list[float]:
-    client = CoordinatorClient(url)
-    job_id = client.register_job(JobInfo(pp_degree=pp, dp_degree=1, tp_degree=1, world_size=pp))
-    for rank in range(pp):
+def hook_result(rank: int, version: int) -> ProfilingResult:
+    """A result shaped like the hook's: ITERS iterations of 2 x MICROBATCHES instructions."""
+    per_iter = [0.012 + 0.0001 * i for i in range(MICROBATCHES)]
+    return ProfilingResult(
+        rank=rank,
+        schedule_version=version,
+        iter_time=[0.2 + 0.001 * i for i in range(ITERS)],
+        iter_energy=[140.0 + i for i in range(ITERS)],
+        time_breakdown={"forward": [per_iter] * ITERS, "backward": [per_iter] * ITERS},
+    )
+
+
+def report_fields(job_id: str, ranks: int, version: int) -> list[dict]:
+    return [
+        encode_message(ReportResult(job_id=job_id, result=hook_result(rank, version)))
+        for rank in range(ranks)
+    ]
+
+
+def job_memory(conn: redis.Redis, job_id: str) -> int:
+    """Bytes Redis uses for every key of a job (SCAN, never KEYS)."""
+    names = list(conn.scan_iter(match=f"{keys.job_key(job_id)}:*", count=1000))
+    with conn.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.memory_usage(name, samples=0)
+        return sum(n or 0 for n in pipe.execute())
+
+
+def wait_version(conn: redis.Redis, updates: str, last_id: bytes, newer_than: int) -> bytes:
+    """Block on the updates stream until a version newer than ``newer_than`` is announced."""
+    while True:
+        reply = conn.xread({updates: last_id}, block=30_000)
+        if not reply:
+            raise TimeoutError(f"no version after {newer_than} within 30 s")
+        for _stream, entries in reply:
+            for entry_id, fields in entries:
+                last_id = entry_id
+                if b"version" in fields and int(fields[b"version"]) > newer_than:
+                    return last_id
+
+
+class Stack:
+    """One private Redis with what serves it, and a job that reports on it."""
+
+    def __init__(self, name: str, ranks: int, kind: str) -> None:
+        self.name, self.ranks, self.kind = name, ranks, kind
+        self.server = EmbeddedRedis()
+        self.url = self.server.url
+        self.conn = redis.Redis.from_url(self.url)
+        self.procs: list[subprocess.Popen] = []
+        self.latencies: dict[int, float] = {}
+        self.memory: dict[int, int] = {}
+        if kind == "raw":
+            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            script = [sys.executable, __file__, "--raw-server", self.url, "--ranks", str(ranks)]
+            self.procs.append(subprocess.Popen(script, env=env))
+            self.job_id, self.stream = RAW, keys.job_key(RAW, "in")
+        else:
+            self.procs.append(start_coordinator(self.url))
+            self.procs.append(start_worker(self.url, *(["--fork"] if kind == "fork" else [])))
+            self.job_id, self.stream = (
+                register(CoordinatorClient(self.url), ranks),
+                keys.RESULTS_STREAM,
+            )
+        self.updates = keys.job_updates(self.job_id)
+        self.last_id = wait_version(self.conn, self.updates, b"0", 0)
+
+    def round(self, version: int) -> None:
+        """All ranks report ``version``; record the time until the next version is visible."""
+        batch = report_fields(self.job_id, self.ranks, version)
+        start = time.perf_counter()
+        with self.conn.pipeline(transaction=False) as pipe:
+            for fields in batch:
+                pipe.xadd(self.stream, fields)
+            pipe.execute()
+        self.last_id = wait_version(self.conn, self.updates, self.last_id, version)
+        self.latencies[version + 1] = time.perf_counter() - start
+        if self.kind != "raw" and version + 1 in (20, 200):
+            # The worker snapshots right after publishing: measure once it is done.
+            while self.conn.exists(keys.job_lease(self.job_id)):
+                time.sleep(0.005)
+            self.memory[version + 1] = job_memory(self.conn, self.job_id)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            stop(proc)
+        self.server.stop()
+
+
+def register(client: CoordinatorClient, ranks: int) -> str:
+    job_id = client.register_job(
+        JobInfo(pp_degree=ranks, dp_degree=1, tp_degree=1, world_size=ranks)
+    )
+    for rank in range(ranks):
         client.register_rank(
             job_id,
             RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS),
         )
-    version = client.wait_schedule(job_id, 0, timeout=60).version
-    latencies = []
-    for _ in range(rounds):
+    return job_id
+
+
+def start_coordinator(url: str) -> subprocess.Popen:
+    args = json.dumps({"microbatches": MICROBATCHES})
+    return perseus(
+        url,
+        "coordinator",
+        "--scheduler",
+        SCHEDULER,
+        "--scheduler-args",
+        args,
+        "--log-level",
+        "WARNING",
+    )
+
+
+# --- the raw limit ------------------------------------------------------------------------------
+def raw_server(url: str, ranks: int) -> None:
+    """One process, one pipeline per batch, msgpack only: answers requests, publishes versions."""
+    conn = redis.Redis.from_url(url)
+    results, requests = keys.job_key(RAW, "in"), keys.job_key(RAW, "requests")
+    for stream in (results, requests):
+        try:
+            conn.xgroup_create(stream, "raw", id="0", mkstream=True)
+        except redis.ResponseError:
+            pass
+    version, counts = 1, {}  # version -> results received
+    conn.set(keys.job_version(RAW), version)
+    conn.xadd(keys.job_updates(RAW), {"version": version})
+    while True:
+        reply = conn.xreadgroup("raw", "raw", {results: ">", requests: ">"}, count=100, block=1000)
+        with conn.pipeline(transaction=False) as pipe:
+            for stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    data = msgpack.unpackb(fields[b"data"], raw=False)
+                    if stream.decode() == requests:
+                        reply_key = keys.reply_key(data["request_id"])
+                        pipe.lpush(reply_key, msgpack.packb({"ok": True, "job_id": RAW}))
+                        pipe.expire(reply_key, 300)
+                    else:
+                        result = data["result"]
+                        v = result["schedule_version"]
+                        pipe.hset(
+                            keys.job_results(RAW, v), str(result["rank"]), msgpack.packb(result)
+                        )
+                        counts[v] = counts.get(v, 0) + 1
+                    pipe.xack(stream, "raw", entry_id)
+            if counts.get(version, 0) >= ranks:
+                version += 1
+                freq = FREQS[min(version, len(FREQS) - 1)]
+                names = ["forward", "backward"] * MICROBATCHES
+                for rank in range(ranks):
+                    schedule = {
+                        "rank": rank,
+                        "version": version,
+                        "frequencies": [[n, freq] for n in names],
+                    }
+                    pipe.hset(keys.job_schedule(RAW, version), str(rank), msgpack.packb(schedule))
+                pipe.set(keys.job_version(RAW), version)
+                pipe.xadd(keys.job_updates(RAW), {"version": version})
+            pipe.execute()
+
+
+def raw_request(conn: redis.Redis) -> Callable[[], None]:
+    """The client side of the raw limit: the same request/reply as CoordinatorClient."""
+    stream = keys.job_key(RAW, "requests")
+
+    def request() -> None:
+        request_id = f"raw-{time.perf_counter_ns()}"
+        data = msgpack.packb({"request_id": request_id})
+        conn.xadd(stream, {"kind": "register_rank", "data": data})
+        if conn.blpop([keys.reply_key(request_id)], timeout=30) is None:
+            raise TimeoutError("raw server did not answer")
+
+    return request
+
+
+def registrations(raw: Stack, ours: Stack, ranks: int, jobs: int) -> tuple[float, float]:
+    """Registrations per second (raw limit, coordinator), one client, interleaved job by job."""
+    client, request = CoordinatorClient(ours.url), raw_request(raw.conn)
+    spent = [0.0, 0.0]
+    for _ in range(jobs):
         start = time.perf_counter()
-        for rank in range(pp):
-            client.report(
-                job_id,
-                ProfilingResult(
-                    rank=rank, schedule_version=version, iter_time=[1.0], iter_energy=[1.0]
-                ),
-            )
-        version = client.wait_schedule(job_id, 0, newer_than=version, timeout=60).version
-        latencies.append(time.perf_counter() - start)
-    return latencies
+        for _ in range(ranks + 1):
+            request()
+        spent[0] += time.perf_counter() - start
+        start = time.perf_counter()
+        register(client, ranks)
+        spent[1] += time.perf_counter() - start
+    count = jobs * (ranks + 1)
+    return count / spent[0], count / spent[1]
 
 
+# --- the rq import round trip --------------------------------------------------------------------
 def import_round_trips(url: str, rounds: int) -> list[float]:
     queue = Queue(keys.RQ_QUEUE, connection=redis.Redis.from_url(url))
     times = []
@@ -110,55 +291,82 @@ def import_round_trips(url: str, rounds: int) -> list[float]:
     return times
 
 
-def row(name: str, values: list[float]) -> str:
-    ms = [v * 1000 for v in values]
-    return (
-        f"  {name:<44} median {statistics.median(ms):8.1f} ms   p90 "
-        f"{percentile(ms, 0.9):8.1f} ms   n={len(ms)}"
-    )
+def window(latencies: dict[int, float], first: int, last: int) -> list[float]:
+    return [latencies[v] * 1000 for v in range(first, last + 1) if v in latencies]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--versions", type=int, default=200)
+    parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument("--registration-jobs", type=int, default=8)
+    parser.add_argument("--raw-server", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    with EmbeddedRedis() as server:
-        settings = PerseusSettings(
-            redis_url=server.url, scheduler="tests.toy_schedulers:StepDown", log_level="WARNING"
-        )
-        coordinator = Coordinator(redis.Redis.from_url(server.url), settings)
-        thread = threading.Thread(target=coordinator.run, kwargs={"block_ms": 100}, daemon=True)
-        thread.start()
-        print(
-            f"coordinator benchmark: private Redis, python {sys.version.split()[0]}, "
-            f"{os.cpu_count()} cores"
-        )
-        print("report -> next schedule version visible to the client (4 ranks):")
-        for name, flags in (
-            ("forking worker (perseus worker)", ()),
-            ("SimpleWorker (perseus worker --simple)", ("--simple",)),
+    if args.raw_server:
+        raw_server(args.raw_server, args.ranks)
+        return
+    last = args.versions + 1
+    windows = [(a, min(b, last)) for a, b in WINDOWS if a <= last]
+    print(
+        f"coordinator benchmark: python {sys.version.split()[0]}, {os.cpu_count()} cores, "
+        f"{args.ranks} ranks, {args.versions} versions; each row has its own private Redis, "
+        "and the rows take turns version by version"
+    )
+    stacks: list[Stack] = []
+    try:
+        for name, kind in (
+            ("raw limit (one process, msgpack only)", "raw"),
+            ("perseus worker (long-lived, default)", "long-lived"),
+            ("perseus worker --fork", "fork"),
         ):
-            worker = start_worker(server.url, *flags)
-            try:
-                print(row(name, report_to_version(server.url, args.rounds)), flush=True)
-            finally:
-                stop(worker)
-        print("rq round trip of a task that imports the planner (lowtime):")
+            stacks.append(Stack(name, args.ranks, kind))
+        for version in range(1, args.versions + 1):
+            for stack in stacks:
+                stack.round(version)
+        print(f"\nreport -> next version visible, {args.ranks} ranks (ms):")
+        header = "".join(f"   v{a}-{b} p50    p99" for a, b in windows)
+        print(f"  {'':<40}{header}   p50 growth")
+        for stack in stacks:
+            cells, medians = "", []
+            for a, b in windows:
+                values = window(stack.latencies, a, b)
+                medians.append(statistics.median(values))
+                cells += f"  {medians[-1]:10.1f} {percentile(values, 0.99):7.1f}"
+            growth = f"{medians[-1] / medians[0]:.2f}x" if len(medians) > 1 else "-"
+            print(f"  {stack.name:<40}{cells}   {growth}")
+        print("\nRedis memory of the job (every perseus:job:<id>:* key):")
+        for stack in stacks:
+            if stack.memory:
+                memory = stack.memory
+                cells = "   ".join(f"v{v}: {b / 1e3:7.1f} kB" for v, b in sorted(memory.items()))
+                ratio = f"   v200/v20 {memory[200] / memory[20]:.2f}" if len(memory) == 2 else ""
+                print(f"  {stack.name:<40}{cells}{ratio}")
+        limit, ours = registrations(stacks[0], stacks[1], args.ranks, args.registration_jobs)
+        count = args.registration_jobs * (args.ranks + 1)
+        print(f"\nregistrations per second, 1 client ({count} requests each, interleaved):")
+        print(f"  raw request/reply limit  {limit:8.0f}/s")
+        print(f"  perseus coordinator      {ours:8.0f}/s   {ours / limit:.2f} of the limit")
+    finally:
+        for stack in stacks:
+            stack.close()
+
+    print("\nrq round trip of a task that imports the planner (lowtime), --fork:")
+    with EmbeddedRedis() as server:
         results = {}
         for name, flags in (
-            ("forking worker, schedulers preloaded", ()),
-            ("forking worker, --no-preload", ("--no-preload",)),
+            ("schedulers preloaded", ("--fork",)),
+            ("--no-preload", ("--fork", "--no-preload")),
         ):
             worker = start_worker(server.url, *flags)
             try:
-                results[name] = import_round_trips(server.url, max(5, args.rounds // 2))
-                print(row(name, results[name]), flush=True)
+                results[name] = [t * 1000 for t in import_round_trips(server.url, 10)]
             finally:
                 stop(worker)
+            values = results[name]
+            median, p90 = statistics.median(values), percentile(values, 0.9)
+            print(f"  {name:<24} median {median:7.1f} ms   p90 {p90:7.1f} ms")
         fast, slow = (statistics.median(v) for v in results.values())
-        print(f"preloading makes such a job {slow / fast:.1f}x faster")
-        coordinator.stop_event.set()
-        thread.join(timeout=5)
+        print(f"  preloading makes such a job {slow / fast:.1f}x faster")
 
 
 if __name__ == "__main__":

@@ -191,13 +191,22 @@ def preload_schedulers() -> None:
 @main.command()
 @redis_url_option
 @click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
-@click.option("--simple", is_flag=True, help="Run jobs in this process (rq SimpleWorker), no fork.")
+@click.option(
+    "--fork",
+    is_flag=True,
+    help="Fork a process per job (rq Worker): isolates jobs, but every job rebuilds its "
+    "scheduler from Redis.",
+)
+@click.option(
+    "--simple", is_flag=True, hidden=True, help="The default now (kept for old command lines)."
+)
 @click.option("--name", default=None, help="Worker name (default: rq's).")
 @LOG_LEVEL_OPTION
 @click.option("--no-preload", is_flag=True, help="Skip importing the schedulers (slower jobs).")
 def worker(
     redis_url: str | None,
     burst: bool,
+    fork: bool,
     simple: bool,
     name: str | None,
     log_level: str | None,
@@ -206,19 +215,22 @@ def worker(
     """Run an rq worker for scheduler jobs, with the scheduler modules preloaded.
 
     Start as many as you like (docker compose up --scale worker=N). Workers need no scheduler
-    settings: each job carries its own. A forking worker isolates jobs; --simple saves ~10 ms
-    per job. A Redis outage does not end the command: when rq's loop quits on one, a fresh
-    worker starts once Redis answers.
+    settings: each job carries its own. By default jobs run in this long-lived process (rq's
+    SimpleWorker), which keeps each job's scheduler between versions and feeds it only the
+    new results; --fork runs each job in a forked process instead. A Redis outage does not
+    end the command: when rq's loop quits on one, a fresh worker starts once Redis answers.
     """
+    if fork and simple:
+        raise click.UsageError("--fork and --simple exclude each other")
     settings = _settings(redis_url=redis_url, log_level=log_level)
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if not no_preload:
         preload_schedulers()
-    cls = PerseusSimpleWorker if simple else PerseusWorker
+    cls = PerseusWorker if fork else PerseusSimpleWorker
     conn = _connect(settings.redis_url)
-    kind = "in-process" if simple else "forking"
+    kind = "forking" if fork else "long-lived"
     click.echo(
         f"perseus worker: queue={keys.RQ_QUEUE} {kind} redis={redact_url(settings.redis_url)}"
     )

@@ -2,6 +2,10 @@
 
 Layout, one folder per job: ``<dump_dir>/<job_id>/ranks.json``, ``<version>.sched.json`` and
 ``<version>.prof.json`` (the results measured while running that version), plus ``job.json``.
+Redis keeps only the newest schedules and the results not yet consumed by a scheduler
+snapshot, so ``perseus dump`` writes what is left, plus ``summaries.json`` (each observed
+version's rank count, iteration time and energy). With ``--dump-dir`` (``dump_data``) every
+version is written as it is published, so nothing is missed.
 """
 
 from __future__ import annotations
@@ -37,10 +41,9 @@ def dump_version(store: JobStore, record: JobRecord, version: int, out_dir: str 
         },
     )
     _write(folder / "ranks.json", _dump_models(list(store.ranks(record.job_id))))
-    _write(
-        folder / f"{version}.sched.json",
-        _dump_models(list(store.schedules(record.job_id, version))),
-    )
+    schedules = store.schedules(record.job_id, version)
+    if schedules:  # Only the newest versions are kept.
+        _write(folder / f"{version}.sched.json", _dump_models(list(schedules)))
     if version > 1:
         results = store.results(record.job_id, version - 1)
         if results:
@@ -73,4 +76,5 @@ def dump_job(store: JobStore, job_id: str, out_dir: str) -> Path:
         (folder / Path(name).name).write_bytes(data)
     journal = store.journal(job_id)
     _write(folder / "journal.json", _dump_models(list(journal)))
+    _write(folder / "summaries.json", {str(v): s for v, s in store.summaries(job_id).items()})
     return folder

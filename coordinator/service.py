@@ -15,16 +15,22 @@ import os
 import socket
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Union
 
 import msgpack
 import redis
+from redis.client import Pipeline
 from rq import Queue
-from rq.job import Job, JobStatus
+from rq.job import Job
 
-from coordinator.health import HEARTBEAT_INTERVAL_S, beat, forget_stale
+from coordinator.health import HEARTBEAT_INTERVAL_S, beat
 from coordinator.settings import PerseusSettings
+from coordinator.sweep import Sweeper
 from protocol import deadletter, keys
-from protocol.exceptions import ConfigError, PerseusError, ProtocolError
+from protocol.exceptions import ConfigError, PerseusError, ProtocolError, UnknownJobError
 from protocol.models import (
     JobConfig,
     RegisterJob,
@@ -37,11 +43,16 @@ from protocol.models import (
     pack,
 )
 from protocol.scheduler import BUILTIN, check_scheduler_args, resolve_scheduler
-from protocol.store import JobStore
+from protocol.store import JobRecord, JobStore, StoreBatch
+from protocol.store_batch import Answer
 
 logger = logging.getLogger(__name__)
 
-_WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
+_INFO_CACHE = 10_000  # jobs whose info a coordinator keeps (none of it changes)
+_BATCH = 100  # entries read per stream at a time
+_TOP_UPS = 3  # non-blocking reads that gather a burst of results into one batch
+
+Message = Union[RegisterJob, RegisterRank, ReportResult, SetTarget]  # noqa: UP007
 
 
 # XAUTOCLAIM (coordinator) and ZADD ... GT (hook heartbeats) arrived in Redis 6.2.
@@ -84,6 +95,36 @@ def _request_reply_key(fields: dict[bytes, bytes]) -> str | None:
     return None
 
 
+@dataclass
+class _Outcome:
+    """What a batch of entries sends back: replies, dead letters, scheduler work and acks."""
+
+    replies: dict[str, Reply] = field(default_factory=dict)  # reply key -> reply
+    dead_letters: list[dict[str, Any]] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    advance: set[str] = field(default_factory=set)  # job ids
+    acks: dict[str, list[str]] = field(default_factory=dict)  # stream -> entry ids
+    self_acked: int = 0  # entries a store script acknowledged
+
+    def reply(self, request_id: str, reply: Reply) -> None:
+        self.replies[keys.reply_key(request_id)] = reply
+
+    def answered(self, stream: str, entry_id: str) -> None:
+        """The store's script already replied to and acknowledged this entry."""
+        self.acks[stream].remove(entry_id)
+        self.self_acked += 1
+
+    def dead(self, stream: str, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
+        """Dead-letter an entry; a registration's client gets the reason as its reply."""
+        self.dead_letters.append(
+            deadletter.entry_fields(stream, entry_id, fields, reason, time.time())
+        )
+        self.reasons.append(f"{stream} {entry_id}: {reason}")
+        reply_to = _request_reply_key(fields)
+        if reply_to is not None:
+            self.replies[reply_to] = Reply(ok=False, error=reason)
+
+
 class Coordinator:
     """Consume the input streams and drive jobs.
 
@@ -114,6 +155,9 @@ class Coordinator:
         self.stop_event = threading.Event()
         self._last_sweep = 0.0
         self._last_beat = 0.0
+        self._last_claim = float("-inf")
+        self._records: OrderedDict[str, JobRecord] = OrderedDict()
+        self.sweeper = Sweeper(self.store)
         self.processed = 0
         self.dead_lettered = 0
 
@@ -148,8 +192,12 @@ class Coordinator:
                 ensure_groups(self.conn)
 
     def step(self, block_ms: int | None = 1000) -> int:
-        """One round: claim stale entries, read new ones, maybe sweep. Returns entries handled."""
-        handled = self._claim_stale()
+        """One round: maybe claim stale entries, read new ones, maybe sweep; return how many."""
+        handled = 0
+        now = time.monotonic()
+        if now - self._last_claim >= self.claim_idle_ms / 2000:
+            self._last_claim = now
+            handled += self._claim_stale()
         handled += self._consume(">", block_ms=block_ms)
         if time.monotonic() - self._last_beat >= HEARTBEAT_INTERVAL_S:
             self._last_beat = time.monotonic()
@@ -162,17 +210,29 @@ class Coordinator:
     def _consume(self, start: str, block_ms: int | None) -> int:
         streams = {s: start for s in keys.INPUT_STREAMS}
         reply = self.conn.xreadgroup(
-            keys.COORDINATOR_GROUP, self.consumer, streams, count=100, block=block_ms
+            keys.COORDINATOR_GROUP, self.consumer, streams, count=_BATCH, block=block_ms
         )
-        handled = 0
-        for stream, entries in reply or []:
-            for entry_id, fields in entries:
-                if fields is None:  # Trimmed away while pending: nothing left to process.
-                    self.conn.xack(stream, keys.COORDINATOR_GROUP, entry_id)
-                    continue
-                self.handle(stream.decode(), entry_id.decode(), fields)
-                handled += 1
-        return handled
+        batch = [
+            (stream.decode(), entry_id.decode(), fields)
+            for stream, entries in reply or []
+            for entry_id, fields in entries
+        ]
+        results = sum(s == keys.RESULTS_STREAM for s, _, _ in batch)
+        for _ in range(_TOP_UPS if block_ms is not None and results else 0):
+            # A blocked read returns with the first result of a burst (every rank reports at
+            # the end of the same step): take what else arrived, so that they form one batch.
+            more = self.conn.xreadgroup(
+                keys.COORDINATOR_GROUP,
+                self.consumer,
+                {keys.RESULTS_STREAM: start},
+                count=_BATCH - results,
+            )
+            got = [(keys.RESULTS_STREAM, e.decode(), f) for _s, es in more or [] for e, f in es]
+            batch += got
+            results += len(got)
+            if not got or results >= _BATCH:
+                break
+        return self.handle_batch(batch)
 
     def _claim_stale(self) -> int:
         handled = 0
@@ -185,78 +245,199 @@ class Coordinator:
                 start_id="0-0",
                 count=100,
             )
-            for entry_id, fields in claimed:
-                if fields is None:  # Deleted by MAXLEN trimming while pending.
-                    self.conn.xack(stream, keys.COORDINATOR_GROUP, entry_id)
-                    continue
+            for entry_id, _fields in claimed:
                 logger.info("claimed stale entry %s %s", stream, entry_id.decode())
-                self.handle(stream, entry_id.decode(), fields)
-                handled += 1
+            handled += self.handle_batch([(stream, e.decode(), f) for e, f in claimed])
         return handled
 
-    # --- one entry -------------------------------------------------------------------------
+    # --- entries ---------------------------------------------------------------------------
     def handle(self, stream: str, entry_id: str, fields: dict[bytes, bytes]) -> None:
         """Process one stream entry, then acknowledge it (or dead-letter it)."""
-        reply_to = _request_reply_key(fields)
-        try:
-            message = decode_message(fields)
-            reply = self._dispatch(message, entry_id)
-        except redis.RedisError:
-            raise  # Transient: leave the entry pending, it is retried.
-        except (PerseusError, ValueError) as exc:
-            reason = str(exc) or type(exc).__name__
-            logger.warning("dead-lettering %s %s: %s", stream, entry_id, reason)
-            self._dead_letter(stream, entry_id, fields, reason, reply_to)
-            return
-        except Exception as exc:
-            # A bug must not turn one entry into a crash loop of every coordinator.
-            logger.exception("unexpected error on %s %s; dead-lettering it", stream, entry_id)
-            reason = f"internal error {type(exc).__name__}: {exc}"
-            self._dead_letter(stream, entry_id, fields, reason, reply_to)
-            return
-        with self.conn.pipeline(transaction=True) as pipe:
-            if reply is not None and reply_to is not None:
-                pipe.lpush(reply_to, pack(reply))
-                pipe.expire(reply_to, self.settings.reply_ttl)
-            pipe.xack(stream, keys.COORDINATOR_GROUP, entry_id)
-            pipe.execute()
-        self.processed += 1
+        self.handle_batch([(stream, entry_id, fields)])
 
-    def _dead_letter(
+    def handle_batch(self, entries: list[tuple[str, str, dict[bytes, bytes] | None]]) -> int:
+        """Process entries read together, in three round trips whatever their number.
+
+        Job metadata for all of them in one pipeline (cached: degrees never change), every
+        store write in one pipeline, then replies, dead letters, rq enqueues and one XACK per
+        stream in one transaction. An entry that cannot be processed is dead-lettered with
+        the reason; a Redis error leaves every entry pending, to be retried (all writes are
+        idempotent). Entries trimmed away while pending (no fields) are only acknowledged.
+
+        Returns:
+            Entries processed or dead-lettered.
+        """
+        if not entries:
+            return 0
+        outcome = _Outcome()
+        pending: list[tuple[str, str, dict[bytes, bytes], Message]] = []
+        for stream, entry_id, fields in entries:
+            outcome.acks.setdefault(stream, []).append(entry_id)
+            if fields is None:
+                continue
+            try:
+                pending.append((stream, entry_id, fields, decode_message(fields)))
+            except (PerseusError, ValueError) as exc:
+                outcome.dead(stream, entry_id, fields, str(exc) or type(exc).__name__)
+        jobs = self._job_records(m.job_id for *_, m in pending if not isinstance(m, RegisterJob))
+        batch = self.store.batch()
+        queued: list[tuple[str, str, dict[bytes, bytes], Message]] = []
+        now = time.time()
+        for stream, entry_id, fields, message in pending:
+            try:
+                self._dispatch(batch, message, stream, entry_id, fields, jobs, now)
+            except (PerseusError, ValueError) as exc:
+                outcome.dead(stream, entry_id, fields, str(exc) or type(exc).__name__)
+                continue
+            except Exception as exc:
+                # A bug must not turn one entry into a crash loop of every coordinator.
+                logger.exception("unexpected error on %s %s; dead-lettering it", stream, entry_id)
+                outcome.dead(
+                    stream, entry_id, fields, f"internal error {type(exc).__name__}: {exc}"
+                )
+                continue
+            queued.append((stream, entry_id, fields, message))
+        for (stream, entry_id, fields, message), result in zip(
+            queued, batch.execute(), strict=True
+        ):
+            if isinstance(result, Exception):
+                outcome.dead(stream, entry_id, fields, str(result) or type(result).__name__)
+                continue
+            if isinstance(message, RegisterRank):
+                outcome.answered(stream, entry_id)
+            self._settle_entry(message, result, jobs, outcome)
+        self._finish(outcome)
+        return sum(len(ids) for ids in outcome.acks.values()) + outcome.self_acked
+
+    def _job_records(self, job_ids: Iterable[str]) -> dict[str, JobRecord | None]:
+        """Jobs by id, from the cache or one pipeline for those not cached (None: unknown).
+
+        Cached: a job's degrees, world size and scheduler never change.
+        """
+        found: dict[str, JobRecord | None] = {}
+        missing = []
+        for job_id in set(job_ids):
+            record = self._records.get(job_id)
+            if record is None:
+                missing.append(job_id)
+            else:
+                self._records.move_to_end(job_id)
+                found[job_id] = record
+        for job_id, record in self.store.get_jobs(missing).items():
+            found[job_id] = record
+            if record is not None:
+                self._records[job_id] = record
+        while len(self._records) > _INFO_CACHE:
+            self._records.popitem(last=False)
+        return found
+
+    def _dispatch(
         self,
+        batch: StoreBatch,
+        message: Message,
         stream: str,
         entry_id: str,
         fields: dict[bytes, bytes],
-        reason: str,
-        reply_to: str | None,
+        jobs: dict[str, JobRecord | None],
+        now: float,
     ) -> None:
-        entry = deadletter.entry_fields(stream, entry_id, fields, reason, time.time())
-        with self.conn.pipeline(transaction=True) as pipe:
-            pipe.xadd(
-                keys.DEADLETTER_STREAM,
-                entry,
-                maxlen=self.settings.stream_maxlen,
-                approximate=True,
-            )
-            if reply_to is not None:
-                pipe.lpush(reply_to, pack(Reply(ok=False, error=reason)))
-                pipe.expire(reply_to, self.settings.reply_ttl)
-            pipe.xack(stream, keys.COORDINATOR_GROUP, entry_id)
-            pipe.execute()
-        self.dead_lettered += 1
-
-    def _dispatch(
-        self, message: RegisterJob | RegisterRank | ReportResult | SetTarget, entry_id: str
-    ) -> Reply | None:
         if isinstance(message, RegisterJob):
-            return self._register_job(message, entry_id)
+            job = message.job
+            if job.job_id:
+                raise ProtocolError(
+                    "job_id must be empty when registering a job; the coordinator sets it"
+                )
+            config = self._job_config(message)
+            name = config.scheduler.rpartition(":")[2] or config.scheduler
+            job = job.model_copy(update={"job_id": make_job_id(job, name, entry_id)})
+            message.job = job
+            batch.create_job(job, config, entry_id, now)
+            return
+        record = jobs.get(message.job_id)
+        if record is None:
+            raise UnknownJobError(f"unknown job id {message.job_id!r}")
+        info = record.info
         if isinstance(message, RegisterRank):
-            return self._register_rank(message)
-        if isinstance(message, ReportResult):
-            self._report_result(message)
-            return None
-        self._set_target(message, entry_id)
-        return None
+            # Answered and acknowledged by the store's script: one round trip per request.
+            needs = resolve_scheduler(record.config.scheduler).needs_instruction_energy
+            answer = Answer(
+                reply_key=keys.reply_key(message.request_id),
+                reply=pack(Reply(ok=True, job_id=info.job_id, instruction_energy=needs)),
+                ttl=self.settings.reply_ttl,
+                stream=stream,
+                group=keys.COORDINATOR_GROUP,
+                entry_id=entry_id,
+            )
+            batch.add_rank(info, message.rank_info, now, answer)
+        elif isinstance(message, ReportResult):
+            # Stored as it arrived (validated above): packing it again costs more than the rest.
+            batch.add_result(info, message.result, now, data=fields[b"data"])
+        else:
+            batch.add_control(message, entry_id, now)
+
+    def _settle_entry(
+        self,
+        message: Message,
+        result: Any,
+        jobs: dict[str, JobRecord | None],
+        outcome: _Outcome,
+    ) -> None:
+        """Decide the reply and the scheduler work of an entry whose write succeeded."""
+        if isinstance(message, RegisterJob):
+            if result:
+                logger.info("registered job %s", message.job.job_id)
+            outcome.reply(message.request_id, Reply(ok=True, job_id=message.job.job_id))
+            return
+        record = jobs[message.job_id]
+        assert record is not None
+        info = record.info
+        if isinstance(message, RegisterRank):
+            logger.info(
+                "job %s: rank %d registered (%d/%d)",
+                info.job_id,
+                message.rank_info.rank,
+                result,
+                info.world_size,
+            )
+            if result == info.world_size:
+                outcome.advance.add(info.job_id)
+        elif isinstance(message, ReportResult):
+            _added, latest, count = result
+            if message.result.schedule_version == latest and count >= info.world_size:
+                outcome.advance.add(info.job_id)
+        else:
+            outcome.advance.add(info.job_id)
+
+    def _finish(self, outcome: _Outcome) -> None:
+        """Replies, dead letters, rq enqueues and acknowledgements: one transaction."""
+        ttl = self.settings.reply_ttl
+        self.processed += outcome.self_acked
+        if not (outcome.replies or outcome.dead_letters or outcome.advance) and not any(
+            outcome.acks.values()
+        ):
+            return
+        with self.conn.pipeline(transaction=True) as pipe:
+            pipe.multi()  # explicit, so that rq queues its enqueue in this transaction
+            for reply_key, reply in outcome.replies.items():
+                pipe.lpush(reply_key, pack(reply))
+                pipe.expire(reply_key, ttl)
+            for entry in outcome.dead_letters:
+                pipe.xadd(
+                    keys.DEADLETTER_STREAM,
+                    entry,
+                    maxlen=self.settings.stream_maxlen,
+                    approximate=True,
+                )
+            for job_id in sorted(outcome.advance):
+                self.enqueue_advance(job_id, pipeline=pipe)
+            for stream, ids in outcome.acks.items():
+                if ids:
+                    pipe.xack(stream, keys.COORDINATOR_GROUP, *ids)
+            pipe.execute()
+        self.dead_lettered += len(outcome.dead_letters)
+        self.processed += sum(len(ids) for ids in outcome.acks.values()) - len(outcome.dead_letters)
+        for reason in outcome.reasons:
+            logger.warning("dead-lettered %s", reason)
 
     def _job_config(self, message: RegisterJob) -> JobConfig:
         dump_dir = self.settings.dump_dir if self.settings.dump_data else ""
@@ -291,104 +472,37 @@ class Coordinator:
             scheduler=message.scheduler, scheduler_args=message.scheduler_args, dump_dir=dump_dir
         )
 
-    def _register_job(self, message: RegisterJob, entry_id: str) -> Reply:
-        job = message.job
-        if job.job_id:
-            raise ProtocolError(
-                "job_id must be empty when registering a job; the coordinator sets it"
-            )
-        config = self._job_config(message)
-        name = config.scheduler.rpartition(":")[2] or config.scheduler
-        job = job.model_copy(update={"job_id": make_job_id(job, name, entry_id)})
-        if self.store.create_job(job, config, entry_id):
-            logger.info("registered job %s", job.job_id)
-        return Reply(ok=True, job_id=job.job_id)
-
-    def _register_rank(self, message: RegisterRank) -> Reply:
-        record = self.store.get_job(message.job_id)
-        count = self.store.add_rank(record.info, message.rank_info)
-        logger.info(
-            "job %s: rank %d registered (%d/%d)",
-            record.job_id,
-            message.rank_info.rank,
-            count,
-            record.info.world_size,
-        )
-        if count == record.info.world_size:
-            self.enqueue_advance(record.job_id)
-        needs = resolve_scheduler(record.config.scheduler).needs_instruction_energy
-        return Reply(ok=True, job_id=record.job_id, instruction_energy=needs)
-
-    def _report_result(self, message: ReportResult) -> None:
-        record = self.store.get_job(message.job_id)
-        result = message.result
-        if result.rank >= record.info.world_size:
-            raise ProtocolError(f"rank {result.rank} is out of range for job {record.job_id}")
-        _added, latest, count = self.store.add_result(record.info, result)
-        if result.schedule_version == latest and count >= record.info.world_size:
-            self.enqueue_advance(record.job_id)
-
-    def _set_target(self, message: SetTarget, entry_id: str) -> None:
-        self.store.get_job(message.job_id)
-        self.store.add_control(message, entry_id)
-        self.enqueue_advance(message.job_id)
-
     # --- scheduler work --------------------------------------------------------------------
-    def enqueue_advance(self, job_id: str) -> Job:
-        """Enqueue the rq job that computes ``job_id``'s next schedule version."""
+    def enqueue_advance(self, job_id: str, pipeline: Pipeline | None = None) -> Job:
+        """Enqueue the rq job that computes ``job_id``'s next schedule version.
+
+        With ``pipeline`` (a transaction in explicit MULTI mode), the enqueue happens when the
+        caller executes it.
+        """
         lease_ms = max(1000, int(self.settings.stall_timeout * 1000))
-        job = self.queue.enqueue(
+        pipe = pipeline
+        if pipe is None:
+            pipe = self.conn.pipeline(transaction=True)
+            pipe.multi()
+        job = self.queue.enqueue_call(
             "coordinator.tasks.advance_job",
-            job_id,
-            lease_ms,
+            args=(job_id, lease_ms),
+            kwargs={"snapshot_every": self.settings.snapshot_every},
             description=f"advance {job_id}",
-            job_timeout=self.settings.job_timeout,
+            timeout=self.settings.job_timeout,
             result_ttl=600,
             failure_ttl=24 * 3600,
+            pipeline=pipe,
         )
-        self.store.set_fields(job_id, enqueued_at=f"{time.time():.3f}", rq_job=job.id)
+        self.store.set_fields(
+            job_id, pipeline=pipe, enqueued_at=f"{time.time():.3f}", rq_job=job.id
+        )
+        if pipeline is None:
+            pipe.execute()
+            pipe.reset()
         return job
 
     def sweep(self) -> None:
-        """Re-enqueue due work nobody is doing, and delete jobs idle too long."""
-        now = time.time()
-        cutoff = now - self.settings.max_job_idle_time
-        forget_stale(self.conn, now)
-        for job_id in self.store.idle_jobs(self.settings.max_job_idle_time, now):
-            if self.store.delete_job(job_id, idle_before=cutoff):
-                logger.info(
-                    "deleted job %s: idle for more than %d s",
-                    job_id,
-                    self.settings.max_job_idle_time,
-                )
-        for job_id, _ in self.store.list_jobs():
-            try:
-                record = self.store.get_job(job_id)
-            except PerseusError:
-                continue
-            if record.error or not self.store.due(record):
-                continue
-            if self.store.lease_holder(job_id) is not None:
-                continue
-            enqueued_at = float(record.fields.get("enqueued_at", 0) or 0)
-            if now - enqueued_at < self.settings.stall_timeout:
-                continue
-            rq_id = record.fields.get("rq_job", "")
-            if rq_id and self._rq_waiting(rq_id):
-                continue  # Still in the queue: a worker will get to it.
-            logger.warning(
-                "job %s: due work unclaimed for %.1f s; enqueueing again", job_id, now - enqueued_at
-            )
-            self.enqueue_advance(job_id)
-
-    def _rq_waiting(self, rq_id: str) -> bool:
-        try:
-            status = Job.fetch(rq_id, connection=self.conn).get_status()
-        except Exception:  # rq raises NoSuchJobError and friends: treat as gone.
-            return False
-        if status == JobStatus.QUEUED:
-            # A worker killed between taking the job and starting it leaves it "queued" but
-            # out of the queue (in rq's intermediate list) until rq's maintenance, 10+ minutes
-            # later: only a job still in the queue is waiting.
-            return self.conn.lpos(self.queue.key, rq_id) is not None
-        return status in _WAITING
+        """Re-enqueue due work nobody is doing, and delete jobs idle too long (see Sweeper)."""
+        for job_id in self.sweeper.run(self.settings, self.enqueue_advance):
+            self._records.pop(job_id, None)

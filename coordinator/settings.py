@@ -43,6 +43,9 @@ class PerseusSettings(BaseSettings):
         reply_ttl: Seconds a registration reply waits in Redis for its client.
         job_timeout: Seconds one rq scheduler task may run (planning a large pipeline inside
             a scheduler takes minutes; rq's own default is 180 s).
+        snapshot_every: Schedule versions between snapshots of a job's scheduler state
+            (schedulers that support them); each snapshot deletes the profiling results it
+            consumed, so a long job's Redis memory stays flat. 0: never.
     """
 
     model_config = SettingsConfigDict(env_prefix="PERSEUS_", extra="forbid")
@@ -59,6 +62,7 @@ class PerseusSettings(BaseSettings):
     stall_timeout: float = Field(default=10.0, gt=0)
     reply_ttl: int = Field(default=300, ge=1)
     job_timeout: int = Field(default=3600, ge=1)
+    snapshot_every: int = Field(default=10, ge=0)
 
     @field_validator("log_level")
     @classmethod

@@ -53,12 +53,13 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
             continue
         version = store.version(job_id)
         world = record.info.world_size
-        first = _iteration_figures(store.results(job_id, 1), world) if version else None
+        summaries = store.summaries(job_id) if version else {}
+        first = _figures(store, job_id, 1, world, summaries) if version else None
         # The newest version all ranks reported for (the latest one may still be running).
         latest = None
         for v in (version, version - 1):
             if v > 1 and latest is None:
-                latest = _iteration_figures(store.results(job_id, v), world)
+                latest = _figures(store, job_id, v, world, summaries)
         jobs.append(
             {
                 "job_id": job_id,
@@ -85,6 +86,25 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
             "workers": len(worker_registration.get_keys(queue=queue)),
             "failed": queue.failed_job_registry.get_job_count(cleanup=False),
         },
+    }
+
+
+def _figures(
+    store: JobStore, job_id: str, version: int, world_size: int, summaries: dict[int, Any]
+) -> dict[str, float] | None:
+    """A version's time and energy per iteration, from its results or their summary.
+
+    A scheduler snapshot deletes the results it consumed; their summary has the same figures.
+    """
+    summary = summaries.get(version)
+    if summary is None or store.result_count(job_id, version):
+        return _iteration_figures(store.results(job_id, version), world_size)
+    if summary["ranks"] < world_size or summary["iter_time"] is None:
+        return None
+    return {
+        "version": version,
+        "time_s": summary["iter_time"],
+        "energy_j": summary["iter_energy"],
     }
 
 

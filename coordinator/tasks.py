@@ -1,29 +1,39 @@
 """rq job functions: compute and publish a job's next schedule version.
 
-A worker rebuilds the job's scheduler from Redis alone, by constructing it and replaying the
-journal (observations and control messages, in the order they were applied), then computes
+A worker takes the job's scheduler from its process cache (:mod:`coordinator.replay`), or
+rebuilds it from Redis alone (snapshot, then journal), feeds it the new observation, computes
 the next version and publishes it with a compare-and-set. Any worker can therefore continue a
-job after another worker, or the coordinator, was killed.
+job after another worker, or the coordinator, was killed; a long-lived worker pays only for
+what is new.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
+import time
 import uuid
 
 import redis
 
 from coordinator.dump import dump_version
-from protocol.exceptions import ProtocolError
+from coordinator.replay import LiveSchedulers, by_rank, rebuild, summarize
+from protocol.exceptions import ProtocolError, UnknownJobError
 from protocol.models import FrequencySchedule, JournalEntry, RankInfo
-from protocol.scheduler import FrequencyScheduler, build_scheduler
-from protocol.store import JobRecord, JobStore
+from protocol.scheduler import FrequencyScheduler
+from protocol.store import JobRecord, JobState, JobStore
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL_MS = 10_000
-_MAX_ROUNDS = 100  # Versions one task may publish before handing over (keeps tasks short).
+_MAX_ROUNDS = 100  # Steps one task may take before handing over (keeps tasks short).
+SNAPSHOT_EVERY = 10
+"""Default journal entries between scheduler snapshots (schedulers that support them)."""
+
+LIVE = LiveSchedulers()
+"""This process's schedulers: a long-lived worker keeps them from one task to the next."""
 
 
 def _connection() -> redis.Redis:
@@ -35,31 +45,77 @@ def _connection() -> redis.Redis:
     return job.connection
 
 
-class _LeaseKeeper:
-    """Renews a job lease in a background thread while the scheduler computes."""
+class _LeaseRenewer:
+    """One thread per process renews the leases its tasks hold while their schedulers compute.
 
-    def __init__(self, store: JobStore, job_id: str, token: str, ttl_ms: int) -> None:
-        self._store, self._job_id, self._token, self._ttl = store, job_id, token, ttl_ms
-        self._stop = threading.Event()
-        self.lost = False
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="perseus-lease")
-        self._thread.start()
+    Started on first use (and again in a forked child, which inherits no threads), so a task
+    costs a dictionary update rather than a thread of its own.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        # A forking worker forks while this thread may hold the lock: the child starts afresh.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._held: dict[tuple[str, str], tuple[JobStore, int, float]] = {}
+        self._cond = threading.Condition()
+        self._pid = 0
+
+    def hold(self, store: JobStore, job_id: str, token: str, ttl_ms: int) -> None:
+        """Renew ``job_id``'s lease every third of its TTL until :meth:`release`."""
+        with self._cond:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._held.clear()
+                thread = threading.Thread(target=self._loop, daemon=True, name="perseus-lease")
+                thread.start()
+            self._held[(job_id, token)] = (store, ttl_ms, time.monotonic() + ttl_ms / 3000)
+            self._cond.notify()
+
+    def release(self, job_id: str, token: str) -> None:
+        """Stop renewing (the caller releases the lease itself)."""
+        with self._cond:
+            self._held.pop((job_id, token), None)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._ttl / 3000):
-            if not self._store.renew_lease(self._job_id, self._token, self._ttl):
-                self.lost = True
-                return
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [(key, held) for key, held in self._held.items() if held[2] <= now]
+                for key, (store, ttl_ms, _) in due:
+                    self._held[key] = (store, ttl_ms, now + ttl_ms / 3000)
+                if not due:
+                    nearest = min((held[2] for held in self._held.values()), default=now + 60)
+                    self._cond.wait(max(0.0, nearest - now))
+                    continue
+            for (job_id, token), (store, ttl_ms, _) in due:
+                try:
+                    renewed = store.renew_lease(job_id, token, ttl_ms)
+                except redis.RedisError:
+                    renewed = True  # Try again next time; the compare-and-set guards publishing.
+                if not renewed:
+                    logger.warning("job %s: lease lost while computing", job_id)
+                    self.release(job_id, token)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+
+_RENEWER = _LeaseRenewer()
 
 
 def check_schedules(
-    schedules: list[FrequencySchedule], ranks: list[RankInfo], scheduler: str
+    schedules: list[FrequencySchedule],
+    ranks: list[RankInfo],
+    scheduler: str,
+    allowed: dict[int, set[int]] | None = None,
 ) -> list[FrequencySchedule]:
-    """Check a scheduler's output: exactly one schedule per rank, allowed frequencies only."""
+    """Check a scheduler's output: exactly one schedule per rank, allowed frequencies only.
+
+    Args:
+        schedules: What the scheduler returned.
+        ranks: The job's ranks.
+        scheduler: Its name, for messages.
+        allowed: Each rank's frequencies as a set, if already built.
+    """
     by_rank = {s.rank: s for s in schedules}
     expected = {r.rank for r in ranks}
     if len(by_rank) != len(schedules) or set(by_rank) != expected:
@@ -68,10 +124,12 @@ def check_schedules(
             f"scheduler {scheduler} returned schedules for ranks {got}, "
             f"expected one for each of {sorted(expected)}"
         )
+    if allowed is None:
+        allowed = {r.rank: set(r.available_frequencies) for r in ranks}
     for rank in ranks:
-        allowed = set(rank.available_frequencies)
+        ok = allowed[rank.rank]
         for i, (name, freq) in enumerate(by_rank[rank.rank].frequencies):
-            if freq not in allowed:
+            if freq not in ok:
                 raise ProtocolError(
                     f"scheduler {scheduler} gave rank {rank.rank} frequency {freq} MHz for "
                     f"instruction {i} ({name}), which its GPU does not support"
@@ -82,105 +140,90 @@ def check_schedules(
 def rebuild_scheduler(
     store: JobStore, record: JobRecord
 ) -> tuple[FrequencyScheduler, list[JournalEntry]]:
-    """Construct the job's scheduler and replay its journal; return it and the journal."""
-    job_id = record.job_id
-    ranks = store.ranks(job_id)
-    scheduler = build_scheduler(
-        record.config.scheduler, record.info, ranks, record.config.scheduler_args
-    )
-    controls = store.controls(job_id)
-    applied = 0
-    journal = store.journal(job_id)
-    for entry in journal:
-        _apply_inputs(store, job_id, scheduler, entry, controls, applied)
-        applied = entry.controls_upto
-        replayed = scheduler.next_schedule()
-        if entry.published:
-            _warn_if_diverged(store, job_id, entry.version, replayed)
-    return scheduler, journal
+    """Build the job's scheduler from Redis alone (snapshot, then journal), and its journal."""
+    state = store.job_state(record.job_id)
+    return rebuild(store, state).scheduler, store.journal(record.job_id)
 
 
-def _apply_inputs(
+def advance_once(
     store: JobStore,
     job_id: str,
-    scheduler: FrequencyScheduler,
-    entry: JournalEntry,
-    controls: list,
-    applied: int,
-) -> None:
-    if entry.observed_version is not None:
-        scheduler.observe(store.results(job_id, entry.observed_version))
-    for message in controls[applied : entry.controls_upto]:
-        scheduler.set_target(message.iteration_time)
-
-
-def _warn_if_diverged(
-    store: JobStore, job_id: str, version: int, replayed: list[FrequencySchedule]
-) -> None:
-    stored = {s.rank: s.frequencies for s in store.schedules(job_id, version)}
-    if stored and stored != {s.rank: s.frequencies for s in replayed}:
-        logger.error(
-            "job %s: replaying version %d gave a different schedule; the scheduler is not "
-            "deterministic, later versions may not match what clients ran",
-            job_id,
-            version,
-        )
-
-
-def _by_rank(schedules: list[FrequencySchedule]) -> dict[int, list[tuple[str, int]]]:
-    return {s.rank: s.frequencies for s in schedules}
-
-
-def advance_once(store: JobStore, job_id: str) -> int | None:
+    cache: LiveSchedulers | None = None,
+    snapshot_every: int = SNAPSHOT_EVERY,
+    state: JobState | None = None,
+) -> int | None:
     """Compute and publish the next version if one is due; return it (None if none was).
 
     A converged scheduler that returns the schedules in force again only has the observation
     recorded in the journal: clients keep their version, and report no more results for it.
 
+    Args:
+        store: The job store.
+        job_id: The job.
+        cache: Schedulers kept between calls (default: this process's).
+        snapshot_every: Journal entries between scheduler snapshots (0: none).
+        state: The job's state, if just read (default: read it).
+
     Raises:
         UnknownJobError: The job is gone.
         ProtocolError: The scheduler returned an invalid schedule.
     """
-    record = store.get_job(job_id)
-    if not store.due(record):
+    cache = LIVE if cache is None else cache
+    state = store.job_state(job_id) if state is None else state
+    if not state.due:
         return None
-    scheduler, journal = rebuild_scheduler(store, record)
-    version = sum(e.published for e in journal)
-    latest = store.version(job_id)
-    if latest != version:
-        raise ProtocolError(f"job {job_id}: journal has {version} versions but version is {latest}")
-    controls = store.controls(job_id)
-    tail = journal[-1] if journal else None
-    fresh_results = (
-        version > 0
-        and (tail is None or tail.observed_version != version)
-        and store.result_count(job_id, version) >= record.info.world_size
-    )
+    record = state.record
+    live = cache.get(store, state)
+    version = state.version
+    if live.version != version:
+        cache.drop(job_id)
+        raise ProtocolError(
+            f"job {job_id}: journal has {live.version} versions but version is {version}"
+        )
     entry = JournalEntry(
         version=version + 1,
-        observed_version=version if fresh_results else None,
-        controls_upto=len(controls),
+        observed_version=version if state.fresh_results else None,
+        controls_upto=state.control_length,
     )
-    _apply_inputs(store, job_id, scheduler, entry, controls, tail.controls_upto if tail else 0)
-    schedules = check_schedules(
-        scheduler.next_schedule(), store.ranks(job_id), record.config.scheduler
-    )
-    if (
-        version
-        and scheduler.converged
-        and _by_rank(schedules) == _by_rank(store.schedules(job_id, version))
-    ):
-        unpublished = entry.model_copy(update={"version": version, "published": False})
-        if store.record_unpublished(job_id, unpublished, len(journal)):
+    try:
+        # From here the cached scheduler has taken inputs that only a publish records.
+        observed = live.apply_inputs(store, job_id, entry)
+        schedules = check_schedules(
+            live.scheduler.next_schedule(), live.ranks, record.config.scheduler, live.allowed
+        )
+        summary = summarize(observed) if observed is not None else None
+        if (
+            version
+            and live.scheduler.converged
+            and by_rank(schedules) == live.latest_schedules(store, job_id)
+        ):
+            unpublished = entry.model_copy(update={"version": version, "published": False})
+            if not store.record_unpublished(
+                job_id, unpublished, state.journal_length, summary=summary
+            ):
+                cache.drop(job_id)
+                return None
+            live.journal_length += 1
             logger.info("job %s: observed version %d; schedule unchanged", job_id, version)
-        return None
-    if not store.publish(job_id, schedules, entry, journal_length=len(journal)):
-        logger.info("job %s: version %d was published by another worker", job_id, entry.version)
-        return None
+            live.maybe_snapshot(store, job_id, snapshot_every)
+            return None
+        if not store.publish(
+            job_id, schedules, entry, journal_length=state.journal_length, summary=summary
+        ):
+            cache.drop(job_id)
+            logger.info("job %s: version %d was published by another worker", job_id, entry.version)
+            return None
+    except BaseException:
+        cache.drop(job_id)
+        raise
+    live.journal_length += 1
+    live.version = entry.version
+    live.latest = by_rank(schedules)
     logger.info("job %s: published schedule version %d", job_id, entry.version)
-    store.save_artifacts(job_id, scheduler.artifacts())
+    live.save_artifacts(store, job_id)
     if record.config.dump_dir:
         dump_version(store, record, entry.version)
+    live.maybe_snapshot(store, job_id, snapshot_every)
     return entry.version
 
 
@@ -188,11 +231,19 @@ def advance_job(
     job_id: str,
     lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
     conn: redis.Redis | None = None,
+    snapshot_every: int = SNAPSHOT_EVERY,
 ) -> list[int]:
     """Rq entry point: publish every version that is due for ``job_id``.
 
     Holds a lease so that only one worker computes a job at a time. A worker that finds the
-    lease taken returns at once: the holder re-checks for due work after releasing it.
+    lease taken returns at once: the holder re-checks for due work after releasing it. A job
+    with nothing left due leaves the due set that the coordinator's sweep watches.
+
+    Args:
+        job_id: The job.
+        lease_ttl_ms: Lease time-to-live, renewed while computing.
+        conn: Redis client (default: the rq job's).
+        snapshot_every: Journal entries between scheduler snapshots (0: none).
 
     Returns:
         The versions this call published.
@@ -200,19 +251,32 @@ def advance_job(
     store = JobStore(conn if conn is not None else _connection())
     token = uuid.uuid4().hex
     published: list[int] = []
-    while True:
-        if not store.acquire_lease(job_id, token, lease_ttl_ms):
-            return published
-        keeper = _LeaseKeeper(store, job_id, token, lease_ttl_ms)
+    for _ in range(_MAX_ROUNDS):
+        # Taking the lease and reading the job's state is one round trip.
         try:
-            for _ in range(_MAX_ROUNDS):
-                version = advance_once(store, job_id)
-                if version is None or keeper.lost:
-                    break
+            state = store.job_state(job_id, lease=(token, lease_ttl_ms))
+        except UnknownJobError:
+            store.release_lease(job_id, token)
+            logger.info("job %s is gone (deleted as idle?): nothing to advance", job_id)
+            return published
+        if not state.leased:
+            return published
+        _RENEWER.hold(store, job_id, token, lease_ttl_ms)
+        try:
+            # One step per lease: what is due after it (results come much later, a control
+            # message may be waiting) is found when the lease is released, one round trip.
+            version = advance_once(store, job_id, snapshot_every=snapshot_every, state=state)
+            if version is not None:
                 published.append(version)
         except redis.RedisError:
+            with contextlib.suppress(redis.RedisError):
+                store.release_lease(job_id, token)
             raise  # Transient: the coordinator's sweep enqueues the work again.
+        except UnknownJobError:
+            store.release_lease(job_id, token)  # Deleted meanwhile: nothing to record.
+            return published
         except Exception as exc:
+            store.release_lease(job_id, token)
             # Recorded on the job: clients waiting for a schedule report it, running ranks'
             # watchers log it, and the coordinator stops re-enqueueing a job whose scheduler
             # fails deterministically.
@@ -220,8 +284,8 @@ def advance_job(
             logger.error("job %s: %s", job_id, exc)
             raise
         finally:
-            keeper.stop()
-            store.release_lease(job_id, token)
+            _RENEWER.release(job_id, token)
         # Work that arrived while the lease was held may have been skipped by another task.
-        if not store.due(store.get_job(job_id)) or len(published) >= _MAX_ROUNDS:
-            return published
+        if not store.release_and_settle(job_id, token):
+            break
+    return published

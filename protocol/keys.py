@@ -29,6 +29,10 @@ JOBS_INDEX = f"{PREFIX}:jobs"
 # (the container healthcheck, coordinator/health.py).
 COORDINATORS = f"{PREFIX}:coordinators"
 
+# Sorted set: job id -> unix time its next version became due. Holds only jobs with scheduler
+# work outstanding, so the coordinator's sweep costs nothing per finished job.
+DUE_JOBS = f"{PREFIX}:due"
+
 # The rq queue that runs scheduler work (rq stores it as ``rq:queue:perseus``).
 RQ_QUEUE = PREFIX
 
@@ -66,7 +70,11 @@ def job_schedule(job_id: str, version: int) -> str:
 
 
 def job_results(job_id: str, version: int) -> str:
-    """Hash: rank -> msgpack ProfilingResult measured while running ``version``."""
+    """Hash: rank -> ProfilingResult measured while running ``version``.
+
+    The value is the msgpack ``report_result`` message the rank sent (validated, stored as it
+    arrived), or a msgpack ProfilingResult; ``protocol.job_record.stored_result`` reads both.
+    """
     return job_key(job_id, "results", version)
 
 
@@ -83,6 +91,16 @@ def job_journal(job_id: str) -> str:
 def job_artifacts(job_id: str) -> str:
     """Hash: name -> bytes a scheduler produced (e.g. ``profile.csv`` of the profiler)."""
     return job_key(job_id, "artifacts")
+
+
+def job_summaries(job_id: str) -> str:
+    """Hash: version -> msgpack summary of its results (kept after the results expire)."""
+    return job_key(job_id, "summaries")
+
+
+def job_snapshot(job_id: str) -> str:
+    """String: msgpack scheduler state after a prefix of the journal (see coordinator.replay)."""
+    return job_key(job_id, "snapshot")
 
 
 def job_lease(job_id: str) -> str:

@@ -7,7 +7,6 @@ pydantic reports the field that is wrong.
 
 from __future__ import annotations
 
-import math
 import re
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, TypeVar
@@ -142,6 +141,13 @@ class FrequencySchedule(_Model):
         return self
 
 
+Measurement = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+"""A measured time or energy. A NaN would compare as neither smaller nor larger than anything,
+so the planner and the schedulers would go on with nonsense: finite and not negative only
+(checked by pydantic's core, which names the field and index; the coordinator validates every
+value of every result)."""
+
+
 class ProfilingResult(_Model):
     """What one rank measured while running one schedule version.
 
@@ -157,10 +163,10 @@ class ProfilingResult(_Model):
 
     rank: int = Field(ge=0)
     schedule_version: int = Field(default=0, ge=0)
-    iter_time: list[float]
-    iter_energy: list[float]
-    time_breakdown: dict[str, list[list[float]]] = Field(default_factory=dict)
-    energy_breakdown: dict[str, list[list[float]]] = Field(default_factory=dict)
+    iter_time: list[Measurement]
+    iter_energy: list[Measurement]
+    time_breakdown: dict[str, list[list[Measurement]]] = Field(default_factory=dict)
+    energy_breakdown: dict[str, list[list[Measurement]]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> ProfilingResult:
@@ -169,27 +175,7 @@ class ProfilingResult(_Model):
                 f"iter_time has {len(self.iter_time)} entries but iter_energy has "
                 f"{len(self.iter_energy)}"
             )
-        _check_measurements("iter_time", self.iter_time)
-        _check_measurements("iter_energy", self.iter_energy)
-        for name, table in (
-            ("time_breakdown", self.time_breakdown),
-            ("energy_breakdown", self.energy_breakdown),
-        ):
-            for instruction, rows in table.items():
-                for i, row in enumerate(rows):
-                    _check_measurements(f"{name}[{instruction!r}][{i}]", row)
         return self
-
-
-def _check_measurements(field: str, values: list[float]) -> None:
-    """Raise ValueError naming ``field`` and the first value that is negative, NaN or infinite.
-
-    A NaN would compare as neither smaller nor larger than anything, so the planner and the
-    schedulers would go on with nonsense: measurements must be finite and not negative.
-    """
-    for i, value in enumerate(values):
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{field}[{i}] is {value}: measurements must be finite and >= 0")
 
 
 class OfflineProfilingResult(_Model):
@@ -341,7 +327,11 @@ def _validation_text(exc: ValidationError) -> str:
 
 def unpack(cls: type[M], data: bytes) -> M:
     """Decode and validate msgpack ``data`` as ``cls``; raise ProtocolError naming the field."""
-    raw = _unpack_raw(data)
+    return validate(cls, _unpack_raw(data))
+
+
+def validate(cls: type[M], raw: Any) -> M:
+    """Validate decoded data as ``cls``; raise ProtocolError naming the field."""
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:

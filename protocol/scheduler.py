@@ -3,7 +3,9 @@
 A scheduler decides the frequency schedule of every rank for the next round of iterations and
 learns from the profiling results of the previous round. Schedulers are plain deterministic
 objects: rq workers rebuild one from Redis by constructing it and replaying every observation
-in order (see :mod:`coordinator.tasks`), so the same inputs must always give the same schedules.
+in order (see :mod:`coordinator.replay`), so the same inputs must always give the same schedules.
+Long-lived workers keep the rebuilt scheduler and feed it only new observations; schedulers
+that implement :meth:`FrequencyScheduler.snapshot` are also restored from a stored state.
 Randomness, wall-clock time and I/O outside the constructor break that replay.
 
 Two ways to write one, as in Zeus:
@@ -108,6 +110,22 @@ class FrequencyScheduler:
         Must be deterministic like the schedules: replays call it again.
         """
         return {}
+
+    def snapshot(self) -> Any:
+        """The scheduler's state as msgpack-able data (dicts, lists, numbers, strings, bytes).
+
+        Optional. Returning something lets rq workers store it in Redis every few versions and
+        delete the profiling results it has consumed, so a job's Redis memory stops growing:
+        a worker that starts afresh constructs the scheduler, calls :meth:`restore` and
+        replays only the journal entries after the snapshot. ``None`` (the default, and the
+        only choice for generator-style schedulers, whose generator cannot be saved) keeps
+        every result for a replay from the start.
+        """
+        return None
+
+    def restore(self, state: Any) -> None:
+        """Continue from what :meth:`snapshot` returned (called right after construction)."""
+        raise NotImplementedError(f"{type(self).__name__} returned a snapshot but cannot restore")
 
     def set_target(self, iteration_time: float) -> None:
         """Aim at a new iteration time in seconds (e.g. a straggler's). Optional.

@@ -1,22 +1,26 @@
 """A job's state in Redis: info, ranks, versioned schedules, results and the replay journal.
 
-Every multi-key update runs as one Lua script or one MULTI, so a crash leaves either the whole
-update or none of it; updates are idempotent, so a redelivered stream entry changes nothing
-twice. Methods that only write take an optional ``pipeline`` to join a caller's transaction.
+Every multi-key update runs as one Lua script (:mod:`protocol.store_scripts`) or one MULTI,
+so a crash leaves either the whole update or none of it; updates are idempotent, so a
+redelivered stream entry changes nothing twice. Writes whose outcome matters can be queued on
+a :class:`StoreBatch` (one round trip for many); other writes take an optional ``pipeline``.
+
+Only the newest schedule versions are kept (clients fetch the latest), and a scheduler
+snapshot lets the results it has consumed be deleted; per-version summaries of them remain.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
+import msgpack
 import redis
 from redis.client import Pipeline
 
 from protocol import keys
-from protocol.exceptions import ProtocolError, UnknownJobError
+from protocol.job_record import JobRecord, JobState, stored_result, unknown_job
 from protocol.models import (
     FrequencySchedule,
     JobConfig,
@@ -28,100 +32,11 @@ from protocol.models import (
     pack,
     unpack,
 )
+from protocol.store_batch import StoreBatch, single
+from protocol.store_scripts import Scripts
 
-_CREATE_JOB = """
-local existing = redis.call('HGET', KEYS[1], 'entry_id')
-if existing then return {0, existing} end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-return {1, ARGV[3]}
-"""
-
-_ADD_RANK = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0} end
-local current = redis.call('HGET', KEYS[2], ARGV[3])
-if current and current ~= ARGV[4] then return {-2, 0} end
-if not current then redis.call('HSET', KEYS[2], ARGV[3], ARGV[4]) end
-redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
-return {1, redis.call('HLEN', KEYS[2])}
-"""
-
-_ADD_RESULT = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0, 0} end
-if redis.call('HEXISTS', KEYS[2], ARGV[3]) == 0 then return {-3, 0, 0} end
-local latest = tonumber(redis.call('GET', KEYS[3]) or '0')
-local version = tonumber(ARGV[5])
-if version < 1 or version > latest then return {-4, latest, 0} end
-local added = redis.call('HSETNX', KEYS[4], ARGV[3], ARGV[4])
-redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
-return {added, latest, redis.call('HLEN', KEYS[4])}
-"""
-
-# Compare-and-set on the version number: exactly one writer publishes each version, so no
-# version is skipped or published twice even when two workers compute it concurrently.
-_PUBLISH = """
-local current = tonumber(redis.call('GET', KEYS[1]) or '0')
-if current ~= tonumber(ARGV[3]) then return {0, current} end
-if ARGV[7] ~= '' and redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[7]) then
-  return {0, current}
-end
-redis.call('HSET', KEYS[2], unpack(ARGV, 8))
-redis.call('SET', KEYS[1], ARGV[4])
-redis.call('RPUSH', KEYS[3], ARGV[5])
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'version', ARGV[4])
-redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
-redis.call('HSET', KEYS[6], 'published_at', ARGV[2], 'error', '')
-return {1, tonumber(ARGV[4])}
-"""
-
-# An observation that produced no new version: appended only if nobody appended meanwhile.
-_RECORD = """
-if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return 0 end
-redis.call('RPUSH', KEYS[1], ARGV[2])
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
-return 1
-"""
-
-# Deletes a job's keys, but only if it is still idle: a heartbeat may have come in since the
-# sweep listed it. ARGV[2] == '' deletes unconditionally.
-_DELETE_JOB = """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if ARGV[2] ~= '' and score and tonumber(score) > tonumber(ARGV[2]) then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('DEL', unpack(KEYS, 2))
-return 1
-"""
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """A registered job: its info, how it is served, and bookkeeping fields."""
-
-    info: JobInfo
-    config: JobConfig
-    fields: dict[str, str]
-
-    @property
-    def job_id(self) -> str:
-        """The job id."""
-        return self.info.job_id
-
-    @property
-    def error(self) -> str:
-        """The last scheduling error, empty if none."""
-        return self.fields.get("error", "")
+KEEP_SCHEDULES = 4
+"""Schedule versions kept per job: the latest and a few before it, for slow readers."""
 
 
 class JobStore:
@@ -130,19 +45,23 @@ class JobStore:
     Args:
         conn: A redis-py client (bytes responses, i.e. ``decode_responses=False``).
         stream_maxlen: Approximate cap of the per-job updates stream.
+        keep_schedules: Schedule versions kept per job (older ones are deleted on publish).
     """
 
-    def __init__(self, conn: redis.Redis, stream_maxlen: int = 10_000) -> None:
+    def __init__(
+        self, conn: redis.Redis, stream_maxlen: int = 10_000, keep_schedules: int = KEEP_SCHEDULES
+    ) -> None:
+        if keep_schedules < 2:
+            raise ValueError(f"keep_schedules must be >= 2, got {keep_schedules}")
         self.conn = conn
         self.stream_maxlen = stream_maxlen
-        self._create = conn.register_script(_CREATE_JOB)
-        self._add_rank = conn.register_script(_ADD_RANK)
-        self._add_result = conn.register_script(_ADD_RESULT)
-        self._publish = conn.register_script(_PUBLISH)
-        self._record = conn.register_script(_RECORD)
-        self._release = conn.register_script(_RELEASE)
-        self._delete = conn.register_script(_DELETE_JOB)
-        self._renew = conn.register_script(_RENEW)
+        self.keep_schedules = keep_schedules
+        self.results_decoded = 0  # results decoded by this store: tests check advancing cost
+        self.scripts = Scripts(conn)
+
+    def batch(self) -> StoreBatch:
+        """A batch of writes sent in one round trip."""
+        return StoreBatch(self.scripts)
 
     # --- jobs ------------------------------------------------------------------------------
     def create_job(
@@ -153,52 +72,65 @@ class JobStore:
         Raises:
             ProtocolError: A different registration already owns this job id.
         """
-        now = time.time() if now is None else now
-        fields: dict[str, str] = {
-            "job_id": job.job_id,
-            "pp_degree": str(job.pp_degree),
-            "dp_degree": str(job.dp_degree),
-            "tp_degree": str(job.tp_degree),
-            "world_size": str(job.world_size),
-            "job_metadata": job.job_metadata or "",
-            "scheduler": config.scheduler,
-            "scheduler_args": json.dumps(config.scheduler_args, sort_keys=True),
-            "dump_dir": config.dump_dir,
-            "created_at": f"{now:.3f}",
-            "entry_id": entry_id,
-            "error": "",
-        }
-        flat = [x for pair in fields.items() for x in pair]
-        created, owner = self._create(
-            keys=[keys.job_info(job.job_id), keys.JOBS_INDEX],
-            args=[job.job_id, now, entry_id, *flat],
-        )
-        if not created and owner.decode() != entry_id:
-            raise ProtocolError(
-                f"job id {job.job_id} is already used by registration {owner.decode()}"
-            )
-        return bool(created)
+        batch = self.batch()
+        batch.create_job(job, config, entry_id, time.time() if now is None else now)
+        return bool(single(batch))
 
     def get_job(self, job_id: str) -> JobRecord:
         """Load a job; raise UnknownJobError if it does not exist."""
         raw = self.conn.hgetall(keys.job_info(job_id))
         if not raw:
-            raise UnknownJobError(f"unknown job id {job_id!r} (never registered, or expired)")
-        fields = {k.decode(): v.decode() for k, v in raw.items()}
-        info = JobInfo(
-            job_id=fields["job_id"],
-            pp_degree=int(fields["pp_degree"]),
-            dp_degree=int(fields["dp_degree"]),
-            tp_degree=int(fields["tp_degree"]),
-            world_size=int(fields["world_size"]),
-            job_metadata=fields["job_metadata"] or None,
+            raise unknown_job(job_id)
+        return JobRecord.from_hash(raw)
+
+    def get_jobs(self, job_ids: Iterable[str]) -> dict[str, JobRecord | None]:
+        """Load several jobs in one round trip (None for those that do not exist)."""
+        ids = list(dict.fromkeys(job_ids))
+        if not ids:
+            return {}
+        with self.conn.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hgetall(keys.job_info(job_id))
+            raws = pipe.execute()
+        pairs = zip(ids, raws, strict=True)
+        return {j: JobRecord.from_hash(raw) if raw else None for j, raw in pairs}
+
+    def job_state(self, job_id: str, lease: tuple[str, int] | None = None) -> JobState:
+        """Info, rank count, version, journal and control lengths, consistent (one MULTI).
+
+        Args:
+            job_id: The job.
+            lease: (token, ttl_ms): also try to take the job's lease in the same round trip;
+                :attr:`JobState.leased` tells whether it was taken.
+        """
+        with self.conn.pipeline(transaction=True) as pipe:
+            if lease is not None:
+                pipe.set(keys.job_lease(job_id), lease[0], nx=True, px=lease[1])
+            pipe.hgetall(keys.job_info(job_id))
+            pipe.hlen(keys.job_ranks(job_id))
+            pipe.get(keys.job_version(job_id))
+            pipe.llen(keys.job_journal(job_id))
+            pipe.lindex(keys.job_journal(job_id), -1)
+            pipe.xlen(keys.job_control(job_id))
+            replies = pipe.execute()
+        leased = bool(replies.pop(0)) if lease is not None else False
+        raw, ranks, version, journal, tail, control = replies
+        if not raw:
+            raise unknown_job(job_id)
+        return JobState(
+            record=JobRecord.from_hash(raw),
+            rank_count=int(ranks),
+            version=int(version or 0),
+            journal_length=int(journal),
+            control_length=int(control),
+            tail=unpack(JournalEntry, tail) if tail is not None else None,
+            leased=leased,
         )
-        config = JobConfig(
-            scheduler=fields["scheduler"],
-            scheduler_args=json.loads(fields["scheduler_args"]),
-            dump_dir=fields["dump_dir"],
-        )
-        return JobRecord(info=info, config=config, fields=fields)
+
+    def job_fields(self, job_id: str, *names: str) -> dict[str, str]:
+        """Some fields of the job's info hash ('' for those absent)."""
+        raw = self.conn.hmget(keys.job_info(job_id), list(names))
+        return {n: v.decode() if v is not None else "" for n, v in zip(names, raw, strict=True)}
 
     def job_error(self, job_id: str) -> str:
         """The job's last scheduling error, empty if none (or if the job does not exist)."""
@@ -243,10 +175,13 @@ class JobStore:
         rows = self.conn.zrevrange(keys.JOBS_INDEX, 0, -1, withscores=True)
         return [(job_id.decode(), score) for job_id, score in rows]
 
-    def idle_jobs(self, idle_seconds: float, now: float | None = None) -> list[str]:
-        """Jobs whose last activity is older than ``idle_seconds``."""
+    def idle_jobs(
+        self, idle_seconds: float, now: float | None = None, limit: int | None = None
+    ) -> list[str]:
+        """Jobs whose last activity is older than ``idle_seconds`` (the ``limit`` oldest)."""
         now = time.time() if now is None else now
-        rows = self.conn.zrangebyscore(keys.JOBS_INDEX, "-inf", now - idle_seconds)
+        page = {} if limit is None else {"start": 0, "num": limit}
+        rows = self.conn.zrangebyscore(keys.JOBS_INDEX, "-inf", now - idle_seconds, **page)
         return [job_id.decode() for job_id in rows]
 
     def delete_job(self, job_id: str, idle_before: float | None = None) -> bool:
@@ -267,13 +202,19 @@ class JobStore:
             keys.job_lease(job_id),
             keys.job_control(job_id),
             keys.job_artifacts(job_id),
+            keys.job_summaries(job_id),
+            keys.job_snapshot(job_id),
         ]
         # Results may exist one version past the latest schedule only if a client misbehaved;
         # they are rejected before being stored, so 1..latest covers everything.
         for version in range(1, latest + 1):
             names += [keys.job_schedule(job_id, version), keys.job_results(job_id, version)]
         cutoff = "" if idle_before is None else repr(float(idle_before))
-        return bool(self._delete(keys=[keys.JOBS_INDEX, *names], args=[job_id, cutoff]))
+        return bool(
+            self.scripts.delete_job(
+                keys=[keys.JOBS_INDEX, keys.DUE_JOBS, *names], args=[job_id, cutoff]
+            )
+        )
 
     # --- ranks -----------------------------------------------------------------------------
     def add_rank(self, job: JobInfo, rank: RankInfo, now: float | None = None) -> int:
@@ -283,22 +224,9 @@ class JobStore:
             UnknownJobError: The job does not exist.
             ProtocolError: The rank does not fit the job, or registered with other info.
         """
-        try:
-            rank.check_fits(job)
-        except ValueError as exc:
-            raise ProtocolError(str(exc)) from None
-        now = time.time() if now is None else now
-        status, count = self._add_rank(
-            keys=[keys.job_info(job.job_id), keys.job_ranks(job.job_id), keys.JOBS_INDEX],
-            args=[job.job_id, now, rank.rank, pack(rank)],
-        )
-        if status == -1:
-            raise UnknownJobError(f"unknown job id {job.job_id!r}")
-        if status == -2:
-            raise ProtocolError(
-                f"rank {rank.rank} of job {job.job_id} is already registered with other info"
-            )
-        return int(count)
+        batch = self.batch()
+        batch.add_rank(job, rank, time.time() if now is None else now)
+        return int(single(batch))
 
     def ranks(self, job_id: str) -> list[RankInfo]:
         """Registered ranks, sorted by rank."""
@@ -315,61 +243,55 @@ class JobStore:
     ) -> tuple[bool, int, int]:
         """Store a rank's result; return (newly added, latest version, results for its version).
 
+        A result of a version whose results the scheduler already consumed (and that were
+        deleted after a snapshot) is dropped: (False, latest, 0).
+
         Raises:
             UnknownJobError: The job does not exist.
-            ProtocolError: Unregistered rank, or a version that was never published.
+            ProtocolError: Rank out of range or unregistered, or a version never published.
         """
-        now = time.time() if now is None else now
-        version = result.schedule_version
-        added, latest, count = self._add_result(
-            keys=[
-                keys.job_info(job.job_id),
-                keys.job_ranks(job.job_id),
-                keys.job_version(job.job_id),
-                keys.job_results(job.job_id, version),
-                keys.JOBS_INDEX,
-            ],
-            args=[job.job_id, now, result.rank, pack(result), version],
-        )
-        if added == -1:
-            raise UnknownJobError(f"unknown job id {job.job_id!r}")
-        if added == -3:
-            raise ProtocolError(f"rank {result.rank} is not registered with job {job.job_id}")
-        if added == -4:
-            raise ProtocolError(
-                f"result for schedule version {version} of job {job.job_id}, but the latest "
-                f"published version is {latest}"
-            )
+        batch = self.batch()
+        batch.add_result(job, result, time.time() if now is None else now)
+        added, latest, count = single(batch)
         return bool(added), int(latest), int(count)
 
-    def results(self, job_id: str, version: int) -> list[ProfilingResult]:
-        """Results reported for ``version``, sorted by rank."""
+    def results(self, job_id: str, version: int, trusted: bool = False) -> list[ProfilingResult]:
+        """Results reported for ``version``, sorted by rank.
+
+        Args:
+            job_id: The job.
+            version: The schedule version they were measured under.
+            trusted: Skip re-validation (the coordinator validated them before storing).
+        """
         raw = self.conn.hvals(keys.job_results(job_id, version))
-        return sorted((unpack(ProfilingResult, v) for v in raw), key=lambda r: r.rank)
+        self.results_decoded += len(raw)
+        decoded = [stored_result(v, trusted) for v in raw]
+        return sorted(decoded, key=lambda r: r.rank)
 
     def result_count(self, job_id: str, version: int) -> int:
         """How many ranks reported for ``version``."""
         return int(self.conn.hlen(keys.job_results(job_id, version)))
 
+    def summaries(self, job_id: str) -> dict[int, dict[str, Any]]:
+        """Per-version summaries of the observed results (kept after results expire)."""
+        raw = self.conn.hgetall(keys.job_summaries(job_id))
+        return {int(v): msgpack.unpackb(s, raw=False) for v, s in sorted(raw.items())}
+
     # --- control messages ------------------------------------------------------------------
     def add_control(self, message: SetTarget, entry_id: str) -> bool:
-        """Append a control message once per source entry; False if it was already there."""
-        try:
-            self.conn.xadd(keys.job_control(message.job_id), {"data": pack(message)}, id=entry_id)
-        except redis.ResponseError as exc:
-            # Entry ids only grow, so a redelivered entry's id is "equal or smaller".
-            if "equal or smaller" in str(exc):
-                return False
-            raise
-        self.conn.zadd(keys.JOBS_INDEX, {message.job_id: time.time()})
-        return True
+        """Append a control message once per source entry; False if it was already there.
 
-    def controls(self, job_id: str) -> list[SetTarget]:
-        """Control messages of a job, in arrival order."""
-        return [
-            unpack(SetTarget, fields[b"data"])
-            for _, fields in self.conn.xrange(keys.job_control(job_id))
-        ]
+        Raises:
+            UnknownJobError: The job does not exist.
+        """
+        batch = self.batch()
+        batch.add_control(message, entry_id, time.time())
+        return bool(single(batch))
+
+    def controls(self, job_id: str, start: int = 0) -> list[SetTarget]:
+        """Control messages of a job from the ``start``-th on, in arrival order."""
+        entries = self.conn.xrange(keys.job_control(job_id))
+        return [unpack(SetTarget, fields[b"data"]) for _, fields in entries[start:]]
 
     # --- schedules -------------------------------------------------------------------------
     def version(self, job_id: str) -> int:
@@ -378,18 +300,19 @@ class JobStore:
         return int(raw) if raw is not None else 0
 
     def schedule(self, job_id: str, version: int, rank: int) -> FrequencySchedule | None:
-        """One rank's schedule of ``version``, or None if not published."""
+        """One rank's schedule of ``version``, or None if not published (or no longer kept)."""
         raw = self.conn.hget(keys.job_schedule(job_id, version), str(rank))
         return unpack(FrequencySchedule, raw) if raw is not None else None
 
     def schedules(self, job_id: str, version: int) -> list[FrequencySchedule]:
-        """Every rank's schedule of ``version``, sorted by rank."""
+        """Every rank's schedule of ``version``, sorted by rank (empty if not kept)."""
         raw = self.conn.hvals(keys.job_schedule(job_id, version))
         return sorted((unpack(FrequencySchedule, v) for v in raw), key=lambda s: s.rank)
 
-    def journal(self, job_id: str) -> list[JournalEntry]:
-        """The replay journal, one entry per published version, in order."""
-        return [unpack(JournalEntry, v) for v in self.conn.lrange(keys.job_journal(job_id), 0, -1)]
+    def journal(self, job_id: str, start: int = 0) -> list[JournalEntry]:
+        """The replay journal from its ``start``-th entry on, in order."""
+        raw = self.conn.lrange(keys.job_journal(job_id), start, -1)
+        return [unpack(JournalEntry, v) for v in raw]
 
     def publish(
         self,
@@ -398,6 +321,7 @@ class JobStore:
         entry: JournalEntry,
         now: float | None = None,
         journal_length: int | None = None,
+        summary: bytes | None = None,
     ) -> bool:
         """Publish ``schedules`` as version ``entry.version`` if the latest is the one before.
 
@@ -408,6 +332,7 @@ class JobStore:
             now: Unix time to record (default: now).
             journal_length: Also require the journal to still have this many entries (what
                 the caller replayed), so no observation recorded meanwhile is skipped.
+            summary: Summary of the results the entry observed (kept after they expire).
 
         Returns:
             True if this call published it; False if another writer got there first.
@@ -415,9 +340,11 @@ class JobStore:
         now = time.time() if now is None else now
         flat: list[Any] = []
         for schedule in schedules:
-            stamped = schedule.model_copy(update={"version": entry.version})
-            flat += [str(schedule.rank), pack(stamped)]
-        published, _current = self._publish(
+            # Validated fields are plain data: packed as the model would be, without a copy.
+            stamped = dict(schedule.__dict__, version=entry.version)
+            flat += [str(schedule.rank), msgpack.packb(stamped, use_bin_type=True)]
+        old = entry.version - self.keep_schedules
+        published, _current = self.scripts.publish(
             keys=[
                 keys.job_version(job_id),
                 keys.job_schedule(job_id, entry.version),
@@ -425,6 +352,8 @@ class JobStore:
                 keys.job_updates(job_id),
                 keys.JOBS_INDEX,
                 keys.job_info(job_id),
+                keys.job_summaries(job_id),
+                keys.job_schedule(job_id, max(old, 0)),
             ],
             args=[
                 job_id,
@@ -434,10 +363,33 @@ class JobStore:
                 pack(entry),
                 self.stream_maxlen,
                 "" if journal_length is None else journal_length,
+                *_summary_args(entry, summary),
+                "1" if old >= 1 else "0",
                 *flat,
             ],
         )
         return bool(published)
+
+    def record_unpublished(
+        self,
+        job_id: str,
+        entry: JournalEntry,
+        journal_length: int,
+        now: float | None = None,
+        summary: bytes | None = None,
+    ) -> bool:
+        """Append an unpublished journal entry if the journal still has ``journal_length``."""
+        now = time.time() if now is None else now
+        return bool(
+            self.scripts.record(
+                keys=[
+                    keys.job_journal(job_id),
+                    keys.JOBS_INDEX,
+                    keys.job_summaries(job_id),
+                ],
+                args=[journal_length, pack(entry), now, job_id, *_summary_args(entry, summary)],
+            )
+        )
 
     def save_artifacts(self, job_id: str, artifacts: dict[str, bytes]) -> None:
         """Store what a scheduler produced (same content on every replay, so idempotent)."""
@@ -449,17 +401,38 @@ class JobStore:
         raw = self.conn.hgetall(keys.job_artifacts(job_id))
         return {name.decode(): value for name, value in raw.items()}
 
-    def record_unpublished(
-        self, job_id: str, entry: JournalEntry, journal_length: int, now: float | None = None
-    ) -> bool:
-        """Append an unpublished journal entry if the journal still has ``journal_length``."""
-        now = time.time() if now is None else now
+    # --- scheduler snapshots ---------------------------------------------------------------
+    def save_snapshot(self, job_id: str, data: bytes, journal_length: int, consumed: range) -> bool:
+        """Store a snapshot taken after ``journal_length`` entries; delete consumed results.
+
+        Args:
+            job_id: The job.
+            data: The msgpack snapshot.
+            journal_length: Journal entries it covers (stored only if the journal has exactly
+                these, and no snapshot covers more).
+            consumed: Versions whose results the snapshot consumed: deleted, and refused from
+                now on.
+
+        Returns:
+            True if stored.
+        """
+        doomed = [keys.job_results(job_id, v) for v in consumed]
         return bool(
-            self._record(
-                keys=[keys.job_journal(job_id), keys.JOBS_INDEX],
-                args=[journal_length, pack(entry), now, job_id],
+            self.scripts.snapshot(
+                keys=[
+                    keys.job_snapshot(job_id),
+                    keys.job_journal(job_id),
+                    keys.job_info(job_id),
+                    *doomed,
+                ],
+                args=[journal_length, data, consumed.stop],
             )
         )
+
+    def snapshot(self, job_id: str) -> bytes | None:
+        """The latest stored snapshot, if any."""
+        raw = self.conn.get(keys.job_snapshot(job_id))
+        return bytes(raw) if raw is not None else None
 
     # --- worker lease ----------------------------------------------------------------------
     def acquire_lease(self, job_id: str, token: str, ttl_ms: int) -> bool:
@@ -468,11 +441,19 @@ class JobStore:
 
     def renew_lease(self, job_id: str, token: str, ttl_ms: int) -> bool:
         """Extend a held lease; False if it was lost."""
-        return bool(self._renew(keys=[keys.job_lease(job_id)], args=[token, ttl_ms]))
+        return bool(self.scripts.renew(keys=[keys.job_lease(job_id)], args=[token, ttl_ms]))
 
     def release_lease(self, job_id: str, token: str) -> None:
         """Release the lease if still held by ``token``."""
-        self._release(keys=[keys.job_lease(job_id)], args=[token])
+        self.scripts.release(keys=[keys.job_lease(job_id)], args=[token])
+
+    def release_and_settle(self, job_id: str, token: str) -> bool:
+        """:meth:`release_lease` and :meth:`settle` in one round trip; return whether due."""
+        batch = self.batch()
+        batch.call(self.scripts.release, [keys.job_lease(job_id)], [token])
+        batch.call(self.scripts.due, self._due_keys(job_id), [job_id, "settle", time.time()])
+        _released, due = batch.execute()
+        return bool(due == 1)
 
     def lease_holder(self, job_id: str) -> str | None:
         """Token of the current lease holder, if any."""
@@ -480,18 +461,53 @@ class JobStore:
         return raw.decode() if raw is not None else None
 
     # --- what is due -----------------------------------------------------------------------
-    def due(self, record: JobRecord) -> bool:
-        """Whether the job needs its next schedule version computed."""
-        job_id = record.job_id
-        if self.rank_count(job_id) < record.info.world_size:
-            return False
-        latest = self.version(job_id)
-        if latest == 0:
-            return True
-        journal_tail = self.conn.lindex(keys.job_journal(job_id), -1)
-        tail = unpack(JournalEntry, journal_tail) if journal_tail else None
-        observed = tail is not None and tail.observed_version == latest
-        if not observed and self.result_count(job_id, latest) >= record.info.world_size:
-            return True
-        applied = tail.controls_upto if tail is not None else 0
-        return int(self.conn.xlen(keys.job_control(job_id))) > applied
+    def _due_keys(self, job_id: str) -> list[str]:
+        return [
+            keys.job_info(job_id),
+            keys.job_ranks(job_id),
+            keys.job_version(job_id),
+            keys.job_journal(job_id),
+            keys.job_control(job_id),
+            keys.DUE_JOBS,
+        ]
+
+    def _due_call(self, job_id: str, mode: str) -> int:
+        return int(self.scripts.due(keys=self._due_keys(job_id), args=[job_id, mode, time.time()]))
+
+    def due(self, job: JobRecord | str) -> bool:
+        """Whether the job needs its next schedule version computed (one round trip)."""
+        return self._due_call(job if isinstance(job, str) else job.job_id, "") == 1
+
+    def settle(self, job_id: str) -> bool:
+        """Like :meth:`due`, and a job with nothing due leaves the due set (atomically)."""
+        return self._due_call(job_id, "settle") == 1
+
+    def mark_due(self, job_ids: list[str]) -> list[str]:
+        """Put those of ``job_ids`` with work due into the due set (one round trip); return them.
+
+        Reconciles the due set with the jobs themselves, e.g. after Redis lost the write that
+        had put a job there.
+        """
+        batch = self.batch()
+        now = time.time()
+        for job_id in job_ids:
+            batch.call(self.scripts.due, self._due_keys(job_id), [job_id, "mark", now])
+        return [j for j, due in zip(job_ids, batch.execute(), strict=True) if due == 1]
+
+    def jobs_page(self, start: int, count: int) -> list[str]:
+        """Jobs ``start`` to ``start + count - 1`` of the jobs index (for a sweep in pages)."""
+        return [j.decode() for j in self.conn.zrange(keys.JOBS_INDEX, start, start + count - 1)]
+
+    def forget_due(self, job_id: str) -> None:
+        """Take a job out of the due set (its next input puts it back)."""
+        self.conn.zrem(keys.DUE_JOBS, job_id)
+
+    def due_jobs(self, limit: int = 1000) -> list[str]:
+        """Jobs that may have work due, longest waiting first (the sweep's worklist)."""
+        return [j.decode() for j in self.conn.zrange(keys.DUE_JOBS, 0, limit - 1)]
+
+
+def _summary_args(entry: JournalEntry, summary: bytes | None) -> list[Any]:
+    if summary is None or entry.observed_version is None:
+        return ["", b""]
+    return [str(entry.observed_version), summary]

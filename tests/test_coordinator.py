@@ -472,7 +472,7 @@ def test_unexpected_error_dead_letters_instead_of_crashing(r, redis_url, monkeyp
     coord = Coordinator(r, make_settings(redis_url))
     ensure_groups(r)
 
-    def boom(message, entry_id):
+    def boom(*args):
         raise KeyError("bug")
 
     monkeypatch.setattr(coord, "_dispatch", boom)

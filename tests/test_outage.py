@@ -57,7 +57,7 @@ def start_stack(
         "coordinator.log",
         FAST_RECOVERY,
     )
-    kind = [] if forking else ["--simple"]
+    kind = ["--fork"] if forking else []
     worker = start_perseus(
         ["worker", *kind, "--redis-url", server.url], tmp_path, "w.log", FAST_RECOVERY
     )

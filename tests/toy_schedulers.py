@@ -73,6 +73,40 @@ class WithArtifact(StepDown):
         return {"note.txt": b"made by version 1"}
 
 
+class SnapshotStepDown(StepDown):
+    """StepDown written without a generator, so its state snapshots: a step count and targets.
+
+    Each observation lowers the clock one step, and so does each target; the schedule is
+    recomputed on every call. It keeps no results (a worker's memory stays flat too).
+    """
+
+    def __init__(
+        self,
+        job_info: JobInfo,
+        rank_infos: list[RankInfo],
+        microbatches: int = 2,
+        delay: float = 0.0,
+    ) -> None:
+        super().__init__(job_info, rank_infos, microbatches, delay)
+        self.step = 0
+        self.restored_from: int | None = None  # the step of the snapshot it started from
+
+    def observe(self, profiling_results: list[ProfilingResult]) -> None:
+        self.step += 1
+
+    def next_schedule(self) -> list[FrequencySchedule]:
+        if self.delay:
+            time.sleep(self.delay)
+        return self._schedules(self.step + len(self.targets))
+
+    def snapshot(self) -> dict:
+        return {"step": self.step, "targets": self.targets}
+
+    def restore(self, state: dict) -> None:
+        self.step = self.restored_from = int(state["step"])
+        self.targets = [float(t) for t in state["targets"]]
+
+
 class FailsAfterFirst(StepDown):
     """Serves one version, then fails on the results: a scheduler failure mid-training."""
 

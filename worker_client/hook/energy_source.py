@@ -12,6 +12,9 @@ What a mark is depends on the source:
   the energy comes from an :class:`~worker_client.gpu.energy.EnergyMonitor`'s background samples,
   interpolated at the two timestamps. The choice for per-instruction energy on real GPUs.
 * :class:`NullEnergySource`: always 0 J (no energy measurement).
+
+:func:`default_energy_source` picks the counter where a read is cheap and a monitor where it
+is not; the hook uses it unless given a source.
 """
 
 from __future__ import annotations
@@ -82,21 +85,29 @@ class MonitorEnergySource:
     """Marks are timestamps; energies are interpolated from an EnergyMonitor's samples.
 
     Args:
-        monitor: A running monitor that samples ``gpu`` (the caller owns and closes it).
+        monitor: A running monitor that samples ``gpu`` (the caller owns and closes it, unless
+            ``owned``).
         gpu: NVML index of the GPU to report.
+        owned: :meth:`close` closes the monitor.
 
     Raises:
         ConfigError: ``monitor`` does not sample ``gpu``.
 
     """
 
-    def __init__(self, monitor: EnergyMonitor, gpu: int) -> None:
+    def __init__(self, monitor: EnergyMonitor, gpu: int, owned: bool = False) -> None:
         if gpu not in monitor.gpu_indices:
             raise ConfigError(
                 f"the energy monitor samples GPUs {monitor.gpu_indices}, not GPU {gpu}"
             )
         self.monitor = monitor
         self.gpu = gpu
+        self.owned = owned
+
+    def close(self) -> None:
+        """Stop the monitor's sampler thread if this source started it."""
+        if self.owned:
+            self.monitor.close()
 
     def mark(self) -> float:
         """Return ``time.perf_counter()`` (the monitor's time base)."""
@@ -105,6 +116,32 @@ class MonitorEnergySource:
     def energy(self, start_mark: float, end_mark: float) -> float:
         """Interpolated energy between two timestamps; waits for samples past ``end_mark``."""
         return self.monitor.energy_between(self.gpu, start_mark, end_mark)
+
+
+SLOW_READ_S = 0.001
+"""A counter read slower than this (an H100 takes ~3 ms) is kept off the training thread."""
+
+
+def default_energy_source(nvml: NVML, device: int) -> CounterEnergySource | MonitorEnergySource:
+    """The hook's energy source when it is given none: the GPU's counter, read where it is cheap.
+
+    Times a counter read. Where it is fast (the simulated GPU), marks read the counter on the
+    training thread: exact, and nearly free. Where it is slow (a real GPU), a sampler thread of
+    an :class:`~worker_client.gpu.energy.EnergyMonitor` reads it and marks are timestamps, so
+    the training thread never waits on NVML; :meth:`MonitorEnergySource.close` stops it.
+    """
+    took = []
+    for _ in range(2):
+        start = time.perf_counter()
+        try:
+            nvml.total_energy_mj(device)
+        except GPUError:
+            return CounterEnergySource(nvml, device)  # Reads 0 J, with one warning.
+        took.append(time.perf_counter() - start)
+    if min(took) < SLOW_READ_S:
+        return CounterEnergySource(nvml, device)
+    monitor = EnergyMonitor(gpu_indices=[device], nvml=nvml, sync_cuda=False)
+    return MonitorEnergySource(monitor, device, owned=True)
 
 
 class NullEnergySource:

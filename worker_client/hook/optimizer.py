@@ -31,7 +31,7 @@ from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInf
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import NVML
 from worker_client.hook.callback import Callback
-from worker_client.hook.energy_source import CounterEnergySource, EnergySource
+from worker_client.hook.energy_source import EnergySource, default_energy_source
 from worker_client.hook.session import CoordinatorClient, ResultReporter, ScheduleWatcher
 
 logger = logging.getLogger(__name__)
@@ -80,8 +80,9 @@ class PerseusOptimizer(Callback):
         report_every: Steps per profiling window; one result is reported per schedule version.
         schedule_timeout: Seconds to wait for the first schedule.
         energy_source: Where energy comes from (see :mod:`worker_client.hook.energy_source`).
-            Default: a :class:`~worker_client.hook.energy_source.CounterEnergySource` on this
-            hook's NVML, i.e. the GPU's energy counter (0 J if the GPU has none).
+            Default: the GPU's energy counter (0 J if it has none), read on the training
+            thread where a read is cheap and by a sampler thread where it is not (see
+            :func:`~worker_client.hook.energy_source.default_energy_source`).
         instruction_energy: Also mark instruction boundaries and report
             ``energy_breakdown`` (same shape as ``time_breakdown``). ``None`` (default): when
             the job's scheduler needs it (``InstructionProfiler``), as the coordinator's reply
@@ -191,8 +192,9 @@ class PerseusOptimizer(Callback):
             )
         # Unset: measure per-instruction energy exactly when the job's scheduler needs it.
         self.instruction_energy = bool(reply.instruction_energy or instruction_energy)
+        self._owned_source = energy_source is None
         if energy_source is None:
-            energy_source = CounterEnergySource(self.nvml, device_id)
+            energy_source = default_energy_source(self.nvml, device_id)
         self.energy_source: EnergySource = energy_source
         if isinstance(controller, str):
             controller = make_controller(controller, device_id)  # type: ignore[arg-type]
@@ -223,6 +225,8 @@ class PerseusOptimizer(Callback):
         self.swaps: list[tuple[int, int]] = []  # (step, version) of every swap, for inspection
         self._in_step = False
         self._closed = False
+        self._frequency: int | None = None  # the clock last requested
+        self.syncs = 0  # GPU synchronizations so far (each costs a pipeline bubble)
 
     @property
     def job_error(self) -> str:
@@ -240,19 +244,23 @@ class PerseusOptimizer(Callback):
     # --- hooks -----------------------------------------------------------------------------
     def on_step_begin(self) -> None:
         """Start timing a step."""
-        self._sync()
         self._in_step = True
         # After this version's report nothing is measured until the next version.
         self._measuring = not self._reported
         self._step_breakdown: dict[str, list[float]] = {}
         self._step_marks: dict[str, list[Mark]] = {}
         if self._measuring:
+            self._sync()  # The previous step's queued work is not this step's.
+            self.syncs += 1
             self._step_mark = self.energy_source.mark()
         self._step_time = self._clock()
 
     def on_instruction_begin(self, name: str) -> None:
-        """Check ``name`` against the schedule and set its frequency."""
-        self._sync()
+        """Check ``name`` against the schedule and set its frequency.
+
+        Waits for the GPU only where it matters: before timing an instruction, and before a
+        clock change (queued work must finish at the clock it was planned for).
+        """
         item = next(self._iter, None)
         if item is None:
             raise ScheduleError(
@@ -265,6 +273,10 @@ class PerseusOptimizer(Callback):
                 f"rank {self.rank}: expected instruction {expected!r} but got {name!r} "
                 f"(schedule version {self.schedule.version})"
             )
+        if self._measuring or frequency != self._frequency:
+            self._sync()
+            self.syncs += 1
+        self._frequency = frequency
         self.controller.set_frequency(frequency)
         if self._measuring and self.instruction_energy:
             self._inst_mark = self.energy_source.mark()
@@ -272,9 +284,10 @@ class PerseusOptimizer(Callback):
 
     def on_instruction_end(self, name: str) -> None:
         """Record the instruction's duration (and energy mark)."""
-        self._sync()
         if not self._measuring:
             return
+        self._sync()
+        self.syncs += 1
         elapsed = self._clock() - self._inst_start
         self._step_breakdown.setdefault(name, []).append(elapsed)
         if self.instruction_energy:
@@ -283,7 +296,6 @@ class PerseusOptimizer(Callback):
 
     def on_step_end(self) -> None:
         """Check the schedule was used up, report if due, and swap in a newer version."""
-        self._sync()
         leftover = next(self._iter, None)
         if leftover is not None:
             raise ScheduleError(
@@ -292,6 +304,8 @@ class PerseusOptimizer(Callback):
             )
         self.steps += 1
         if self._in_step and self._measuring:
+            self._sync()
+            self.syncs += 1
             self._iter_time.append(self._clock() - self._step_time)
             self._iter_marks.append((self._step_mark, self.energy_source.mark()))
             for name, times in self._step_breakdown.items():
@@ -414,4 +428,7 @@ class PerseusOptimizer(Callback):
         self.reporter.stop()
         self.watcher.stop()
         self.controller.stop()
+        close = getattr(self.energy_source, "close", None)
+        if self._owned_source and close is not None:
+            close()
         self.client.close()

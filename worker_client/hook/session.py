@@ -43,6 +43,8 @@ from protocol.store import JobStore
 logger = logging.getLogger(__name__)
 
 STREAM_MAXLEN = 100_000
+MAX_BLOCK_S = 20.0
+"""Longest blocking read of an idle schedule watcher (below the socket time-out)."""
 # Failures that a restart or failover of Redis causes; anything else is a real error.
 TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
@@ -289,7 +291,11 @@ class ScheduleWatcher(threading.Thread):
         last_id = "0"
         while not self._stop_event.is_set():
             try:
-                reply = self._conn.xread({keys.job_updates(self.job_id): last_id}, block=500)
+                # Block until the next heartbeat is due: an idle watcher costs one command
+                # per MAX_BLOCK_S, and stop() interrupts the read by closing the connection.
+                wait = min(MAX_BLOCK_S, max(0.001, self._next_beat - time.monotonic()))
+                updates = {keys.job_updates(self.job_id): last_id}
+                reply = self._conn.xread(updates, block=max(1, int(wait * 1000)))
                 if self.outage.recovered() or time.monotonic() >= self._next_beat:
                     self._beat()
                 for _stream, entries in reply or []:
@@ -303,18 +309,27 @@ class ScheduleWatcher(threading.Thread):
                     self._note_announcements(versions)
                     newest = max(versions)
                     if newest > self._version:
-                        schedule = self.client.fetch_schedule(self.job_id, newest, self.rank)
-                        with self._lock:
-                            self._pending = schedule
-                            self._version = newest
+                        self._take_newest(newest)
             except TRANSIENT_ERRORS as exc:
+                if self._stop_event.is_set():
+                    return
                 self.error = self.outage.failed(exc)
                 if self.error is not None:
                     return
                 self._stop_event.wait(0.5)
             except Exception as exc:  # Surfaced to the training thread at the next step end.
-                self.error = exc
+                if not self._stop_event.is_set():
+                    self.error = exc
                 return
+
+    def _take_newest(self, announced: int) -> None:
+        # Only the newest few versions are kept in Redis: a watcher that fell behind fetches
+        # the latest one rather than one that may be gone.
+        newest = max(announced, self.client.latest_version(self.job_id))
+        schedule = self.client.fetch_schedule(self.job_id, newest, self.rank)
+        with self._lock:
+            self._pending = schedule
+            self._version = newest
 
     def _beat(self) -> None:
         self._next_beat = time.monotonic() + self.heartbeat_interval
@@ -368,9 +383,12 @@ class ScheduleWatcher(threading.Thread):
         return pending
 
     def stop(self) -> None:
-        """Stop following."""
+        """Stop following (interrupts a blocked read)."""
         self._stop_event.set()
-        self.join(timeout=2)
+        deadline = time.monotonic() + 2
+        while self.is_alive() and time.monotonic() < deadline:
+            self._conn.connection_pool.disconnect()  # wakes the blocked XREAD with an error
+            self.join(timeout=0.1)
         self._conn.close()
 
 

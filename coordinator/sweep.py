@@ -1,0 +1,105 @@
+"""The coordinator's periodic sweep: re-enqueue stalled scheduler work, delete idle jobs.
+
+Its cost does not depend on how many jobs have finished: it reads the due set (jobs with work
+outstanding), the idle end of the jobs index, and one page of all jobs per round, which
+reconciles the due set with the jobs themselves (a job whose due mark Redis lost is found
+within jobs / page rounds).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rq import Queue
+from rq.job import Job, JobStatus
+
+from coordinator.health import forget_stale
+from coordinator.settings import PerseusSettings
+from protocol import keys
+from protocol.store import JobStore
+
+logger = logging.getLogger(__name__)
+
+_WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
+SWEEP_LIMIT = 1000  # due or idle jobs one sweep looks at, at most
+RECONCILE_PAGE = 100  # jobs per sweep checked for work due but missing from the due set
+
+
+class Sweeper:
+    """One coordinator's sweeps, with where the next page of the jobs index starts.
+
+    Args:
+        store: The job store.
+    """
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+        self._page_at = 0
+
+    def run(self, settings: PerseusSettings, enqueue: Callable[[str], Any]) -> list[str]:
+        """One sweep under ``settings`` (idle time, stall timeout).
+
+        Args:
+            settings: The coordinator's settings now.
+            enqueue: Re-enqueues a job's stalled work.
+
+        Returns:
+            The jobs deleted as idle.
+        """
+        now = time.time()
+        forget_stale(self.store.conn, now)  # coordinators that stopped beating
+        deleted = self._delete_idle(now, settings.max_job_idle_time)
+        page = self.store.jobs_page(self._page_at, RECONCILE_PAGE)
+        self._page_at = self._page_at + len(page) if len(page) == RECONCILE_PAGE else 0
+        for job_id in self.store.mark_due(page):
+            logger.debug("job %s: due, and now in the due set", job_id)
+        for job_id in self.store.due_jobs(SWEEP_LIMIT):
+            if self._stalled(job_id, now, settings.stall_timeout):
+                enqueue(job_id)
+        return deleted
+
+    def _delete_idle(self, now: float, idle_time: int) -> list[str]:
+        deleted = []
+        for job_id in self.store.idle_jobs(idle_time, now, SWEEP_LIMIT):
+            if self.store.delete_job(job_id, idle_before=now - idle_time):
+                deleted.append(job_id)
+                logger.info("deleted job %s: idle for more than %d s", job_id, idle_time)
+        return deleted
+
+    def _stalled(self, job_id: str, now: float, stall_timeout: float) -> bool:
+        """Whether a job in the due set has work due that nobody is doing or will do."""
+        if not self.store.settle(job_id):
+            return False  # Nothing due (any more): it left the due set.
+        fields = self.store.job_fields(job_id, "error", "enqueued_at", "rq_job")
+        if fields["error"]:
+            # Fails deterministically: only new input (which marks it due) retries it.
+            self.store.forget_due(job_id)
+            return False
+        if self.store.lease_holder(job_id) is not None:
+            return False
+        enqueued_at = float(fields["enqueued_at"] or 0)
+        if now - enqueued_at < stall_timeout:
+            return False
+        rq_id = fields["rq_job"]
+        if rq_id and self._rq_waiting(rq_id):
+            return False  # Still in the queue: a worker will get to it.
+        logger.warning(
+            "job %s: due work unclaimed for %.1f s; enqueueing again", job_id, now - enqueued_at
+        )
+        return True
+
+    def _rq_waiting(self, rq_id: str) -> bool:
+        try:
+            status = Job.fetch(rq_id, connection=self.store.conn).get_status()
+        except Exception:  # rq raises NoSuchJobError and friends: treat as gone.
+            return False
+        if status == JobStatus.QUEUED:
+            # A worker killed between taking the job and starting it leaves it "queued" but
+            # out of the queue (in rq's intermediate list) until rq's maintenance, 10+ minutes
+            # later: only a job still in the queue is waiting.
+            queue = Queue(keys.RQ_QUEUE, connection=self.store.conn)
+            return self.store.conn.lpos(queue.key, rq_id) is not None
+        return status in _WAITING

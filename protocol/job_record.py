@@ -1,0 +1,110 @@
+"""A job as the store reads it: its record (info hash) and the state that decides what is due."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import msgpack
+
+from protocol.exceptions import UnknownJobError
+from protocol.models import JobConfig, JobInfo, JournalEntry, ProfilingResult, validate
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A registered job: its info, how it is served, and bookkeeping fields."""
+
+    info: JobInfo
+    config: JobConfig
+    fields: dict[str, str]
+
+    @property
+    def job_id(self) -> str:
+        """The job id."""
+        return self.info.job_id
+
+    @property
+    def error(self) -> str:
+        """The last scheduling error, empty if none."""
+        return self.fields.get("error", "")
+
+    def number(self, field: str, default: int = 0) -> int:
+        """An integer bookkeeping field (``default`` when absent or empty)."""
+        raw = self.fields.get(field, "")
+        return int(raw) if raw else default
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes, bytes]) -> JobRecord:
+        """Build a record from the job's info hash as HGETALL returns it."""
+        fields = {k.decode(): v.decode() for k, v in raw.items()}
+        info = JobInfo(
+            job_id=fields["job_id"],
+            pp_degree=int(fields["pp_degree"]),
+            dp_degree=int(fields["dp_degree"]),
+            tp_degree=int(fields["tp_degree"]),
+            world_size=int(fields["world_size"]),
+            job_metadata=fields["job_metadata"] or None,
+        )
+        config = JobConfig(
+            scheduler=fields["scheduler"],
+            scheduler_args=json.loads(fields["scheduler_args"]),
+            dump_dir=fields["dump_dir"],
+        )
+        return cls(info=info, config=config, fields=fields)
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What deciding and computing a job's next version needs, read in one round trip."""
+
+    record: JobRecord
+    rank_count: int
+    version: int
+    journal_length: int
+    control_length: int
+    tail: JournalEntry | None  # the journal's last entry
+    leased: bool = False  # the lease was taken with this read (JobStore.job_state)
+
+    @property
+    def fresh_results(self) -> bool:
+        """Every rank reported the latest version, and no journal entry observed it yet."""
+        return (
+            self.version > 0
+            and self.record.number("complete") == self.version
+            and (self.tail is None or self.tail.observed_version != self.version)
+        )
+
+    @property
+    def due(self) -> bool:
+        """Whether the next version must be computed (same rule as the DUE script)."""
+        if self.rank_count < self.record.info.world_size:
+            return False
+        if self.version == 0 or self.fresh_results:
+            return True
+        applied = self.tail.controls_upto if self.tail is not None else 0
+        return self.control_length > applied
+
+
+def unknown_job(job_id: str) -> UnknownJobError:
+    """The error for a job id that Redis does not have."""
+    return UnknownJobError(f"unknown job id {job_id!r} (never registered, or expired)")
+
+
+def stored_result(data: bytes, trusted: bool = False) -> ProfilingResult:
+    """Decode a stored result: a msgpack ProfilingResult, or the report message that carried it.
+
+    Args:
+        data: The stored value.
+        trusted: Skip validation: the coordinator validated it before storing it (numbers
+            keep the type they were sent with).
+
+    Raises:
+        ProtocolError: Not a valid result (only without ``trusted``).
+    """
+    raw = msgpack.unpackb(data, raw=False)
+    if isinstance(raw, dict) and raw.get("kind") == "report_result":
+        raw = raw["result"]
+    if trusted:
+        return ProfilingResult.model_construct(**raw)
+    return validate(ProfilingResult, raw)

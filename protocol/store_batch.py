@@ -1,0 +1,257 @@
+"""Store writes queued on one pipeline, so that a batch of stream entries costs one round trip."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
+
+from protocol import keys
+from protocol.exceptions import ProtocolError, UnknownJobError
+from protocol.job_record import unknown_job
+from protocol.models import JobConfig, JobInfo, ProfilingResult, RankInfo, SetTarget, pack
+from protocol.store_scripts import Scripts
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How a script answers and acknowledges the stream entry whose write succeeded."""
+
+    reply_key: str
+    reply: bytes
+    ttl: int
+    stream: str
+    group: str
+    entry_id: str
+
+
+class StoreBatch:
+    """Store writes queued on one pipeline: many entries, one round trip.
+
+    Each method queues one atomic write; :meth:`execute` returns, in order, each write's
+    outcome (what the same ``JobStore`` method returns) or the PerseusError it raised.
+    """
+
+    def __init__(self, scripts: Scripts) -> None:
+        self.scripts = scripts
+        self._commands: list[tuple[Script, list[str], list[Any]]] = []
+        # Per write: the index of the command carrying it (None: refused before sending) and
+        # how to turn that command's reply into the write's outcome.
+        self._ops: list[tuple[int | None, Callable[[Any], Any]]] = []
+        self._result_groups: dict[tuple[str, int], int] = {}  # (job, version) -> command
+
+    def _add(
+        self, command: tuple[Script, list[str], list[Any]], finish: Callable[[Any], Any]
+    ) -> None:
+        self._commands.append(command)
+        self._ops.append((len(self._commands) - 1, finish))
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def create_job(self, job: JobInfo, config: JobConfig, entry_id: str, now: float) -> None:
+        """Queue :meth:`JobStore.create_job`."""
+        fields: dict[str, str] = {
+            "job_id": job.job_id,
+            "pp_degree": str(job.pp_degree),
+            "dp_degree": str(job.dp_degree),
+            "tp_degree": str(job.tp_degree),
+            "world_size": str(job.world_size),
+            "job_metadata": job.job_metadata or "",
+            "scheduler": config.scheduler,
+            "scheduler_args": json.dumps(config.scheduler_args, sort_keys=True),
+            "dump_dir": config.dump_dir,
+            "created_at": f"{now:.3f}",
+            "entry_id": entry_id,
+            "error": "",
+            # Bookkeeping: the newest version with every rank's results (see JobState.due),
+            # the journal entries the stored snapshot covers, the oldest results kept.
+            "complete": "0",
+            "snapshot_len": "0",
+            "results_floor": "1",
+        }
+        flat = [x for pair in fields.items() for x in pair]
+        command = (
+            self.scripts.create_job,
+            [keys.job_info(job.job_id), keys.JOBS_INDEX],
+            [job.job_id, now, entry_id, *flat],
+        )
+
+        def finish(reply: Any) -> bool:
+            created, owner = reply
+            if not created and owner.decode() != entry_id:
+                raise ProtocolError(
+                    f"job id {job.job_id} is already used by registration {owner.decode()}"
+                )
+            return bool(created)
+
+        self._add(command, finish)
+
+    def add_rank(
+        self, job: JobInfo, rank: RankInfo, now: float, answer: Answer | None = None
+    ) -> None:
+        """Queue :meth:`JobStore.add_rank` (its fit to the job is checked now).
+
+        With ``answer``, a successful registration is also answered and acknowledged by the
+        same script.
+        """
+        try:
+            rank.check_fits(job)
+        except ValueError as exc:
+            self._fail(ProtocolError(str(exc)))
+            return
+        names = [
+            keys.job_info(job.job_id),
+            keys.job_ranks(job.job_id),
+            keys.JOBS_INDEX,
+            keys.DUE_JOBS,
+        ]
+        args = [job.job_id, now, rank.rank, pack(rank), job.world_size]
+        if answer is not None:
+            names += [answer.reply_key, answer.stream]
+            args += [answer.reply, answer.ttl, answer.group, answer.entry_id]
+        command = (self.scripts.add_rank, names, args)
+
+        def finish(reply: Any) -> int:
+            status, count = reply
+            if status == -1:
+                raise unknown_job(job.job_id)
+            if status == -2:
+                raise ProtocolError(
+                    f"rank {rank.rank} of job {job.job_id} is already registered with other info"
+                )
+            return int(count)
+
+        self._add(command, finish)
+
+    def add_result(
+        self, job: JobInfo, result: ProfilingResult, now: float, data: bytes | None = None
+    ) -> None:
+        """Queue :meth:`JobStore.add_result` (results of one version share one script call).
+
+        Args:
+            job: The job.
+            result: The validated result.
+            now: Unix time of the activity.
+            data: msgpack that holds it as is, stored instead of packing ``result`` again:
+                the ``report_result`` message it arrived in (see :func:`stored_result`).
+        """
+        if result.rank >= job.world_size:
+            self._fail(ProtocolError(f"rank {result.rank} is out of range for job {job.job_id}"))
+            return
+        version = result.schedule_version
+        index = self._result_groups.get((job.job_id, version))
+        if index is None:
+            names = [
+                keys.job_info(job.job_id),
+                keys.job_ranks(job.job_id),
+                keys.job_version(job.job_id),
+                keys.job_results(job.job_id, version),
+                keys.JOBS_INDEX,
+                keys.DUE_JOBS,
+            ]
+            self._commands.append(
+                (self.scripts.add_results, names, [job.job_id, now, version, job.world_size])
+            )
+            index = self._result_groups[(job.job_id, version)] = len(self._commands) - 1
+        args = self._commands[index][2]
+        position = (len(args) - 4) // 2
+        args += [result.rank, data if data is not None else _pack_plain(result)]
+
+        def finish(reply: Any) -> tuple[bool, int, int]:
+            status, latest, count = (int(x) for x in reply[:3])
+            added = reply[3:]
+            if status == -1:
+                raise unknown_job(job.job_id)
+            if status == -4:
+                raise ProtocolError(
+                    f"result for schedule version {version} of job {job.job_id}, but the "
+                    f"latest published version is {latest}"
+                )
+            if status == -5:  # A late result of a version already consumed: nothing to do.
+                return False, latest, 0
+            if added[position] == -3:
+                raise ProtocolError(f"rank {result.rank} is not registered with job {job.job_id}")
+            return added[position] == 1, latest, count
+
+        self._ops.append((index, finish))
+
+    def add_control(self, message: SetTarget, entry_id: str, now: float) -> None:
+        """Queue :meth:`JobStore.add_control`."""
+        job_id = message.job_id
+        command = (
+            self.scripts.add_control,
+            [keys.job_info(job_id), keys.job_control(job_id), keys.JOBS_INDEX, keys.DUE_JOBS],
+            [entry_id, pack(message), job_id, now],
+        )
+
+        def finish(reply: Any) -> bool:
+            if int(reply) == -1:
+                raise unknown_job(job_id)
+            return int(reply) == 1
+
+        self._add(command, finish)
+
+    def call(self, script: Script, names: list[str], args: list[Any]) -> None:
+        """Queue a read-mostly script whose reply is its outcome."""
+        self._add((script, names, args), lambda reply: int(reply))
+
+    def _fail(self, error: Exception) -> None:
+        def finish(_reply: Any) -> Any:
+            raise error
+
+        self._ops.append((None, finish))
+
+    def execute(self) -> list[Any]:
+        """Send every queued write; return each outcome, or the PerseusError it raised.
+
+        Raises:
+            redis.RedisError: Redis failed (nothing is known about which writes happened;
+                every write is idempotent, so the caller retries them all).
+        """
+        ops, commands = self._ops, self._commands
+        self._ops, self._commands, self._result_groups = [], [], {}
+        replies = self._send(commands) if commands else []
+        outcomes: list[Any] = []
+        for index, finish in ops:
+            reply = replies[index] if index is not None else None
+            if isinstance(reply, redis.RedisError):
+                raise reply
+            try:
+                outcomes.append(finish(reply))
+            except (ProtocolError, UnknownJobError) as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    def _send(self, commands: list[tuple[Script, list[str], list[Any]]]) -> list[Any]:
+        # EVALSHA straight away: redis-py's pipelined scripts would first ask SCRIPT EXISTS,
+        # a round trip per batch. A server that lost its scripts (restart) gets them again.
+        for attempt in (1, 2):
+            with self.scripts.conn.pipeline(transaction=False) as pipe:
+                for script, names, args in commands:
+                    pipe.evalsha(script.sha, len(names), *names, *args)
+                replies = pipe.execute(raise_on_error=False)
+            if attempt == 2 or not any(isinstance(r, NoScriptError) for r in replies):
+                break
+            for script in {id(c[0]): c[0] for c in commands}.values():
+                script.sha = self.scripts.conn.script_load(script.script)
+        return replies
+
+
+def _pack_plain(model: ProfilingResult) -> bytes:
+    # Its fields are plain lists, dicts and numbers once validated: no model_dump needed.
+    return msgpack.packb(dict(model.__dict__), use_bin_type=True)
+
+
+def single(batch: StoreBatch) -> Any:
+    """Execute a batch of one write; return its outcome or raise its error."""
+    (outcome,) = batch.execute()
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome

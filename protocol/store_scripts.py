@@ -1,0 +1,223 @@
+"""The Lua scripts behind :class:`protocol.store.JobStore`: each multi-key update runs atomically.
+
+Key names come from the caller (built in :mod:`protocol.keys`); every script documents its
+KEYS and ARGV. Status codes below zero tell the store which error to raise.
+"""
+
+from __future__ import annotations
+
+import redis
+from redis.commands.core import Script
+
+# KEYS[1] job info, KEYS[2] jobs index.
+# ARGV[1] job id, ARGV[2] now, ARGV[3] registration entry id, ARGV[4..] info field, value pairs.
+# Returns {1, entry id} when created, {0, owner entry id} when the job exists.
+CREATE_JOB = """
+local existing = redis.call('HGET', KEYS[1], 'entry_id')
+if existing then return {0, existing} end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+return {1, ARGV[3]}
+"""
+
+# KEYS[1] job info, KEYS[2] job ranks, KEYS[3] jobs index, KEYS[4] due set; optionally
+# KEYS[5] reply list, KEYS[6] the registration's source stream.
+# ARGV[1] job id, ARGV[2] now, ARGV[3] rank, ARGV[4] msgpack RankInfo, ARGV[5] world size;
+# with KEYS[5..6]: ARGV[6] msgpack reply, ARGV[7] reply TTL, ARGV[8] consumer group,
+# ARGV[9] source entry id: on success the reply is pushed and the entry acknowledged too, so a
+# registration is answered in the same round trip.
+# Returns {status, ranks registered}: 1 ok, -1 unknown job, -2 rank registered with other info.
+ADD_RANK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0} end
+local current = redis.call('HGET', KEYS[2], ARGV[3])
+if current and current ~= ARGV[4] then return {-2, 0} end
+if not current then redis.call('HSET', KEYS[2], ARGV[3], ARGV[4]) end
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+local count = redis.call('HLEN', KEYS[2])
+if count >= tonumber(ARGV[5]) then redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1]) end
+if KEYS[6] then
+  redis.call('LPUSH', KEYS[5], ARGV[6])
+  redis.call('EXPIRE', KEYS[5], ARGV[7])
+  redis.call('XACK', KEYS[6], ARGV[8], ARGV[9])
+end
+return {1, count}
+"""
+
+# Several ranks' results of one version of one job (a batch of stream entries).
+# KEYS[1] job info, KEYS[2] job ranks, KEYS[3] job version, KEYS[4] results of the version,
+# KEYS[5] jobs index, KEYS[6] due set.
+# ARGV[1] job id, ARGV[2] now, ARGV[3] the version, ARGV[4] world size, ARGV[5..] rank,
+# msgpack ProfilingResult pairs.
+# Returns {status, latest version, results of the version, then per pair: 1 added, 0 already
+# there, -3 rank not registered}; status 1 ok, -1 unknown job, -4 version not published,
+# -5 version already consumed (its results expired after a snapshot).
+ADD_RESULTS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0, 0} end
+local latest = tonumber(redis.call('GET', KEYS[3]) or '0')
+local version = tonumber(ARGV[3])
+if version < 1 or version > latest then return {-4, latest, 0} end
+local floor = tonumber(redis.call('HGET', KEYS[1], 'results_floor') or '1')
+if version < floor then return {-5, latest, 0} end
+local out = {1, latest, 0}
+for i = 5, #ARGV, 2 do
+  if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then
+    out[#out + 1] = -3
+  else
+    out[#out + 1] = redis.call('HSETNX', KEYS[4], ARGV[i], ARGV[i + 1])
+  end
+end
+redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
+local count = redis.call('HLEN', KEYS[4])
+out[3] = count
+if version == latest and count >= tonumber(ARGV[4]) then
+  redis.call('HSET', KEYS[1], 'complete', ARGV[3])
+  redis.call('ZADD', KEYS[6], ARGV[2], ARGV[1])
+end
+return out
+"""
+
+# KEYS[1] job info, KEYS[2] job control stream, KEYS[3] jobs index, KEYS[4] due set.
+# ARGV[1] source entry id, ARGV[2] msgpack SetTarget, ARGV[3] job id, ARGV[4] now.
+# Returns 1 appended, 0 already there (a redelivered entry: ids only grow), -1 unknown job.
+ADD_CONTROL = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[3])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
+local added = redis.pcall('XADD', KEYS[2], ARGV[1], 'data', ARGV[2])
+if type(added) == 'table' and added.err then
+  if string.find(added.err, 'equal or smaller') then return 0 end
+  return redis.error_reply(added.err)
+end
+return 1
+"""
+
+# Compare-and-set on the version number: exactly one writer publishes each version, so no
+# version is skipped or published twice even when two workers compute it concurrently.
+# KEYS[1] job version, KEYS[2] schedule of the new version, KEYS[3] journal, KEYS[4] updates
+# stream, KEYS[5] jobs index, KEYS[6] job info, KEYS[7] summaries, KEYS[8] an old schedule.
+# ARGV[1] job id, ARGV[2] now, ARGV[3] expected current version, ARGV[4] new version,
+# ARGV[5] msgpack JournalEntry, ARGV[6] updates MAXLEN, ARGV[7] expected journal length ('':
+# any), ARGV[8] summary field ('' none), ARGV[9] summary, ARGV[10] '1' deletes KEYS[8],
+# ARGV[11..] rank, msgpack FrequencySchedule pairs.
+# Returns {1, new version} or {0, current version}.
+PUBLISH = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+if current ~= tonumber(ARGV[3]) then return {0, current} end
+if ARGV[7] ~= '' and redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[7]) then
+  return {0, current}
+end
+redis.call('HSET', KEYS[2], unpack(ARGV, 11))
+redis.call('SET', KEYS[1], ARGV[4])
+redis.call('RPUSH', KEYS[3], ARGV[5])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'version', ARGV[4])
+redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
+redis.call('HSET', KEYS[6], 'published_at', ARGV[2], 'error', '')
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[7], ARGV[8], ARGV[9]) end
+if ARGV[10] == '1' then redis.call('DEL', KEYS[8]) end
+return {1, tonumber(ARGV[4])}
+"""
+
+# An observation that produced no new version: appended only if nobody appended meanwhile.
+# KEYS[1] journal, KEYS[2] jobs index, KEYS[3] summaries.
+# ARGV[1] expected journal length, ARGV[2] msgpack JournalEntry, ARGV[3] now, ARGV[4] job id,
+# ARGV[5] summary field ('' none), ARGV[6] summary. Returns 1 appended, 0 not.
+RECORD = """
+if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('RPUSH', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[6]) end
+return 1
+"""
+
+# Stores a scheduler snapshot taken after the first ARGV[1] journal entries, and deletes the
+# results those entries consumed; only if the journal still has exactly that many entries and
+# no newer snapshot exists.
+# KEYS[1] snapshot, KEYS[2] journal, KEYS[3] job info, KEYS[4..] results hashes to delete.
+# ARGV[1] journal length covered, ARGV[2] msgpack snapshot, ARGV[3] new results floor (results
+# of lower versions are refused from now on). Returns 1 stored, 0 not.
+SNAPSHOT = """
+if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[1]) then return 0 end
+if tonumber(redis.call('HGET', KEYS[3], 'snapshot_len') or '0') >= tonumber(ARGV[1]) then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[3], 'snapshot_len', ARGV[1], 'results_floor', ARGV[3])
+if #KEYS > 3 then redis.call('DEL', unpack(KEYS, 4)) end
+return 1
+"""
+
+# Whether a job needs its next version computed: all ranks registered, and no version yet, or
+# the latest version's results complete but not observed by the journal's last entry, or
+# control messages it has not applied. ARGV[2] == 'settle': a job with nothing due leaves the
+# due set; 'mark': a due job joins it (if absent, at time ARGV[3]).
+# KEYS[1] job info, KEYS[2] job ranks, KEYS[3] job version, KEYS[4] journal, KEYS[5] job
+# control stream, KEYS[6] due set. ARGV[1] job id, ARGV[2] '', 'settle' or 'mark', ARGV[3] now.
+# Returns 1 due, 0 not, -1 unknown job.
+DUE = """
+local f = redis.call('HMGET', KEYS[1], 'world_size', 'complete')
+if not f[1] then
+  if ARGV[2] == 'settle' then redis.call('ZREM', KEYS[6], ARGV[1]) end
+  return -1
+end
+local due = 0
+if redis.call('HLEN', KEYS[2]) >= tonumber(f[1]) then
+  local latest = tonumber(redis.call('GET', KEYS[3]) or '0')
+  local raw = redis.call('LINDEX', KEYS[4], -1)
+  local tail = {}
+  if raw then tail = cmsgpack.unpack(raw) end
+  if latest == 0 then
+    due = 1
+  elseif tonumber(f[2] or '0') == latest and tail['observed_version'] ~= latest then
+    due = 1
+  elseif redis.call('XLEN', KEYS[5]) > (tail['controls_upto'] or 0) then
+    due = 1
+  end
+end
+if due == 0 and ARGV[2] == 'settle' then redis.call('ZREM', KEYS[6], ARGV[1]) end
+if due == 1 and ARGV[2] == 'mark' then redis.call('ZADD', KEYS[6], 'NX', ARGV[3], ARGV[1]) end
+return due
+"""
+
+# Deletes a job's keys, but only if it is still idle: a heartbeat may have come in since the
+# sweep listed it. KEYS[1] jobs index, KEYS[2] due set, KEYS[3..] the job's keys.
+# ARGV[1] job id, ARGV[2] idle cutoff ('' deletes unconditionally). Returns 1 deleted, 0 not.
+DELETE_JOB = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if ARGV[2] ~= '' and score and tonumber(score) > tonumber(ARGV[2]) then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('DEL', unpack(KEYS, 3))
+return 1
+"""
+
+# KEYS[1] lease. ARGV[1] holder token. Returns 1 released, 0 held by another (or expired).
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# KEYS[1] lease. ARGV[1] holder token, ARGV[2] new TTL in ms. Returns 1 renewed, 0 lost.
+RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+class Scripts:
+    """Every script above, registered on one client (EVALSHA, loaded again when missing)."""
+
+    def __init__(self, conn: redis.Redis) -> None:
+        self.conn = conn
+        self.create_job: Script = conn.register_script(CREATE_JOB)
+        self.add_rank: Script = conn.register_script(ADD_RANK)
+        self.add_results: Script = conn.register_script(ADD_RESULTS)
+        self.add_control: Script = conn.register_script(ADD_CONTROL)
+        self.publish: Script = conn.register_script(PUBLISH)
+        self.record: Script = conn.register_script(RECORD)
+        self.snapshot: Script = conn.register_script(SNAPSHOT)
+        self.due: Script = conn.register_script(DUE)
+        self.delete_job: Script = conn.register_script(DELETE_JOB)
+        self.release: Script = conn.register_script(RELEASE)
+        self.renew: Script = conn.register_script(RENEW)

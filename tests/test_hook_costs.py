@@ -1,0 +1,93 @@
+"""What the hook costs the training thread and Redis: GPU syncs, NVML reads, idle watcher reads."""
+
+from __future__ import annotations
+
+import time
+
+from protocol.models import JobConfig, JobInfo
+from protocol.store import JobStore
+from tests.helpers import make_hook, run_step
+from worker_client.gpu.frequency import DryRunFrequencyController
+from worker_client.gpu.nvml import NVML, SIMULATED_NVML
+from worker_client.hook.energy_source import (
+    CounterEnergySource,
+    MonitorEnergySource,
+    default_energy_source,
+)
+from worker_client.hook.session import CoordinatorClient, ScheduleWatcher
+
+INSTRUCTIONS = 4  # run_step's forward, backward, forward, backward
+
+
+def test_gpu_syncs_only_for_measurements_and_clock_changes(gloo, hook_service, redis_url):
+    _coord, start_worker = hook_service
+    start_worker()
+    calls = [0]
+
+    def sync() -> None:
+        calls[0] += 1
+
+    hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1, sync_fn=sync)
+    steps: list[tuple[int, bool, int]] = []  # (version, measured, syncs)
+    try:
+        deadline = time.monotonic() + 20
+        while hook.schedule.version < 3 or not any(not m for _, m, _ in steps):
+            assert time.monotonic() < deadline, f"no version 3 after 20 s: {steps}"
+            before, version, measured = calls[0], hook.schedule.version, not hook._reported
+            run_step(hook)
+            steps.append((version, measured, calls[0] - before))
+    finally:
+        hook.close()
+    assert calls[0] == hook.syncs
+    for version, measured, syncs in steps:
+        # Measured: the step's two ends and each instruction's; otherwise the clock is the
+        # same for every instruction of a version (StepDown) and in force already.
+        expected = 2 + 2 * INSTRUCTIONS if measured else 0
+        assert syncs == expected, (version, measured, steps)
+    assert {v for v, m, _ in steps if not m}  # steps after a report, waiting for a version
+
+
+def test_idle_watcher_blocks_long_and_stops_at_once(r, redis_url):
+    store = JobStore(r)
+    job = JobInfo(job_id="idle", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    store.create_job(job, JobConfig(scheduler="x"), "1-0")
+    client = CoordinatorClient(redis_url)
+    watcher = ScheduleWatcher(client, "idle", rank=0, version=0, heartbeat_interval=60)
+    watcher.start()
+    try:
+        time.sleep(0.3)  # the first read is in flight
+        r.config_resetstat()
+        time.sleep(1.5)
+        # One blocking read every 20 s (twice a second before): none began in 1.5 s.
+        assert "cmdstat_xread" not in r.info("commandstats")
+    finally:
+        start = time.monotonic()
+        watcher.stop()
+        client.close()
+    assert not watcher.is_alive() and time.monotonic() - start < 1.0
+    assert watcher.error is None
+
+
+class _SlowCounterNVML(NVML):
+    """The simulated GPU, with an energy counter as slow to read as an H100's (~3 ms)."""
+
+    def total_energy_mj(self, index: int) -> int | None:
+        time.sleep(0.003)
+        return super().total_energy_mj(index)
+
+
+def test_a_slow_energy_counter_is_read_off_the_training_thread(tmp_path, monkeypatch):
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path))
+    fast = default_energy_source(NVML(SIMULATED_NVML), 0)
+    assert isinstance(fast, CounterEnergySource)  # a cheap read: exact, on the thread
+    slow = default_energy_source(_SlowCounterNVML(SIMULATED_NVML), 0)
+    try:
+        assert isinstance(slow, MonitorEnergySource) and slow.owned
+        start = time.perf_counter()
+        marks = [slow.mark() for _ in range(100)]
+        # Marks are timestamps: 100 of them take less than one counter read.
+        assert time.perf_counter() - start < 0.003 and marks == sorted(marks)
+        assert slow.monitor.sampler.alive  # the counter is read there
+    finally:
+        slow.close()
+    assert not slow.monitor.sampler.alive
