@@ -26,7 +26,7 @@ from redis.client import Pipeline
 from rq import Queue
 from rq.job import Job
 
-from coordinator.health import HEARTBEAT_INTERVAL_S, beat, forget_stale
+from coordinator.health import HEARTBEAT_INTERVAL_S, beat
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
 from protocol import deadletter, keys
@@ -504,6 +504,5 @@ class Coordinator:
 
     def sweep(self) -> None:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long (see Sweeper)."""
-        forget_stale(self.conn, time.time())
         for job_id in self.sweeper.run(self.settings, self.enqueue_advance):
             self._records.pop(job_id, None)

@@ -16,6 +16,7 @@ from typing import Any
 from rq import Queue
 from rq.job import Job, JobStatus
 
+from coordinator.health import forget_stale
 from coordinator.settings import PerseusSettings
 from protocol import keys
 from protocol.store import JobStore
@@ -49,6 +50,7 @@ class Sweeper:
             The jobs deleted as idle.
         """
         now = time.time()
+        forget_stale(self.store.conn, now)  # coordinators that stopped beating
         deleted = self._delete_idle(now, settings.max_job_idle_time)
         page = self.store.jobs_page(self._page_at, RECONCILE_PAGE)
         self._page_at = self._page_at + len(page) if len(page) == RECONCILE_PAGE else 0
@@ -98,6 +100,6 @@ class Sweeper:
             # A worker killed between taking the job and starting it leaves it "queued" but
             # out of the queue (in rq's intermediate list) until rq's maintenance, 10+ minutes
             # later: only a job still in the queue is waiting.
-            queue_key = Queue(keys.RQ_QUEUE, connection=self.store.conn).key
-            return self.store.conn.lpos(queue_key, rq_id) is not None
+            queue = Queue(keys.RQ_QUEUE, connection=self.store.conn)
+            return self.store.conn.lpos(queue.key, rq_id) is not None
         return status in _WAITING

@@ -25,13 +25,13 @@ DEADLETTER_STREAM = f"{PREFIX}:stream:deadletter"
 # Sorted set: job id -> unix time of its last activity (drives `perseus status` and GC).
 JOBS_INDEX = f"{PREFIX}:jobs"
 
-# Sorted set: job id -> unix time its next version became due. Holds only jobs with scheduler
-# work outstanding, so the coordinator's sweep costs nothing per finished job.
-DUE_JOBS = f"{PREFIX}:due"
-
 # Hash: coordinator consumer name (``<host>-<pid>``) -> unix time of its last loop round
 # (the container healthcheck, coordinator/health.py).
 COORDINATORS = f"{PREFIX}:coordinators"
+
+# Sorted set: job id -> unix time its next version became due. Holds only jobs with scheduler
+# work outstanding, so the coordinator's sweep costs nothing per finished job.
+DUE_JOBS = f"{PREFIX}:due"
 
 # The rq queue that runs scheduler work (rq stores it as ``rq:queue:perseus``).
 RQ_QUEUE = PREFIX
