@@ -1,0 +1,173 @@
+"""The planner's problem and answer as plain arrays, shared by every solver.
+
+:func:`build_problem` turns an instruction profile and a pipeline shape into a
+:class:`CoreProblem`: the 1F1B DAG (predecessor lists and a topological order) and, per
+``(stage, instruction)``, the candidate options and the tabulated cost model
+(:mod:`schedulers.planning.cost_model`). The pure-Python core, the C kernel and the lowtime
+reference all solve this one object, and all return a :class:`CoreResult`: one frontier point
+per solver step, and the clocks of each point as changes from the previous one.
+
+Option choice: clocks that another clock beats on both time and *effective* energy
+``energy - p2p_power * time`` are dropped first (:func:`pareto_frequencies`); while an
+instruction runs its GPU would otherwise sit blocked on communication at ``p2p_power``, so only
+the difference is the instruction's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.constants import INSTRUCTIONS
+from schedulers.planning.cost_model import CostTable, candidate_options, fit_cost_model
+from schedulers.planning.pipeline_dag import PipelineShape
+from schedulers.planning.profile_csv import InstructionProfile
+
+
+def pareto_frequencies(
+    entry: Mapping[int, tuple[float, float]], p2p_power: float = 0.0
+) -> list[int]:
+    """Clocks that no other clock beats on both time and (effective) energy, highest first.
+
+    A clock is dropped when another is at least as fast and uses at most as much energy
+    (exact ties keep the higher clock). Energy is the effective ``energy - p2p_power * time``
+    that the solver minimises; with ``p2p_power = 0`` it is the profiled energy.
+
+    Args:
+        entry: ``frequency -> (time, energy)``.
+        p2p_power: Power while blocked on communication, W.
+
+    """
+    items = sorted(entry.items(), key=lambda kv: (kv[1][0], -kv[0]))  # Fastest first.
+    kept: list[int] = []
+    best = float("inf")  # Least effective energy among faster (or tied, higher) clocks.
+    for freq, (t, e) in items:
+        cost = e - p2p_power * t
+        if cost < best:
+            kept.append(freq)
+            best = cost
+    return sorted(kept, reverse=True)
+
+
+@dataclass
+class CoreProblem:
+    """A pipeline's frontier problem.
+
+    Attributes:
+        shape: The pipeline.
+        unit_time: Time quantum, s.
+        tables: One :class:`CostTable` per ``(stage, instruction)``, in ``keys`` order.
+        keys: ``(stage, instruction)`` of each table.
+        node_table: ``node_table[i]``: the table of node ``i``.
+        option_time: ``option_time[t][o]``: profiled time of option ``o`` of table ``t``, s.
+        option_energy: ``option_energy[t][o]``: profiled energy of that option, J.
+        fits: Cost model fit report per ``"stage/instruction"``.
+
+    """
+
+    shape: PipelineShape
+    unit_time: float
+    tables: list[CostTable]
+    keys: list[tuple[int, str]]
+    node_table: list[int]
+    option_time: list[list[float]]
+    option_energy: list[list[float]]
+    fits: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def num_nodes(self) -> int:
+        """Instructions in the pipeline."""
+        return self.shape.num_nodes
+
+    def knob(self, node: int, option: int) -> int:
+        """Clock (MHz) of option ``option`` of node ``node``."""
+        return self.tables[self.node_table[node]].options[option].knob
+
+
+@dataclass
+class CoreResult:
+    """The frontier as a solver returns it, slowest point first.
+
+    Attributes:
+        quant_times: Iteration time of each point, in time units.
+        model_costs: The cost models' total at each point, J.
+        energies: Profiled energy of each point's clocks, J.
+        time_sums: Sum of the profiled instruction times, s.
+        makespans: Longest path with profiled times, s.
+        initial: Option index per node at point 0.
+        deltas: ``deltas[k]``: ``(node, option)`` changes from point ``k - 1`` to ``k``
+            (``deltas[0]`` is empty).
+        stop: Why the solver stopped.
+        stats: Counters (iterations, augmenting paths, ...).
+
+    """
+
+    quant_times: list[int]
+    model_costs: list[float]
+    energies: list[float]
+    time_sums: list[float]
+    makespans: list[float]
+    initial: list[int]
+    deltas: list[list[tuple[int, int]]]
+    stop: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_points(self) -> int:
+        """Frontier points."""
+        return len(self.quant_times)
+
+    def options_at(self, index: int) -> list[int]:
+        """Option index per node at point ``index`` (replays the changes)."""
+        current = list(self.initial)
+        for k in range(1, index + 1):
+            for node, option in self.deltas[k]:
+                current[node] = option
+        return current
+
+
+def build_problem(
+    profile: InstructionProfile,
+    shape: PipelineShape,
+    *,
+    unit_time: float,
+    p2p_power: float = 0.0,
+) -> CoreProblem:
+    """Fit the cost models and lay out the problem for the solvers.
+
+    Raises:
+        ConfigError: The profile does not cover the pipeline's stages.
+
+    """
+    profile.check_stages(shape.num_stages)
+    keys = [(s, i) for s in range(shape.num_stages) for i in INSTRUCTIONS]
+    tables: list[CostTable] = []
+    option_time: list[list[float]] = []
+    option_energy: list[list[float]] = []
+    fits: dict[str, dict[str, Any]] = {}
+    for stage, inst in keys:
+        entry = profile.table[(stage, inst)]
+        kept = pareto_frequencies(entry, p2p_power)
+        options = candidate_options(
+            [(f, entry[f][0], entry[f][1] - p2p_power * entry[f][0]) for f in kept], unit_time
+        )
+        model, report = fit_cost_model(options, unit_time)
+        report["pareto_frequencies"] = len(kept)
+        report["profiled_frequencies"] = len(entry)
+        fits[f"{stage}/{inst}"] = report
+        tables.append(CostTable(options, model))
+        option_time.append([entry[o.knob][0] for o in options])
+        option_energy.append([entry[o.knob][1] for o in options])
+    index = {key: t for t, key in enumerate(keys)}
+    node_table = [index[(s, name)] for s, name, _ in shape.nodes]
+    return CoreProblem(
+        shape=shape,
+        unit_time=unit_time,
+        tables=tables,
+        keys=keys,
+        node_table=node_table,
+        option_time=option_time,
+        option_energy=option_energy,
+        fits=fits,
+    )
