@@ -173,9 +173,10 @@ def _scheduler_hint(name: str) -> str:
     return "\n".join(lines)
 
 
-# Imported by `perseus worker` before it forks: lowtime alone costs ~0.8 s per forked job
-# otherwise (the planner runs inside InstructionProfiler's rq tasks).
-PRELOAD_MODULES = ("coordinator.tasks", "schedulers.planning.planner", "lowtime.solver")
+# Imported by `perseus worker` before it forks: scipy.optimize (the planner's cost-model fit)
+# costs ~0.5-1 s per forked job otherwise (the planner runs inside InstructionProfiler's and
+# FrontierScheduler's rq tasks). lowtime is imported only for `--solver lowtime`.
+PRELOAD_MODULES = ("coordinator.tasks", "schedulers.planning.planner", "scipy.optimize")
 
 
 def preload_schedulers() -> None:

@@ -1,31 +1,53 @@
 """Serve a plan chosen from a planner's frontier, and move along the frontier on demand.
 
-``FrontierScheduler`` picks a plan from a ``perseus optimize`` output folder with a policy
-(see :mod:`schedulers.planning.choose`) and serves it to every rank. ``set_target(seconds)`` (e.g. a
+``FrontierScheduler`` picks a plan from a frontier with a policy (see
+:mod:`schedulers.planning.choose`) and serves it to every rank. ``set_target(seconds)`` (e.g. a
 straggler's iteration time, sent with ``SetTarget``) switches to the least-energy plan that
 still meets the target, or the fastest plan if none does; the next ``next_schedule`` returns
 it. Profiling results do not change the plan.
 
+The frontier comes from one of two places:
+
+* ``frontier_dir``: a ``perseus optimize`` output folder. ``frontier.csv`` is read in the
+  constructor; a plan is read the first time it is needed (a frontier can hold thousands), from
+  its file or, for a folder written with ``--plans chosen``, rebuilt from ``plans.delta``;
+* ``profile`` (with ``microbatches``, ``unit_time``, ``p2p_power``, ``solver``, ``schedule``):
+  an instruction profile CSV, planned in memory with the planner's core
+  (:func:`~schedulers.planning.frontier_compute.compute_frontier`) whenever an rq worker
+  rebuilds the scheduler. With the compiled core this takes a fraction of a second for an 8x32
+  pipeline, so a target never waits for a planner run, and no folder needs sharing.
+
 ``FrontierScheduler3D`` serves the same plans to data/tensor-parallel jobs: every rank of a
 stage gets that stage's line (:func:`schedulers.parallel3d.make_3d_parallel`).
 
-Determinism: the choice depends only on the folder's files, the policy and the targets
-received, in order. ``frontier.csv`` is read in the constructor; a plan file is read the first
-time it is needed (a frontier can hold thousands), so the folder must not change while jobs use
-it, which holds for planner output (written once).
+Determinism: the choice depends only on the folder's files (or the profile and the planning
+parameters), the policy and the targets received, in order; the folder must not change while
+jobs use it, which holds for planner output (written once).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from protocol.exceptions import ConfigError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos, make_3d_parallel
 from schedulers.planning.choose import parse_policy, select_point
-from schedulers.planning.frontier_files import FrontierPoint, load_frontier
+from schedulers.planning.frontier_compute import ComputedFrontier, compute_frontier
+from schedulers.planning.frontier_files import Frontier, FrontierPoint, load_frontier
+from schedulers.planning.frontier_plans import plan_from_log
+from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE
 from schedulers.planning.plan_file import PlanFile, read_plan_file
+from schedulers.planning.profile_csv import read_profile_csv
 from schedulers.point_solution import check_plan_fits
+
+
+def _read_plan(frontier: Frontier, point: FrontierPoint) -> PlanFile:
+    """A folder's plan: its file, else rebuilt from the folder's ``plans.delta``."""
+    path = frontier.path(point)
+    return read_plan_file(path) if path.is_file() else plan_from_log(frontier, point)
 
 
 class FrontierScheduler(FrequencyScheduler):
@@ -34,15 +56,23 @@ class FrontierScheduler(FrequencyScheduler):
     Args:
         job_info: The training job (pure pipeline parallel: one rank per stage).
         rank_infos: Every rank of the job, in any order.
-        frontier_dir: A ``perseus optimize`` output folder.
+        frontier_dir: A ``perseus optimize`` output folder (or give ``profile``).
         policy: ``no-slowdown``, ``min-energy``, ``max-slowdown``, ``deadline`` or
             ``straggler`` (see :mod:`schedulers.planning.choose`); the value may be included, as in
             ``"max-slowdown 1.05"``.
         policy_arg: The policy's value (factor or seconds), if not given in ``policy``.
+        profile: An instruction profile CSV to plan from, instead of ``frontier_dir``.
+        microbatches: Microbatches per iteration (with ``profile``).
+        unit_time: The planner's time unit, s (with ``profile``).
+        p2p_power: GPU power while blocked on P2P communication, W (with ``profile``).
+        solver: The planner's solver (with ``profile``; see ``perseus optimize --solver``).
+        schedule: The pipeline schedule the training runs, ``"1f1b"`` or ``"gpipe"`` (with
+            ``profile``).
 
     Raises:
-        ConfigError: Missing or malformed frontier, bad policy, a plan whose number of stages
-            is not the job's, or a frequency some rank's GPU does not support.
+        ConfigError: Neither or both of ``frontier_dir`` and ``profile``; a missing or malformed
+            frontier or profile; bad policy; a plan whose number of stages is not the job's, or
+            a frequency some rank's GPU does not support.
 
     """
 
@@ -50,15 +80,40 @@ class FrontierScheduler(FrequencyScheduler):
         self,
         job_info: JobInfo,
         rank_infos: list[RankInfo],
-        frontier_dir: str,
+        frontier_dir: str | None = None,
         policy: str = "no-slowdown",
         policy_arg: float | None = None,
+        *,
+        profile: str | None = None,
+        microbatches: int | None = None,
+        unit_time: float = 0.001,
+        p2p_power: float = 0.0,
+        solver: str = "auto",
+        schedule: str = DEFAULT_SCHEDULE,
     ) -> None:
         super().__init__(job_info, rank_infos)
         self.frontier_dir = frontier_dir
-        self.frontier = load_frontier(frontier_dir)
         self.policy, self.policy_arg = parse_policy(policy, policy_arg)
         self._ranks = check_rank_infos(job_info, rank_infos)
+        self._computed: ComputedFrontier | None = None
+        if (frontier_dir is None) == (profile is None):
+            raise ConfigError("FrontierScheduler needs exactly one of frontier_dir and profile")
+        if profile is not None:
+            if microbatches is None:
+                raise ConfigError("FrontierScheduler: profile needs microbatches")
+            self._computed = compute_frontier(
+                read_profile_csv(profile, num_stages=job_info.pp_degree),
+                job_info.pp_degree,
+                int(microbatches),
+                p2p_power=float(p2p_power),
+                unit_time=float(unit_time),
+                solver=solver,
+                schedule=schedule,
+            )
+            self.frontier = self._computed.frontier(Path(profile), self._computed.base_meta())
+        else:
+            assert frontier_dir is not None
+            self.frontier = load_frontier(frontier_dir)
         self._plans: dict[str, PlanFile] = {}
         self.target: float | None = None
         point, _, _ = select_point(self.frontier, self.policy, self.policy_arg)
@@ -69,11 +124,14 @@ class FrontierScheduler(FrequencyScheduler):
 
     @classmethod
     def check_files(cls, args: dict[str, Any]) -> None:
-        """The frontier folder must load and the policy must pick one of its plans."""
+        """The frontier folder (or profile) must load and the policy must pick one of its plans."""
+        if args.get("profile") is not None:
+            read_profile_csv(args["profile"])
+            return
         frontier = load_frontier(args["frontier_dir"])
         policy, value = parse_policy(args.get("policy", "no-slowdown"), args.get("policy_arg"))
         point, _, _ = select_point(frontier, policy, value)
-        read_plan_file(frontier.path(point))
+        _read_plan(frontier, point)
 
     @property
     def plan(self) -> PlanFile:
@@ -84,7 +142,10 @@ class FrontierScheduler(FrequencyScheduler):
         """Read (once) and check a plan against the job."""
         if point.plan in self._plans:
             return self._plans[point.plan]
-        plan = read_plan_file(self.frontier.path(point))
+        if self._computed is not None:
+            plan = self._computed.plan(point.index)
+        else:
+            plan = _read_plan(self.frontier, point)
         check_plan_fits(
             plan,
             self.job_info,

@@ -21,9 +21,11 @@ from protocol.cli_options import connect_or_fail, redact_url, redis_url_option
 from protocol.connection import DEFAULT_REDIS_URL
 from protocol.exceptions import PerseusError
 from schedulers.planning.choose import choose_plan
+from schedulers.planning.frontier_files import load_frontier
+from schedulers.planning.frontier_plans import ensure_plan_file
 from schedulers.planning.job import enqueue_planning
 from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
-from schedulers.planning.planner import plan_frontier
+from schedulers.planning.planner import PLAN_FILES, SOLVERS, plan_frontier
 from schedulers.planning.profile_csv import read_profile_csv
 
 
@@ -66,8 +68,9 @@ def _redis_watch_hint(url: str, key: str) -> str:
 
 @click.command(
     "optimize",
-    epilog="Outputs in DIR: freqs_pipeline_%05d.py (a larger number is a shorter iteration), "
-    "frontier.csv, frontier.json, profile.csv and, with --plot, frontier.png and "
+    epilog="Outputs in DIR: freqs_pipeline_%05d.py (a larger number is a shorter iteration; "
+    "with --plans chosen only the no-slowdown and min-energy ones), plans.delta (every plan's "
+    "clocks), frontier.csv, frontier.json, profile.csv and, with --plot, frontier.png and "
     "timeline_<plan>.png.",
 )
 @click.argument("profile", type=click.Path(exists=True, dir_okay=False))
@@ -105,6 +108,22 @@ def _redis_watch_hint(url: str, key: str) -> str:
 @click.option(
     "--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Output folder."
 )
+@click.option(
+    "--solver",
+    type=click.Choice(SOLVERS),
+    default="auto",
+    show_default=True,
+    help="native: the compiled core; python: the same algorithm in pure Python; lowtime: "
+    "lowtime 0.3, the (much slower) reference; auto: native if it was built, else python.",
+)
+@click.option(
+    "--plans",
+    type=click.Choice(PLAN_FILES),
+    default="all",
+    show_default=True,
+    help="Write every plan file, or only the no-slowdown and min-energy ones (perseus choose "
+    "writes any other from plans.delta when it picks it).",
+)
 @click.option("--plot/--no-plot", default=True, show_default=True, help="Draw PNGs too.")
 @click.option(
     "--enqueue",
@@ -120,6 +139,8 @@ def optimize_command(
     p2p_power: float,
     unit_time: float,
     out_dir: str,
+    solver: str,
+    plans: str,
     plot: bool,
     enqueue: bool,
     redis_url: str | None,
@@ -135,7 +156,15 @@ def optimize_command(
         raise _fail(exc) from None
     if enqueue:
         _enqueue(
-            prof, stages, microbatches, p2p_power, unit_time, out_dir, plot, redis_url, schedule
+            prof,
+            stages,
+            microbatches,
+            p2p_power,
+            unit_time,
+            out_dir,
+            plot,
+            redis_url,
+            {"solver": solver, "plans": plans, "schedule": schedule},
         )
         return
 
@@ -150,6 +179,8 @@ def optimize_command(
             unit_time=unit_time,
             progress=bar,
             schedule=schedule,
+            solver=solver,
+            plans=plans,
         )
     except PerseusError as exc:
         raise _fail(exc) from None
@@ -158,8 +189,10 @@ def optimize_command(
     pts, ref, meta = result.points, result.allmax, result.meta
     best = choose_plan(result.out_dir, "no-slowdown")
     least = choose_plan(result.out_dir, "min-energy")
+    files = "" if plans == "all" else f", plan files for {best.plan} and {least.plan} only"
     click.echo(
-        f"{len(pts)} plans in {result.out_dir} ({meta['timings']['total_s']:.1f} s): "
+        f"{len(pts)} plans in {result.out_dir} ({meta['timings']['total_s']:.1f} s, "
+        f"solver {meta['solver']}{files}): "
         f"{pts[-1].iteration_time:.4f} s to {pts[0].iteration_time:.4f} s per iteration"
     )
     click.echo(f"all-max clocks: {ref.iteration_time:.4f} s, {ref.energy_with_p2p:.1f} J")
@@ -194,7 +227,7 @@ def _enqueue(
     out_dir: str,
     plot: bool,
     redis_url: str | None,
-    schedule: str,
+    options: dict[str, str],
 ) -> None:
     conn = connect_or_fail(redis_url)
     try:
@@ -207,7 +240,7 @@ def _enqueue(
             p2p_power=p2p_power,
             unit_time=unit_time,
             plot=plot,
-            schedule=schedule,
+            **options,
         )
     except redis.RedisError as exc:
         where = redact_url(redis_url or DEFAULT_REDIS_URL)
@@ -247,7 +280,9 @@ def choose_command(
 ) -> None:
     """Pick a frequency plan from a `perseus optimize` output folder DIR."""
     try:
-        chosen = choose_plan(frontier_dir, policy, value)
+        frontier = load_frontier(frontier_dir)
+        chosen = choose_plan(frontier, policy, value)
+        ensure_plan_file(frontier, frontier.point(chosen.plan))  # --plans chosen: write it now
         paths: dict[str, Path] = {}
         if plot:
             # matplotlib: only when plotting.

@@ -4,8 +4,8 @@
 perseus rq queue; the job reports progress and its outcome in the Redis hash
 ``keys.plan_key(plan_id)``. Watch it with ``redis-cli HGETALL perseus:plan:<plan_id>``.
 
-The planner imports lowtime only when it plans, so rq workers that import this module (or
-fork per job) pay for lowtime only when a planning job runs.
+The planner's own core needs no lowtime (only ``--solver lowtime`` imports it), so rq workers
+that import this module pay for scipy's import only, when a job fits its cost models.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from protocol.connection import connect
 from protocol.exceptions import ConfigError
 from schedulers.planning.pipeline_dag import PipelineShape
 from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE
-from schedulers.planning.planner import plan_frontier
+from schedulers.planning.planner import PLAN_FILES, SOLVERS, plan_frontier
 from schedulers.planning.profile_csv import InstructionProfile, ProfileRow, build_profile
 
 #: rq's default job timeout (180 s) is far too short for large pipelines.
@@ -47,6 +47,8 @@ def enqueue_planning(
     plot: bool = False,
     plan_id: str | None = None,
     schedule: str = DEFAULT_SCHEDULE,
+    solver: str = "auto",
+    plans: str = "all",
 ) -> str:
     """Enqueue :func:`run_planning_job` on the perseus rq queue and return the plan id.
 
@@ -68,6 +70,11 @@ def enqueue_planning(
 
     if not unit_time > 0 or not p2p_power >= 0:
         raise ConfigError(f"need unit_time > 0 and p2p_power >= 0, got {unit_time}, {p2p_power}")
+    if solver not in SOLVERS or plans not in PLAN_FILES:
+        raise ConfigError(
+            f"solver must be one of {', '.join(SOLVERS)} and plans one of "
+            f"{', '.join(PLAN_FILES)}; got {solver!r}, {plans!r}"
+        )
     profile.check_stages(num_stages)
     PipelineShape(num_stages, num_microbatches, schedule)  # Checks the shape and schedule.
     pid = plan_id or new_plan_id()
@@ -108,6 +115,8 @@ def enqueue_planning(
             "profile_path": profile.path,
             "plot": plot,
             "schedule": schedule,
+            "solver": solver,
+            "plans": plans,
         },
         job_timeout=PLAN_JOB_TIMEOUT,
         job_id=f"perseus-plan-{pid}",
@@ -128,8 +137,13 @@ def run_planning_job(
     plot: bool = False,
     redis_url: str | None = None,
     schedule: str = DEFAULT_SCHEDULE,
+    solver: str = "auto",
+    plans: str = "all",
 ) -> dict[str, Any]:
     """Run :func:`~schedulers.planning.planner.plan_frontier` as an rq job; progress goes to Redis.
+
+    The solver is the planner's own core (``solver="auto"``: compiled if built, else pure
+    Python), so a worker needs lowtime only for ``solver="lowtime"``.
 
     Progress goes to the hash ``keys.plan_key(plan_id)`` (see :func:`enqueue_planning`).
 
@@ -170,6 +184,8 @@ def run_planning_job(
             unit_time=unit_time,
             progress=report,
             schedule=schedule,
+            solver=solver,
+            plans=plans,
         )
         if plot:
             from schedulers.planning.plots import plot_run  # matplotlib: only when plotting

@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 from protocol.exceptions import ConfigError
 from schedulers.planning.choose import choose_plan
 from schedulers.planning.frontier_files import PROFILE_CSV, Frontier, load_frontier
+from schedulers.planning.frontier_plans import ensure_plan_file
 from schedulers.planning.pipeline_dag import PipelineShape
 from schedulers.planning.pipeline_schedules import PIPELINE_SCHEDULES, schedules_matching
 from schedulers.planning.plan_file import read_plan_file
@@ -193,7 +194,7 @@ def plot_plan_timeline(frontier_dir: str | Path, plan: str, out_path: str | Path
     if not point.file:
         raise ConfigError(f"plan {plan!r} has no plan file")
     profile = read_profile_csv(fr.out_dir / PROFILE_CSV)
-    plan_file = read_plan_file(fr.path(point))
+    plan_file = read_plan_file(ensure_plan_file(fr, point))
     title = (
         f"Plan {point.plan}: {point.profile_time:.3f} s (profile), "
         f"{point.energy_with_p2p:.0f} J per iteration"
