@@ -449,6 +449,10 @@ def test_enqueue_runs_on_rq_worker(tmp_path: Path, redis_url: str) -> None:
             str(out),
             "--unit-time",
             "0.002",
+            "--solver",
+            "python",
+            "--plans",
+            "chosen",
             "--enqueue",
             "--redis-url",
             redis_url,
@@ -468,7 +472,11 @@ def test_enqueue_runs_on_rq_worker(tmp_path: Path, redis_url: str) -> None:
     assert float(state["progress"]) == 1.0
     assert int(state["num_plans"]) == len(load_frontier(out).points) > 1
     assert state["out_dir"] == str(out.resolve())
-    assert (out / "freqs_pipeline_00000.py").is_file() and (out / "frontier.png").is_file()
+    meta = load_frontier(out).meta
+    assert meta["solver"] == "python" and meta["plan_files"] == "chosen"
+    chosen = {choose_plan(out, p).file.name for p in ("no-slowdown", "min-energy")}
+    assert {p.name for p in out.glob("freqs_pipeline_*.py")} == chosen
+    assert (out / "frontier.png").is_file()
 
     # A job that fails reports it.
     from schedulers.planning.job import enqueue_planning

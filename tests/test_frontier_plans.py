@@ -1,0 +1,145 @@
+"""Plan files written from cached lines, ``plans.delta``, ``--plans chosen`` and plans on demand.
+
+Every plan the fast writer produces must be exactly what :func:`write_plan_file` writes for the
+same content (so :func:`read_plan_file` reads it back unchanged); a plan rebuilt from
+``plans.delta`` must be byte for byte the file a full run writes; ``FrontierScheduler`` must
+serve the same plans from a profile (planned in memory) as from a planner folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from protocol.exceptions import ConfigError
+from protocol.models import JobInfo, RankInfo
+from schedulers.frontier import FrontierScheduler
+from schedulers.planning.choose import choose_plan, select_point
+from schedulers.planning.frontier_files import load_frontier
+from schedulers.planning.frontier_plans import PLAN_LOG, ensure_plan_file, plan_from_log
+from schedulers.planning.plan_file import read_plan_file, write_plan_file
+from schedulers.planning.planner import plan_frontier
+from schedulers.planning.synthetic_profile import synthetic_profile, write_synthetic_profile
+from worker_client.simulated.gpu import GRAPHICS_CLOCKS
+
+STAGES, MICRO, UNIT = 3, 4, 0.002
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """The same profile planned twice: every plan file, and only the chosen ones."""
+    base = tmp_path_factory.mktemp("plans")
+    profile = write_synthetic_profile(base / "profile.csv", STAGES, stride=6, jitter=0.02)
+    prof = synthetic_profile(STAGES, stride=6, jitter=0.02)
+    full, chosen = base / "all", base / "chosen"
+    plan_frontier(prof, STAGES, MICRO, out_dir=full, unit_time=UNIT, p2p_power=30.0)
+    plan_frontier(
+        prof, STAGES, MICRO, out_dir=chosen, unit_time=UNIT, p2p_power=30.0, plans="chosen"
+    )
+    return profile, full, chosen
+
+
+def test_fast_writer_matches_write_plan_file(folders, tmp_path: Path) -> None:
+    _, full, _ = folders
+    fr = load_frontier(full)
+    assert len(fr.points) > 20
+    for point in fr.points[:: len(fr.points) // 7]:
+        path = fr.path(point)
+        plan = read_plan_file(path)
+        write_plan_file(tmp_path / "ref.py", plan.stages, plan.header, plan.notes)
+        assert path.read_text() == (tmp_path / "ref.py").read_text()
+        assert plan.header["plan"] == point.plan
+        assert float(plan.header["energy_with_p2p"]) == point.energy_with_p2p
+
+
+def test_chosen_writes_two_plans_and_the_log_rebuilds_the_others(folders) -> None:
+    _, full, chosen = folders
+    fr_full, fr_chosen = load_frontier(full), load_frontier(chosen)
+    assert [p.plan for p in fr_full.points] == [p.plan for p in fr_chosen.points]
+    assert (full / "frontier.csv").read_text() == (chosen / "frontier.csv").read_text()
+    written = sorted(p.name for p in chosen.glob("freqs_pipeline_*.py"))
+    expected = sorted(
+        {select_point(fr_chosen, policy)[0].file for policy in ("no-slowdown", "min-energy")}
+    )
+    assert written == expected and fr_chosen.meta["plan_files"] == "chosen"
+    for point in fr_full.points:
+        rebuilt = plan_from_log(fr_chosen, point)
+        original = read_plan_file(fr_full.path(point))
+        assert rebuilt.stages == original.stages and rebuilt.header == original.header
+    point = fr_chosen.points[len(fr_chosen.points) // 3]
+    assert not fr_chosen.path(point).exists()
+    path = ensure_plan_file(fr_chosen, point)
+    assert path.read_bytes() == fr_full.path(point).read_bytes()
+
+
+def test_perseus_choose_writes_the_plan_it_picks(folders) -> None:
+    import click
+
+    from schedulers.planning.cli import choose_command
+
+    _, full, chosen = folders
+    fr = load_frontier(chosen)
+    target = fr.points[len(fr.points) // 2]
+    assert not fr.path(target).exists()
+    group = click.Group(commands={"choose": choose_command})
+    res = CliRunner().invoke(
+        group, ["choose", str(chosen), "--policy", f"deadline {target.iteration_time}"]
+    )
+    assert res.exit_code == 0, res.output
+    picked = choose_plan(chosen, "deadline", target.iteration_time)
+    assert picked.file.is_file() and str(picked.file) in res.output
+    assert picked.file.read_bytes() == (full / picked.file.name).read_bytes()
+
+
+def test_bad_plan_log_names_file_and_line(folders, tmp_path: Path) -> None:
+    _, _, chosen = folders
+    fr = load_frontier(chosen)
+    lines = (chosen / PLAN_LOG).read_text().splitlines()
+    for k, bad in [(4, "00001 7:x"), (4, "00001 999:1980"), (4, "00002"), (3, "00000 1980")]:
+        broken = tmp_path / f"broken{k}"
+        broken.mkdir(exist_ok=True)
+        for name in ("frontier.csv", "frontier.json"):
+            (broken / name).write_bytes((chosen / name).read_bytes())
+        (broken / PLAN_LOG).write_text("\n".join([*lines[:k], bad, *lines[k + 1 :]]) + "\n")
+        with pytest.raises(ConfigError, match=rf"{PLAN_LOG}:{k + 1}: "):
+            plan_from_log(load_frontier(broken), fr.points[-1])
+    (broken / PLAN_LOG).unlink()
+    with pytest.raises(ConfigError, match=r"no plans\.delta"):
+        ensure_plan_file(load_frontier(broken), fr.points[1])
+
+
+def _job(pp: int) -> tuple[JobInfo, list[RankInfo]]:
+    job = JobInfo(job_id="j", pp_degree=pp, dp_degree=1, tp_degree=1, world_size=pp)
+    ranks = [
+        RankInfo(
+            rank=r, dp_rank=0, pp_rank=r, tp_rank=0, available_frequencies=list(GRAPHICS_CLOCKS)
+        )
+        for r in range(pp)
+    ]
+    return job, ranks
+
+
+def test_frontier_scheduler_from_profile_serves_the_folders_plans(folders) -> None:
+    profile, full, chosen = folders
+    job, ranks = _job(STAGES)
+    from_profile = FrontierScheduler(
+        job, ranks, profile=str(profile), microbatches=MICRO, unit_time=UNIT, p2p_power=30.0
+    )
+    from_folder = FrontierScheduler(job, ranks, frontier_dir=str(full))
+    from_log = FrontierScheduler(job, ranks, frontier_dir=str(chosen))
+    fr = load_frontier(full)
+    assert from_profile.current == from_folder.current == from_log.current
+    for target in (fr.points[5].iteration_time, fr.points[-8].iteration_time, 100.0):
+        for sched in (from_profile, from_folder, from_log):
+            sched.set_target(target)
+        assert from_profile.current.plan == select_point(fr, "straggler", target)[0].plan
+        assert from_profile.next_schedule() == from_folder.next_schedule()
+        assert from_log.next_schedule() == from_folder.next_schedule()
+    with pytest.raises(ConfigError, match="exactly one"):
+        FrontierScheduler(job, ranks)
+    with pytest.raises(ConfigError, match="microbatches"):
+        FrontierScheduler(job, ranks, profile=str(profile))
+    FrontierScheduler.check_files({"frontier_dir": str(chosen), "policy": "min-energy"})
+    FrontierScheduler.check_files({"profile": str(profile), "microbatches": MICRO})
