@@ -52,9 +52,14 @@ class BoundedFlow:
         self.active = [False] * num_edges
         self.out_edges: list[list[int]] = [[] for _ in range(num_vertices)]
         self.in_edges: list[list[int]] = [[] for _ in range(num_vertices)]
+        # (edge, vertex at its other end) per vertex, for the searches.
+        self._out_pairs: list[list[tuple[int, int]]] = [[] for _ in range(num_vertices)]
+        self._in_pairs: list[list[tuple[int, int]]] = [[] for _ in range(num_vertices)]
         for e, (u, v) in enumerate(zip(tails, heads, strict=True)):
             self.out_edges[u].append(e)
             self.in_edges[v].append(e)
+            self._out_pairs[u].append((e, v))
+            self._in_pairs[v].append((e, u))
         self.excess = [0] * num_vertices
         self.unbalanced: set[int] = set()
         self.augmentations = 0
@@ -87,49 +92,29 @@ class BoundedFlow:
     def _search(self, starts: list[int], targets: set[int], reverse: bool) -> int:
         """Breadth-first search of the residual graph; return the target found or -1.
 
-        Leaves ``self._via`` with ``(edge, +1 forward / -1 backward)`` per reached vertex, and
-        the reached vertices in ``self._order``. With ``reverse`` the search follows residual
-        arcs against their direction.
+        Leaves ``self._via`` with ``(edge, +1 forward / -1 backward)`` per reached vertex. With
+        ``reverse`` the search follows residual arcs against their direction.
         """
         via: dict[int, tuple[int, int]] = dict.fromkeys(starts, (-1, 0))
         self._via = via
         order = list(starts)
-        self._order = order
         flow, lb, ub, active = self.flow, self.lb, self.ub, self.active
-        if reverse:
-            ahead, ahead_end, behind, behind_end = (
-                self.in_edges,
-                self.tails,
-                self.out_edges,
-                self.heads,
-            )
-        else:
-            ahead, ahead_end, behind, behind_end = (
-                self.out_edges,
-                self.heads,
-                self.in_edges,
-                self.tails,
-            )
-        k = 0
-        while k < len(order):
-            x = order[k]
-            k += 1
-            for e in ahead[x]:
-                if active[e] and flow[e] < ub[e]:
-                    y = ahead_end[e]
-                    if y not in via:
-                        via[y] = (e, 1)
-                        if y in targets:
-                            return y
-                        order.append(y)
-            for e in behind[x]:
-                if active[e] and flow[e] > lb[e]:
-                    y = behind_end[e]
-                    if y not in via:
-                        via[y] = (e, -1)
-                        if y in targets:
-                            return y
-                        order.append(y)
+        ahead, behind = (
+            (self._in_pairs, self._out_pairs) if reverse else (self._out_pairs, self._in_pairs)
+        )
+        for x in order:  # The loop also visits what it appends.
+            for e, y in ahead[x]:
+                if y not in via and active[e] and flow[e] < ub[e]:
+                    via[y] = (e, 1)
+                    if y in targets:
+                        return y
+                    order.append(y)
+            for e, y in behind[x]:
+                if y not in via and active[e] and flow[e] > lb[e]:
+                    via[y] = (e, -1)
+                    if y in targets:
+                        return y
+                    order.append(y)
         return -1
 
     def _path(self, end: int, reverse: bool) -> tuple[list[tuple[int, int]], int, int]:
