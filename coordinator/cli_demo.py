@@ -67,7 +67,7 @@ def demo_command(
     a pipeline of real rank processes (torch.distributed, gloo) on simulated GPUs replaying an
     imbalanced H100-like profile: profiles every stage's forward and backward through the
     InstructionProfiler scheduler, measures the P2P blocking power, plans the time-energy
-    frontier with lowtime, chooses the no-slowdown plan and trains with it, and prints
+    frontier (lowtime's algorithm), chooses the no-slowdown plan and trains with it, and prints
     all-max clocks against the plan.
     """
     # The demo imports torch, lowtime and matplotlib: only when it runs, not for `perseus -h`.

@@ -5,8 +5,8 @@ pipeline of real rank processes (gloo) on simulated GPUs that replay an imbalanc
 profile, either in the simulation's own loop or through torch's ``Schedule1F1B`` /
 ``ScheduleGPipe`` with a small real model (``engine="torch-pipelining"``); profile every
 stage's instructions with the InstructionProfiler scheduler; measure the P2P blocking power;
-plan the time-energy frontier with lowtime; choose the no-slowdown plan; train once at all-max
-clocks and once with the plan; compare.
+plan the time-energy frontier (lowtime's algorithm); choose the no-slowdown plan; train once
+at all-max clocks and once with the plan; compare.
 
 Jobs pick their scheduler at registration and plans travel as text in Redis, so the demo works
 against any coordinator and workers sharing the Redis (e.g. the docker compose stack).
@@ -263,7 +263,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         progress(f"      {p2p.mean_w:.1f} W (+/- {p2p.error_bound_w:.1f} W)")
 
         # 3. Plan the frontier and choose.
-        progress("[3/4] planning the time-energy frontier with lowtime ...")
+        progress("[3/4] planning the time-energy frontier ...")
         frontier_dir = out / "frontier"
         result = plan_frontier(
             read_profile_csv(profile_path, num_stages=cfg.stages),
