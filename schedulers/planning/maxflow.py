@@ -83,6 +83,7 @@ class BoundedFlow:
         if not active:
             self.active[e] = False
             self._shift(e, -self.flow[e])
+            self.lb[e] = self.ub[e] = 0  # No residual either way: searches need not test active.
             return
         self.active[e] = True
         self.lb[e], self.ub[e] = lb, ub
@@ -98,19 +99,19 @@ class BoundedFlow:
         via: dict[int, tuple[int, int]] = dict.fromkeys(starts, (-1, 0))
         self._via = via
         order = list(starts)
-        flow, lb, ub, active = self.flow, self.lb, self.ub, self.active
+        flow, lb, ub = self.flow, self.lb, self.ub
         ahead, behind = (
             (self._in_pairs, self._out_pairs) if reverse else (self._out_pairs, self._in_pairs)
         )
         for x in order:  # The loop also visits what it appends.
             for e, y in ahead[x]:
-                if y not in via and active[e] and flow[e] < ub[e]:
+                if y not in via and flow[e] < ub[e]:
                     via[y] = (e, 1)
                     if y in targets:
                         return y
                     order.append(y)
             for e, y in behind[x]:
-                if y not in via and active[e] and flow[e] > lb[e]:
+                if y not in via and flow[e] > lb[e]:
                     via[y] = (e, -1)
                     if y in targets:
                         return y

@@ -18,10 +18,12 @@ Same algorithm as lowtime's ``PhillipsDessouky.run``, step for step:
 
 Where lowtime rebuilds everything per step (networkx copies, three topological sorts, two
 max-flows from zero), this keeps state across steps: start times and tails of the longest
-paths are repaired only downstream/upstream of the changed instructions, criticality is read
-from buckets keyed by the longest path through each arc, and the flow is warm-started
+paths are repaired only downstream/upstream of the changed instructions (stopping where a value
+does not change), criticality is one comparison per arc on those values, only arcs whose
+criticality or bounds changed are handed to the flow, and the flow is warm-started
 (:class:`~schedulers.planning.maxflow.BoundedFlow`). Flow bounds are exact integers, so the cut
-is the same as lowtime's (the smallest minimum cut, which no max-flow order changes).
+is the smallest minimum cut, which no max-flow order changes (lowtime's floating-point flow can
+pick another minimum cut of equal model cost where a residual is exactly one ``FP_ERROR``).
 """
 
 from __future__ import annotations
@@ -212,7 +214,9 @@ def solve(problem: CoreProblem, progress: CoreProgress | None = None) -> CoreRes
     tables = solver.tables
     options = [tables[v].option_at[solver.d[v] - tables[v].min_d] for v in range(n)]
     evaluator = PlanEvaluator(problem, options)
-    cost = sum(tables[v].cost[solver.d[v] - tables[v].min_d] for v in range(n))
+    cost = 0.0
+    for v in range(n):  # A plain loop, as the C kernel (sum() compensates since Python 3.12).
+        cost += tables[v].cost[solver.d[v] - tables[v].min_d]
     result = CoreResult([], [], [], [], [], list(options), [])
 
     def record(moves: list[tuple[int, int]]) -> None:
