@@ -120,7 +120,7 @@ class FrontierScheduler(FrequencyScheduler):
         self._load(point)
         self.current: FrontierPoint = point
 
-    server_path_args = frozenset({"frontier_dir"})
+    server_path_args = frozenset({"frontier_dir", "profile"})
 
     @classmethod
     def check_files(cls, args: dict[str, Any]) -> None:

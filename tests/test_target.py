@@ -34,12 +34,15 @@ def drain(r) -> None:
     SimpleWorker([Queue(keys.RQ_QUEUE, connection=r)], connection=r).work(burst=True)
 
 
-def test_target_through_redis_switches_plan(r, redis_url, frontier_dir):
-    # The frontier folder is the operator's setting: a job may not name server paths.
+@pytest.mark.parametrize("source", ["folder", "profile"])
+def test_target_through_redis_switches_plan(r, redis_url, frontier_dir, source):
+    # A planner folder, or the profile that every worker plans in memory (the same plans).
+    # Either is the operator's setting: a job may not name server paths.
+    args = {"frontier_dir": str(frontier_dir)}
+    if source == "profile":
+        args = {"profile": str(frontier_dir / "profile.csv"), "microbatches": 2}
     settings = PerseusSettings(
-        redis_url=redis_url,
-        scheduler="FrontierScheduler3D",
-        scheduler_args={"frontier_dir": str(frontier_dir)},
+        redis_url=redis_url, scheduler="FrontierScheduler3D", scheduler_args=args
     )
     coord = Coordinator(r, settings)
     thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
