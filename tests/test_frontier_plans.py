@@ -108,6 +108,9 @@ def test_bad_plan_log_names_file_and_line(folders, tmp_path: Path) -> None:
     (broken / PLAN_LOG).unlink()
     with pytest.raises(ConfigError, match=r"no plans\.delta"):
         ensure_plan_file(load_frontier(broken), fr.points[1])
+    (broken / "frontier.json").unlink()
+    with pytest.raises(ConfigError, match=r"frontier\.json: missing num_stages"):
+        plan_from_log(load_frontier(broken), fr.points[1])
 
 
 def _job(pp: int) -> tuple[JobInfo, list[RankInfo]]:

@@ -1,7 +1,7 @@
 """The planner's problem and answer as plain arrays, shared by every solver.
 
 :func:`build_problem` turns an instruction profile and a pipeline shape into a
-:class:`CoreProblem`: the 1F1B DAG (predecessor lists and a topological order) and, per
+:class:`CoreProblem`: the pipeline DAG (predecessor lists and a topological order) and, per
 ``(stage, instruction)``, the candidate options and the tabulated cost model
 (:mod:`schedulers.planning.cost_model`). The pure-Python core, the C kernel and the lowtime
 reference all solve this one object, and all return a :class:`CoreResult`: one frontier point

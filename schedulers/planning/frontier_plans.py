@@ -35,6 +35,8 @@ from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULE_HE
 from schedulers.planning.plan_file import PlanFile
 
 PLAN_LOG = "plans.delta"
+#: What :func:`plan_from_log` needs from ``frontier.json``.
+_META_KEYS = ("num_stages", "num_microbatches", "unit_time", "p2p_power")
 _LOG_MAGIC = "# perseus-mq plan deltas v1"
 
 
@@ -190,8 +192,20 @@ def read_plan_clocks(path: Path, index: int, shape: PipelineShape) -> list[int]:
 
 
 def plan_from_log(frontier: Frontier, point: FrontierPoint) -> PlanFile:
-    """Rebuild a point's plan from the folder's ``plans.delta`` (no file is written)."""
+    """Rebuild a point's plan from the folder's ``plans.delta`` (no file is written).
+
+    Raises:
+        ConfigError: ``frontier.json`` lacks the run's parameters, or ``plans.delta`` is
+            missing or malformed.
+
+    """
     meta = frontier.meta
+    missing = [k for k in _META_KEYS if k not in meta]
+    if missing:
+        raise ConfigError(
+            f"{frontier.out_dir / 'frontier.json'}: missing {', '.join(missing)}; cannot "
+            f"rebuild plan {point.plan} from {PLAN_LOG}"
+        )
     schedule = str(meta.get(SCHEDULE_HEADER, DEFAULT_SCHEDULE))
     shape = PipelineShape(int(meta["num_stages"]), int(meta["num_microbatches"]), schedule)
     clocks = read_plan_clocks(frontier.out_dir / PLAN_LOG, point.index, shape)

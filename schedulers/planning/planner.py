@@ -6,12 +6,12 @@ clock), :func:`plan_frontier`
 1. lays out the problem (:func:`~schedulers.planning.core_problem.build_problem`): per
    ``(stage, instruction)`` the Pareto-optimal clocks, lowtime's candidate options and cost
    model (exponential, or straight lines over the lower convex hull; see
-   :mod:`schedulers.planning.cost_model`), on the synchronous 1F1B DAG;
+   :mod:`schedulers.planning.cost_model`), on the DAG of the pipeline schedule (synchronous
+   1F1B or GPipe, :mod:`schedulers.planning.pipeline_dag`);
 2. runs the Phillips-Dessouky solver, which starts from every instruction at its slowest
    option and shortens the iteration by one time unit per step at the least added cost
    (``solver``: ``native``, ``python``, ``lowtime`` or ``auto``; see
    :mod:`schedulers.planning.frontier_compute`);
-
 3. writes ``frontier.csv``/``frontier.json`` (see :mod:`schedulers.planning.frontier_files`),
    ``plans.delta`` (every plan's clocks as changes from the previous plan) and the plan files
    ``freqs_pipeline_%05d.py``: every one (``plans="all"``), or only those the ``no-slowdown``
