@@ -241,7 +241,9 @@ static int repair(Ctx *c) {
     return 0;
 }
 
-/* Phases 1-3; afterwards seen[v] == gen marks the source side. Returns -1 if infeasible. */
+/* Phases 1-3 (breadth-first augmenting paths here; the Python core uses Dinic level graphs,
+ * which finds the same cut); afterwards seen[v] == gen marks the source side. Returns -1 if
+ * infeasible. */
 static int min_cut(Ctx *c) {
     if (repair(c) < 0) return -1;
     for (;;) {

@@ -10,7 +10,8 @@ flow, clamped into the new bounds, is nearly feasible:
 1. *repair*: the clamping leaves some vertices with more inflow than outflow or less; excess
    is pushed along residual paths to vertices short of flow, or to ``s``/``t`` (which need not
    balance: with lowtime's infinite return edge ``t -> s`` the problem is a circulation);
-2. *augment*: breadth-first augmenting paths from ``s`` to ``t`` until none is left;
+2. *augment*: shortest augmenting paths from ``s`` to ``t`` until none is left, a level graph
+   at a time (Dinic: one breadth-first search, then depth-first paths through it);
 3. the vertices reachable from ``s`` in the residual graph are the source side of the cut.
 
 That set is the same for every maximum flow (it is the smallest minimum cut), so the cut
@@ -60,6 +61,11 @@ class BoundedFlow:
             self.in_edges[v].append(e)
             self._out_pairs[u].append((e, v))
             self._in_pairs[v].append((e, u))
+        # (edge, other end, +1 forward / -1 backward) per vertex, for the blocking flow.
+        self._adjacent: list[list[tuple[int, int, int]]] = [
+            [(e, y, 1) for e, y in outs] + [(e, y, -1) for e, y in ins]
+            for outs, ins in zip(self._out_pairs, self._in_pairs, strict=True)
+        ]
         self.excess = [0] * num_vertices
         self.unbalanced: set[int] = set()
         self.augmentations = 0
@@ -136,9 +142,25 @@ class BoundedFlow:
                 x = self.tails[e] if reverse else self.heads[e]
         return arcs, bottleneck, x
 
-    def _push(self, arcs: list[tuple[int, int]], amount: int) -> None:
+    def _push(
+        self, arcs: list[tuple[int, int]], amount: int, origin: int = -1, dest: int = -1
+    ) -> None:
+        """Send ``amount`` along a path of ``(edge, sign)`` from ``origin`` to ``dest``.
+
+        Inner vertices stay balanced; only the ends' excess moves (``s`` and ``t``, or -1,
+        keep none).
+        """
+        flow = self.flow
         for e, sign in arcs:
-            self._shift(e, sign * amount)
+            flow[e] += sign * amount
+        for vertex, change in ((origin, -amount), (dest, amount)):
+            if vertex < 0 or vertex == self.source or vertex == self.sink:
+                continue
+            self.excess[vertex] += change
+            if self.excess[vertex]:
+                self.unbalanced.add(vertex)
+            else:
+                self.unbalanced.discard(vertex)
         self.augmentations += 1
 
     def _repair(self) -> None:
@@ -158,7 +180,7 @@ class BoundedFlow:
                 amount = min(amount, room)
             if end not in free:
                 amount = min(amount, -self.excess[end])
-            self._push(arcs, amount)
+            self._push(arcs, amount, start, end)
         while self.unbalanced:
             needy = sorted(self.unbalanced)
             end = self._search(needy, free, reverse=True)
@@ -168,9 +190,66 @@ class BoundedFlow:
             amount = -self.excess[start]
             if room >= 0:
                 amount = min(amount, room)
-            self._push(arcs, amount)
+            self._push(arcs, amount, end, start)
 
-    def min_cut(self) -> dict[int, tuple[int, int]]:
+    def _levels(self) -> dict[int, int]:
+        """Breadth-first distances from ``s`` in the residual graph.
+
+        Stops after the level of ``t`` if ``t`` is reached; otherwise the keys are every
+        vertex reachable from ``s``.
+        """
+        flow, lb, ub, sink = self.flow, self.lb, self.ub, self.sink
+        level = {self.source: 0}
+        order = [self.source]
+        last = -1  # The level of t once found.
+        for x in order:  # The loop also visits what it appends.
+            here = level[x]
+            if here == last:
+                break
+            for e, y in self._out_pairs[x]:
+                if y not in level and flow[e] < ub[e]:
+                    level[y] = here + 1
+                    order.append(y)
+            for e, y in self._in_pairs[x]:
+                if y not in level and flow[e] > lb[e]:
+                    level[y] = here + 1
+                    order.append(y)
+            if last < 0 and sink in level:
+                last = level[sink]
+        return level
+
+    def _blocking_flow(self, level: dict[int, int]) -> None:
+        """Augment along shortest paths until none is left at these levels (Dinic)."""
+        flow, lb, ub, sink = self.flow, self.lb, self.ub, self.sink
+        adj = self._adjacent
+        cursor = dict.fromkeys(level, 0)
+        while True:
+            path: list[tuple[int, int]] = []
+            x = self.source
+            while x != sink:
+                arcs, k, step = adj[x], cursor[x], None
+                want = level[x] + 1
+                while k < len(arcs):
+                    e, y, sign = arcs[k]
+                    if level.get(y) == want and (flow[e] < ub[e] if sign > 0 else flow[e] > lb[e]):
+                        step = (e, y, sign)
+                        break
+                    k += 1
+                cursor[x] = k
+                if step is None:  # Dead end: drop x, step back.
+                    level[x] = -1
+                    if not path:
+                        return
+                    e, sign = path.pop()
+                    x = self.tails[e] if sign > 0 else self.heads[e]
+                    cursor[x] += 1
+                    continue
+                path.append((step[0], step[2]))
+                x = step[1]
+            room = min(ub[e] - flow[e] if sign > 0 else flow[e] - lb[e] for e, sign in path)
+            self._push(path, room)
+
+    def min_cut(self) -> dict[int, int]:
         """Make the flow feasible and maximum; return the source side of the minimum cut.
 
         Returns:
@@ -181,13 +260,11 @@ class BoundedFlow:
 
         """
         self._repair()
-        sink = {self.sink}
         while True:
-            end = self._search([self.source], sink, reverse=False)
-            if end < 0:
-                return self._via
-            arcs, room, _ = self._path(end, reverse=False)
-            self._push(arcs, room)
+            level = self._levels()
+            if self.sink not in level:
+                return level
+            self._blocking_flow(level)
 
 
 _INFEASIBLE = (
