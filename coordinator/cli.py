@@ -180,7 +180,7 @@ PRELOAD_MODULES = ("coordinator.tasks", "schedulers.planning.planner", "scipy.op
 
 
 def preload_schedulers() -> None:
-    """Import scheduler modules (and lowtime) once, before rq forks a job's process."""
+    """Import scheduler modules (and scipy.optimize) once, before rq forks a job's process."""
     targets = [t.partition(":")[0] for t in BUILTIN.values()] + list(PRELOAD_MODULES)
     for module in targets:
         try:
