@@ -101,6 +101,7 @@ class DemoReport:
     plans: int = 0
     chosen_plan: str = ""
     rounding_s: float = 0.0
+    predicted_time_s: float = 0.0
     predicted_saving_pct: float = 0.0
     allmax: RunFigures | None = None
     plan: RunFigures | None = None
@@ -275,15 +276,18 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
             schedule=cfg.schedule,
         )
         chosen = choose_plan(frontier_dir, "no-slowdown")
-        report.plans = len(result.points)
+        report.plans = len(result.pareto)
+        report.predicted_time_s = chosen.iteration_time
         report.chosen_plan = chosen.plan
         report.rounding_s = float(result.meta.get("rounding_bound", 0.0))
         report.predicted_saving_pct = chosen.saving_pct
         report.frontier_png = plot_frontier(frontier_dir, out / "frontier.png", chosen.plan)
-        report.timeline_png = plot_plan_timeline(frontier_dir, chosen.plan, out / "plan.png")
+        report.timeline_png = plot_plan_timeline(
+            frontier_dir, chosen.plan, out / f"timeline_{chosen.plan}.png"
+        )
         progress(
-            f"      {report.plans} plans; no-slowdown plan {chosen.plan}: "
-            f"predicted saving {chosen.saving_pct:.1f}%"
+            f"      {report.plans} Pareto-optimal plans; no-slowdown plan {chosen.plan}: "
+            f"predicted {chosen.iteration_time:.4f} s, saving {chosen.saving_pct:.1f}%"
         )
 
         # 4. Train at all-max clocks, then with the plan.
@@ -373,9 +377,9 @@ def format_report(report: DemoReport) -> str:
         "",
         f"energy saved: {report.saving_pct:.1f}% (planner predicted "
         f"{report.predicted_saving_pct:.1f}%)",
-        f"slowdown:     {report.slowdown_pct:+.2f}% (planner rounding bound "
-        f"{report.rounding_s * 1000:.1f} ms)",
-        f"plan {report.chosen_plan} of {report.plans} on the frontier; "
+        f"slowdown:     {report.slowdown_pct:+.2f}% (planner predicted "
+        f"{report.predicted_time_s:.4f} s; rounding bound {report.rounding_s * 1000:.1f} ms)",
+        f"plan {report.chosen_plan}, one of {report.plans} Pareto-optimal plans; "
         f"P2P blocking power {report.p2p_power_w:.1f} W",
         f"frontier: {report.frontier_png}",
         f"timeline: {report.timeline_png}",

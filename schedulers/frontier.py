@@ -8,9 +8,10 @@ it. Profiling results do not change the plan.
 
 The frontier comes from one of two places:
 
-* ``frontier_dir``: a ``perseus optimize`` output folder. ``frontier.csv`` is read in the
-  constructor; a plan is read the first time it is needed (a frontier can hold thousands), from
-  its file or, for a folder written with ``--plans chosen``, rebuilt from ``plans.delta``;
+* ``frontier_dir``: a ``perseus optimize`` output folder. ``frontier.csv`` and ``allmax.csv``
+  are read in the constructor; a plan is read the first time it is needed (a frontier can hold
+  thousands), from its file or, for a folder written with ``--plans chosen``, rebuilt from
+  ``plans.delta``;
 * ``profile`` (with ``microbatches``, ``unit_time``, ``p2p_power``, ``solver``, ``schedule``):
   an instruction profile CSV, planned in memory with the planner's core
   (:func:`~schedulers.planning.frontier_compute.compute_frontier`) whenever an rq worker

@@ -100,7 +100,7 @@ def test_bad_plan_log_names_file_and_line(folders, tmp_path: Path) -> None:
     for k, bad in [(4, "00001 7:x"), (4, "00001 999:1980"), (4, "00002"), (3, "00000 1980")]:
         broken = tmp_path / f"broken{k}"
         broken.mkdir(exist_ok=True)
-        for name in ("frontier.csv", "frontier.json"):
+        for name in ("frontier.csv", "allmax.csv", "frontier.json"):
             (broken / name).write_bytes((chosen / name).read_bytes())
         (broken / PLAN_LOG).write_text("\n".join([*lines[:k], bad, *lines[k + 1 :]]) + "\n")
         with pytest.raises(ConfigError, match=rf"{PLAN_LOG}:{k + 1}: "):

@@ -1,12 +1,14 @@
 """Pick one plan from a planner output folder (Perseus step 3).
 
-Policies (iteration times are the planner's ``iteration_time`` column; energy is
-``energy_with_p2p``, which equals the computation energy when no P2P power was given):
+Policies choose among the Pareto-optimal plans only (``dominated`` 0 in ``frontier.csv``).
+Iteration times are the planner's ``iteration_time`` column (the real longest path at the
+plan's clocks, the one time shown everywhere); energy is ``energy_with_p2p``, which equals the
+computation energy when no P2P power was given:
 
 * ``no-slowdown``: least energy among plans no slower than running every instruction at its
-  highest clock (``allmax``). Both times are rounded down per instruction the same way, but the
-  solver's fastest point can still land a little above ``allmax``; the limit then grows by that
-  gap, never by more than the run's reported rounding bound.
+  highest clock (``allmax``). The solver works in whole time units, so its fastest point can
+  land a little above ``allmax``; the limit then grows by that gap, never by more than the
+  run's reported rounding bound.
 * ``min-energy``: least energy overall (the slow end of the frontier).
 * ``max-slowdown FACTOR``: least energy within ``FACTOR`` (>= 1) times the ``allmax`` time
   (plus the same rounding allowance as ``no-slowdown``); ``1`` is ``no-slowdown``.
@@ -114,7 +116,7 @@ def _least_energy(points: list[FrontierPoint], limit: float) -> FrontierPoint | 
 
 def rounding_allowance(frontier: Frontier) -> float:
     """How far above ``allmax`` the no-slowdown limit may go (see the module docstring)."""
-    fastest = min(p.iteration_time for p in frontier.points)
+    fastest = min(p.iteration_time for p in frontier.pareto)
     gap = max(0.0, fastest - frontier.allmax.iteration_time)
     bound = frontier.rounding_bound
     return min(gap, bound) if bound > 0 else 0.0
@@ -134,7 +136,7 @@ def select_point(
 
     """
     name, value = parse_policy(policy, value)
-    points = frontier.points
+    points = frontier.pareto
     fastest = min(points, key=lambda p: (p.iteration_time, p.energy_with_p2p))
     base = frontier.allmax.iteration_time
     if name == "min-energy":

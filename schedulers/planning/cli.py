@@ -21,7 +21,7 @@ from protocol.cli_options import connect_or_fail, redact_url, redis_url_option
 from protocol.connection import DEFAULT_REDIS_URL
 from protocol.exceptions import PerseusError
 from schedulers.planning.choose import choose_plan
-from schedulers.planning.frontier_files import load_frontier
+from schedulers.planning.frontier_files import FRONTIER_PNG, load_frontier, timeline_png_name
 from schedulers.planning.frontier_plans import ensure_plan_file
 from schedulers.planning.job import enqueue_planning
 from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
@@ -190,10 +190,12 @@ def optimize_command(
     best = choose_plan(result.out_dir, "no-slowdown")
     least = choose_plan(result.out_dir, "min-energy")
     files = "" if plans == "all" else f", plan files for {best.plan} and {least.plan} only"
+    pareto = result.pareto
     click.echo(
-        f"{len(pts)} plans in {result.out_dir} ({meta['timings']['total_s']:.1f} s, "
-        f"solver {meta['solver']}{files}): "
-        f"{pts[-1].iteration_time:.4f} s to {pts[0].iteration_time:.4f} s per iteration"
+        f"{len(pareto)} Pareto-optimal plans ({len(pts) - len(pareto)} dominated) in "
+        f"{result.out_dir} ({meta['timings']['total_s']:.1f} s, solver {meta['solver']}{files}): "
+        f"{min(p.iteration_time for p in pareto):.4f} s to "
+        f"{max(p.iteration_time for p in pareto):.4f} s per iteration"
     )
     click.echo(f"all-max clocks: {ref.iteration_time:.4f} s, {ref.energy_with_p2p:.1f} J")
     click.echo(
@@ -205,9 +207,10 @@ def optimize_command(
         f"{least.energy_with_p2p:.1f} J (saves {least.saving_pct:.1f}%, "
         f"{least.slowdown_pct:+.1f}% time)"
     )
+    click.echo(f"times:          {TIMES_NOTE}")
     click.echo(
-        f"rounding:       instruction times are rounded down to {unit_time:g} s; iteration "
-        f"times may undershoot by < {result.rounding_bound:.4f} s "
+        f"rounding:       the solver rounds instruction times down to {unit_time:g} s; its "
+        f"choices are exact to < {result.rounding_bound:.4f} s "
         f"({meta['max_path_instructions']} instructions on the longest path)"
     )
     if plot:
@@ -254,6 +257,12 @@ def _enqueue(
     click.echo("         (state: queued/running/done/failed, progress 0..1, message, num_plans)")
 
 
+#: How every time the planner prints is computed and rounded (said once per output).
+TIMES_NOTE = (
+    "longest path with the profile's times at the plan's clocks, shown to 0.1 ms "
+    "(frontier.csv holds them unrounded)"
+)
+
 _POLICY_HELP = (
     "no-slowdown | min-energy | max-slowdown FACTOR | deadline SECONDS | straggler SECONDS. "
     "Give the value with --value or inside the policy: --policy 'max-slowdown 1.1' "
@@ -289,9 +298,9 @@ def choose_command(
             from schedulers.planning.plots import plot_frontier, plot_plan_timeline
 
             out = Path(frontier_dir)
-            paths["frontier"] = plot_frontier(out, out / f"frontier_{chosen.plan}.png", chosen.plan)
+            paths["frontier"] = plot_frontier(out, out / FRONTIER_PNG, chosen.plan)
             paths["timeline"] = plot_plan_timeline(
-                out, chosen.plan, out / f"timeline_{chosen.plan}.png"
+                out, chosen.plan, out / timeline_png_name(chosen.plan)
             )
     except PerseusError as exc:
         raise _fail(exc) from None
@@ -316,6 +325,7 @@ def choose_command(
         f"(all-max {chosen.allmax_energy:.1f} J)"
     )
     click.echo(f"saving:         {chosen.saving_j:.1f} J ({chosen.saving_pct:.2f}%) per iteration")
+    click.echo(f"times:          {TIMES_NOTE}")
     if chosen.note:
         click.echo(f"note:           {chosen.note}")
     for name, path in paths.items():

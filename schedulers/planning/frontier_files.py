@@ -2,33 +2,35 @@
 
 ``perseus optimize ... --out DIR`` writes:
 
-* ``freqs_pipeline_%05d.py``: one plan per frontier point; a larger number means a shorter
-  iteration (plan ``00000`` is the slowest, least-energy end of the frontier);
-* ``frontier.csv``: one row per plan plus an ``allmax`` row (every instruction at its highest
-  profiled clock, i.e. running without Perseus), columns
+* ``freqs_pipeline_%05d.py``: one plan per solver step; a larger number means a shorter
+  quantized iteration (plan ``00000`` is the solver's slowest, least-model-cost point);
+* ``frontier.csv``: one row per plan, columns
 
-  - ``plan``: plan id (the file number) or ``allmax``;
-  - ``iteration_time``: the solver's estimate, quantized time x unit time, seconds. Each
-    instruction's time is rounded *down* to whole units, so this undershoots the profile's
-    longest path (``profile_time``) by less than ``rounding_bound`` (see ``frontier.json``).
-    It can also exceed ``profile_time``: where the solver's duration for an instruction falls
-    between two clocks, the instruction runs at the slowest clock that fits, finishing early.
-    The choice policies compare this column, the quantity the frontier is optimal in;
+  - ``plan``: plan id (the file number);
+  - ``iteration_time``: *the* iteration time of the plan, shown everywhere (plots, ``perseus
+    choose``, the demo) and compared by the choice policies: the pipeline's longest dependency
+    path with the profile's unrounded instruction times at the plan's clocks, seconds;
   - ``energy``: computation energy of one iteration of one pipeline (one GPU per stage),
     summed from the *profile* at the plan's clocks (not from the fitted cost models), J;
   - ``energy_with_p2p``: ``energy`` plus ``p2p_power`` times the time the GPUs spend blocked
-    on communication, ``num_stages * profile_time - sum of instruction times``, J;
-  - ``profile_time``: the pipeline's longest dependency path with the profile's (unrounded)
-    instruction times at the plan's clocks, seconds;
-  - ``quant_time``: the solver's quantized iteration time, in units;
-  - ``model_cost``: the fitted cost models' total (what the solver minimises), J; empty for
-    ``allmax``;
-  - ``file``: the plan file name (empty for ``allmax``);
+    on communication, ``num_stages * iteration_time - sum of instruction times``, J;
+  - ``quant_time``: the solver's internal iteration time, in units of ``unit_time`` (each
+    instruction's time rounded *down*), so ``quant_time * unit_time`` differs from
+    ``iteration_time`` by less than ``rounding_bound`` (see ``frontier.json``);
+  - ``model_cost``: the fitted cost models' total (what the solver minimises), J;
+  - ``dominated``: ``1`` if another plan is no slower and uses no more energy
+    (``energy_with_p2p``), one of them strictly; such a plan is not on the Pareto frontier in
+    the time and energy shown, and no policy chooses it. ``0`` otherwise;
+  - ``file``: the plan file name;
 
+* ``allmax.csv``: the same columns, one ``allmax`` row: every instruction at its highest
+  profiled clock (running without Perseus), the reference the policies compare against;
 * ``frontier.json``: run parameters and diagnostics (unit time, rounding bound, cost model fits,
   timings);
 * ``profile.csv``: the profile the plans were computed from, replicas averaged (short form), so
-  that the folder alone is enough to choose and plot plans.
+  that the folder alone is enough to choose and plot plans;
+* ``plans.delta``: every plan's clocks as changes from the previous plan;
+* with ``--plot`` (or ``perseus choose --plot``): ``frontier.png`` and ``timeline_<plan>.png``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,17 +46,33 @@ from protocol.exceptions import ConfigError
 
 FRONTIER_CSV = "frontier.csv"
 FRONTIER_JSON = "frontier.json"
+ALLMAX_CSV = "allmax.csv"
 PROFILE_CSV = "profile.csv"
 PLAN_PATTERN = "freqs_pipeline_%05d.py"
+FRONTIER_PNG = "frontier.png"
+#: What an earlier run (or ``perseus choose --plot``) may have left that a new run replaces;
+#: ``frontier_*.png`` and ``plan.png`` are names older versions used.
+STALE_PATTERNS = (
+    "freqs_pipeline_*.py",
+    "frontier.png",
+    "frontier_*.png",
+    "timeline_*.png",
+    "plan.png",
+    "plans.delta",
+    "frontier.csv",
+    "allmax.csv",
+    "frontier.json",
+    "profile.csv",
+)
 ALLMAX = "allmax"
 CSV_COLUMNS = (
     "plan",
     "iteration_time",
     "energy",
     "energy_with_p2p",
-    "profile_time",
     "quant_time",
     "model_cost",
+    "dominated",
     "file",
 )
 
@@ -62,6 +80,23 @@ CSV_COLUMNS = (
 def plan_id(index: int) -> str:
     """Plan id of frontier point ``index`` (``0`` is the slowest)."""
     return f"{index:05d}"
+
+
+def timeline_png_name(plan: str) -> str:
+    """File name of plan ``plan``'s timeline picture."""
+    return f"timeline_{plan}.png"
+
+
+def remove_stale_outputs(out_dir: Path) -> list[Path]:
+    """Delete the files an earlier planner run left in ``out_dir``; return what went.
+
+    Only the planner's own file names (:data:`STALE_PATTERNS`) are touched, so pointing
+    ``--out`` at a folder that holds other files is safe.
+    """
+    gone = [p for pattern in STALE_PATTERNS for p in out_dir.glob(pattern) if p.is_file()]
+    for path in gone:
+        path.unlink()
+    return gone
 
 
 def plan_file_name(index: int) -> str:
@@ -77,10 +112,10 @@ class FrontierPoint:
     iteration_time: float
     energy: float
     energy_with_p2p: float
-    profile_time: float
     quant_time: int
     model_cost: float | None = None
     file: str = ""
+    dominated: bool = False
 
     @property
     def index(self) -> int:
@@ -106,8 +141,13 @@ class Frontier:
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def pareto(self) -> list[FrontierPoint]:
+        """The plans no other plan dominates (the ones policies choose from)."""
+        return [p for p in self.points if not p.dominated]
+
+    @property
     def rounding_bound(self) -> float:
-        """Most the quantized iteration time can undershoot the real one, seconds."""
+        """Most the solver's quantized time differs from ``iteration_time``, seconds."""
         return float(self.meta.get("rounding_bound", 0.0))
 
     def path(self, point: FrontierPoint) -> Path:
@@ -123,23 +163,60 @@ class Frontier:
         raise ConfigError(f"{self.out_dir / FRONTIER_CSV}: no plan {plan!r}")
 
 
+def mark_dominated(points: list[FrontierPoint]) -> list[FrontierPoint]:
+    """Return ``points`` with ``dominated`` set (see the module docstring), in the same order.
+
+    A plan is dominated if another is no slower and uses no more ``energy_with_p2p``, one of
+    the two strictly; plans equal in both are kept.
+    """
+    order = sorted(
+        range(len(points)), key=lambda i: (points[i].iteration_time, points[i].energy_with_p2p)
+    )
+    flags = [False] * len(points)
+    before = math.inf  # Least energy among strictly faster plans.
+    k = 0
+    while k < len(order):
+        j = k
+        t = points[order[k]].iteration_time
+        while j < len(order) and points[order[j]].iteration_time == t:
+            j += 1
+        group_min = points[order[k]].energy_with_p2p  # Sorted by energy within a time.
+        for i in order[k:j]:
+            e = points[i].energy_with_p2p
+            flags[i] = before <= e or group_min < e
+        before = min(before, group_min)
+        k = j
+    return [replace(p, dominated=f) for p, f in zip(points, flags, strict=True)]
+
+
 def _cell(value: object) -> str:
     if value is None:
         return ""
+    if isinstance(value, bool):
+        return str(int(value))
     if isinstance(value, float):
         return repr(value)
     return str(value)
 
 
-def write_frontier_csv(path: Path, points: list[FrontierPoint], allmax: FrontierPoint) -> None:
-    """Write ``frontier.csv``: the plans in plan order, then the ``allmax`` row."""
+def _write_rows(path: Path, rows: list[FrontierPoint]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
         writer.writerow(CSV_COLUMNS)
-        for p in [*points, allmax]:
+        for p in rows:
             writer.writerow([_cell(getattr(p, c)) for c in CSV_COLUMNS])
     tmp.replace(path)
+
+
+def write_frontier_csv(path: Path, points: list[FrontierPoint]) -> None:
+    """Write ``frontier.csv``: the plans in plan order."""
+    _write_rows(path, points)
+
+
+def write_allmax_csv(path: Path, allmax: FrontierPoint) -> None:
+    """Write ``allmax.csv``: the all-max-clock reference row."""
+    _write_rows(path, [allmax])
 
 
 def write_frontier_json(path: Path, meta: dict[str, Any]) -> None:
@@ -152,7 +229,7 @@ def point_dict(point: FrontierPoint) -> dict[str, Any]:
     return asdict(point)
 
 
-def _parse_row(where: str, line: int, row: dict[str, str]) -> FrontierPoint:
+def _parse_row(where: str, line: int, row: dict[str, str], expect: str) -> FrontierPoint:
     def number(name: str, *, optional: bool = False) -> float | None:
         text = (row.get(name) or "").strip()
         if not text and optional:
@@ -166,49 +243,61 @@ def _parse_row(where: str, line: int, row: dict[str, str]) -> FrontierPoint:
         return value
 
     plan = (row.get("plan") or "").strip()
-    if plan != ALLMAX and not plan.isdigit():
-        raise ConfigError(f"{where}:{line}: field 'plan': expected a number or 'allmax'")
+    if plan != expect and not (expect == "plan" and plan.isdigit()):
+        wanted = "a plan number" if expect == "plan" else repr(expect)
+        raise ConfigError(f"{where}:{line}: field 'plan': expected {wanted}, got {plan!r}")
+    dominated = (row.get("dominated") or "").strip()
+    if dominated not in ("0", "1"):
+        raise ConfigError(f"{where}:{line}: field 'dominated': expected 0 or 1, got {dominated!r}")
     return FrontierPoint(
         plan=plan if plan == ALLMAX else plan_id(int(plan)),
         iteration_time=float(number("iteration_time") or 0.0),
         energy=float(number("energy") or 0.0),
         energy_with_p2p=float(number("energy_with_p2p") or 0.0),
-        profile_time=float(number("profile_time") or 0.0),
         quant_time=int(number("quant_time") or 0),
         model_cost=number("model_cost", optional=True),
         file=(row.get("file") or "").strip(),
+        dominated=dominated == "1",
     )
 
 
-def load_frontier(out_dir: str | Path) -> Frontier:
-    """Read ``frontier.csv`` (and ``frontier.json`` if present) from a planner folder.
-
-    Raises:
-        ConfigError: The folder or ``frontier.csv`` is missing, or the CSV is malformed.
-
-    """
-    out = Path(out_dir)
-    csv_path = out / FRONTIER_CSV
-    where = str(csv_path)
-    if not out.is_dir():
-        raise ConfigError(f"{out}: no such folder (run `perseus optimize ... --out {out}`)")
-    if not csv_path.is_file():
-        raise ConfigError(
-            f"{where}: missing; {out} is not a planner output folder "
-            f"(run `perseus optimize ... --out {out}`)"
-        )
-    with open(csv_path, encoding="utf-8", newline="") as f:
+def _read_rows(path: Path, expect: str) -> list[FrontierPoint]:
+    where = str(path)
+    with open(path, encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
-            raise ConfigError(f"{where}:1: header is missing column(s) {missing}")
-        rows = [_parse_row(where, i, row) for i, row in enumerate(reader, start=2)]
-    allmax = [p for p in rows if p.plan == ALLMAX]
-    points = sorted((p for p in rows if p.plan != ALLMAX), key=lambda p: p.index)
-    if len(allmax) != 1:
-        raise ConfigError(f"{where}: expected exactly one 'allmax' row, found {len(allmax)}")
+            raise ConfigError(
+                f"{where}:1: header is missing column(s) {missing} "
+                "(written by an older perseus optimize? run it again)"
+            )
+        return [_parse_row(where, i, row, expect) for i, row in enumerate(reader, start=2)]
+
+
+def load_frontier(out_dir: str | Path) -> Frontier:
+    """Read ``frontier.csv``, ``allmax.csv`` (and ``frontier.json`` if present) from a folder.
+
+    Raises:
+        ConfigError: The folder or a CSV is missing, or a CSV is malformed.
+
+    """
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise ConfigError(f"{out}: no such folder (run `perseus optimize ... --out {out}`)")
+    for name in (FRONTIER_CSV, ALLMAX_CSV):
+        if not (out / name).is_file():
+            raise ConfigError(
+                f"{out / name}: missing; {out} is not a planner output folder "
+                f"(run `perseus optimize ... --out {out}`)"
+            )
+    points = sorted(_read_rows(out / FRONTIER_CSV, "plan"), key=lambda p: p.index)
     if not points:
-        raise ConfigError(f"{where}: no plans")
+        raise ConfigError(f"{out / FRONTIER_CSV}: no plans")
+    allmax = _read_rows(out / ALLMAX_CSV, ALLMAX)
+    if len(allmax) != 1:
+        raise ConfigError(
+            f"{out / ALLMAX_CSV}: expected exactly one 'allmax' row, found {len(allmax)}"
+        )
     meta: dict[str, Any] = {}
     json_path = out / FRONTIER_JSON
     if json_path.is_file():

@@ -55,7 +55,6 @@ def plan_header(
         "energy": repr(point.energy),
         "energy_with_p2p": repr(point.energy_with_p2p),
         "unit_time": repr(unit_time),
-        "profile_time": repr(point.profile_time),
         "quant_time": point.quant_time,
         "model_cost": repr(point.model_cost),
         "p2p_power": repr(p2p_power),

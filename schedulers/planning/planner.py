@@ -20,10 +20,11 @@ clock), :func:`plan_frontier`
    point and the solver's ``k``-th step is plan ``k``, so a larger number means a shorter
    iteration.
 
-Rounding: each instruction's time is rounded *down* to whole units, so a plan's quantized
-iteration time undershoots its real longest path by less than ``L * unit_time``, where ``L``
-is the most instructions on any dependency path (``rounding_bound`` in ``frontier.json``).
-The same rounding applied to the all-max reference keeps the two comparable.
+Times: the solver rounds each instruction's time *down* to whole units, so its quantized
+iteration time (``quant_time``) differs from the real longest path by less than
+``L * unit_time``, where ``L`` is the most instructions on any dependency path
+(``rounding_bound`` in ``frontier.json``). Users see one time per plan, ``iteration_time``:
+the real longest path with the profile's times at the plan's clocks (also for ``allmax``).
 """
 
 from __future__ import annotations
@@ -46,12 +47,15 @@ from schedulers.planning.frontier_compute import (
     solve_problem,
 )
 from schedulers.planning.frontier_files import (
+    ALLMAX_CSV,
     FRONTIER_CSV,
     FRONTIER_JSON,
     PLAN_PATTERN,
     PROFILE_CSV,
     Frontier,
     point_dict,
+    remove_stale_outputs,
+    write_allmax_csv,
     write_frontier_csv,
     write_frontier_json,
 )
@@ -128,8 +132,8 @@ def plan_frontier(
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("freqs_pipeline_*.py"):
-        old.unlink()  # A shorter frontier must not leave stale plans from an earlier run.
+    # Nothing of an earlier run may survive: a shorter frontier's missing plans, old pictures.
+    remove_stale_outputs(out)
     write_profile_rows(
         out / PROFILE_CSV,
         [
@@ -158,7 +162,8 @@ def plan_frontier(
     t0 = _time.perf_counter()
     emit(progress, 0.9, f"writing {len(points) if plans == 'all' else 'chosen'} plan files")
     _write_plans(out, computed, frontier, plans, progress)
-    write_frontier_csv(out / FRONTIER_CSV, points, allmax)
+    write_frontier_csv(out / FRONTIER_CSV, points)
+    write_allmax_csv(out / ALLMAX_CSV, allmax)
     timings["write_s"] = _time.perf_counter() - t0
     timings["total_s"] = _time.perf_counter() - started
     write_frontier_json(out / FRONTIER_JSON, meta)

@@ -18,7 +18,13 @@ from matplotlib.figure import Figure
 
 from protocol.exceptions import ConfigError
 from schedulers.planning.choose import choose_plan
-from schedulers.planning.frontier_files import PROFILE_CSV, Frontier, load_frontier
+from schedulers.planning.frontier_files import (
+    FRONTIER_PNG,
+    PROFILE_CSV,
+    Frontier,
+    load_frontier,
+    timeline_png_name,
+)
 from schedulers.planning.frontier_plans import ensure_plan_file
 from schedulers.planning.pipeline_dag import PipelineShape
 from schedulers.planning.pipeline_schedules import PIPELINE_SCHEDULES, schedules_matching
@@ -49,11 +55,12 @@ def plot_frontier(
 
     """
     fr = frontier if isinstance(frontier, Frontier) else load_frontier(frontier)
-    pts = fr.points
-    with_p2p = any(p.energy_with_p2p != p.energy for p in [*pts, fr.allmax])
+    pts = sorted(fr.pareto, key=lambda p: p.iteration_time)
+    dominated = [p for p in fr.points if p.dominated]
+    with_p2p = any(p.energy_with_p2p != p.energy for p in [*fr.points, fr.allmax])
     fig = Figure(figsize=(7.5, 5.0))
     ax = fig.add_subplot()
-    label = "plans (incl. P2P blocking)" if with_p2p else "plans"
+    label = "Pareto-optimal plans" + (" (incl. P2P blocking)" if with_p2p else "")
     ax.plot(
         [p.iteration_time for p in pts],
         [p.energy_with_p2p for p in pts],
@@ -63,6 +70,15 @@ def plot_frontier(
         linewidth=1,
         label=label,
     )
+    if dominated:
+        ax.plot(
+            [p.iteration_time for p in dominated],
+            [p.energy_with_p2p for p in dominated],
+            ".",
+            color="tab:gray",
+            markersize=2,
+            label=f"dominated plans ({len(dominated)})",
+        )
     if with_p2p:
         ax.plot(
             [p.iteration_time for p in pts],
@@ -70,7 +86,7 @@ def plot_frontier(
             "--",
             color="tab:gray",
             linewidth=1,
-            label="plans (computation only)",
+            label="Pareto-optimal plans (computation only)",
         )
     ref = fr.allmax
     ax.plot(
@@ -79,7 +95,7 @@ def plot_frontier(
         "*",
         color="tab:red",
         markersize=14,
-        label=f"all-max clocks ({ref.iteration_time:.3f} s, {ref.energy_with_p2p:.0f} J)",
+        label=f"all-max clocks ({ref.iteration_time:.4f} s, {ref.energy_with_p2p:.1f} J)",
     )
     if chosen is not None:
         p = fr.point(chosen)
@@ -92,11 +108,14 @@ def plot_frontier(
             markerfacecolor="none",
             markeredgecolor="tab:green",
             markeredgewidth=2,
-            label=f"plan {p.plan} ({p.iteration_time:.3f} s, {saving:.1f}% less energy)",
+            label=f"plan {p.plan} ({p.iteration_time:.4f} s, {saving:.1f}% less energy)",
         )
     stages = fr.meta.get("num_stages", "?")
     micro = fr.meta.get("num_microbatches", "?")
-    ax.set_title(f"Time-energy frontier: {stages} stages x {micro} microbatches, {len(pts)} plans")
+    ax.set_title(
+        f"Time-energy frontier: {stages} stages x {micro} microbatches, "
+        f"{len(pts)} Pareto-optimal plans"
+    )
     ax.set_xlabel("iteration time (s)")
     ax.set_ylabel("energy per iteration (J)")
     ax.grid(True, alpha=0.3)
@@ -181,7 +200,7 @@ def plot_timeline(
     ax.invert_yaxis()
     ax.set_xlim(0, span * 1.01)
     ax.set_xlabel("time (s)")
-    ax.set_title(title or f"{shape.schedule_name} timeline: iteration {span:.3f} s")
+    ax.set_title(title or f"{shape.schedule_name} timeline: iteration {span:.4f} s")
     fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="GPU clock (MHz)")
     fig.tight_layout()
     return _save(fig, out_path)
@@ -196,8 +215,8 @@ def plot_plan_timeline(frontier_dir: str | Path, plan: str, out_path: str | Path
     profile = read_profile_csv(fr.out_dir / PROFILE_CSV)
     plan_file = read_plan_file(ensure_plan_file(fr, point))
     title = (
-        f"Plan {point.plan}: {point.profile_time:.3f} s (profile), "
-        f"{point.energy_with_p2p:.0f} J per iteration"
+        f"Plan {point.plan}: {point.iteration_time:.4f} s, "
+        f"{point.energy_with_p2p:.1f} J per iteration"
     )
     return plot_timeline(plan_file.stages, profile.table, out_path, title)
 
@@ -217,6 +236,6 @@ def plot_run(frontier_dir: str | Path, chosen: str | None = None) -> dict[str, P
     plan = chosen if chosen is not None else choose_plan(fr, "no-slowdown").plan
     plan = fr.point(plan).plan
     return {
-        "frontier": plot_frontier(fr, fr.out_dir / "frontier.png", chosen=plan),
-        "timeline": plot_plan_timeline(fr.out_dir, plan, fr.out_dir / f"timeline_{plan}.png"),
+        "frontier": plot_frontier(fr, fr.out_dir / FRONTIER_PNG, chosen=plan),
+        "timeline": plot_plan_timeline(fr.out_dir, plan, fr.out_dir / timeline_png_name(plan)),
     }

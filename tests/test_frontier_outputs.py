@@ -1,0 +1,172 @@
+"""Planner output folder: one time per plan, allmax.csv, dominated plans, no stale files."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from protocol.exceptions import ConfigError
+from schedulers.planning.choose import POLICIES, choose_plan, select_point
+from schedulers.planning.frontier_files import FrontierPoint, load_frontier, mark_dominated
+from schedulers.planning.pipeline_dag import PipelineShape
+from schedulers.planning.plan_file import read_plan_file
+from schedulers.planning.planner import plan_frontier
+from schedulers.planning.profile_csv import read_profile_csv
+from schedulers.planning.synthetic_profile import synthetic_profile, write_synthetic_profile
+
+P2P_W = 50.0  # Enough blocking power that the slowest plans cost more energy than faster ones.
+
+
+def _cli() -> click.Group:
+    from schedulers.planning.cli import choose_command, optimize_command
+
+    @click.group()
+    def main() -> None:
+        pass
+
+    main.add_command(optimize_command)
+    main.add_command(choose_command)
+    return main
+
+
+def _optimize(profile: Path, out: Path, *extra: str) -> str:
+    args = ["optimize", str(profile), "-s", "2", "-m", "4", "--out", str(out), *extra]
+    res = CliRunner().invoke(_cli(), args)
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def _longest_path(out: Path, plan_file: Path) -> float:
+    """Iteration time recomputed from profile.csv and the plan's clocks, independently."""
+    table = read_profile_csv(out / "profile.csv").table
+    stages = read_plan_file(plan_file).stages
+    shape = PipelineShape(len(stages), 4)
+    durations = []
+    for s, name, m in shape.nodes:  # Microbatch m's instruction is the m-th of its kind.
+        clocks = [f for n, f in stages[s] if n == name]
+        durations.append(table[(s, name)][clocks[m]][0])
+    return shape.makespan(durations)
+
+
+def test_one_time_per_plan_in_csv_choose_and_plots(tmp_path: Path) -> None:
+    profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
+    out = tmp_path / "out"
+    _optimize(profile, out, "--unit-time", "0.002", "--p2p-power", "5")
+    fr = load_frontier(out)
+    for point in (fr.points[0], fr.points[len(fr.points) // 2], fr.points[-1]):
+        # The CSV's time is the real longest path at the plan's clocks (not the solver's units).
+        assert point.iteration_time == pytest.approx(_longest_path(out, fr.path(point)), abs=1e-12)
+    res = CliRunner().invoke(_cli(), ["choose", str(out), "-p", "min-energy", "--json", "--plot"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    point = fr.point(data["plan"])
+    assert data["iteration_time"] == point.iteration_time
+    res = CliRunner().invoke(_cli(), ["choose", str(out), "-p", "min-energy"])
+    assert f"iteration time: {point.iteration_time:.4f} s" in res.output
+    assert f"(all-max {fr.allmax.iteration_time:.4f} s" in res.output
+    assert res.output.count("times:") == 1 and "0.1 ms" in res.output
+    assert "iteration_time" in fr.meta and "longest dependency path" in fr.meta["iteration_time"]
+
+
+def test_allmax_has_its_own_file(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    plan_frontier(synthetic_profile(2, stride=12), 2, 4, out_dir=out, unit_time=0.002)
+    with open(out / "frontier.csv", newline="") as f:
+        plans = [row["plan"] for row in csv.DictReader(f)]
+    assert plans and all(p.isdigit() for p in plans)
+    with open(out / "allmax.csv", newline="") as f:
+        assert [row["plan"] for row in csv.DictReader(f)] == ["allmax"]
+    assert load_frontier(out).allmax.plan == "allmax"
+    # An old-style frontier.csv with the allmax row among the plans is refused by name.
+    text = (out / "frontier.csv").read_text() + (out / "allmax.csv").read_text().split("\n")[1]
+    (out / "frontier.csv").write_text(text + "\n")
+    with pytest.raises(ConfigError, match=r"frontier\.csv:\d+: field 'plan': expected a plan"):
+        load_frontier(out)
+    (out / "allmax.csv").unlink()
+    with pytest.raises(ConfigError, match=r"allmax\.csv: missing"):
+        load_frontier(out)
+
+
+def _point(plan: str, t: float, e: float) -> FrontierPoint:
+    return FrontierPoint(plan, t, e, e, quant_time=0, file=f"freqs_pipeline_{plan}.py")
+
+
+def test_mark_dominated_rules() -> None:
+    pts = [
+        _point("00000", 3.0, 12.0),  # Slower and dearer than 00002: dominated.
+        _point("00001", 2.5, 10.0),  # Equal to 00002 in both: kept.
+        _point("00002", 2.5, 10.0),
+        _point("00003", 2.5, 11.0),  # Same time, more energy: dominated.
+        _point("00004", 2.0, 12.0),  # Faster, more energy: on the frontier.
+        _point("00005", 1.5, 12.0),  # Faster than 00004 at equal energy: 00004 is dominated.
+    ]
+    flags = [p.dominated for p in mark_dominated(pts)]
+    assert flags == [True, False, False, True, True, False]
+
+
+def test_dominated_plans_are_marked_and_never_chosen(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    plan_frontier(
+        synthetic_profile(2, stride=12), 2, 4, out_dir=out, unit_time=0.002, p2p_power=P2P_W
+    )
+    fr = load_frontier(out)  # What readers see: the CSV's column.
+    pts = fr.points
+    for p in pts:
+        beaten = any(
+            q.iteration_time <= p.iteration_time
+            and q.energy_with_p2p <= p.energy_with_p2p
+            and (q.iteration_time, q.energy_with_p2p) != (p.iteration_time, p.energy_with_p2p)
+            for q in pts
+        )
+        assert p.dominated == beaten, p
+    least = min(pts, key=lambda p: p.energy_with_p2p)
+    slower = [p for p in pts if p.iteration_time > least.iteration_time]
+    assert slower and all(p.dominated for p in slower)  # The case the issue names.
+    assert fr.meta["num_dominated"] == sum(p.dominated for p in pts) > 0
+    times = sorted({p.iteration_time for p in pts})
+    for policy in POLICIES:
+        values = (
+            [None]
+            if policy in ("no-slowdown", "min-energy")
+            else [1.0, 1.05, 1.3, 2.0]
+            if policy == "max-slowdown"
+            else [t + d for t in times for d in (-1e-4, 0.0, 1e-4)]
+        )
+        for value in values:
+            try:
+                point, _, _ = select_point(fr, policy, value)
+            except ConfigError:
+                continue  # An infeasible deadline.
+            assert not point.dominated, (policy, value, point)
+    assert choose_plan(out, "min-energy").plan == least.plan
+
+
+def test_rerun_leaves_no_stale_files_and_images_are_named_alike(tmp_path: Path) -> None:
+    profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
+    out = tmp_path / "out"
+    _optimize(profile, out, "--unit-time", "0.001")
+    first = load_frontier(out)
+    res = CliRunner().invoke(_cli(), ["choose", str(out), "-p", "min-energy", "--plot"])
+    assert res.exit_code == 0, res.output
+    least = choose_plan(out, "min-energy").plan
+    fastest = choose_plan(out, "no-slowdown").plan
+    assert {p.name for p in out.glob("*.png")} == {
+        "frontier.png",
+        f"timeline_{least}.png",
+        f"timeline_{fastest}.png",
+    }
+    (out / "plan.png").write_bytes(b"old")  # Names older versions wrote.
+    (out / "frontier_00001.png").write_bytes(b"old")
+    (out / "notes.txt").write_text("mine")  # Not the planner's: kept.
+
+    _optimize(profile, out, "--unit-time", "0.004", "--no-plot")
+    second = load_frontier(out)
+    assert len(second.points) < len(first.points)
+    assert not list(out.glob("*.png"))
+    assert {p.name for p in out.glob("freqs_pipeline_*.py")} == {p.file for p in second.points}
+    assert (out / "notes.txt").read_text() == "mine"
