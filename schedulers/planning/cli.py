@@ -70,8 +70,9 @@ def _redis_watch_hint(url: str, key: str) -> str:
     "optimize",
     epilog="Outputs in DIR: freqs_pipeline_%05d.py (a larger number is a shorter iteration; "
     "with --plans chosen only the no-slowdown and min-energy ones), plans.delta (every plan's "
-    "clocks), frontier.csv, frontier.json, profile.csv and, with --plot, frontier.png and "
-    "timeline_<plan>.png.",
+    "clocks), frontier.csv (the plans; dominated ones marked), allmax.csv (the all-max-clock "
+    "reference), frontier.json, profile.csv and, with --plot, frontier.png and "
+    "timeline_<plan>.png. Files of these names left by an earlier run are deleted first.",
 )
 @click.argument("profile", type=click.Path(exists=True, dir_okay=False))
 @click.option("--stages", "-s", type=click.IntRange(min=1), required=True, help="Stages.")
@@ -210,7 +211,7 @@ def optimize_command(
     click.echo(f"times:          {TIMES_NOTE}")
     click.echo(
         f"rounding:       the solver rounds instruction times down to {unit_time:g} s; its "
-        f"choices are exact to < {result.rounding_bound:.4f} s "
+        f"quantized times differ from these by < {result.rounding_bound:.4f} s "
         f"({meta['max_path_instructions']} instructions on the longest path)"
     )
     if plot:
