@@ -103,6 +103,11 @@ def job_snapshot(job_id: str) -> str:
     return job_key(job_id, "snapshot")
 
 
+def job_alive(job_id: str) -> str:
+    """Sorted set: rank -> Redis server time (s) of its last heartbeat (``perseus status``)."""
+    return job_key(job_id, "alive")
+
+
 def job_lease(job_id: str) -> str:
     """String with a TTL, held by the rq worker that is advancing the job."""
     return job_key(job_id, "lease")
