@@ -28,6 +28,8 @@ JOBS_INDEX = f"{PREFIX}:jobs"
 # Hash: coordinator consumer name (``<host>-<pid>``) -> unix time of its last loop round
 # (the container healthcheck, coordinator/health.py).
 COORDINATORS = f"{PREFIX}:coordinators"
+# Hash: coordinator consumer name -> JSON of the settings coordinators must agree on.
+COORDINATOR_SETTINGS = f"{PREFIX}:coordinators:settings"
 
 # Sorted set: job id -> unix time its next version became due. Holds only jobs with scheduler
 # work outstanding, so the coordinator's sweep costs nothing per finished job.
