@@ -28,7 +28,7 @@ from coordinator.dump import dump_job
 from coordinator.embedded import EmbeddedRedis, redis_server_binary
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings, unknown_variables
-from coordinator.status import format_snapshot, snapshot
+from coordinator.status import SILENT_AFTER_S, format_snapshot, snapshot
 from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_workers
 from protocol import keys
 from protocol.acl import ROLES, acl_file, role_user
@@ -247,13 +247,22 @@ def worker(
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--watch", is_flag=True, help="Refresh the tables until Ctrl-C (a live view).")
 @click.option(
+    "--silent-after",
+    default=SILENT_AFTER_S,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Seconds without a heartbeat after which a rank counts as silent.",
+)
+@click.option(
     "--interval",
     default=2.0,
     show_default=True,
     type=click.FloatRange(min=0.1),
     help="Seconds between refreshes with --watch.",
 )
-def status(redis_url: str | None, as_json: bool, watch: bool, interval: float) -> None:
+def status(
+    redis_url: str | None, as_json: bool, watch: bool, silent_after: float, interval: float
+) -> None:
     """Show jobs, planner runs, stream lag, dead letters and rq state.
 
     Per job: ranks registered, schedule version, results of that version, and the energy per
@@ -264,13 +273,13 @@ def status(redis_url: str | None, as_json: bool, watch: bool, interval: float) -
     settings = _settings(redis_url=redis_url)
     conn = _connect(settings.redis_url)
     if not watch:
-        snap = snapshot(conn)
+        snap = snapshot(conn, silent_after)
         click.echo(json.dumps(snap, indent=1) if as_json else format_snapshot(snap))
         return
     try:
         while True:
             try:
-                text = format_snapshot(snapshot(conn))
+                text = format_snapshot(snapshot(conn, silent_after))
             except redis.RedisError as exc:
                 text = f"redis at {redact_url(settings.redis_url)} unavailable: {exc}"
             stamp = datetime.now().strftime("%H:%M:%S")

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import sys
 import time
+from typing import Any
 
 import redis
 
 from coordinator.settings import PerseusSettings
 from protocol import keys
 from protocol.connection import connect, redact_url
-from protocol.exceptions import PerseusError
+from protocol.exceptions import ConfigError, PerseusError
 
 HEARTBEAT_INTERVAL_S = 1.0
 """A coordinator records a heartbeat at most this often (after a loop round)."""
@@ -45,8 +47,41 @@ def forget_stale(
     """
     stale = [name for name, t in last_beats(conn).items() if now - t > older_than]
     if stale:
-        (pipeline if pipeline is not None else conn).hdel(keys.COORDINATORS, *stale)
+        target = pipeline if pipeline is not None else conn
+        target.hdel(keys.COORDINATORS, *stale)
+        target.hdel(keys.COORDINATOR_SETTINGS, *stale)
     return stale
+
+
+LIVE_S = 10.0
+"""A coordinator that beat within this many seconds is running (its settings must match)."""
+
+
+def agree_settings(
+    conn: redis.Redis, consumer: str, shared: dict[str, Any], now: float, live_s: float = LIVE_S
+) -> None:
+    """Record ``consumer``'s shared settings, unless a running coordinator has other ones.
+
+    Two coordinators on one Redis serve the same jobs: with different schedulers, jobs would
+    get one or the other depending on which coordinator read their registration.
+
+    Raises:
+        ConfigError: A coordinator that beat within ``live_s`` seconds runs with other values;
+            the message names each setting that differs and both values.
+    """
+    recorded = {name.decode(): raw for name, raw in conn.hgetall(keys.COORDINATOR_SETTINGS).items()}
+    for name, at in last_beats(conn).items():
+        if name == consumer or now - at > live_s or name not in recorded:
+            continue
+        theirs = json.loads(recorded[name])
+        differ = [k for k in shared if theirs.get(k) != shared[k]]
+        if differ:
+            detail = "; ".join(f"{k}: {theirs.get(k)!r} there, {shared[k]!r} here" for k in differ)
+            raise ConfigError(
+                f"coordinator {name} (running: last round {now - at:.1f} s ago) has other "
+                f"settings; coordinators sharing a Redis must agree. {detail}"
+            )
+    conn.hset(keys.COORDINATOR_SETTINGS, consumer, json.dumps(shared, sort_keys=True))
 
 
 def host_idle_s(conn: redis.Redis, hostname: str, now: float) -> float | None:

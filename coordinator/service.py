@@ -26,7 +26,7 @@ from redis.client import Pipeline
 from rq import Queue
 from rq.job import Job
 
-from coordinator.health import HEARTBEAT_INTERVAL_S, beat
+from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
 from protocol import deadletter, keys
@@ -166,9 +166,11 @@ class Coordinator:
         """Process entries until :attr:`stop_event` is set.
 
         Raises:
-            ConfigError: The Redis server is too old.
+            ConfigError: The Redis server is too old, or a running coordinator has other
+                shared settings (see :func:`coordinator.health.agree_settings`).
         """
         check_redis_version(str(self.conn.info("server")["redis_version"]))
+        agree_settings(self.conn, self.consumer, self.settings.shared(), time.time())
         ensure_groups(self.conn)
         logger.info("coordinator %s consuming %s", self.consumer, ", ".join(keys.INPUT_STREAMS))
         # Our own unacknowledged entries first (we may be a restart under the same name).

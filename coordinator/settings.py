@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -71,6 +71,22 @@ class PerseusSettings(BaseSettings):
         if not isinstance(logging.getLevelName(upper), int):
             raise ValueError(f"unknown log level {value!r} (use DEBUG, INFO, WARNING, ERROR)")
         return upper
+
+    # Settings that decide what a job gets or when it is deleted: coordinators that share a
+    # Redis (and so share jobs) must agree on these.
+    SHARED: ClassVar[tuple[str, ...]] = (
+        "scheduler",
+        "scheduler_args",
+        "max_job_idle_time",
+        "stall_timeout",
+        "reply_ttl",
+        "job_timeout",
+        "stream_maxlen",
+    )
+
+    def shared(self) -> dict[str, Any]:
+        """The settings in :attr:`SHARED`, as JSON-compatible values."""
+        return {name: getattr(self, name) for name in self.SHARED}
 
     def check_scheduler(self) -> None:
         """Raise ConfigError unless the scheduler exists and accepts ``scheduler_args``.

@@ -10,6 +10,7 @@ from rq import Queue, worker_registration
 
 from protocol import keys
 from protocol.exceptions import PerseusError
+from protocol.job_record import JobRecord
 from protocol.models import ProfilingResult
 from protocol.store import JobStore
 
@@ -41,10 +42,15 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def snapshot(conn: redis.Redis) -> dict[str, Any]:
-    """Jobs, their progress, stream lag and rq queue state."""
+SILENT_AFTER_S = 180.0
+"""A rank not heard from for this long is silent (three of the hook's default heartbeats)."""
+
+
+def snapshot(conn: redis.Redis, silent_after: float = SILENT_AFTER_S) -> dict[str, Any]:
+    """Jobs, their progress and ranks' liveness, stream lag and rq queue state."""
     store = JobStore(conn)
     now = time.time()
+    server_now = store.server_time()  # heartbeats are timed by the server's clock
     jobs = []
     for job_id, last_active in store.list_jobs():
         try:
@@ -72,6 +78,7 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
                 "error": record.error,
                 "first": first,
                 "latest": latest,
+                **_liveness(store, record, version, server_now, silent_after),
             }
         )
     queue = Queue(keys.RQ_QUEUE, connection=conn)
@@ -86,6 +93,28 @@ def snapshot(conn: redis.Redis) -> dict[str, Any]:
             "workers": len(worker_registration.get_keys(queue=queue)),
             "failed": queue.failed_job_registry.get_job_count(cleanup=False),
         },
+    }
+
+
+def _liveness(
+    store: JobStore, record: JobRecord, version: int, now: float, silent_after: float
+) -> dict[str, Any]:
+    """Ranks heard from lately, silent ranks, and whether the job waits on silent ones.
+
+    A job is ``stalled`` when its version still lacks results and every rank it waits for is
+    silent: no new version will come until those ranks report (or the job is restarted).
+    """
+    job_id, world = record.job_id, record.info.world_size
+    heard = store.ranks_heard(job_id)
+    silent = [r for r in range(world) if now - heard.get(r, float("-inf")) > silent_after]
+    reported = set(store.reported_ranks(job_id, version)) if version else set()
+    waiting = [r for r in range(world) if r not in reported]
+    stalled = bool(version and waiting and heard and set(waiting) <= set(silent))
+    return {
+        "alive": world - len(silent),
+        "silent_ranks": silent,
+        "state": "failed" if record.error else "stalled" if stalled else "running",
+        "waiting_on": waiting if stalled else [],
     }
 
 
@@ -161,14 +190,20 @@ def format_snapshot(snap: dict[str, Any]) -> str:
     lines = [f"jobs: {len(snap['jobs'])}"]
     if snap["jobs"]:
         lines.append(
-            f"  {'JOB ID':<58} {'RANKS':>7} {'VER':>4} {'RESULTS':>8} {'IDLE s':>8}  "
-            "ENERGY PER ITERATION / ERROR"
+            f"  {'JOB ID':<58} {'RANKS':>7} {'ALIVE':>7} {'VER':>4} {'RESULTS':>8} "
+            f"{'IDLE s':>8}  STATE / ENERGY PER ITERATION / ERROR"
         )
         for job in snap["jobs"]:
+            if job["state"] == "stalled":
+                waiting = ", ".join(map(str, job["waiting_on"]))
+                detail = f"stalled: waiting on silent ranks {waiting}"
+            else:
+                detail = job["error"] or _savings(job)
             lines.append(
                 f"  {job['job_id']:<58} {job['ranks']:>3}/{job['world_size']:<3} "
+                f"{job['alive']:>3}/{job['world_size']:<3} "
                 f"{job['version']:>4} {job['results_for_version']:>4}/{job['world_size']:<3} "
-                f"{job['idle_s']:>8}  {job['error'] or _savings(job)}"
+                f"{job['idle_s']:>8}  {detail}"
             )
     if snap.get("plans"):
         lines.append(f"planner runs: {len(snap['plans'])}")

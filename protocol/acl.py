@@ -35,12 +35,13 @@ _RANK_READS = (
     keys.job_info("*"),
     keys.job_updates("*"),
 )
-# Keys a rank writes: the input streams, its reply list, the jobs index (heartbeats: ZADD XX GT
-# only refreshes existing jobs), power-limit profiles.
+# Keys a rank writes: the input streams, its reply list, the jobs index and its job's liveness
+# hash (heartbeats: ZADD XX GT only refreshes existing jobs), power-limit profiles.
 _RANK_WRITES = (
     *keys.INPUT_STREAMS,
     keys.reply_key("*"),
     keys.JOBS_INDEX,
+    keys.job_alive("*"),
     keys.power_limit_profile("*"),
     keys.POWER_LIMIT_INDEX,
 )
@@ -49,7 +50,7 @@ _RANK_COMMANDS = (
     "+blpop",  # its registration's reply
     "+xread",  # a job's updates stream
     "+get +hget +hgetall +hlen +exists",  # version, schedules, info (error), liveness
-    "+zadd",  # heartbeats
+    "+evalsha +script|load +time +zadd",  # heartbeats: one script, the server's clock
     "+set +multi +exec",  # saving a power-limit profile (SET + ZADD in MULTI)
 )
 

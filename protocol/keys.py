@@ -28,6 +28,8 @@ JOBS_INDEX = f"{PREFIX}:jobs"
 # Hash: coordinator consumer name (``<host>-<pid>``) -> unix time of its last loop round
 # (the container healthcheck, coordinator/health.py).
 COORDINATORS = f"{PREFIX}:coordinators"
+# Hash: coordinator consumer name -> JSON of the settings coordinators must agree on.
+COORDINATOR_SETTINGS = f"{PREFIX}:coordinators:settings"
 
 # Sorted set: job id -> unix time its next version became due. Holds only jobs with scheduler
 # work outstanding, so the coordinator's sweep costs nothing per finished job.
@@ -101,6 +103,11 @@ def job_summaries(job_id: str) -> str:
 def job_snapshot(job_id: str) -> str:
     """String: msgpack scheduler state after a prefix of the journal (see coordinator.replay)."""
     return job_key(job_id, "snapshot")
+
+
+def job_alive(job_id: str) -> str:
+    """Sorted set: rank -> Redis server time (s) of its last heartbeat (``perseus status``)."""
+    return job_key(job_id, "alive")
 
 
 def job_lease(job_id: str) -> str:

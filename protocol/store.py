@@ -137,16 +137,24 @@ class JobStore:
         raw = self.conn.hget(keys.job_info(job_id), "error")
         return raw.decode() if raw else ""
 
-    def touch(self, job_id: str, now: float) -> bool:
-        """Mark the job active (idle-job GC spares it); return whether it still exists.
+    def touch(self, job_id: str, rank: int | None = None) -> bool:
+        """Mark the job (and ``rank``) active at the server's time; return whether it exists.
 
         Only refreshes a job that exists (``ZADD XX GT``): a deleted job is never revived.
         """
-        with self.conn.pipeline(transaction=False) as pipe:
-            pipe.zadd(keys.JOBS_INDEX, {job_id: now}, xx=True, gt=True)
-            pipe.exists(keys.job_info(job_id))
-            _, exists = pipe.execute()
-        return bool(exists)
+        keys_ = [keys.JOBS_INDEX, keys.job_info(job_id), keys.job_alive(job_id)]
+        args = [job_id, "" if rank is None else rank]
+        return bool(self.scripts.heartbeat(keys=keys_, args=args))
+
+    def ranks_heard(self, job_id: str) -> dict[int, float]:
+        """Rank -> server time of its last heartbeat (ranks never heard from are absent)."""
+        raw = self.conn.zrange(keys.job_alive(job_id), 0, -1, withscores=True)
+        return {int(rank): float(at) for rank, at in raw}
+
+    def server_time(self) -> float:
+        """The Redis server's clock, in seconds (the one clock heartbeats are timed by)."""
+        seconds, micros = self.conn.time()
+        return seconds + micros / 1e6
 
     def set_fields(self, job_id: str, pipeline: Pipeline | None = None, **fields: Any) -> None:
         """Set bookkeeping fields of the job's info hash (e.g. ``error``, ``enqueued_at``)."""
@@ -204,6 +212,7 @@ class JobStore:
             keys.job_artifacts(job_id),
             keys.job_summaries(job_id),
             keys.job_snapshot(job_id),
+            keys.job_alive(job_id),
         ]
         # Results may exist one version past the latest schedule only if a client misbehaved;
         # they are rejected before being stored, so 1..latest covers everything.
@@ -267,6 +276,10 @@ class JobStore:
         self.results_decoded += len(raw)
         decoded = [stored_result(v, trusted) for v in raw]
         return sorted(decoded, key=lambda r: r.rank)
+
+    def reported_ranks(self, job_id: str, version: int) -> list[int]:
+        """The ranks whose results for ``version`` are stored, in order."""
+        return sorted(int(r) for r in self.conn.hkeys(keys.job_results(job_id, version)))
 
     def result_count(self, job_id: str, version: int) -> int:
         """How many ranks reported for ``version``."""

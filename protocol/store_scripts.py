@@ -205,6 +205,22 @@ return 0
 """
 
 
+# A heartbeat, timed by the Redis server's clock, so that ranks and coordinators whose clocks
+# disagree still agree on how long ago a rank was heard from.
+# KEYS[1] jobs index, KEYS[2] job info, KEYS[3] job alive set (rank -> time).
+# ARGV[1] job id, ARGV[2] rank ('' for a heartbeat of the job only).
+# Returns 1 if the job exists (refreshed only then: a deleted job is never revived), else 0.
+HEARTBEAT = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.replicate_commands()  -- Redis 6.2: TIME before writes needs effects replication
+local t = redis.call('TIME')
+local now = string.format('%d.%06d', t[1], t[2])
+redis.call('ZADD', KEYS[1], 'XX', 'GT', now, ARGV[1])
+if ARGV[2] ~= '' then redis.call('ZADD', KEYS[3], now, ARGV[2]) end
+return 1
+"""
+
+
 class Scripts:
     """Every script above, registered on one client (EVALSHA, loaded again when missing)."""
 
@@ -221,3 +237,4 @@ class Scripts:
         self.delete_job: Script = conn.register_script(DELETE_JOB)
         self.release: Script = conn.register_script(RELEASE)
         self.renew: Script = conn.register_script(RENEW)
+        self.heartbeat: Script = conn.register_script(HEARTBEAT)

@@ -135,9 +135,13 @@ class CoordinatorClient:
             approximate=True,
         )
 
-    def heartbeat(self, job_id: str) -> bool:
-        """Mark the job active (so idle-job GC spares it); return whether Redis still has it."""
-        return self.store.touch(job_id, time.time())
+    def heartbeat(self, job_id: str, rank: int | None = None) -> bool:
+        """Mark the job (and ``rank``) active; return whether Redis still has the job.
+
+        Timed by the Redis server's clock: idle-job GC spares the job, and ``perseus status``
+        sees when each rank was last heard from, whatever this machine's clock says.
+        """
+        return self.store.touch(job_id, rank)
 
     def latest_version(self, job_id: str) -> int:
         """Latest published schedule version (0 if none yet)."""
@@ -281,7 +285,7 @@ class ScheduleWatcher(threading.Thread):
         self.job_lost = False
         self.job_error = ""  # the scheduler's failure, once announced (logged once)
         self.heartbeat_interval = heartbeat_interval
-        self._next_beat = time.monotonic() + heartbeat_interval
+        self._next_beat = time.monotonic()  # the first heartbeat at once: the rank is alive
         self._stop_event = threading.Event()
         # A dedicated connection: blocking reads must not hold up other callers' commands.
         self._conn = connect(client.redis_url)
@@ -333,7 +337,7 @@ class ScheduleWatcher(threading.Thread):
 
     def _beat(self) -> None:
         self._next_beat = time.monotonic() + self.heartbeat_interval
-        if self.client.heartbeat(self.job_id) or self.job_lost:
+        if self.client.heartbeat(self.job_id, self.rank) or self.job_lost:
             return
         self.job_lost = True
         logger.error(

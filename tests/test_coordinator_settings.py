@@ -1,0 +1,39 @@
+"""Coordinators that share a Redis must agree on the settings that decide what jobs get."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from coordinator.health import agree_settings, beat
+from coordinator.service import Coordinator
+from protocol.exceptions import ConfigError
+from tests.helpers import make_settings
+
+
+def test_a_second_coordinator_with_another_scheduler_refuses_to_start(r, redis_url):
+    first = make_settings(redis_url, "tests.toy_schedulers:StepDown")
+    agree_settings(r, "host-a-1", first.shared(), time.time())
+    beat(r, "host-a-1", time.time())
+
+    other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
+    with pytest.raises(ConfigError) as caught:
+        Coordinator(r, other).run(block_ms=10)
+    message = str(caught.value)
+    assert "coordinator host-a-1 (running" in message
+    assert "scheduler: 'tests.toy_schedulers:StepDown' there, 'PointSolution' here" in message
+    assert "scheduler_args: {} there, {'plan_text': 'x'} here" in message
+    assert "stall_timeout" not in message  # only what differs is named
+
+
+def test_same_settings_or_a_stopped_coordinator_do_not_block_a_start(r, redis_url):
+    settings = make_settings(redis_url)
+    agree_settings(r, "host-a-1", settings.shared(), time.time())
+    beat(r, "host-a-1", time.time())
+    agree_settings(r, "host-b-1", settings.shared(), time.time())  # same settings: fine
+
+    # A coordinator that stopped long ago (no heartbeat for a minute) does not count.
+    beat(r, "host-a-1", time.time() - 60)
+    other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
+    agree_settings(r, "host-c-1", other.shared(), time.time())

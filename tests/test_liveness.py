@@ -1,0 +1,56 @@
+"""Per-rank liveness: heartbeats on the Redis server's clock; silent ranks and stalled jobs."""
+
+from __future__ import annotations
+
+import time
+
+from coordinator.status import format_snapshot, snapshot
+from protocol import keys
+from protocol.store import JobStore
+from tests.helpers import drain, register, result, wait_for
+from worker_client.hook.session import CoordinatorClient
+
+
+def test_a_job_waiting_on_a_silent_rank_is_shown_stalled(service, r, redis_url):
+    client = CoordinatorClient(redis_url)
+    job_id = register(client, pp=2)
+    drain(r)
+    store = JobStore(r)
+    wait_for(lambda: store.version(job_id) >= 1, 10, "version 1")
+    for rank in (0, 1):
+        assert client.heartbeat(job_id, rank)
+    snap = snapshot(r, silent_after=1.5)
+    (job,) = snap["jobs"]
+    assert job["alive"] == 2 and job["state"] == "running"
+
+    # Rank 0 reports and keeps beating; rank 1 went quiet without reporting.
+    client.report(job_id, result(0, 1))
+    wait_for(lambda: store.result_count(job_id, 1) == 1, 10, "rank 0's result")
+    deadline = time.monotonic() + 2.5
+    while time.monotonic() < deadline:
+        client.heartbeat(job_id, 0)
+        time.sleep(0.2)
+    snap = snapshot(r, silent_after=1.5)
+    (job,) = snap["jobs"]
+    assert job["alive"] == 1 and job["silent_ranks"] == [1]
+    assert job["state"] == "stalled" and job["waiting_on"] == [1]
+    assert "stalled: waiting on silent ranks 1" in format_snapshot(snap)
+
+
+def test_heartbeats_use_the_servers_clock_not_the_ranks(service, r, redis_url, monkeypatch):
+    client = CoordinatorClient(redis_url)
+    job_id = register(client, pp=1)
+    store = JobStore(r)
+    # A rank whose clock is 8 days ahead (or behind) still records the server's time.
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 8 * 86400)
+    assert client.heartbeat(job_id, 0)
+    monkeypatch.setattr(time, "time", real)
+    heard = store.ranks_heard(job_id)[0]
+    assert abs(heard - store.server_time()) < 5
+    (score,) = [s for j, s in store.list_jobs() if j == job_id]
+    assert abs(score - store.server_time()) < 5
+    # A deleted job is not revived by a late heartbeat.
+    assert store.delete_job(job_id)
+    assert not client.heartbeat(job_id, 0)
+    assert not r.exists(keys.job_alive(job_id))
