@@ -114,10 +114,17 @@ class _Outcome:
         self.acks[stream].remove(entry_id)
         self.self_acked += 1
 
-    def dead(self, stream: str, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
+    def dead(
+        self,
+        stream: str,
+        entry_id: str,
+        fields: dict[bytes, bytes],
+        reason: str,
+        oversize: bool = False,
+    ) -> None:
         """Dead-letter an entry; a registration's client gets the reason as its reply."""
         self.dead_letters.append(
-            deadletter.entry_fields(stream, entry_id, fields, reason, time.time())
+            deadletter.entry_fields(stream, entry_id, fields, reason, time.time(), oversize)
         )
         self.reasons.append(f"{stream} {entry_id}: {reason}")
         reply_to = _request_reply_key(fields)
@@ -277,6 +284,15 @@ class Coordinator:
             outcome.acks.setdefault(stream, []).append(entry_id)
             if fields is None:
                 continue
+            size = deadletter.entry_size(fields)
+            if size > self.settings.max_entry_bytes:
+                # Refused before decoding: a huge msgpack payload costs memory to unpack.
+                reason = (
+                    f"entry of {size} bytes is over max_entry_bytes="
+                    f"{self.settings.max_entry_bytes} (PERSEUS_MAX_ENTRY_BYTES)"
+                )
+                outcome.dead(stream, entry_id, fields, reason, oversize=True)
+                continue
             try:
                 pending.append((stream, entry_id, fields, decode_message(fields)))
             except (PerseusError, ValueError) as exc:
@@ -349,6 +365,11 @@ class Coordinator:
                 raise ProtocolError(
                     "job_id must be empty when registering a job; the coordinator sets it"
                 )
+            if job.world_size > self.settings.max_world_size:
+                raise ProtocolError(
+                    f"world_size {job.world_size} is over max_world_size="
+                    f"{self.settings.max_world_size} (PERSEUS_MAX_WORLD_SIZE)"
+                )
             config = self._job_config(message)
             name = config.scheduler.rpartition(":")[2] or config.scheduler
             job = job.model_copy(update={"job_id": make_job_id(job, name, entry_id)})
@@ -360,6 +381,12 @@ class Coordinator:
             raise UnknownJobError(f"unknown job id {message.job_id!r}")
         info = record.info
         if isinstance(message, RegisterRank):
+            clocks = len(message.rank_info.available_frequencies)
+            if clocks > self.settings.max_frequencies:
+                raise ProtocolError(
+                    f"rank {message.rank_info.rank} registers {clocks} frequencies, over "
+                    f"max_frequencies={self.settings.max_frequencies} (PERSEUS_MAX_FREQUENCIES)"
+                )
             # Answered and acknowledged by the store's script: one round trip per request.
             needs = resolve_scheduler(record.config.scheduler).needs_instruction_energy
             answer = Answer(

@@ -43,6 +43,10 @@ class PerseusSettings(BaseSettings):
         reply_ttl: Seconds a registration reply waits in Redis for its client.
         job_timeout: Seconds one rq scheduler task may run (planning a large pipeline inside
             a scheduler takes minutes; rq's own default is 180 s).
+        max_entry_bytes: Largest stream entry the coordinator decodes; a larger one is
+            dead-lettered with its first bytes and size only.
+        max_world_size: Most ranks a job may register with.
+        max_frequencies: Most clocks a rank may register (an H100 has 170 or so).
         snapshot_every: Schedule versions between snapshots of a job's scheduler state
             (schedulers that support them); each snapshot deletes the profiling results it
             consumed, so a long job's Redis memory stays flat. 0: never.
@@ -62,6 +66,9 @@ class PerseusSettings(BaseSettings):
     stall_timeout: float = Field(default=10.0, gt=0)
     reply_ttl: int = Field(default=300, ge=1)
     job_timeout: int = Field(default=3600, ge=1)
+    max_entry_bytes: int = Field(default=1_048_576, ge=1024)
+    max_world_size: int = Field(default=100_000, ge=1)
+    max_frequencies: int = Field(default=1024, ge=1)
     snapshot_every: int = Field(default=10, ge=0)
 
     @field_validator("log_level")
@@ -82,6 +89,9 @@ class PerseusSettings(BaseSettings):
         "reply_ttl",
         "job_timeout",
         "stream_maxlen",
+        "max_entry_bytes",
+        "max_world_size",
+        "max_frequencies",
     )
 
     def shared(self) -> dict[str, Any]:

@@ -37,13 +37,29 @@ return id
 _ORIG = b"orig:"
 
 
+HEAD_BYTES = 256
+"""How much of each field an oversize entry's dead letter keeps."""
+
+
+def entry_size(fields: dict[bytes, bytes]) -> int:
+    """Bytes of an entry's field names and values."""
+    return sum(len(name) + len(value) for name, value in fields.items())
+
+
 def entry_fields(
-    source_stream: str, source_id: str, fields: dict[bytes, bytes], reason: str, now: float
+    source_stream: str,
+    source_id: str,
+    fields: dict[bytes, bytes],
+    reason: str,
+    now: float,
+    oversize: bool = False,
 ) -> dict[Any, Any]:
     """The fields of a dead letter: the reason, where it came from, every original field.
 
     Every original field is kept byte for byte as ``orig:<name>``, so nothing is lost and
-    :func:`replay` can send the entry back unchanged.
+    :func:`replay` can send the entry back unchanged. An ``oversize`` entry keeps only the
+    first :data:`HEAD_BYTES` of each field and its total size (``size``): copying it whole
+    would let one client fill Redis with dead letters. It cannot be replayed.
     """
     entry: dict[Any, Any] = {
         "reason": reason,
@@ -51,7 +67,11 @@ def entry_fields(
         "source_id": source_id,
         "dead_at": f"{now:.3f}",
     }
-    entry.update({_ORIG + name: value for name, value in fields.items()})
+    if oversize:
+        entry["size"] = str(entry_size(fields))
+        entry.update({_ORIG + name[:HEAD_BYTES]: v[:HEAD_BYTES] for name, v in fields.items()})
+    else:
+        entry.update({_ORIG + name: value for name, value in fields.items()})
     return entry
 
 
@@ -65,6 +85,7 @@ class DeadLetter:
     source_id: str
     dead_at: float
     original: dict[bytes, bytes]
+    size: int | None = None  # set when the entry was oversize and only its head was kept
 
     @property
     def kind(self) -> str:
@@ -78,8 +99,8 @@ class DeadLetter:
 
     @property
     def replayable(self) -> bool:
-        """Whether :func:`replay` accepts it (results and control messages)."""
-        return self.source_stream in REPLAYABLE_STREAMS
+        """Whether :func:`replay` accepts it (results and control messages, kept whole)."""
+        return self.source_stream in REPLAYABLE_STREAMS and self.size is None
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly fields (the original data stays in Redis)."""
@@ -110,6 +131,7 @@ def _parse(entry_id: bytes | str, fields: dict[bytes, bytes]) -> DeadLetter:
         source_id=text(b"source_id"),
         dead_at=dead_at,
         original={k[len(_ORIG) :]: v for k, v in fields.items() if k.startswith(_ORIG)},
+        size=int(text(b"size")) if text(b"size").isdigit() else None,
     )
 
 

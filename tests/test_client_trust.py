@@ -8,9 +8,13 @@ import msgpack
 import pytest
 from pydantic import ValidationError
 
+from protocol import keys
+from protocol.deadletter import list_dead_letters
 from protocol.exceptions import ProtocolError
-from protocol.models import JobInfo, ProfilingResult, unpack
+from protocol.models import JobInfo, ProfilingResult, RankInfo, unpack
+from protocol.store import JobStore
 from schedulers.planning.plan_file import write_plan_file
+from tests.helpers import drain, register, result, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 JOB = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
@@ -67,3 +71,32 @@ def test_results_hold_finite_non_negative_numbers_only(bad, where):
     raw = msgpack.packb({**good.model_dump(), **{k: v for k, v in fields.items() if k == where}})
     with pytest.raises(ProtocolError, match=where):
         unpack(ProfilingResult, raw)
+
+
+def test_an_oversize_entry_is_dead_lettered_with_its_head_and_size_only(service, r, redis_url):
+    client = CoordinatorClient(redis_url)
+    job_id = register(client, pp=1)
+    drain(r)
+    big = {"kind": "report_result", "job_id": job_id, "data": b"\x00" * (8 * 1024 * 1024)}
+    r.xadd(keys.RESULTS_STREAM, big)
+    (letter,) = wait_for(lambda: list_dead_letters(r), 10, "the oversize entry's dead letter")
+    assert "over max_entry_bytes=1048576 (PERSEUS_MAX_ENTRY_BYTES)" in letter.reason
+    assert letter.size is not None and letter.size > 8 * 1024 * 1024
+    assert len(letter.original[b"data"]) == 256 and not letter.replayable
+    # Only the head was copied, and nothing else was lost: a good result still goes through.
+    assert r.memory_usage(keys.DEADLETTER_STREAM) < 64 * 1024
+    client.report(job_id, result(0, 1))
+    wait_for(lambda: JobStore(r).result_count(job_id, 1) == 1, 10, "the good result")
+
+
+def test_huge_counts_are_refused_at_registration(service, redis_url):
+    client = CoordinatorClient(redis_url, reply_timeout=10)
+    huge = JobInfo(pp_degree=10**9, dp_degree=1, tp_degree=1, world_size=10**9)
+    with pytest.raises(ProtocolError, match="world_size 1000000000 is over max_world_size"):
+        client.register_job(huge)
+    job_id = client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+    rank = RankInfo(
+        rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=list(range(1, 5001))
+    )
+    with pytest.raises(ProtocolError, match="5000 frequencies, over max_frequencies=1024"):
+        client.register_rank(job_id, rank)
