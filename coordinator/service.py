@@ -230,6 +230,8 @@ class Coordinator:
         for _ in range(_TOP_UPS if block_ms is not None and results else 0):
             # A blocked read returns with the first result of a burst (every rank reports at
             # the end of the same step): take what else arrived, so that they form one batch.
+            if results >= _BATCH:
+                break  # A full batch already (and XREADGROUP refuses a count of 0).
             more = self.conn.xreadgroup(
                 keys.COORDINATOR_GROUP,
                 self.consumer,

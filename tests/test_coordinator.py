@@ -516,3 +516,23 @@ def test_redis_older_than_6_2_is_refused_clearly(r):
         check_redis_version("6.0.16")
     with pytest.raises(ConfigError, match="cannot parse"):
         check_redis_version("banana")
+
+
+def test_a_burst_of_a_full_batch_of_results_or_more_is_handled(r, redis_url):
+    # A 1,000-rank job reports at once: the first blocked read already returns a full batch.
+    # (The top-up reads once asked XREADGROUP for COUNT 0 here, and the coordinator died.)
+    from coordinator.service import ensure_groups
+
+    coord = Coordinator(r, make_settings(redis_url))
+    ensure_groups(r)
+    for rank in range(250):
+        r.xadd(
+            keys.RESULTS_STREAM, encode_message(ReportResult(job_id="nope", result=result(rank, 1)))
+        )
+    handled = 0
+    while handled < 250:
+        step = coord.step(block_ms=10)
+        assert step > 0
+        handled += step
+    assert r.xlen(keys.DEADLETTER_STREAM) == 250  # unknown job: each dead-lettered, none lost
+    assert r.xpending(keys.RESULTS_STREAM, keys.COORDINATOR_GROUP)["pending"] == 0
