@@ -494,6 +494,7 @@ class JobStore:
             keys.job_journal(job_id),
             keys.job_control(job_id),
             keys.DUE_JOBS,
+            keys.FINISHED_JOBS,
         ]
 
     def _due_call(self, job_id: str, mode: str) -> int:

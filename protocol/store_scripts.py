@@ -149,11 +149,11 @@ return 1
 
 # Whether a job needs its next version computed: all ranks registered, and no version yet, or
 # the latest version's results complete but not observed by the journal's last entry, or
-# control messages it has not applied. ARGV[2] == 'settle': a job with nothing due leaves the
-# due set; 'mark': a due job joins it (if absent, at time ARGV[3]).
+# control messages it has not applied; a finished job has nothing due. ARGV[2] == 'settle': a
+# job with nothing due leaves the due set; 'mark': a due job joins it (if absent, at ARGV[3]).
 # KEYS[1] job info, KEYS[2] job ranks, KEYS[3] job version, KEYS[4] journal, KEYS[5] job
-# control stream, KEYS[6] due set. ARGV[1] job id, ARGV[2] '', 'settle' or 'mark', ARGV[3] now.
-# Returns 1 due, 0 not, -1 unknown job.
+# control stream, KEYS[6] due set, KEYS[7] finished jobs. ARGV[1] job id, ARGV[2] '', 'settle'
+# or 'mark', ARGV[3] now. Returns 1 due, 0 not, -1 unknown job.
 DUE = """
 local f = redis.call('HMGET', KEYS[1], 'world_size', 'complete')
 if not f[1] then
@@ -161,7 +161,9 @@ if not f[1] then
   return -1
 end
 local due = 0
-if redis.call('HLEN', KEYS[2]) >= tonumber(f[1]) then
+if redis.call('ZSCORE', KEYS[7], ARGV[1]) then
+  due = 0
+elseif redis.call('HLEN', KEYS[2]) >= tonumber(f[1]) then
   local latest = tonumber(redis.call('GET', KEYS[3]) or '0')
   local raw = redis.call('LINDEX', KEYS[4], -1)
   local tail = {}
