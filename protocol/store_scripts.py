@@ -161,9 +161,7 @@ if not f[1] then
   return -1
 end
 local due = 0
-if redis.call('ZSCORE', KEYS[7], ARGV[1]) then
-  due = 0
-elseif redis.call('HLEN', KEYS[2]) >= tonumber(f[1]) then
+if redis.call('HLEN', KEYS[2]) >= tonumber(f[1]) then
   local latest = tonumber(redis.call('GET', KEYS[3]) or '0')
   local raw = redis.call('LINDEX', KEYS[4], -1)
   local tail = {}
@@ -176,6 +174,7 @@ elseif redis.call('HLEN', KEYS[2]) >= tonumber(f[1]) then
     due = 1
   end
 end
+if due == 1 and redis.call('ZSCORE', KEYS[7], ARGV[1]) then due = 0 end
 if due == 0 and ARGV[2] == 'settle' then redis.call('ZREM', KEYS[6], ARGV[1]) end
 if due == 1 and ARGV[2] == 'mark' then redis.call('ZADD', KEYS[6], 'NX', ARGV[3], ARGV[1]) end
 return due

@@ -440,7 +440,16 @@ class PerseusOptimizer(Callback):
         """Record in Redis that this rank is done; once every rank is, the job is finished.
 
         Idempotent (a set of ranks). Never raises: closing must not fail training's last step.
+        Skipped while Redis is unreachable (close does not wait on it): the job is then
+        deleted when idle instead.
         """
+        if self.watcher.outage.since is not None or self.reporter.unsent:
+            logger.warning(
+                "rank %d: redis unreachable at close; job %s not marked finished",
+                self.rank,
+                self.job_id,
+            )
+            return
         try:
             done = JobLifecycle(self.client.store).finish_rank(self.job_id, self.rank)
         except (redis.RedisError, ValueError) as exc:
