@@ -200,28 +200,7 @@ class Coordinator:
                     exc,
                 )
                 ensure_groups(self.conn)
-        self._leave_group()
-
-    def _leave_group(self) -> None:
-        """On a clean stop, leave the consumer group where nothing is pending for us.
-
-        Entries still pending stay for the other coordinators to claim (XAUTOCLAIM); a later
-        sweep removes this consumer once they have.
-        """
-        try:
-            stays = GroupMembers(self.conn).leave(self.consumer)
-        except redis.RedisError as exc:
-            logger.warning("coordinator %s: could not leave the group: %s", self.consumer, exc)
-            return
-        if stays:
-            logger.info(
-                "coordinator %s stopped with entries pending in %d stream(s): other "
-                "coordinators claim them, and the sweep then removes this consumer",
-                self.consumer,
-                stays,
-            )
-        else:
-            logger.info("coordinator %s stopped and left the consumer group", self.consumer)
+        GroupMembers(self.conn).leave_on_stop(self.consumer)
 
     def step(self, block_ms: int | None = 1000) -> int:
         """One round: maybe claim stale entries, read new ones, maybe sweep; return how many."""

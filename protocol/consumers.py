@@ -53,6 +53,27 @@ class GroupMembers:
             stays += left == 0
         return stays
 
+    def leave_on_stop(self, consumer: str) -> None:
+        """:meth:`leave`, as a coordinator stops cleanly: logs what it did, never raises.
+
+        Entries still pending stay for the other coordinators to claim (XAUTOCLAIM); a later
+        sweep removes the consumer once they have.
+        """
+        try:
+            stays = self.leave(consumer)
+        except redis.RedisError as exc:
+            logger.warning("coordinator %s: could not leave the group: %s", consumer, exc)
+            return
+        if stays:
+            logger.info(
+                "coordinator %s stopped with entries pending in %d stream(s): other "
+                "coordinators claim them, and the sweep then removes this consumer",
+                consumer,
+                stays,
+            )
+        else:
+            logger.info("coordinator %s stopped and left the consumer group", consumer)
+
     def consumers(self) -> dict[str, tuple[int, float]]:
         """Consumer -> (entries pending, seconds since it last read), over the input streams.
 

@@ -8,6 +8,7 @@ import time
 from coordinator.service import Coordinator
 from coordinator.tasks import advance_job
 from protocol import keys
+from protocol.deadletter import purge
 from protocol.models import JobConfig, JobInfo, RankInfo
 from protocol.store import JobStore
 from tests.helpers import FREQS, TOY_SCHEDULER, make_settings, register, wait_for
@@ -97,3 +98,12 @@ def test_stall_detection_uses_the_servers_clock(r, redis_url, monkeypatch):
     right = Coordinator(r, make_settings(redis_url, stall_timeout=60))
     right.sweeper.run(right.settings, enqueued.append)
     assert enqueued == []  # enqueued a moment ago by the server's clock: not stalled yet
+
+
+def test_purging_dead_letters_by_age_uses_the_servers_clock(r, monkeypatch):
+    """Dead-letter ids are the server's time: a clock 8 days ahead purges nothing new."""
+    r.xadd(keys.DEADLETTER_STREAM, {"reason": "x"})
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + EIGHT_DAYS)
+    assert purge(r, older_than_s=3600) == 0
+    assert r.xlen(keys.DEADLETTER_STREAM) == 1
