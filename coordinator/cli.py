@@ -24,6 +24,7 @@ import redis
 from pydantic import ValidationError
 
 from coordinator.cli_demo import demo_command
+from coordinator.cli_jobs import jobs_group
 from coordinator.dump import dump_job
 from coordinator.embedded import EmbeddedRedis, redis_server_binary
 from coordinator.service import Coordinator
@@ -563,6 +564,7 @@ for _command in (
     power_limit_group,
     profile_p2p_command,
     demo_command,
+    jobs_group,
 ):
     main.add_command(_command)
 

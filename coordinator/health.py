@@ -6,7 +6,6 @@ import argparse
 import json
 import socket
 import sys
-import time
 from typing import Any
 
 import redis
@@ -15,6 +14,7 @@ from coordinator.settings import PerseusSettings
 from protocol import keys
 from protocol.connection import connect, redact_url
 from protocol.exceptions import ConfigError, PerseusError
+from protocol.server_clock import ServerClock
 
 HEARTBEAT_INTERVAL_S = 1.0
 """A coordinator records a heartbeat at most this often (after a loop round)."""
@@ -26,7 +26,7 @@ FORGET_AFTER_S = 3600.0
 def beat(
     conn: redis.Redis, consumer: str, now: float, pipeline: redis.client.Pipeline | None = None
 ) -> None:
-    """Record that coordinator ``consumer`` finished a loop round at unix time ``now``."""
+    """Record that coordinator ``consumer`` finished a loop round at server time ``now``."""
     (pipeline if pipeline is not None else conn).hset(keys.COORDINATORS, consumer, f"{now:.3f}")
 
 
@@ -102,7 +102,7 @@ def check(redis_url: str, hostname: str, max_idle_s: float) -> tuple[bool, str]:
     where = redact_url(redis_url)
     try:
         conn = connect(redis_url, socket_timeout=5.0, ping=True)
-        idle = host_idle_s(conn, hostname, time.time())
+        idle = host_idle_s(conn, hostname, ServerClock(conn).sync())  # beats: server time
     except (PerseusError, redis.RedisError) as exc:
         return False, f"unhealthy: redis {where}: {exc}"
     if idle is None:

@@ -30,6 +30,7 @@ from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
 from protocol import deadletter, keys
+from protocol.consumers import GroupMembers
 from protocol.exceptions import ConfigError, PerseusError, ProtocolError, UnknownJobError
 from protocol.models import (
     JobConfig,
@@ -177,7 +178,7 @@ class Coordinator:
                 shared settings (see :func:`coordinator.health.agree_settings`).
         """
         check_redis_version(str(self.conn.info("server")["redis_version"]))
-        agree_settings(self.conn, self.consumer, self.settings.shared(), time.time())
+        agree_settings(self.conn, self.consumer, self.settings.shared(), self.store.server_time())
         ensure_groups(self.conn)
         logger.info("coordinator %s consuming %s", self.consumer, ", ".join(keys.INPUT_STREAMS))
         # Our own unacknowledged entries first (we may be a restart under the same name).
@@ -199,6 +200,7 @@ class Coordinator:
                     exc,
                 )
                 ensure_groups(self.conn)
+        GroupMembers(self.conn).leave_on_stop(self.consumer)
 
     def step(self, block_ms: int | None = 1000) -> int:
         """One round: maybe claim stale entries, read new ones, maybe sweep; return how many."""
@@ -210,7 +212,8 @@ class Coordinator:
         handled += self._consume(">", block_ms=block_ms)
         if time.monotonic() - self._last_beat >= HEARTBEAT_INTERVAL_S:
             self._last_beat = time.monotonic()
-            beat(self.conn, self.consumer, time.time())  # the container healthcheck reads it
+            # The container healthcheck reads it; timed by the server, like every stamp.
+            beat(self.conn, self.consumer, self.store.clock.now())
         if time.monotonic() - self._last_sweep >= self.settings.reconcile_interval:
             self._last_sweep = time.monotonic()
             self.sweep()
@@ -302,7 +305,7 @@ class Coordinator:
         jobs = self._job_records(m.job_id for *_, m in pending if not isinstance(m, RegisterJob))
         batch = self.store.batch()
         queued: list[tuple[str, str, dict[bytes, bytes], Message]] = []
-        now = time.time()
+        now = self.store.clock.now()  # activity stamps: the server's clock, like heartbeats
         for stream, entry_id, fields, message in pending:
             try:
                 self._dispatch(batch, message, stream, entry_id, fields, jobs, now)
@@ -526,7 +529,7 @@ class Coordinator:
             pipeline=pipe,
         )
         self.store.set_fields(
-            job_id, pipeline=pipe, enqueued_at=f"{time.time():.3f}", rq_job=job.id
+            job_id, pipeline=pipe, enqueued_at=f"{self.store.clock.now():.3f}", rq_job=job.id
         )
         if pipeline is None:
             pipe.execute()

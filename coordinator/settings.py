@@ -33,6 +33,11 @@ class PerseusSettings(BaseSettings):
         dump_dir: Where dumps go, one folder per job.
         max_job_idle_time: Seconds without activity (registration, results, or the hook's
             heartbeats) after which a job's state is deleted.
+        finished_retention: Seconds a finished job (every rank's hook closed, or ``perseus
+            jobs finish``) is kept before it is deleted.
+        start_retention: Seconds without activity after which a job that never got its first
+            schedule version (a rank failed before registering, or its scheduler failed at
+            once) is deleted.
         stream_maxlen: Approximate cap (XADD MAXLEN ~) of the streams the coordinator and
             workers write: the dead-letter stream, each job's updates stream, and entries
             that ``perseus deadletter replay`` sends back. The input streams are written by
@@ -61,6 +66,8 @@ class PerseusSettings(BaseSettings):
     dump_data: bool = False
     dump_dir: str = "./dump"
     max_job_idle_time: int = Field(default=60 * 60 * 24 * 7, ge=1)
+    finished_retention: float = Field(default=60 * 60 * 24, ge=0)
+    start_retention: float = Field(default=60 * 60, gt=0)
     stream_maxlen: int = Field(default=100_000, ge=100)
     reconcile_interval: float = Field(default=2.0, gt=0)
     stall_timeout: float = Field(default=10.0, gt=0)
@@ -85,6 +92,8 @@ class PerseusSettings(BaseSettings):
         "scheduler",
         "scheduler_args",
         "max_job_idle_time",
+        "finished_retention",
+        "start_retention",
         "stall_timeout",
         "reply_ttl",
         "job_timeout",

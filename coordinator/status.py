@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import redis
@@ -10,6 +9,7 @@ from rq import Queue, worker_registration
 
 from protocol import keys
 from protocol.exceptions import PerseusError
+from protocol.job_lifecycle import Ending, JobLifecycle
 from protocol.job_record import JobRecord
 from protocol.models import ProfilingResult
 from protocol.store import JobStore
@@ -49,10 +49,11 @@ SILENT_AFTER_S = 180.0
 def snapshot(conn: redis.Redis, silent_after: float = SILENT_AFTER_S) -> dict[str, Any]:
     """Jobs, their progress and ranks' liveness, stream lag and rq queue state."""
     store = JobStore(conn)
-    now = time.time()
-    server_now = store.server_time()  # heartbeats are timed by the server's clock
+    now = store.server_time()  # heartbeats and activity stamps are the server's clock
+    listed = store.list_jobs()
+    endings = JobLifecycle(store).endings(job_id for job_id, _ in listed)
     jobs = []
-    for job_id, last_active in store.list_jobs():
+    for job_id, last_active in listed:
         try:
             record = store.get_job(job_id)
         except PerseusError:
@@ -78,7 +79,9 @@ def snapshot(conn: redis.Redis, silent_after: float = SILENT_AFTER_S) -> dict[st
                 "error": record.error,
                 "first": first,
                 "latest": latest,
-                **_liveness(store, record, version, server_now, silent_after),
+                "ranks_finished": endings[job_id].ranks_finished,
+                "finished_at": endings[job_id].finished_at,
+                **_liveness(store, record, version, now, silent_after, endings[job_id]),
             }
         )
     queue = Queue(keys.RQ_QUEUE, connection=conn)
@@ -97,12 +100,18 @@ def snapshot(conn: redis.Redis, silent_after: float = SILENT_AFTER_S) -> dict[st
 
 
 def _liveness(
-    store: JobStore, record: JobRecord, version: int, now: float, silent_after: float
+    store: JobStore,
+    record: JobRecord,
+    version: int,
+    now: float,
+    silent_after: float,
+    ending: Ending,
 ) -> dict[str, Any]:
     """Ranks heard from lately, silent ranks, and whether the job waits on silent ones.
 
-    A job is ``stalled`` when its version still lacks results and every rank it waits for is
-    silent: no new version will come until those ranks report (or the job is restarted).
+    A job is ``finished`` when every rank's hook closed (or an operator finished it); it is
+    ``stalled`` when its version still lacks results and every rank it waits for is silent:
+    no new version will come until those ranks report (or the job is restarted).
     """
     job_id, world = record.job_id, record.info.world_size
     heard = store.ranks_heard(job_id)
@@ -110,10 +119,16 @@ def _liveness(
     reported = set(store.reported_ranks(job_id, version)) if version else set()
     waiting = [r for r in range(world) if r not in reported]
     stalled = bool(version and waiting and heard and set(waiting) <= set(silent))
+    if ending.finished:
+        state, stalled = "finished", False
+    elif record.error:
+        state = "failed"
+    else:
+        state = "stalled" if stalled else "running" if version else "starting"
     return {
         "alive": world - len(silent),
         "silent_ranks": silent,
-        "state": "failed" if record.error else "stalled" if stalled else "running",
+        "state": state,
         "waiting_on": waiting if stalled else [],
     }
 
@@ -197,6 +212,8 @@ def format_snapshot(snap: dict[str, Any]) -> str:
             if job["state"] == "stalled":
                 waiting = ", ".join(map(str, job["waiting_on"]))
                 detail = f"stalled: waiting on silent ranks {waiting}"
+            elif job["state"] == "finished":
+                detail = f"finished: {_savings(job)}"
             else:
                 detail = job["error"] or _savings(job)
             lines.append(

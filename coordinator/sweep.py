@@ -1,24 +1,26 @@
-"""The coordinator's periodic sweep: re-enqueue stalled scheduler work, delete idle jobs.
+"""The coordinator's periodic sweep: re-enqueue stalled work, delete idle, finished, unstarted jobs.
 
 Its cost does not depend on how many jobs have finished: it reads the due set (jobs with work
-outstanding), the idle end of the jobs index, and one page of all jobs per round, which
-reconciles the due set with the jobs themselves (a job whose due mark Redis lost is found
-within jobs / page rounds).
+outstanding), the idle end of the jobs index, the old ends of the finished and starting sets,
+and one page of all jobs per round, which reconciles the due set with the jobs themselves (a
+job whose due mark Redis lost is found within jobs / page rounds). Every time it compares is
+the Redis server's (heartbeats and activity stamps are), read once per sweep.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 from rq import Queue
 from rq.job import Job, JobStatus
 
-from coordinator.health import forget_stale
+from coordinator.health import forget_stale, last_beats
 from coordinator.settings import PerseusSettings
 from protocol import keys
+from protocol.consumers import GroupMembers
+from protocol.job_lifecycle import JobLifecycle
 from protocol.store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 _WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
 SWEEP_LIMIT = 1000  # due or idle jobs one sweep looks at, at most
 RECONCILE_PAGE = 100  # jobs per sweep checked for work due but missing from the due set
+CONSUMER_GONE_AFTER_S = 60.0
+"""A group consumer whose coordinator has not beaten (nor read) for this long is removed."""
 
 
 class Sweeper:
@@ -37,21 +41,25 @@ class Sweeper:
 
     def __init__(self, store: JobStore) -> None:
         self.store = store
+        self.lifecycle = JobLifecycle(store)
+        self.members = GroupMembers(store.conn)
+        self.consumer_gone_after = CONSUMER_GONE_AFTER_S
         self._page_at = 0
 
     def run(self, settings: PerseusSettings, enqueue: Callable[[str], Any]) -> list[str]:
-        """One sweep under ``settings`` (idle time, stall timeout).
+        """One sweep under ``settings`` (idle time, retentions, stall timeout).
 
         Args:
             settings: The coordinator's settings now.
             enqueue: Re-enqueues a job's stalled work.
 
         Returns:
-            The jobs deleted as idle.
+            The jobs deleted (idle, finished or never started).
         """
-        now = time.time()
-        forget_stale(self.store.conn, now)  # coordinators that stopped beating
+        now = self.store.server_time()  # also resynchronizes the store's clock
+        self._forget_coordinators(now)
         deleted = self._delete_idle(now, settings.max_job_idle_time)
+        deleted += self._delete_ended(now, settings)
         page = self.store.jobs_page(self._page_at, RECONCILE_PAGE)
         self._page_at = self._page_at + len(page) if len(page) == RECONCILE_PAGE else 0
         for job_id in self.store.mark_due(page):
@@ -67,6 +75,33 @@ class Sweeper:
             if self.store.delete_job(job_id, idle_before=now - idle_time):
                 deleted.append(job_id)
                 logger.info("deleted job %s: idle for more than %d s", job_id, idle_time)
+        return deleted
+
+    def _forget_coordinators(self, now: float) -> None:
+        """Heartbeats and group consumers of coordinators that are gone (none pending)."""
+        conn = self.store.conn
+        forget_stale(conn, now)
+        alive = {n for n, t in last_beats(conn).items() if now - t < self.consumer_gone_after}
+        self.members.forget_gone(alive, self.consumer_gone_after)
+
+    def _delete_ended(self, now: float, settings: PerseusSettings) -> list[str]:
+        """Jobs finished ``finished_retention`` ago, and never-started ones idle for long."""
+        deleted = []
+        retention = settings.finished_retention
+        for job_id in self.lifecycle.finished_before(now - retention, SWEEP_LIMIT):
+            if self.store.delete_job(job_id):
+                deleted.append(job_id)
+                logger.info("deleted job %s: finished more than %g s ago", job_id, retention)
+        cutoff = now - settings.start_retention
+        for job_id in self.lifecycle.starting_before(cutoff, SWEEP_LIMIT):
+            if self.lifecycle.collect_unstarted(job_id, idle_before=cutoff):
+                deleted.append(job_id)
+                logger.info(
+                    "deleted job %s: no schedule version, and idle for more than %g s "
+                    "(start_retention)",
+                    job_id,
+                    settings.start_retention,
+                )
         return deleted
 
     def _stalled(self, job_id: str, now: float, stall_timeout: float) -> bool:

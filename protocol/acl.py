@@ -36,12 +36,15 @@ _RANK_READS = (
     keys.job_updates("*"),
 )
 # Keys a rank writes: the input streams, its reply list, the jobs index and its job's liveness
-# hash (heartbeats: ZADD XX GT only refreshes existing jobs), power-limit profiles.
+# hash (heartbeats: ZADD XX GT only refreshes existing jobs), its job's finished ranks and the
+# finished jobs (the hook's close, through one script), power-limit profiles.
 _RANK_WRITES = (
     *keys.INPUT_STREAMS,
     keys.reply_key("*"),
     keys.JOBS_INDEX,
     keys.job_alive("*"),
+    keys.job_finished("*"),
+    keys.FINISHED_JOBS,
     keys.power_limit_profile("*"),
     keys.POWER_LIMIT_INDEX,
 )
@@ -51,6 +54,7 @@ _RANK_COMMANDS = (
     "+xread",  # a job's updates stream
     "+get +hget +hgetall +hlen +exists",  # version, schedules, info (error), liveness
     "+evalsha +script|load +time +zadd",  # heartbeats: one script, the server's clock
+    "+sadd +scard",  # marking its rank finished at close (one script)
     "+set +multi +exec",  # saving a power-limit profile (SET + ZADD in MULTI)
 )
 

@@ -14,7 +14,6 @@ longer waiting, and a replayed ``register_job`` would create a job nobody runs.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +21,7 @@ import redis
 
 from protocol import keys
 from protocol.exceptions import ConfigError
+from protocol.server_clock import ServerClock
 
 REPLAYABLE_STREAMS = (keys.RESULTS_STREAM, keys.CONTROL_STREAM)
 
@@ -206,7 +206,8 @@ def purge(
     if older_than_s is not None:
         if older_than_s < 0:
             raise ConfigError(f"older_than_s must be >= 0, got {older_than_s}")
-        now = time.time() if now is None else now
+        # Entry ids are the server's time: compare with its clock, not this machine's.
+        now = ServerClock.of(conn).now() if now is None else now
         cutoff_ms = int((now - older_than_s) * 1000)
         return int(conn.xtrim(keys.DEADLETTER_STREAM, minid=f"{cutoff_ms}-0", approximate=False))
     count = int(conn.xlen(keys.DEADLETTER_STREAM))

@@ -22,8 +22,17 @@ COORDINATOR_GROUP = "perseus-coordinators"
 # Malformed or rejected entries, with the reason and the original fields.
 DEADLETTER_STREAM = f"{PREFIX}:stream:deadletter"
 
-# Sorted set: job id -> unix time of its last activity (drives `perseus status` and GC).
+# Sorted set: job id -> Redis server time (unix s) of its last activity (`perseus status`, GC).
 JOBS_INDEX = f"{PREFIX}:jobs"
+
+# Sorted set: job id -> Redis server time at which every rank had finished (or an operator
+# ran ``perseus jobs finish``). The sweep deletes jobs older than ``finished_retention``.
+FINISHED_JOBS = f"{PREFIX}:jobs:finished"
+
+# Sorted set: job id -> Redis server time of its registration, for jobs that may not have
+# started yet (no schedule version published). The sweep deletes those still without a version
+# and idle for ``start_retention``, and drops the others from the set.
+STARTING_JOBS = f"{PREFIX}:jobs:starting"
 
 # Hash: coordinator consumer name (``<host>-<pid>``) -> unix time of its last loop round
 # (the container healthcheck, coordinator/health.py).
@@ -108,6 +117,11 @@ def job_snapshot(job_id: str) -> str:
 def job_alive(job_id: str) -> str:
     """Sorted set: rank -> Redis server time (s) of its last heartbeat (``perseus status``)."""
     return job_key(job_id, "alive")
+
+
+def job_finished(job_id: str) -> str:
+    """Set of the ranks whose hook closed (finished training); all of them: job finished."""
+    return job_key(job_id, "finished")
 
 
 def job_lease(job_id: str) -> str:

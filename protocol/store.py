@@ -11,7 +11,6 @@ snapshot lets the results it has consumed be deleted; per-version summaries of t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,9 +31,11 @@ from protocol.models import (
     pack,
     unpack,
 )
+from protocol.server_clock import ServerClock
 from protocol.store_batch import StoreBatch, single
 from protocol.store_scripts import Scripts
 
+_GC_INDEXES = (keys.FINISHED_JOBS, keys.STARTING_JOBS)
 KEEP_SCHEDULES = 4
 """Schedule versions kept per job: the latest and a few before it, for slow readers."""
 
@@ -58,6 +59,7 @@ class JobStore:
         self.keep_schedules = keep_schedules
         self.results_decoded = 0  # results decoded by this store: tests check advancing cost
         self.scripts = Scripts(conn)
+        self.clock = ServerClock.of(conn)  # activity stamps: the server's clock, like heartbeats
 
     def batch(self) -> StoreBatch:
         """A batch of writes sent in one round trip."""
@@ -73,7 +75,7 @@ class JobStore:
             ProtocolError: A different registration already owns this job id.
         """
         batch = self.batch()
-        batch.create_job(job, config, entry_id, time.time() if now is None else now)
+        batch.create_job(job, config, entry_id, self.clock.now() if now is None else now)
         return bool(single(batch))
 
     def get_job(self, job_id: str) -> JobRecord:
@@ -152,9 +154,11 @@ class JobStore:
         return {int(rank): float(at) for rank, at in raw}
 
     def server_time(self) -> float:
-        """The Redis server's clock, in seconds (the one clock heartbeats are timed by)."""
-        seconds, micros = self.conn.time()
-        return seconds + micros / 1e6
+        """The Redis server's clock, in seconds (the one clock heartbeats are timed by).
+
+        Asks the server (one round trip) and resynchronizes :attr:`clock` with it.
+        """
+        return self.clock.sync()
 
     def set_fields(self, job_id: str, pipeline: Pipeline | None = None, **fields: Any) -> None:
         """Set bookkeeping fields of the job's info hash (e.g. ``error``, ``enqueued_at``)."""
@@ -186,8 +190,11 @@ class JobStore:
     def idle_jobs(
         self, idle_seconds: float, now: float | None = None, limit: int | None = None
     ) -> list[str]:
-        """Jobs whose last activity is older than ``idle_seconds`` (the ``limit`` oldest)."""
-        now = time.time() if now is None else now
+        """Jobs whose last activity is older than ``idle_seconds`` (the ``limit`` oldest).
+
+        ``now`` defaults to the Redis server's clock (activity is stamped by it).
+        """
+        now = self.clock.now() if now is None else now
         page = {} if limit is None else {"start": 0, "num": limit}
         rows = self.conn.zrangebyscore(keys.JOBS_INDEX, "-inf", now - idle_seconds, **page)
         return [job_id.decode() for job_id in rows]
@@ -195,35 +202,40 @@ class JobStore:
     def delete_job(self, job_id: str, idle_before: float | None = None) -> bool:
         """Delete every key of a job atomically; return whether it was deleted.
 
+        The same script takes it out of the jobs, due, finished and starting indexes.
+
         Args:
             job_id: The job.
-            idle_before: Delete only if its last activity is not newer than this unix time
+            idle_before: Delete only if its last activity is not newer than this server time
                 (so a job that a heartbeat refreshed since it was found idle survives).
         """
-        latest = self.version(job_id)
-        names = [
-            keys.job_info(job_id),
-            keys.job_ranks(job_id),
-            keys.job_version(job_id),
-            keys.job_journal(job_id),
-            keys.job_updates(job_id),
-            keys.job_lease(job_id),
-            keys.job_control(job_id),
-            keys.job_artifacts(job_id),
-            keys.job_summaries(job_id),
-            keys.job_snapshot(job_id),
-            keys.job_alive(job_id),
-        ]
-        # Results may exist one version past the latest schedule only if a client misbehaved;
-        # they are rejected before being stored, so 1..latest covers everything.
-        for version in range(1, latest + 1):
-            names += [keys.job_schedule(job_id, version), keys.job_results(job_id, version)]
-        cutoff = "" if idle_before is None else repr(float(idle_before))
-        return bool(
-            self.scripts.delete_job(
-                keys=[keys.JOBS_INDEX, keys.DUE_JOBS, *names], args=[job_id, cutoff]
+        while True:
+            latest = self.version(job_id)
+            names = [
+                keys.job_version(job_id),
+                keys.job_info(job_id),
+                keys.job_ranks(job_id),
+                keys.job_journal(job_id),
+                keys.job_updates(job_id),
+                keys.job_lease(job_id),
+                keys.job_control(job_id),
+                keys.job_artifacts(job_id),
+                keys.job_summaries(job_id),
+                keys.job_snapshot(job_id),
+                keys.job_alive(job_id),
+                keys.job_finished(job_id),
+            ]
+            # Results may exist one version past the latest schedule only if a client
+            # misbehaved; they are rejected before being stored, so 1..latest covers all.
+            for version in range(1, latest + 1):
+                names += [keys.job_schedule(job_id, version), keys.job_results(job_id, version)]
+            cutoff = "" if idle_before is None else repr(float(idle_before))
+            deleted = self.scripts.delete_job(
+                keys=[keys.JOBS_INDEX, keys.DUE_JOBS, *_GC_INDEXES, *names],
+                args=[job_id, cutoff, latest],
             )
-        )
+            if int(deleted) >= 0:  # -1: a version was published meanwhile; its keys too
+                return bool(deleted)
 
     # --- ranks -----------------------------------------------------------------------------
     def add_rank(self, job: JobInfo, rank: RankInfo, now: float | None = None) -> int:
@@ -234,7 +246,7 @@ class JobStore:
             ProtocolError: The rank does not fit the job, or registered with other info.
         """
         batch = self.batch()
-        batch.add_rank(job, rank, time.time() if now is None else now)
+        batch.add_rank(job, rank, self.clock.now() if now is None else now)
         return int(single(batch))
 
     def ranks(self, job_id: str) -> list[RankInfo]:
@@ -260,7 +272,7 @@ class JobStore:
             ProtocolError: Rank out of range or unregistered, or a version never published.
         """
         batch = self.batch()
-        batch.add_result(job, result, time.time() if now is None else now)
+        batch.add_result(job, result, self.clock.now() if now is None else now)
         added, latest, count = single(batch)
         return bool(added), int(latest), int(count)
 
@@ -298,7 +310,7 @@ class JobStore:
             UnknownJobError: The job does not exist.
         """
         batch = self.batch()
-        batch.add_control(message, entry_id, time.time())
+        batch.add_control(message, entry_id, self.clock.now())
         return bool(single(batch))
 
     def controls(self, job_id: str, start: int = 0) -> list[SetTarget]:
@@ -350,7 +362,7 @@ class JobStore:
         Returns:
             True if this call published it; False if another writer got there first.
         """
-        now = time.time() if now is None else now
+        now = self.clock.now() if now is None else now
         flat: list[Any] = []
         for schedule in schedules:
             # Validated fields are plain data: packed as the model would be, without a copy.
@@ -392,7 +404,7 @@ class JobStore:
         summary: bytes | None = None,
     ) -> bool:
         """Append an unpublished journal entry if the journal still has ``journal_length``."""
-        now = time.time() if now is None else now
+        now = self.clock.now() if now is None else now
         return bool(
             self.scripts.record(
                 keys=[
@@ -464,7 +476,7 @@ class JobStore:
         """:meth:`release_lease` and :meth:`settle` in one round trip; return whether due."""
         batch = self.batch()
         batch.call(self.scripts.release, [keys.job_lease(job_id)], [token])
-        batch.call(self.scripts.due, self._due_keys(job_id), [job_id, "settle", time.time()])
+        batch.call(self.scripts.due, self._due_keys(job_id), [job_id, "settle", self.clock.now()])
         _released, due = batch.execute()
         return bool(due == 1)
 
@@ -482,10 +494,13 @@ class JobStore:
             keys.job_journal(job_id),
             keys.job_control(job_id),
             keys.DUE_JOBS,
+            keys.FINISHED_JOBS,
         ]
 
     def _due_call(self, job_id: str, mode: str) -> int:
-        return int(self.scripts.due(keys=self._due_keys(job_id), args=[job_id, mode, time.time()]))
+        return int(
+            self.scripts.due(keys=self._due_keys(job_id), args=[job_id, mode, self.clock.now()])
+        )
 
     def due(self, job: JobRecord | str) -> bool:
         """Whether the job needs its next schedule version computed (one round trip)."""
@@ -502,7 +517,7 @@ class JobStore:
         had put a job there.
         """
         batch = self.batch()
-        now = time.time()
+        now = self.clock.now()
         for job_id in job_ids:
             batch.call(self.scripts.due, self._due_keys(job_id), [job_id, "mark", now])
         return [j for j, due in zip(job_ids, batch.execute(), strict=True) if due == 1]

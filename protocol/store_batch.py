@@ -79,7 +79,7 @@ class StoreBatch:
         flat = [x for pair in fields.items() for x in pair]
         command = (
             self.scripts.create_job,
-            [keys.job_info(job.job_id), keys.JOBS_INDEX],
+            [keys.job_info(job.job_id), keys.JOBS_INDEX, keys.STARTING_JOBS],
             [job.job_id, now, entry_id, *flat],
         )
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 import redis
 from redis.commands.core import Script
 
-# KEYS[1] job info, KEYS[2] jobs index.
-# ARGV[1] job id, ARGV[2] now, ARGV[3] registration entry id, ARGV[4..] info field, value pairs.
-# Returns {1, entry id} when created, {0, owner entry id} when the job exists.
+# KEYS[1] job info, KEYS[2] jobs index, KEYS[3] starting jobs (collected sooner if no version
+# comes). ARGV[1] job id, ARGV[2] now, ARGV[3] registration entry id, ARGV[4..] info field, value
+# pairs. Returns {1, entry id} when created, {0, owner entry id} when the job exists.
 CREATE_JOB = """
 local existing = redis.call('HGET', KEYS[1], 'entry_id')
 if existing then return {0, existing} end
 redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
 return {1, ARGV[3]}
 """
 
@@ -148,11 +149,11 @@ return 1
 
 # Whether a job needs its next version computed: all ranks registered, and no version yet, or
 # the latest version's results complete but not observed by the journal's last entry, or
-# control messages it has not applied. ARGV[2] == 'settle': a job with nothing due leaves the
-# due set; 'mark': a due job joins it (if absent, at time ARGV[3]).
+# control messages it has not applied; a finished job has nothing due. ARGV[2] == 'settle': a
+# job with nothing due leaves the due set; 'mark': a due job joins it (if absent, at ARGV[3]).
 # KEYS[1] job info, KEYS[2] job ranks, KEYS[3] job version, KEYS[4] journal, KEYS[5] job
-# control stream, KEYS[6] due set. ARGV[1] job id, ARGV[2] '', 'settle' or 'mark', ARGV[3] now.
-# Returns 1 due, 0 not, -1 unknown job.
+# control stream, KEYS[6] due set, KEYS[7] finished jobs. ARGV[1] job id, ARGV[2] '', 'settle'
+# or 'mark', ARGV[3] now. Returns 1 due, 0 not, -1 unknown job.
 DUE = """
 local f = redis.call('HMGET', KEYS[1], 'world_size', 'complete')
 if not f[1] then
@@ -173,20 +174,24 @@ if redis.call('HLEN', KEYS[2]) >= tonumber(f[1]) then
     due = 1
   end
 end
+if due == 1 and redis.call('ZSCORE', KEYS[7], ARGV[1]) then due = 0 end
 if due == 0 and ARGV[2] == 'settle' then redis.call('ZREM', KEYS[6], ARGV[1]) end
 if due == 1 and ARGV[2] == 'mark' then redis.call('ZADD', KEYS[6], 'NX', ARGV[3], ARGV[1]) end
 return due
 """
 
 # Deletes a job's keys, but only if it is still idle: a heartbeat may have come in since the
-# sweep listed it. KEYS[1] jobs index, KEYS[2] due set, KEYS[3..] the job's keys.
-# ARGV[1] job id, ARGV[2] idle cutoff ('' deletes unconditionally). Returns 1 deleted, 0 not.
+# sweep listed it. KEYS[1] jobs index, KEYS[2] due set, KEYS[3] finished jobs, KEYS[4] starting
+# jobs, KEYS[5] job version, KEYS[6..] the job's other keys (schedules and results of versions
+# 1..ARGV[3]). ARGV[1] job id, ARGV[2] idle cutoff ('' deletes unconditionally), ARGV[3] the
+# version the caller listed keys for. Returns 1 deleted, 0 not (active), -1 a newer version
+# exists (list its keys and call again).
 DELETE_JOB = """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if ARGV[2] ~= '' and score and tonumber(score) > tonumber(ARGV[2]) then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('DEL', unpack(KEYS, 3))
+if tonumber(redis.call('GET', KEYS[5]) or '0') ~= tonumber(ARGV[3]) then return -1 end
+for i = 1, 4 do redis.call('ZREM', KEYS[i], ARGV[1]) end
+redis.call('DEL', unpack(KEYS, 5))
 return 1
 """
 

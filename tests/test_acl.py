@@ -92,6 +92,8 @@ def test_each_role_works_within_its_permissions_and_is_refused_outside(
         finally:
             hook.close()
         assert hook.reporter.unsent == 0
+        # Closing marked its rank finished, and with it the one-rank job.
+        assert redis.Redis.from_url(service_url).zscore(keys.FINISHED_JOBS, job_id) is not None
 
         # Operators read everything a command shows, and change nothing.
         operator = url_of(port, "operator")

@@ -22,11 +22,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+import redis
 import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
 from protocol.exceptions import ConfigError, JobFailedError, PerseusError, ScheduleError
+from protocol.job_lifecycle import JobLifecycle
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import NVML
@@ -416,7 +418,7 @@ class PerseusOptimizer(Callback):
         logger.debug("rank %d: now running schedule version %d", self.rank, schedule.version)
 
     def on_train_end(self) -> None:
-        """Flush results, stop background threads and the frequency controller."""
+        """Flush results, mark this rank finished, stop background threads and the controller."""
         self.close()
 
     def close(self) -> None:
@@ -427,8 +429,36 @@ class PerseusOptimizer(Callback):
         self._builder.shutdown(wait=True)  # Queued results reach the reporter first.
         self.reporter.stop()
         self.watcher.stop()
+        self._finish_rank()
         self.controller.stop()
         close = getattr(self.energy_source, "close", None)
         if self._owned_source and close is not None:
             close()
         self.client.close()
+
+    def _finish_rank(self) -> None:
+        """Record in Redis that this rank is done; once every rank is, the job is finished.
+
+        Idempotent (a set of ranks). Never raises: closing must not fail training's last step.
+        Skipped while Redis is unreachable (close does not wait on it): the job is then
+        deleted when idle instead.
+        """
+        if self.watcher.outage.since is not None or self.reporter.unsent:
+            logger.warning(
+                "rank %d: redis unreachable at close; job %s not marked finished",
+                self.rank,
+                self.job_id,
+            )
+            return
+        try:
+            done = JobLifecycle(self.client.store).finish_rank(self.job_id, self.rank)
+        except (redis.RedisError, ValueError) as exc:
+            logger.warning(
+                "rank %d: could not mark job %s finished (%s); it is deleted when idle instead",
+                self.rank,
+                self.job_id,
+                exc,
+            )
+            return
+        if done:
+            logger.info("job %s: every rank finished", self.job_id)

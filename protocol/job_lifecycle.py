@@ -1,0 +1,132 @@
+"""A job's end: ranks that finished, finished jobs, and jobs that never started.
+
+A rank's hook marks its rank finished when it closes; when every rank has, the job is
+finished (``perseus:jobs:finished``, timed by the Redis server's clock) and the coordinator's
+sweep deletes it after ``finished_retention``. A job that never got its first schedule version
+(a rank failed before registering, its scheduler failed at once) waits in
+``perseus:jobs:starting`` and is deleted after ``start_retention`` without activity, rather
+than after the week of ``max_job_idle_time``. Both sets are sorted by time, so a sweep reads
+only the jobs due for deletion, however many jobs have finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from protocol import keys
+from protocol.store import JobStore
+
+# Marks a rank (or, with ARGV[2] == '', the whole job) finished, on the server's clock.
+# Idempotent: a rank marked twice counts once, and a finished job keeps its first finish time.
+# KEYS[1] job info, KEYS[2] job's finished ranks, KEYS[3] finished jobs.
+# ARGV[1] job id, ARGV[2] rank ('' finishes the job whatever its ranks did).
+# Returns {status, ranks finished, world size}: 0 unknown job, -1 rank out of range,
+# 1 recorded, 2 recorded and the job is finished.
+FINISH = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, 0} end
+local world = tonumber(redis.call('HGET', KEYS[1], 'world_size'))
+if ARGV[2] ~= '' then
+  local rank = tonumber(ARGV[2])
+  if not rank or rank < 0 or rank >= world or rank % 1 ~= 0 then return {-1, 0, world} end
+end
+redis.replicate_commands()  -- Redis 6.2: TIME before writes needs effects replication
+local t = redis.call('TIME')
+local now = string.format('%d.%06d', t[1], t[2])
+if ARGV[2] ~= '' then redis.call('SADD', KEYS[2], ARGV[2]) end
+local count = redis.call('SCARD', KEYS[2])
+if ARGV[2] == '' or count >= world then
+  redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
+  return {2, count, world}
+end
+return {1, count, world}
+"""
+
+
+@dataclass(frozen=True)
+class Ending:
+    """Where a job stands at its end: finish time (server clock) and ranks finished."""
+
+    finished_at: float | None
+    ranks_finished: int
+
+    @property
+    def finished(self) -> bool:
+        """Whether every rank finished (or an operator finished the job)."""
+        return self.finished_at is not None
+
+
+class JobLifecycle:
+    """Finish ranks and jobs, and find the jobs the sweep deletes.
+
+    Args:
+        store: The job store (its connection and clock).
+    """
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+        self._finish = store.conn.register_script(FINISH)
+
+    def _call(self, job_id: str, rank: str) -> tuple[int, int, int]:
+        names = [keys.job_info(job_id), keys.job_finished(job_id), keys.FINISHED_JOBS]
+        status, count, world = self._finish(keys=names, args=[job_id, rank])
+        return int(status), int(count), int(world)
+
+    def finish_rank(self, job_id: str, rank: int) -> bool | None:
+        """Mark ``rank`` finished; return whether the job is now finished (None: no such job).
+
+        Raises:
+            ValueError: ``rank`` is not one of the job's ranks.
+        """
+        status, _count, world = self._call(job_id, str(int(rank)))
+        if status == -1:
+            raise ValueError(f"rank {rank} is out of range for job {job_id} (world size {world})")
+        return None if status == 0 else status == 2
+
+    def finish_job(self, job_id: str) -> bool:
+        """Mark the job finished whatever its ranks did; False if there is no such job."""
+        return self._call(job_id, "")[0] == 2
+
+    def endings(self, job_ids: Iterable[str]) -> dict[str, Ending]:
+        """Finish time and ranks finished of each job (one round trip)."""
+        ids = list(job_ids)
+        with self.store.conn.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.zscore(keys.FINISHED_JOBS, job_id)
+                pipe.scard(keys.job_finished(job_id))
+            replies = pipe.execute()
+        return {
+            job_id: Ending(None if at is None else float(at), int(count))
+            for job_id, at, count in zip(ids, replies[::2], replies[1::2], strict=True)
+        }
+
+    def finished_before(self, cutoff: float, limit: int) -> list[str]:
+        """Jobs finished before server time ``cutoff`` (the ``limit`` oldest)."""
+        rows = self.store.conn.zrangebyscore(keys.FINISHED_JOBS, "-inf", cutoff, 0, limit)
+        return [job_id.decode() for job_id in rows]
+
+    def starting_before(self, cutoff: float, limit: int) -> list[str]:
+        """Jobs registered before ``cutoff`` that had no schedule version when last checked."""
+        rows = self.store.conn.zrangebyscore(keys.STARTING_JOBS, "-inf", cutoff, 0, limit)
+        return [job_id.decode() for job_id in rows]
+
+    def collect_unstarted(self, job_id: str, idle_before: float) -> bool:
+        """Delete a job that never got a schedule version and is idle since ``idle_before``.
+
+        A job that has a version leaves the starting set; one still active is checked again
+        ``start_retention`` after its last activity. Returns whether it was deleted.
+        """
+        conn = self.store.conn
+        if self.store.version(job_id) > 0:
+            conn.zrem(keys.STARTING_JOBS, job_id)
+            return False
+        # delete_job checks the activity atomically: a version published or a rank registered
+        # since the check above refreshed it, and the job stays.
+        if self.store.delete_job(job_id, idle_before=idle_before):
+            return True
+        last = conn.zscore(keys.JOBS_INDEX, job_id)
+        if last is None:  # Deleted meanwhile by someone else: nothing left to watch.
+            conn.zrem(keys.STARTING_JOBS, job_id)
+        else:
+            conn.zadd(keys.STARTING_JOBS, {job_id: float(last)}, xx=True)
+        return False

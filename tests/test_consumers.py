@@ -1,0 +1,65 @@
+"""Coordinators that stop leave the consumer group; the sweep removes those that died."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import redis
+
+from coordinator.service import Coordinator, ensure_groups
+from protocol import keys
+from protocol.models import ReportResult, encode_message
+from tests.helpers import make_settings, result, start_perseus, wait_for
+
+
+def consumers(r: redis.Redis) -> set[str]:
+    """Members of the coordinators' group on any input stream."""
+    names = set()
+    for stream in keys.INPUT_STREAMS:
+        try:
+            rows = r.xinfo_consumers(stream, keys.COORDINATOR_GROUP)
+        except redis.ResponseError:
+            continue
+        names |= {row["name"].decode() for row in rows}
+    return names
+
+
+def test_a_coordinator_stopped_cleanly_leaves_the_consumer_group(r, redis_url, tmp_path):
+    """A real `perseus coordinator` process, stopped with SIGTERM as a service manager does."""
+    args = ["coordinator", "--redis-url", redis_url, "--scheduler", "tests.toy_schedulers:StepDown"]
+    proc = start_perseus(args, tmp_path, "coordinator.log")
+    try:
+        (name,) = wait_for(lambda: consumers(r), 30, "the coordinator to join the group")
+        assert name.endswith(f"-{proc.pid}")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert consumers(r) == set(), (tmp_path / "coordinator.log").read_text()[-2000:]
+    assert "left the consumer group" in (tmp_path / "coordinator.log").read_text()
+
+
+def test_the_sweep_removes_a_dead_coordinators_consumer_once_nothing_is_pending(r, redis_url):
+    ensure_groups(r)
+    entry = encode_message(ReportResult(job_id="nope", result=result(0, 1)))
+    r.xadd(keys.RESULTS_STREAM, entry)
+    # A coordinator read the entry and died before acknowledging it.
+    r.xreadgroup(keys.COORDINATOR_GROUP, "dead-1", {keys.RESULTS_STREAM: ">"})
+    live = Coordinator(r, make_settings(redis_url), consumer="live-1", claim_idle_ms=200)
+    live.sweeper.consumer_gone_after = 0.1
+    time.sleep(0.15)
+    live.sweep()
+    assert "dead-1" in consumers(r)  # its entry is still pending: deleting it would lose it
+    from protocol.consumers import GroupMembers
+
+    assert GroupMembers(r).leave("dead-1") == 1  # nor does leaving on its behalf
+
+    time.sleep(0.25)
+    live.step(block_ms=10)  # claims the entry (XAUTOCLAIM) and handles it: dead-lettered
+    assert r.xpending(keys.RESULTS_STREAM, keys.COORDINATOR_GROUP)["pending"] == 0
+    assert r.xlen(keys.DEADLETTER_STREAM) == 1
+    live.sweep()
+    assert consumers(r) == {"live-1"}  # the one whose coordinator beats stays

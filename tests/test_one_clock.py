@@ -1,0 +1,109 @@
+"""One clock: idle GC, stall detection and activity stamps use the Redis server's time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from coordinator.service import Coordinator
+from coordinator.tasks import advance_job
+from protocol import keys
+from protocol.deadletter import purge
+from protocol.models import JobConfig, JobInfo, RankInfo
+from protocol.store import JobStore
+from tests.helpers import FREQS, TOY_SCHEDULER, make_settings, register, wait_for
+from worker_client.hook.session import CoordinatorClient
+
+EIGHT_DAYS = 8 * 86400
+
+
+def new_job(store: JobStore, job_id: str, world: int = 1) -> None:
+    job = JobInfo(job_id=job_id, pp_degree=world, dp_degree=1, tp_degree=1, world_size=world)
+    store.create_job(job, JobConfig(scheduler=TOY_SCHEDULER), f"1-{len(job_id)}")
+    for rank in range(world):
+        info = RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS)
+        store.add_rank(job, info)
+
+
+def activity(store: JobStore, job_id: str) -> float:
+    (score,) = [s for j, s in store.list_jobs() if j == job_id]
+    return score
+
+
+def test_a_coordinator_8_days_ahead_keeps_live_jobs_and_stamps_the_servers_time(
+    r, redis_url, monkeypatch
+):
+    store = JobStore(r)
+    new_job(store, "live")  # registered through a coordinator whose clock is right
+    client = CoordinatorClient(redis_url)
+    assert client.heartbeat("live", 0)
+
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + EIGHT_DAYS)
+    coord = Coordinator(r, make_settings(redis_url, reconcile_interval=0.1), claim_idle_ms=60_000)
+    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+    thread.start()
+    try:
+        # Its sweeps (every 0.1 s) see the live job as just active (idle limit: 7 days).
+        wait_for(lambda: coord._last_sweep > 0, 5, "a first sweep")
+        swept = coord._last_sweep
+        wait_for(lambda: coord._last_sweep > swept + 0.5, 5, "several sweeps")
+        assert r.exists(keys.job_info("live"))
+        # A job registered through the fast coordinator is stamped with the server's time,
+        # and so is the scheduler work it enqueues.
+        fresh = register(client, pp=2)
+        server = store.server_time()
+        assert abs(activity(store, fresh) - server) < 5
+        enqueued = wait_for(lambda: store.job_fields(fresh, "enqueued_at")["enqueued_at"], 5)
+        assert abs(float(enqueued) - server) < 5
+        coord.sweep()
+    finally:
+        coord.stop_event.set()
+        thread.join(timeout=5)
+    assert store.get_job("live") and store.get_job(fresh)
+    # The coordinator's heartbeat (read by the healthcheck and the consumer cleanup) too.
+    (beat,) = [float(t) for t in r.hgetall(keys.COORDINATORS).values()]
+    assert abs(beat - store.server_time()) < 5
+
+
+def test_a_rank_and_a_worker_120_s_behind_keep_their_job(r, redis_url, monkeypatch):
+    store = JobStore(r)
+    new_job(store, "behind")
+    coord = Coordinator(r, make_settings(redis_url, max_job_idle_time=60))
+
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 120)
+    client = CoordinatorClient(redis_url)
+    assert client.heartbeat("behind", 0)  # a rank 120 s behind
+    assert advance_job("behind", conn=r) == [1]  # a worker 120 s behind publishes version 1
+    assert abs(activity(store, "behind") - store.server_time()) < 5
+    monkeypatch.setattr(time, "time", real)
+
+    coord.sweep()  # idle limit 60 s: a stamp 120 s in the past would delete the job
+    assert store.version("behind") == 1
+
+
+def test_stall_detection_uses_the_servers_clock(r, redis_url, monkeypatch):
+    """Work enqueued by a coordinator 8 days behind is not 'unclaimed for 8 days' at once."""
+    store = JobStore(r)
+    new_job(store, "due")
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - EIGHT_DAYS)
+    slow = Coordinator(r, make_settings(redis_url, stall_timeout=60))
+    slow.enqueue_advance("due")
+    assert store.settle("due")  # due, and in the due set
+    monkeypatch.setattr(time, "time", real)
+    r.delete(f"rq:queue:{keys.RQ_QUEUE}")  # taken by a worker that is still computing
+    enqueued: list[str] = []
+    right = Coordinator(r, make_settings(redis_url, stall_timeout=60))
+    right.sweeper.run(right.settings, enqueued.append)
+    assert enqueued == []  # enqueued a moment ago by the server's clock: not stalled yet
+
+
+def test_purging_dead_letters_by_age_uses_the_servers_clock(r, monkeypatch):
+    """Dead-letter ids are the server's time: a clock 8 days ahead purges nothing new."""
+    r.xadd(keys.DEADLETTER_STREAM, {"reason": "x"})
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + EIGHT_DAYS)
+    assert purge(r, older_than_s=3600) == 0
+    assert r.xlen(keys.DEADLETTER_STREAM) == 1
