@@ -1,4 +1,4 @@
-"""The coordinator's periodic sweep: re-enqueue stalled scheduler work, delete idle jobs.
+"""The coordinator's periodic sweep: re-enqueue stalled work, delete idle jobs, trim streams.
 
 Its cost does not depend on how many jobs have finished: it reads the due set (jobs with work
 outstanding), the idle end of the jobs index, and one page of all jobs per round, which
@@ -18,7 +18,7 @@ from rq.job import Job, JobStatus
 
 from coordinator.health import forget_stale
 from coordinator.settings import PerseusSettings
-from protocol import keys
+from protocol import keys, streams
 from protocol.store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class Sweeper:
         """
         now = time.time()
         forget_stale(self.store.conn, now)  # coordinators that stopped beating
+        trim_inputs(self.store.conn, settings.stream_hard_cap)
         deleted = self._delete_idle(now, settings.max_job_idle_time)
         page = self.store.jobs_page(self._page_at, RECONCILE_PAGE)
         self._page_at = self._page_at + len(page) if len(page) == RECONCILE_PAGE else 0
@@ -103,3 +104,35 @@ class Sweeper:
             queue = Queue(keys.RQ_QUEUE, connection=self.store.conn)
             return self.store.conn.lpos(queue.key, rq_id) is not None
         return status in _WAITING
+
+
+def trim_inputs(conn: Any, hard_cap: int) -> int:
+    """Trim each input stream by acknowledgement and enforce ``hard_cap``; return entries lost.
+
+    Logs a warning for each entry the cap removes unread, and for each gap found.
+    """
+    lost = 0
+    for stream in keys.INPUT_STREAMS:
+        done = streams.trim_acknowledged(conn, stream, keys.COORDINATOR_GROUP, hard_cap)
+        if done.trimmed:
+            logger.debug("%s: trimmed %d acknowledged entries", stream, done.trimmed)
+        for entry_id in done.cut:
+            logger.warning(
+                "LOST entry %s %s: removed unread by stream_hard_cap=%d (PERSEUS_STREAM_HARD_CAP);"
+                " counted in %s",
+                stream,
+                entry_id,
+                hard_cap,
+                keys.STREAM_LOSSES,
+            )
+        if done.gap:
+            logger.warning(
+                "LOST %d entries of %s: removed unread by someone else (a gap after %s, seen "
+                "in the consumer group's lag); counted in %s",
+                done.gap,
+                stream,
+                done.last_delivered,
+                keys.STREAM_LOSSES,
+            )
+        lost += len(done.cut) + done.gap
+    return lost
