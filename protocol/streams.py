@@ -65,7 +65,8 @@ return {live, gone, r[3] or {}}
 
 # Trim one input stream by acknowledgement, then enforce the hard cap, counting what is lost.
 # KEYS[1] input stream, KEYS[2] losses hash.
-# ARGV[1] consumer group, ARGV[2] hard cap (entries), ARGV[3] most entries cut per call.
+# ARGV[1] consumer group, ARGV[2] hard cap (entries), ARGV[3] most entries one call reads
+# (cut for the cap, or counted for the gap check).
 # Returns {acknowledged entries trimmed, {ids of unread entries the cap cut}, entries of a gap
 # found now (Redis 7 only), the group's last-delivered id ('' without a group)}.
 TRIM = (
@@ -101,15 +102,22 @@ if lag then
   if never_read then
     excess = lag - redis.call('XLEN', KEYS[1])
   elseif lag > 0 then
-    local delivered = #redis.call('XRANGE', KEYS[1], floor, last)
-    excess = lag - (redis.call('XLEN', KEYS[1]) - delivered)
+    -- Entries delivered but kept (a pending one holds back those after it): a short range,
+    -- unless a pending entry is stuck; then skip the check this round (excess = nil).
+    local delivered = #redis.call('XRANGE', KEYS[1], floor, last, 'COUNT', ARGV[3] + 1)
+    excess = nil
+    if delivered <= tonumber(ARGV[3]) then
+      excess = lag - (redis.call('XLEN', KEYS[1]) - delivered)
+    end
   end
   local mark = tonumber(redis.call('HGET', KEYS[2], mark_field) or '0')
-  if excess > mark then
-    gap = excess - mark
-    redis.call('HINCRBY', KEYS[2], KEYS[1], gap)
+  if excess ~= nil then
+    if excess > mark then
+      gap = excess - mark
+      redis.call('HINCRBY', KEYS[2], KEYS[1], gap)
+    end
+    if excess ~= mark then redis.call('HSET', KEYS[2], mark_field, excess) end
   end
-  if excess ~= mark then redis.call('HSET', KEYS[2], mark_field, excess) end
 end
 local lost = {}
 local over = redis.call('XLEN', KEYS[1]) - tonumber(ARGV[2])

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from rq import Queue
 
 from coordinator.embedded import EmbeddedRedis
 from coordinator.service import Coordinator
@@ -32,6 +33,7 @@ from tests.helpers import (
     run_step,
     start_perseus,
     step_until,
+    stop,
     wait_for,
 )
 from worker_client.gpu.frequency import DryRunFrequencyController
@@ -353,3 +355,26 @@ def test_every_client_has_explicit_timeouts_longer_than_its_blocking_reads(url):
     watcher = ScheduleWatcher(client, "job", 0, 0)
     kwargs = watcher._conn.connection_pool.connection_kwargs
     assert kwargs["socket_timeout"] > MAX_BLOCK_S and kwargs["socket_connect_timeout"] > 0
+
+
+def test_worker_and_coordinator_started_while_redis_is_full_wait_then_serve(tmp_path):
+    with EmbeddedRedis() as server:
+        conn = redis.Redis.from_url(server.url)
+        job = Queue(keys.RQ_QUEUE, connection=conn).enqueue("os.getpid")
+        conn.config_set("maxmemory-policy", "noeviction")
+        conn.config_set("maxmemory", 1)
+        procs = start_stack(server, tmp_path)
+        try:
+            time.sleep(3.0)  # Both start, and meet the OOM at once (settings, group, rq's keys).
+            assert [p.poll() for p in procs] == [None, None]
+            conn.config_set("maxmemory", 0)
+            wait_for(lambda: job.get_status(refresh=True) == "finished", 20, "the rq job")
+            client = CoordinatorClient(server.url, reply_timeout=20)
+            info = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+            assert client.register_job(info)
+            client.close()
+            assert [p.poll() for p in procs] == [None, None]
+        finally:
+            stop(procs)
+    for log in ("coordinator.log", "w.log"):
+        assert "maxmemory" in (tmp_path / log).read_text()
