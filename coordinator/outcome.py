@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +11,20 @@ import msgpack
 
 from protocol import deadletter, keys
 from protocol.models import Reply
+
+logger = logging.getLogger(__name__)
+
+
+def log_lost(stream: str, entry_ids: list[str]) -> None:
+    """One warning per entry removed from ``stream`` while pending (already counted)."""
+    for entry_id in entry_ids:
+        logger.warning(
+            "LOST entry %s %s: removed from the stream before it was processed (trimmed while "
+            "pending); counted in %s",
+            stream,
+            entry_id,
+            keys.STREAM_LOSSES,
+        )
 
 
 def _request_reply_key(fields: dict[bytes, bytes]) -> str | None:

@@ -27,7 +27,7 @@ from rq import Queue
 from rq.job import Job
 
 from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat
-from coordinator.outcome import Outcome
+from coordinator.outcome import Outcome, log_lost
 from coordinator.resilience import Backoff, check_redis_version, ensure_groups
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
@@ -194,11 +194,13 @@ class Coordinator:
             )
             for entry_id, _fields in claimed.entries:
                 logger.info("claimed stale entry %s %s", stream, entry_id)
+            log_lost(stream, claimed.deleted)  # Redis 7; the claim counted them
+            self.lost += len(claimed.deleted)
             batch: list[tuple[str, str, dict[bytes, bytes] | None]]
             batch = [(stream, e, f) for e, f in claimed.entries]
-            # Pending but trimmed away: counted and logged as lost (and acknowledged).
-            batch += [(stream, e, None) for e in (*claimed.gone, *claimed.deleted)]
-            handled += self.handle_batch(batch)
+            # Redis 6.2: pending but trimmed away; counted and logged as lost, and acknowledged.
+            batch += [(stream, e, None) for e in claimed.gone]
+            handled += self.handle_batch(batch) + len(claimed.deleted)
         return handled
 
     # --- entries ---------------------------------------------------------------------------
@@ -421,14 +423,7 @@ class Coordinator:
         for reason in outcome.reasons:
             logger.warning("dead-lettered %s", reason)
         for stream, ids in outcome.lost.items():
-            for entry_id in ids:
-                logger.warning(
-                    "LOST entry %s %s: removed from the stream before it was processed "
-                    "(trimmed while pending); counted in %s",
-                    stream,
-                    entry_id,
-                    keys.STREAM_LOSSES,
-                )
+            log_lost(stream, ids)
 
     def _job_config(self, message: RegisterJob) -> JobConfig:
         dump_dir = self.settings.dump_dir if self.settings.dump_data else ""

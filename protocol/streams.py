@@ -43,11 +43,13 @@ end
 
 # Claim entries pending with any consumer for longer than an idle time, and tell which of
 # them are gone. JUSTID then XRANGE, because Redis 6.2 answers a plain XAUTOCLAIM of a trimmed
-# entry with a bare nil (no id to acknowledge it by); Redis 7 lists deleted ids itself.
-# KEYS[1] input stream.
+# entry with a bare nil (no id to acknowledge it by); Redis 7 lists deleted ids itself, and
+# drops them from the pending list: they are counted here, in the same script.
+# KEYS[1] input stream, KEYS[2] losses hash.
 # ARGV[1] consumer group, ARGV[2] consumer, ARGV[3] min idle ms, ARGV[4] count.
 # Returns {{id, {field, value, ...}}, ...} claimed entries still there, {ids claimed but gone
-# (6.2: still pending, now with this consumer)}, {ids Redis 7 removed from the pending list}.
+# (6.2: still pending, now with this consumer)}, {ids Redis 7 removed from the pending list
+# (counted)}.
 CLAIM = (
     _ID_HELPERS
     + """
@@ -59,7 +61,9 @@ for _, id in ipairs(r[2]) do
   local rows = redis.call('XRANGE', KEYS[1], id, id)
   if #rows == 0 then gone[#gone + 1] = id else live[#live + 1] = rows[1] end
 end
-return {live, gone, r[3] or {}}
+local deleted = r[3] or {}
+if #deleted > 0 then redis.call('HINCRBY', KEYS[2], KEYS[1], #deleted) end
+return {live, gone, deleted}
 """
 )
 
@@ -145,8 +149,8 @@ class Claimed:
     """What :func:`claim_stale` took over: entries to process and ids that are gone."""
 
     entries: list[tuple[str, dict[bytes, bytes]]] = field(default_factory=list)
-    gone: list[str] = field(default_factory=list)  # pending on 6.2: acknowledge them
-    deleted: list[str] = field(default_factory=list)  # Redis 7 already dropped them
+    gone: list[str] = field(default_factory=list)  # pending (6.2): count and acknowledge them
+    deleted: list[str] = field(default_factory=list)  # Redis 7 dropped them; counted already
 
 
 @dataclass
@@ -169,7 +173,9 @@ def claim_stale(
 ) -> Claimed:
     """Claim entries pending with any consumer for over ``min_idle_ms`` (one page)."""
     script = conn.register_script(CLAIM)
-    live, gone, deleted = script(keys=[stream], args=[group, consumer, min_idle_ms, count])
+    live, gone, deleted = script(
+        keys=[stream, keys.STREAM_LOSSES], args=[group, consumer, min_idle_ms, count]
+    )
     claimed = Claimed(gone=[_text(i) for i in gone], deleted=[_text(i) for i in deleted])
     for entry_id, flat in live:
         fields = dict(zip(flat[::2], flat[1::2], strict=True))

@@ -50,7 +50,7 @@ def test_pending_entries_trimmed_away_are_counted_logged_and_shown(conn, any_red
     conn.xreadgroup(GROUP, "dead-coordinator", {keys.RESULTS_STREAM: ">"}, count=5)
     conn.xtrim(keys.RESULTS_STREAM, maxlen=0, approximate=False)
     coord = Coordinator(conn, make_settings(any_redis), consumer="alive", claim_idle_ms=0)
-    with caplog.at_level(logging.WARNING, logger="coordinator.service"):
+    with caplog.at_level(logging.WARNING, logger="coordinator.outcome"):
         coord.step(block_ms=None)  # used to raise DataError on 6.2 (xack of None)
     assert coord.lost == 5
     assert streams.lost_counts(conn)[keys.RESULTS_STREAM] == 5
