@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from rq import Queue
 from rq.job import Job, JobStatus
 
@@ -106,7 +107,7 @@ class Sweeper:
         return status in _WAITING
 
 
-def trim_inputs(conn: Any, hard_cap: int) -> int:
+def trim_inputs(conn: redis.Redis, hard_cap: int) -> int:
     """Trim each input stream by acknowledgement and enforce ``hard_cap``; return entries lost.
 
     Logs a warning for each entry the cap removes unread, and for each gap found.
