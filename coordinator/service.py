@@ -4,8 +4,10 @@ It reads registrations, profiling results and control messages through one consu
 so several coordinators can share the load and a restarted one claims what a dead one left
 pending. Each entry is validated, applied to Redis idempotently, answered (registrations get a
 reply) and acknowledged; an entry that cannot be processed goes to the dead-letter stream with
-the reason and every original field, and the loop goes on. Redis errors are not acknowledged:
-the entry is retried. A periodic sweep re-enqueues stalled work and deletes idle jobs.
+the reason and every original field, and the loop goes on. Redis errors (out of memory
+included) are not acknowledged: the entry is retried, after a backoff. An entry removed from
+its stream before it was processed is counted and logged (:mod:`protocol.streams`). A periodic
+sweep re-enqueues stalled work, deletes idle jobs and trims the input streams.
 """
 
 from __future__ import annotations
@@ -17,21 +19,21 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any, Union
 
-import msgpack
 import redis
 from redis.client import Pipeline
 from rq import Queue
 from rq.job import Job
 
 from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat
+from coordinator.outcome import Outcome, log_lost
+from coordinator.resilience import Backoff, check_redis_version, ensure_groups
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
-from protocol import deadletter, keys
+from protocol import deadletter, keys, streams
 from protocol.consumers import GroupMembers
-from protocol.exceptions import ConfigError, PerseusError, ProtocolError, UnknownJobError
+from protocol.exceptions import PerseusError, ProtocolError, UnknownJobError
 from protocol.models import (
     JobConfig,
     RegisterJob,
@@ -54,83 +56,6 @@ _BATCH = 100  # entries read per stream at a time
 _TOP_UPS = 3  # non-blocking reads that gather a burst of results into one batch
 
 Message = Union[RegisterJob, RegisterRank, ReportResult, SetTarget]  # noqa: UP007
-
-
-# XAUTOCLAIM (coordinator) and ZADD ... GT (hook heartbeats) arrived in Redis 6.2.
-MIN_REDIS_VERSION = (6, 2)
-
-
-def check_redis_version(version: str) -> None:
-    """Raise ConfigError if the ``redis_version`` string is older than perseus-mq needs."""
-    try:
-        found = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        raise ConfigError(f"cannot parse the Redis server version {version!r}") from None
-    if found < MIN_REDIS_VERSION:
-        need = ".".join(map(str, MIN_REDIS_VERSION))
-        raise ConfigError(f"perseus-mq needs Redis >= {need}; this server runs {version}")
-
-
-def ensure_groups(conn: redis.Redis) -> None:
-    """Create the consumer group on every input stream (from the start, so nothing is missed)."""
-    for stream in keys.INPUT_STREAMS:
-        try:
-            conn.xgroup_create(stream, keys.COORDINATOR_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
-
-def _request_reply_key(fields: dict[bytes, bytes]) -> str | None:
-    """Reply key of a registration request, found even when the rest of it is invalid.
-
-    So that a client whose request is rejected gets the reason instead of a time-out.
-    """
-    try:
-        raw = msgpack.unpackb(fields[b"data"], raw=False, strict_map_key=False)
-        request_id = raw["request_id"]
-    except Exception:
-        return None
-    if isinstance(request_id, str) and 0 < len(request_id) <= 128:
-        return keys.reply_key(request_id)
-    return None
-
-
-@dataclass
-class _Outcome:
-    """What a batch of entries sends back: replies, dead letters, scheduler work and acks."""
-
-    replies: dict[str, Reply] = field(default_factory=dict)  # reply key -> reply
-    dead_letters: list[dict[str, Any]] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
-    advance: set[str] = field(default_factory=set)  # job ids
-    acks: dict[str, list[str]] = field(default_factory=dict)  # stream -> entry ids
-    self_acked: int = 0  # entries a store script acknowledged
-
-    def reply(self, request_id: str, reply: Reply) -> None:
-        self.replies[keys.reply_key(request_id)] = reply
-
-    def answered(self, stream: str, entry_id: str) -> None:
-        """The store's script already replied to and acknowledged this entry."""
-        self.acks[stream].remove(entry_id)
-        self.self_acked += 1
-
-    def dead(
-        self,
-        stream: str,
-        entry_id: str,
-        fields: dict[bytes, bytes],
-        reason: str,
-        oversize: bool = False,
-    ) -> None:
-        """Dead-letter an entry; a registration's client gets the reason as its reply."""
-        self.dead_letters.append(
-            deadletter.entry_fields(stream, entry_id, fields, reason, time.time(), oversize)
-        )
-        self.reasons.append(f"{stream} {entry_id}: {reason}")
-        reply_to = _request_reply_key(fields)
-        if reply_to is not None:
-            self.replies[reply_to] = Reply(ok=False, error=reason)
 
 
 class Coordinator:
@@ -168,6 +93,7 @@ class Coordinator:
         self.sweeper = Sweeper(self.store)
         self.processed = 0
         self.dead_lettered = 0
+        self.lost = 0  # entries removed from their stream before they were processed
 
     # --- main loop -------------------------------------------------------------------------
     def run(self, block_ms: int = 1000) -> None:
@@ -177,21 +103,22 @@ class Coordinator:
             ConfigError: The Redis server is too old, or a running coordinator has other
                 shared settings (see :func:`coordinator.health.agree_settings`).
         """
-        check_redis_version(str(self.conn.info("server")["redis_version"]))
-        agree_settings(self.conn, self.consumer, self.settings.shared(), self.store.server_time())
-        ensure_groups(self.conn)
-        logger.info("coordinator %s consuming %s", self.consumer, ", ".join(keys.INPUT_STREAMS))
-        # Our own unacknowledged entries first (we may be a restart under the same name).
-        self._consume("0", block_ms=None)
+        backoff = Backoff(self.stop_event, f"coordinator {self.consumer}")
+        while not self.stop_event.is_set():
+            try:
+                self._start()
+                break
+            except redis.RedisError as exc:  # Down, out of memory, read-only replica...
+                backoff.failed(exc)
         while not self.stop_event.is_set():
             try:
                 self.step(block_ms)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                logger.warning("redis unavailable (%s); retrying in 1 s", exc)
-                self.stop_event.wait(1.0)
+                backoff.succeeded()
+                continue
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
-                    raise
+                    backoff.failed(exc)  # Out of memory, say: nothing was acknowledged.
+                    continue
                 # The streams are gone: Redis restarted without persistence (or someone
                 # deleted them). Jobs registered before are lost; new ones must still work.
                 logger.error(
@@ -199,8 +126,22 @@ class Coordinator:
                     "Was Redis restarted without persistence?",
                     exc,
                 )
+            except redis.RedisError as exc:
+                backoff.failed(exc)
+                continue
+            try:
                 ensure_groups(self.conn)
+            except redis.RedisError as exc:
+                backoff.failed(exc)
         GroupMembers(self.conn).leave_on_stop(self.consumer)
+
+    def _start(self) -> None:
+        check_redis_version(str(self.conn.info("server")["redis_version"]))
+        agree_settings(self.conn, self.consumer, self.settings.shared(), self.store.server_time())
+        ensure_groups(self.conn)
+        logger.info("coordinator %s consuming %s", self.consumer, ", ".join(keys.INPUT_STREAMS))
+        # Our own unacknowledged entries first (we may be a restart under the same name).
+        self._consume("0", block_ms=None)
 
     def step(self, block_ms: int | None = 1000) -> int:
         """One round: maybe claim stale entries, read new ones, maybe sweep; return how many."""
@@ -251,17 +192,18 @@ class Coordinator:
     def _claim_stale(self) -> int:
         handled = 0
         for stream in keys.INPUT_STREAMS:
-            _next, claimed, *_ = self.conn.xautoclaim(
-                stream,
-                keys.COORDINATOR_GROUP,
-                self.consumer,
-                self.claim_idle_ms,
-                start_id="0-0",
-                count=100,
+            claimed = streams.claim_stale(
+                self.conn, stream, keys.COORDINATOR_GROUP, self.consumer, self.claim_idle_ms
             )
-            for entry_id, _fields in claimed:
-                logger.info("claimed stale entry %s %s", stream, entry_id.decode())
-            handled += self.handle_batch([(stream, e.decode(), f) for e, f in claimed])
+            for entry_id, _fields in claimed.entries:
+                logger.info("claimed stale entry %s %s", stream, entry_id)
+            log_lost(stream, claimed.deleted)  # Redis 7; the claim counted them
+            self.lost += len(claimed.deleted)
+            batch: list[tuple[str, str, dict[bytes, bytes] | None]]
+            batch = [(stream, e, f) for e, f in claimed.entries]
+            # Redis 6.2: pending but trimmed away; counted and logged as lost, and acknowledged.
+            batch += [(stream, e, None) for e in claimed.gone]
+            handled += self.handle_batch(batch) + len(claimed.deleted)
         return handled
 
     # --- entries ---------------------------------------------------------------------------
@@ -276,18 +218,20 @@ class Coordinator:
         store write in one pipeline, then replies, dead letters, rq enqueues and one XACK per
         stream in one transaction. An entry that cannot be processed is dead-lettered with
         the reason; a Redis error leaves every entry pending, to be retried (all writes are
-        idempotent). Entries trimmed away while pending (no fields) are only acknowledged.
+        idempotent). Entries trimmed away while pending (no fields) are acknowledged, counted
+        in :data:`protocol.keys.STREAM_LOSSES` and logged.
 
         Returns:
             Entries processed or dead-lettered.
         """
         if not entries:
             return 0
-        outcome = _Outcome()
+        outcome = Outcome()
         pending: list[tuple[str, str, dict[bytes, bytes], Message]] = []
         for stream, entry_id, fields in entries:
             outcome.acks.setdefault(stream, []).append(entry_id)
-            if fields is None:
+            if not fields:  # XADD needs a field: none means the entry is gone
+                outcome.lost.setdefault(stream, []).append(entry_id)
                 continue
             size = deadletter.entry_size(fields)
             if size > self.settings.max_entry_bytes:
@@ -379,7 +323,7 @@ class Coordinator:
             name = config.scheduler.rpartition(":")[2] or config.scheduler
             job = job.model_copy(update={"job_id": make_job_id(job, name, entry_id)})
             message.job = job
-            batch.create_job(job, config, entry_id, now)
+            batch.create_job(job, config, entry_id, now, request_id=message.request_id)
             return
         record = jobs.get(message.job_id)
         if record is None:
@@ -414,11 +358,14 @@ class Coordinator:
         message: Message,
         result: Any,
         jobs: dict[str, JobRecord | None],
-        outcome: _Outcome,
+        outcome: Outcome,
     ) -> None:
         """Decide the reply and the scheduler work of an entry whose write succeeded."""
         if isinstance(message, RegisterJob):
-            if result:
+            if isinstance(result, str):  # A retry of a request that created a job already.
+                logger.info("request %s: job %s registered before", message.request_id, result)
+                message.job = message.job.model_copy(update={"job_id": result})
+            elif result:
                 logger.info("registered job %s", message.job.job_id)
             outcome.reply(message.request_id, Reply(ok=True, job_id=message.job.job_id))
             return
@@ -442,7 +389,7 @@ class Coordinator:
         else:
             outcome.advance.add(info.job_id)
 
-    def _finish(self, outcome: _Outcome) -> None:
+    def _finish(self, outcome: Outcome) -> None:
         """Replies, dead letters, rq enqueues and acknowledgements: one transaction."""
         ttl = self.settings.reply_ttl
         self.processed += outcome.self_acked
@@ -467,11 +414,19 @@ class Coordinator:
             for stream, ids in outcome.acks.items():
                 if ids:
                     pipe.xack(stream, keys.COORDINATOR_GROUP, *ids)
+            for stream, ids in outcome.lost.items():
+                streams.count_lost(self.conn, stream, len(ids), pipeline=pipe)
             pipe.execute()
+        lost = sum(len(ids) for ids in outcome.lost.values())
         self.dead_lettered += len(outcome.dead_letters)
-        self.processed += sum(len(ids) for ids in outcome.acks.values()) - len(outcome.dead_letters)
+        self.lost += lost
+        self.processed += (
+            sum(len(ids) for ids in outcome.acks.values()) - len(outcome.dead_letters) - lost
+        )
         for reason in outcome.reasons:
             logger.warning("dead-lettered %s", reason)
+        for stream, ids in outcome.lost.items():
+            log_lost(stream, ids)
 
     def _job_config(self, message: RegisterJob) -> JobConfig:
         dump_dir = self.settings.dump_dir if self.settings.dump_data else ""

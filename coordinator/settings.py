@@ -39,9 +39,11 @@ class PerseusSettings(BaseSettings):
             schedule version (a rank failed before registering, or its scheduler failed at
             once) is deleted.
         stream_maxlen: Approximate cap (XADD MAXLEN ~) of the streams the coordinator and
-            workers write: the dead-letter stream, each job's updates stream, and entries
-            that ``perseus deadletter replay`` sends back. The input streams are written by
-            the ranks' hooks, not governed by this setting.
+            workers write: the dead-letter stream and each job's updates stream. The input
+            streams are trimmed by acknowledgement instead (see ``stream_hard_cap``).
+        stream_hard_cap: Most entries an input stream keeps. Coordinators trim what their
+            group acknowledged at each sweep; only past this cap do they remove unread entries
+            (oldest first), each counted as lost, logged and shown by ``perseus status``.
         reconcile_interval: Seconds between the coordinator's sweeps for stalled jobs and GC.
         stall_timeout: Seconds a due schedule computation may go unclaimed before it is
             enqueued again (covers rq workers killed mid-job).
@@ -69,6 +71,7 @@ class PerseusSettings(BaseSettings):
     finished_retention: float = Field(default=60 * 60 * 24, ge=0)
     start_retention: float = Field(default=60 * 60, gt=0)
     stream_maxlen: int = Field(default=100_000, ge=100)
+    stream_hard_cap: int = Field(default=1_000_000, ge=10)
     reconcile_interval: float = Field(default=2.0, gt=0)
     stall_timeout: float = Field(default=10.0, gt=0)
     reply_ttl: int = Field(default=300, ge=1)
@@ -98,6 +101,7 @@ class PerseusSettings(BaseSettings):
         "reply_ttl",
         "job_timeout",
         "stream_maxlen",
+        "stream_hard_cap",
         "max_entry_bytes",
         "max_world_size",
         "max_frequencies",

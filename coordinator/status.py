@@ -7,7 +7,7 @@ from typing import Any
 import redis
 from rq import Queue, worker_registration
 
-from protocol import keys
+from protocol import keys, streams
 from protocol.exceptions import PerseusError
 from protocol.job_lifecycle import Ending, JobLifecycle
 from protocol.job_record import JobRecord
@@ -15,8 +15,10 @@ from protocol.models import ProfilingResult
 from protocol.store import JobStore
 
 
-def _stream_info(conn: redis.Redis, stream: str) -> dict[str, Any]:
+def _stream_info(conn: redis.Redis, stream: str, lost: dict[str, int]) -> dict[str, Any]:
     info: dict[str, Any] = {"stream": stream, "length": int(conn.xlen(stream))}
+    if stream in lost:
+        info["lost"] = lost[stream]  # entries removed before the coordinators processed them
     try:
         groups = conn.xinfo_groups(stream)
     except redis.ResponseError:  # Stream does not exist yet.
@@ -85,10 +87,13 @@ def snapshot(conn: redis.Redis, silent_after: float = SILENT_AFTER_S) -> dict[st
             }
         )
     queue = Queue(keys.RQ_QUEUE, connection=conn)
+    lost = streams.lost_counts(conn)
     return {
         "jobs": jobs,
         "plans": _planner_runs(conn),
-        "streams": [_stream_info(conn, s) for s in (*keys.INPUT_STREAMS, keys.DEADLETTER_STREAM)],
+        "streams": [
+            _stream_info(conn, s, lost) for s in (*keys.INPUT_STREAMS, keys.DEADLETTER_STREAM)
+        ],
         # Counted without rq's cleanups (which write), so that a read-only operator can look.
         "rq": {
             "queue": keys.RQ_QUEUE,
@@ -234,6 +239,8 @@ def format_snapshot(snap: dict[str, Any]) -> str:
         extra = ""
         if "pending" in s:
             extra = f" pending={s['pending']} lag={s['lag']} consumers={s['consumers']}"
+        if s.get("lost"):
+            extra += f" LOST={s['lost']} (removed unread: see the coordinator's log)"
         lines.append(f"  {s['stream']:<32} length={s['length']}{extra}")
     rq = snap["rq"]
     lines.append(

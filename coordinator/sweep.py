@@ -1,4 +1,4 @@
-"""The coordinator's periodic sweep: re-enqueue stalled work, delete idle, finished, unstarted jobs.
+"""The coordinator's periodic sweep: stalled work, idle/finished/unstarted jobs, input stream trims.
 
 Its cost does not depend on how many jobs have finished: it reads the due set (jobs with work
 outstanding), the idle end of the jobs index, the old ends of the finished and starting sets,
@@ -13,12 +13,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from rq import Queue
 from rq.job import Job, JobStatus
 
 from coordinator.health import forget_stale, last_beats
 from coordinator.settings import PerseusSettings
-from protocol import keys
+from protocol import keys, streams
 from protocol.consumers import GroupMembers
 from protocol.job_lifecycle import JobLifecycle
 from protocol.store import JobStore
@@ -58,6 +59,7 @@ class Sweeper:
         """
         now = self.store.server_time()  # also resynchronizes the store's clock
         self._forget_coordinators(now)
+        trim_inputs(self.store.conn, settings.stream_hard_cap)
         deleted = self._delete_idle(now, settings.max_job_idle_time)
         deleted += self._delete_ended(now, settings)
         page = self.store.jobs_page(self._page_at, RECONCILE_PAGE)
@@ -138,3 +140,35 @@ class Sweeper:
             queue = Queue(keys.RQ_QUEUE, connection=self.store.conn)
             return self.store.conn.lpos(queue.key, rq_id) is not None
         return status in _WAITING
+
+
+def trim_inputs(conn: redis.Redis, hard_cap: int) -> int:
+    """Trim each input stream by acknowledgement and enforce ``hard_cap``; return entries lost.
+
+    Logs a warning for each entry the cap removes unread, and for each gap found.
+    """
+    lost = 0
+    for stream in keys.INPUT_STREAMS:
+        done = streams.trim_acknowledged(conn, stream, keys.COORDINATOR_GROUP, hard_cap)
+        if done.trimmed:
+            logger.debug("%s: trimmed %d acknowledged entries", stream, done.trimmed)
+        for entry_id in done.cut:
+            logger.warning(
+                "LOST entry %s %s: removed unread by stream_hard_cap=%d (PERSEUS_STREAM_HARD_CAP);"
+                " counted in %s",
+                stream,
+                entry_id,
+                hard_cap,
+                keys.STREAM_LOSSES,
+            )
+        if done.gap:
+            logger.warning(
+                "LOST %d entries of %s: removed unread by someone else (a gap after %s, seen "
+                "in the consumer group's lag); counted in %s",
+                done.gap,
+                stream,
+                done.last_delivered,
+                keys.STREAM_LOSSES,
+            )
+        lost += len(done.cut) + done.gap
+    return lost

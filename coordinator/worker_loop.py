@@ -1,10 +1,12 @@
 """``perseus worker``'s loop: rq workers back to back, so that a Redis outage does not end it.
 
 rq's work loop retries a lost connection only while it waits for a job. A Redis error anywhere
-else (saving a job's outcome, updating its own state, a socket time-out) makes it log "found
-an unhandled exception, quitting" and return, and the process would exit with the outage. This
-loop waits until Redis answers again and starts a fresh worker instead. It ends when a stop is
-requested (SIGINT or SIGTERM, as rq handles them) or, in burst mode, when rq's loop ends.
+else (saving a job's outcome, updating its own state, a socket time-out, Redis out of memory)
+makes it log "found an unhandled exception, quitting" and return or raise, and the process
+would exit with the outage. This loop waits until Redis answers again and starts a fresh
+worker instead, backing off (1 s doubling to 10 s) while workers keep quitting at once. It
+ends when a stop is requested (SIGINT or SIGTERM, as rq handles them) or, in burst mode, when
+rq's loop ends.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +25,7 @@ from rq import SimpleWorker, Worker
 logger = logging.getLogger(__name__)
 
 TEARDOWN_WAIT_S = 3.0
+MAX_PAUSE_S = 10.0
 
 
 class _StopAware:
@@ -77,7 +81,7 @@ def wait_for_redis(
         try:
             conn.ping()
             return True
-        except (redis.ConnectionError, redis.TimeoutError):
+        except redis.RedisError:
             stop.wait(delay)
             delay = min(delay * 2, max_delay)
     return False
@@ -97,6 +101,7 @@ def run_workers(
         logging_level: Passed to rq.
     """
     restarts = 0
+    pause = 0.0
     stop = threading.Event()
 
     def request_stop(signum: int, frame: Any) -> None:
@@ -104,25 +109,30 @@ def run_workers(
 
     while True:
         worker = make_worker()
+        started = time.monotonic()
         try:
             worker.work(burst=burst, logging_level=logging_level)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            # rq's teardown (recording the worker's death) needs Redis as well.
-            logger.warning("rq worker %s could not record its exit: %s", worker.name, exc)
+        except redis.RedisError as exc:
+            # rq's teardown (recording the worker's death) needs Redis as well; or Redis is
+            # full (OOM) or read-only: wait and start again.
+            logger.warning("rq worker %s quit on a redis error: %s", worker.name, exc)
         if burst or worker.stop_requested:
             return restarts
         restarts += 1
+        # A pause, so that a loop that quits at once (Redis full, say) does not spin.
+        quick = time.monotonic() - started < MAX_PAUSE_S
+        pause = min(max(pause * 2, 1.0), MAX_PAUSE_S) if quick else 1.0
         logger.warning(
             "rq worker %s left its work loop (see the error above); starting a new rq worker "
-            "once redis answers (restart %d)",
+            "once redis answers (restart %d, in %.0f s)",
             worker.name,
             restarts,
+            pause,
         )
         # rq's handlers belong to the old worker, whose Redis calls would fail now.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, request_stop)
-        # A pause, so that a loop that quits at once for another reason does not spin.
-        if stop.wait(1.0) or not wait_for_redis(worker.connection, stop):
+        if stop.wait(pause) or not wait_for_redis(worker.connection, stop):
             return restarts
         # Its death may not have been recorded during the outage; without it, rq refuses a
         # new worker of the same name.

@@ -26,10 +26,12 @@ from protocol.server_clock import ServerClock
 REPLAYABLE_STREAMS = (keys.RESULTS_STREAM, keys.CONTROL_STREAM)
 
 # Re-add and delete only if the dead letter is still there: two replays of one entry (say, by
-# two operators at once) add it to its source stream once.
+# two operators at once) add it to its source stream once. No MAXLEN: the coordinator trims
+# input streams by acknowledgement (protocol/streams.py).
+# KEYS[1] dead-letter stream, KEYS[2] source stream; ARGV[1] dead letter id, ARGV[2..] fields.
 _REPLAY = """
 if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return false end
-local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
 redis.call('XDEL', KEYS[1], ARGV[1])
 return id
 """
@@ -158,7 +160,7 @@ def get_dead_letter(conn: redis.Redis, entry_id: str) -> DeadLetter:
     return _parse(*rows[0])
 
 
-def replay(conn: redis.Redis, letter: DeadLetter, stream_maxlen: int = 100_000) -> str | None:
+def replay(conn: redis.Redis, letter: DeadLetter) -> str | None:
     """Send ``letter`` back to its source stream; return the new entry id.
 
     Returns None if someone else replayed or deleted it meanwhile.
@@ -178,7 +180,7 @@ def replay(conn: redis.Redis, letter: DeadLetter, stream_maxlen: int = 100_000) 
     script = conn.register_script(_REPLAY)
     new_id = script(
         keys=[keys.DEADLETTER_STREAM, letter.source_stream],
-        args=[letter.entry_id, stream_maxlen, *fields],
+        args=[letter.entry_id, *fields],
     )
     if new_id is None:
         return None

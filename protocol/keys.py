@@ -19,6 +19,11 @@ CONTROL_STREAM = f"{PREFIX}:stream:control"
 INPUT_STREAMS = (REGISTRATIONS_STREAM, RESULTS_STREAM, CONTROL_STREAM)
 COORDINATOR_GROUP = "perseus-coordinators"
 
+# Hash: input stream name -> entries lost from it unread (removed before the coordinators
+# acknowledged them: trimmed while pending, cut by the hard cap, or a gap Redis 7 reports);
+# ``gapmark:<stream>`` -> the part of the group's lag already counted (coordinator-internal).
+STREAM_LOSSES = f"{PREFIX}:streams:lost"
+
 # Malformed or rejected entries, with the reason and the original fields.
 DEADLETTER_STREAM = f"{PREFIX}:stream:deadletter"
 
@@ -137,6 +142,11 @@ def job_control(job_id: str) -> str:
 def reply_key(request_id: str) -> str:
     """List the coordinator pushes a request's reply to (short TTL)."""
     return f"{PREFIX}:reply:{request_id}"
+
+
+def request_job(request_id: str) -> str:
+    """String: the job id a ``register_job`` request created (a day's TTL; retries reuse it)."""
+    return f"{PREFIX}:request:{request_id}"
 
 
 def power_limit_profile(workload: str) -> str:

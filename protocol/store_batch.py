@@ -18,6 +18,9 @@ from protocol.job_record import unknown_job
 from protocol.models import JobConfig, JobInfo, ProfilingResult, RankInfo, SetTarget, pack
 from protocol.store_scripts import Scripts
 
+REQUEST_TTL_S = 24 * 3600
+"""How long a ``register_job`` request id keeps naming the job it created (client retries)."""
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -55,8 +58,19 @@ class StoreBatch:
     def __len__(self) -> int:
         return len(self._ops)
 
-    def create_job(self, job: JobInfo, config: JobConfig, entry_id: str, now: float) -> None:
-        """Queue :meth:`JobStore.create_job`."""
+    def create_job(
+        self,
+        job: JobInfo,
+        config: JobConfig,
+        entry_id: str,
+        now: float,
+        request_id: str | None = None,
+    ) -> None:
+        """Queue :meth:`JobStore.create_job`.
+
+        With ``request_id``, a request seen before whose job still exists creates nothing: its
+        outcome is that job's id (a str) instead of True/False.
+        """
         fields: dict[str, str] = {
             "job_id": job.job_id,
             "pp_degree": str(job.pp_degree),
@@ -77,14 +91,17 @@ class StoreBatch:
             "results_floor": "1",
         }
         flat = [x for pair in fields.items() for x in pair]
+        request = [keys.request_job(request_id)] if request_id else []
         command = (
             self.scripts.create_job,
-            [keys.job_info(job.job_id), keys.JOBS_INDEX, keys.STARTING_JOBS],
-            [job.job_id, now, entry_id, *flat],
+            [keys.job_info(job.job_id), keys.JOBS_INDEX, keys.STARTING_JOBS, *request],
+            [job.job_id, now, entry_id, REQUEST_TTL_S, *flat],
         )
 
-        def finish(reply: Any) -> bool:
+        def finish(reply: Any) -> bool | str:
             created, owner = reply
+            if created == 2:
+                return str(owner.decode())
             if not created and owner.decode() != entry_id:
                 raise ProtocolError(
                     f"job id {job.job_id} is already used by registration {owner.decode()}"

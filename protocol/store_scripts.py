@@ -10,14 +10,22 @@ import redis
 from redis.commands.core import Script
 
 # KEYS[1] job info, KEYS[2] jobs index, KEYS[3] starting jobs (collected sooner if no version
-# comes). ARGV[1] job id, ARGV[2] now, ARGV[3] registration entry id, ARGV[4..] info field, value
-# pairs. Returns {1, entry id} when created, {0, owner entry id} when the job exists.
+# comes), optionally KEYS[4] the request's key (-> job id).
+# ARGV[1] job id, ARGV[2] now, ARGV[3] registration entry id, ARGV[4] request key TTL (s),
+# ARGV[5..] info field, value pairs.
+# Returns {1, entry id} when created, {0, owner entry id} when the job exists, {2, job id}
+# when the same request created that job before and it still exists (a client's retry).
 CREATE_JOB = """
+if KEYS[4] then
+  local earlier = redis.call('GET', KEYS[4])
+  if earlier and redis.call('ZSCORE', KEYS[2], earlier) then return {2, earlier} end
+end
 local existing = redis.call('HGET', KEYS[1], 'entry_id')
 if existing then return {0, existing} end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+if KEYS[4] then redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[4]) end
 return {1, ARGV[3]}
 """
 

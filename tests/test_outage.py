@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from rq import Queue
 
 from coordinator.embedded import EmbeddedRedis
+from coordinator.service import Coordinator
 from coordinator.worker_loop import wait_for_redis
 from protocol import keys
 from protocol.exceptions import CoordinatorUnavailableError
@@ -25,15 +27,22 @@ from protocol.store import JobStore
 from tests.helpers import (
     FAST_RECOVERY,
     make_hook,
+    make_settings,
     register,
     result,
     run_step,
     start_perseus,
     step_until,
+    stop,
     wait_for,
 )
 from worker_client.gpu.frequency import DryRunFrequencyController
-from worker_client.hook.session import CoordinatorClient, ResultReporter
+from worker_client.hook.session import (
+    MAX_BLOCK_S,
+    CoordinatorClient,
+    ResultReporter,
+    ScheduleWatcher,
+)
 
 Cluster = Callable[..., EmbeddedRedis]
 
@@ -284,3 +293,88 @@ def test_worker_waiting_for_redis_stops_on_sigterm(tmp_path):
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+
+
+def test_training_and_every_process_ride_through_redis_out_of_memory(gloo, cluster, tmp_path):
+    server = cluster(False)
+    controller = DryRunFrequencyController(0)
+    hook = make_hook(server.url, controller, report_every=1, heartbeat_interval=0.2)
+    conn = redis.Redis.from_url(server.url)
+    try:
+        step_until(hook, lambda: hook.schedule.version == 2, 20, "version 2")
+        # Redis full, with noeviction: every write is refused (OOM), reads still work.
+        conn.config_set("maxmemory-policy", "noeviction")
+        conn.config_set("maxmemory", 1)
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            conn.set("probe", "x")
+        # Training goes on: version 2's result and the heartbeats fail, and nothing is raised
+        # into the training loop.
+        deadline, steps = time.monotonic() + 3.0, 0
+        while time.monotonic() < deadline:
+            run_step(hook)
+            steps += 1
+            time.sleep(0.02)
+        assert steps >= 20 and hook.schedule.version == 2
+        assert hook.reporter.sent == 1 and hook.reporter.outage.since is not None
+        assert hook.watcher.outage.count == 1 and hook.watcher.error is None
+        # Memory raised: the queued result goes out and the next version arrives.
+        conn.config_set("maxmemory", 0)
+        step_until(hook, lambda: hook.schedule.version == 3, 30, "version 3 after the OOM")
+        assert hook.reporter.sent == 2 and hook.reporter.outage.count == 1
+    finally:
+        hook.close()
+    # The coordinator waited (the cluster fixture checks that no process died).
+    log = (tmp_path / "coordinator.log").read_text()
+    assert "OutOfMemoryError" in log and "retrying with backoff" in log
+
+
+def test_a_registration_answered_after_the_default_socket_timeout_succeeds(redis_url):
+    # redis-py's default socket timeout is 5 s: the BLPOP for the reply must outlast it.
+    client = CoordinatorClient(redis_url, reply_timeout=10)
+    coord = Coordinator(redis.Redis.from_url(redis_url), make_settings(redis_url))
+    late = threading.Timer(6.0, coord.run, kwargs={"block_ms": 50})
+    late.daemon = True
+    late.start()
+    started = time.monotonic()
+    try:
+        job_id = client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+    finally:
+        coord.stop_event.set()
+        late.join(timeout=10)
+        client.close()
+    assert job_id and time.monotonic() - started > 6.0
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:1/0", "redis+sentinel://127.0.0.1:1,127.0.0.1:2/mymaster"]
+)
+def test_every_client_has_explicit_timeouts_longer_than_its_blocking_reads(url):
+    client = CoordinatorClient(url, reply_timeout=100)  # connects on first use only
+    kwargs = client.conn.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] > 100 and kwargs["socket_connect_timeout"] > 0
+    watcher = ScheduleWatcher(client, "job", 0, 0)
+    kwargs = watcher._conn.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] > MAX_BLOCK_S and kwargs["socket_connect_timeout"] > 0
+
+
+def test_worker_and_coordinator_started_while_redis_is_full_wait_then_serve(tmp_path):
+    with EmbeddedRedis() as server:
+        conn = redis.Redis.from_url(server.url)
+        job = Queue(keys.RQ_QUEUE, connection=conn).enqueue("os.getpid")
+        conn.config_set("maxmemory-policy", "noeviction")
+        conn.config_set("maxmemory", 1)
+        procs = start_stack(server, tmp_path)
+        try:
+            time.sleep(3.0)  # Both start, and meet the OOM at once (settings, group, rq's keys).
+            assert [p.poll() for p in procs] == [None, None]
+            conn.config_set("maxmemory", 0)
+            wait_for(lambda: job.get_status(refresh=True) == "finished", 20, "the rq job")
+            client = CoordinatorClient(server.url, reply_timeout=20)
+            info = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+            assert client.register_job(info)
+            client.close()
+            assert [p.poll() for p in procs] == [None, None]
+        finally:
+            stop(procs)
+    for log in ("coordinator.log", "w.log"):
+        assert "maxmemory" in (tmp_path / log).read_text()

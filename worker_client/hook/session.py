@@ -42,11 +42,11 @@ from protocol.store import JobStore
 
 logger = logging.getLogger(__name__)
 
-STREAM_MAXLEN = 100_000
 MAX_BLOCK_S = 20.0
 """Longest blocking read of an idle schedule watcher (below the socket time-out)."""
-# Failures that a restart or failover of Redis causes; anything else is a real error.
-TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+# Every Redis error is an outage to ride through: a restart, a failover, but also a full
+# Redis (OOM under noeviction) or a replica in the middle of a failover (READONLY).
+TRANSIENT_ERRORS = (redis.RedisError,)
 
 
 class CoordinatorClient:
@@ -70,8 +70,6 @@ class CoordinatorClient:
             self.conn.xadd(
                 keys.REGISTRATIONS_STREAM,
                 encode_message(message),
-                maxlen=STREAM_MAXLEN,
-                approximate=True,
             )
             answer = self.conn.blpop(
                 [keys.reply_key(message.request_id)], timeout=self.reply_timeout
@@ -122,8 +120,6 @@ class CoordinatorClient:
         self.conn.xadd(
             keys.RESULTS_STREAM,
             encode_message(ReportResult(job_id=job_id, result=result)),
-            maxlen=STREAM_MAXLEN,
-            approximate=True,
         )
 
     def set_target(self, job_id: str, iteration_time: float) -> None:
@@ -131,8 +127,6 @@ class CoordinatorClient:
         self.conn.xadd(
             keys.CONTROL_STREAM,
             encode_message(SetTarget(job_id=job_id, iteration_time=iteration_time)),
-            maxlen=STREAM_MAXLEN,
-            approximate=True,
         )
 
     def heartbeat(self, job_id: str, rank: int | None = None) -> bool:
@@ -196,6 +190,9 @@ class CoordinatorClient:
         self.conn.close()
 
 
+_FIRST_RETRY_S, _LAST_RETRY_S = 0.5, 5.0
+
+
 class _Outage:
     """One background thread's view of a Redis outage: when it began, and when to give up.
 
@@ -210,6 +207,7 @@ class _Outage:
         self.what, self.redis_url, self.timeout = what, redis_url, timeout
         self.since: float | None = None
         self.count = 0  # outages seen so far
+        self._delay = _FIRST_RETRY_S
 
     def failed(self, exc: BaseException) -> CoordinatorUnavailableError | None:
         """Note a failed call; returns the error to raise once the outage lasted too long."""
@@ -231,8 +229,14 @@ class _Outage:
             )
         return None
 
+    def backoff(self) -> float:
+        """Seconds to wait before the next try: doubling from 0.5 s up to 5 s."""
+        delay, self._delay = self._delay, min(self._delay * 2, _LAST_RETRY_S)
+        return delay
+
     def recovered(self) -> bool:
         """Note a successful call; True if it ended an outage."""
+        self._delay = _FIRST_RETRY_S
         if self.since is None:
             return False
         logger.warning(
@@ -300,8 +304,11 @@ class ScheduleWatcher(threading.Thread):
                 wait = min(MAX_BLOCK_S, max(0.001, self._next_beat - time.monotonic()))
                 updates = {keys.job_updates(self.job_id): last_id}
                 reply = self._conn.xread(updates, block=max(1, int(wait * 1000)))
-                if self.outage.recovered() or time.monotonic() >= self._next_beat:
+                # After an outage (or when due) a heartbeat; the outage ends once it went
+                # through: a full Redis (OOM) still serves reads, but refuses the heartbeat.
+                if self.outage.since is not None or time.monotonic() >= self._next_beat:
                     self._beat()
+                self.outage.recovered()
                 for _stream, entries in reply or []:
                     last_id = entries[-1][0].decode()
                     versions = [int(f[b"version"]) for _, f in entries if b"version" in f]
@@ -320,7 +327,7 @@ class ScheduleWatcher(threading.Thread):
                 self.error = self.outage.failed(exc)
                 if self.error is not None:
                     return
-                self._stop_event.wait(0.5)
+                self._stop_event.wait(self.outage.backoff())
             except Exception as exc:  # Surfaced to the training thread at the next step end.
                 if not self._stop_event.is_set():
                     self.error = exc

@@ -1,0 +1,80 @@
+"""Riding through Redis faults: the server checks at start, and backoff after an error."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from protocol import keys
+from protocol.exceptions import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# XAUTOCLAIM (coordinator) and ZADD ... GT (hook heartbeats) arrived in Redis 6.2.
+MIN_REDIS_VERSION = (6, 2)
+
+
+def check_redis_version(version: str) -> None:
+    """Raise ConfigError if the ``redis_version`` string is older than perseus-mq needs."""
+    try:
+        found = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        raise ConfigError(f"cannot parse the Redis server version {version!r}") from None
+    if found < MIN_REDIS_VERSION:
+        need = ".".join(map(str, MIN_REDIS_VERSION))
+        raise ConfigError(f"perseus-mq needs Redis >= {need}; this server runs {version}")
+
+
+def ensure_groups(conn: redis.Redis) -> None:
+    """Create the consumer group on every input stream (from the start, so nothing is missed)."""
+    for stream in keys.INPUT_STREAMS:
+        try:
+            conn.xgroup_create(stream, keys.COORDINATOR_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
+class Backoff:
+    """Waits after Redis errors: delays double up to a limit; each kind is logged once.
+
+    An out-of-memory Redis (``noeviction``), a read-only replica during a failover, a lost
+    connection: all are waited out, nothing acknowledged meanwhile is lost.
+
+    Args:
+        stop: Cuts a wait short.
+        what: Names the waiting component in log messages.
+        first: First delay (s).
+        longest: Longest delay (s).
+    """
+
+    def __init__(
+        self, stop: threading.Event, what: str, first: float = 0.5, longest: float = 5.0
+    ) -> None:
+        self.stop, self.what, self.first, self.longest = stop, what, first, longest
+        self.delay = first
+        self.failing: str | None = None  # the error of the ongoing outage
+
+    def failed(self, exc: redis.RedisError) -> None:
+        """Log ``exc`` (once per kind of error) and wait the current delay."""
+        kind = type(exc).__name__
+        if self.failing != kind:
+            logger.warning(
+                "%s: redis error (%s: %s); retrying with backoff up to %g s",
+                self.what,
+                kind,
+                exc,
+                self.longest,
+            )
+        self.failing = kind
+        self.stop.wait(self.delay)
+        self.delay = min(self.delay * 2, self.longest)
+
+    def succeeded(self) -> None:
+        """Note a round that worked: the next error waits the first delay again."""
+        if self.failing is not None:
+            logger.warning("%s: redis answers again (after %s)", self.what, self.failing)
+        self.failing = None
+        self.delay = self.first
