@@ -348,6 +348,8 @@ class Coordinator:
             )
             batch.add_rank(info, message.rank_info, now, answer)
         elif isinstance(message, ReportResult):
+            # One its scheduler cannot use is dead-lettered here: stored, it would fail the job.
+            resolve_scheduler(record.config.scheduler).check_result(message.result)
             # Stored as it arrived (validated above): packing it again costs more than the rest.
             batch.add_result(info, message.result, now, data=fields[b"data"])
         else:

@@ -115,15 +115,16 @@ def _liveness(
     """Ranks heard from lately, silent ranks, and whether the job waits on silent ones.
 
     A job is ``finished`` when every rank's hook closed (or an operator finished it); it is
-    ``stalled`` when its version still lacks results and every rank it waits for is silent:
-    no new version will come until those ranks report (or the job is restarted).
+    ``stalled`` when its version still lacks results from a silent rank: no new version will
+    come until that rank reports (or the job is restarted), whatever the live ranks do (a
+    survivor stuck in a collective beats on but never reports).
     """
     job_id, world = record.job_id, record.info.world_size
     heard = store.ranks_heard(job_id)
     silent = [r for r in range(world) if now - heard.get(r, float("-inf")) > silent_after]
     reported = set(store.reported_ranks(job_id, version)) if version else set()
-    waiting = [r for r in range(world) if r not in reported]
-    stalled = bool(version and waiting and heard and set(waiting) <= set(silent))
+    waiting = [r for r in silent if r not in reported]
+    stalled = bool(version and waiting and heard)
     if ending.finished:
         state, stalled = "finished", False
     elif record.error:

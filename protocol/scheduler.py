@@ -23,7 +23,7 @@ import inspect
 from collections.abc import Generator
 from typing import Any
 
-from protocol.exceptions import ConfigError
+from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 
 
@@ -81,6 +81,32 @@ class FrequencyScheduler:
         called for arguments a job sends: telling a client whether a server path exists
         would leak it.
         """
+
+    @classmethod
+    def check_result(cls, result: ProfilingResult) -> None:
+        """Raise ProtocolError if this scheduler cannot use ``result``.
+
+        The coordinator calls it on every result before storing it: one that fails is
+        dead-lettered with the reason, the job goes on, and the rank may send a good one. A
+        result that made the scheduler itself fail would fail the job for good. The default
+        checks, for schedulers that need it, that per-instruction energy came with the times.
+        """
+        if not cls.needs_instruction_energy:
+            return
+        who = f"rank {result.rank}, schedule version {result.schedule_version}"
+        if not result.energy_breakdown:
+            raise ProtocolError(
+                f"{who}: the result has no energy_breakdown; scheduler {cls.__name__} needs "
+                "per-instruction energy (leave PerseusOptimizer's instruction_energy unset)"
+            )
+        for name in sorted(set(result.time_breakdown) | set(result.energy_breakdown)):
+            times = [len(i) for i in result.time_breakdown.get(name, [])]
+            energies = [len(i) for i in result.energy_breakdown.get(name, [])]
+            if times != energies:
+                raise ProtocolError(
+                    f"{who}: instruction {name!r} has {sum(times)} times in {len(times)} "
+                    f"iterations but {sum(energies)} energies in {len(energies)}"
+                )
 
     def observe(self, profiling_results: list[ProfilingResult]) -> None:
         """Take in the profiling results of the schedule last returned by next_schedule.

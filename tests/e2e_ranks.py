@@ -24,12 +24,15 @@ def run_rank(
     scheduler: str | None = None,
     scheduler_args: dict[str, Any] | None = None,
     step_sleep: float = 0.0,
+    heartbeat_interval: float = 60.0,
+    barrier: bool = True,
 ) -> None:
     """Run ``steps`` 1F1B iterations under PerseusOptimizer and write what happened to JSON.
 
     ``scheduler`` (and its arguments) is the one rank 0 names for the job (default: the
     coordinator's); ``step_sleep`` seconds pass in every step, so a job lasts long enough for
-    faults injected while it runs.
+    faults injected while it runs. ``barrier=False`` leaves out the barrier after each step,
+    so that a rank trains on when another one dies (as one stuck elsewhere would beat on).
     """
     import time
 
@@ -61,6 +64,7 @@ def run_rank(
             nvml_module=SIMULATED_NVML,
             controller=controller,
             report_every=report_every,
+            heartbeat_interval=heartbeat_interval,
             schedule_timeout=60,
             scheduler=scheduler,
             scheduler_args=scheduler_args,
@@ -76,7 +80,8 @@ def run_rank(
                 hook.on_instruction_end(name)
             time.sleep(step_sleep)
             hook.on_step_end()
-            dist.barrier()  # ranks of a pipeline move in lockstep, as in real training
+            if barrier:
+                dist.barrier()  # ranks of a pipeline move in lockstep, as in real training
         record["frequencies"] = [f for _, f in controller.records]
         record["swaps"] = hook.swaps
         record["final_version"] = hook.schedule.version
