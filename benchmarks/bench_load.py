@@ -42,11 +42,12 @@ FREQS = list(range(1980, 1380, -15))
 SCHEDULER = "tests.toy_schedulers:StepDown"
 
 _local = threading.local()
+_tokens: dict[tuple[str, int], str] = {}  # a rank's results may leave from another thread
 
 
 def _client(url: str) -> CoordinatorClient:
     if getattr(_local, "client", None) is None:
-        _local.client = CoordinatorClient(url, reply_timeout=300)
+        _local.client = CoordinatorClient(url, reply_timeout=300, tokens=_tokens)
     return _local.client
 
 

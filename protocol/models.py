@@ -15,6 +15,7 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from protocol.exceptions import ProtocolError
+from protocol.tokens import sign
 
 # Job ids and metadata end up inside Redis key names: keep them free of ':' and spaces.
 _METADATA_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -297,6 +298,9 @@ class Reply(_Model):
     error: str = ""
     # To a rank's registration: the job's scheduler needs per-instruction energy.
     instruction_energy: bool = False
+    # To a rank's registration: its secret (protocol.tokens); results and heartbeats prove it.
+    # Kept out of repr, so a logged or raised reply never shows it.
+    token: str = Field(default="", repr=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,12 +344,21 @@ def validate(cls: type[M], raw: Any) -> M:
 
 def encode_message(
     message: RegisterJob | RegisterRank | ReportResult | SetTarget,
+    token: str | None = None,
 ) -> dict[str, Any]:
-    """Stream-entry fields for a message (``kind`` and ``job_id`` stay readable in redis-cli)."""
+    """Stream-entry fields for a message (``kind`` and ``job_id`` stay readable in redis-cli).
+
+    Args:
+        message: The message.
+        token: The reporting rank's token: a ``report_result`` entry then carries the MAC of
+            its data (``mac``), which the coordinator checks (the token itself is not sent).
+    """
     fields: dict[str, Any] = {"kind": message.kind, "data": pack(message)}
     job_id = getattr(message, "job_id", "")
     if job_id:
         fields["job_id"] = job_id
+    if token is not None:
+        fields["mac"] = sign(token, fields["data"])
     return fields
 
 

@@ -55,15 +55,25 @@ class CoordinatorClient:
     Args:
         redis_url: The Redis the coordinator uses.
         reply_timeout: Seconds to wait for a registration reply.
+        tokens: Where to keep the ranks' tokens, shared with other clients of this process
+            (say, one per thread); default: this client's own.
     """
 
-    def __init__(self, redis_url: str, reply_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        reply_timeout: float = 60.0,
+        tokens: dict[tuple[str, int], str] | None = None,
+    ) -> None:
         self.redis_url = redis_url
         self.where = redact_url(redis_url)  # for messages: never the password
         self.reply_timeout = reply_timeout
         # BLPOP waits up to reply_timeout for a registration's answer: the socket must wait longer.
         self.conn = connect(redis_url, socket_timeout=reply_timeout + SOCKET_TIMEOUT_S)
         self.store = JobStore(self.conn)
+        # (job, rank) -> the token its registration reply gave: results and heartbeats prove
+        # it. Never logged, never sent as such (results carry a MAC, see protocol.tokens).
+        self._tokens: dict[tuple[str, int], str] = {} if tokens is None else tokens
 
     def _request(self, message: RegisterJob | RegisterRank) -> Reply:
         try:
@@ -112,16 +122,30 @@ class CoordinatorClient:
         return self._request(request).job_id
 
     def register_rank(self, job_id: str, rank: RankInfo) -> Reply:
-        """Register one rank with a job; the reply says what the job's scheduler needs."""
-        return self._request(
+        """Register one rank with a job; the reply says what the job's scheduler needs.
+
+        The reply's token is kept by this client: its results and heartbeats for the rank
+        carry the proof of it.
+        """
+        reply = self._request(
             RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=rank)
         )
+        self._tokens[(job_id, rank.rank)] = reply.token
+        return reply
+
+    def token(self, job_id: str, rank: int) -> str | None:
+        """The token ``rank`` got when this client registered it (None: it did not).
+
+        For callers that build result entries themselves (``encode_message(..., token=)``).
+        """
+        return self._tokens.get((job_id, rank))
 
     def report(self, job_id: str, result: ProfilingResult) -> None:
-        """Publish a profiling result (fire and forget)."""
+        """Publish a profiling result (fire and forget), with its rank's MAC."""
+        token = self._tokens.get((job_id, result.rank))
         self.conn.xadd(
             keys.RESULTS_STREAM,
-            encode_message(ReportResult(job_id=job_id, result=result)),
+            encode_message(ReportResult(job_id=job_id, result=result), token=token),
             maxlen=STREAM_MAXLEN,
             approximate=True,
         )
@@ -135,13 +159,16 @@ class CoordinatorClient:
             approximate=True,
         )
 
-    def heartbeat(self, job_id: str, rank: int | None = None) -> bool:
-        """Mark the job (and ``rank``) active; return whether Redis still has the job.
+    def heartbeat(self, job_id: str, rank: int) -> bool:
+        """Mark the job and ``rank`` active; return whether Redis still has the job.
 
         Timed by the Redis server's clock: idle-job GC spares the job, and ``perseus status``
         sees when each rank was last heard from, whatever this machine's clock says.
+
+        Raises:
+            WrongTokenError: This client did not register ``rank`` (or another process did).
         """
-        return self.store.touch(job_id, rank)
+        return self.store.touch(job_id, rank, self._tokens.get((job_id, rank), ""))
 
     def latest_version(self, job_id: str) -> int:
         """Latest published schedule version (0 if none yet)."""
