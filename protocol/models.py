@@ -318,7 +318,9 @@ def _unpack_raw(data: bytes) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"not valid msgpack ({type(exc).__name__}: {exc})") from None
+        # StackError says nothing by itself: it is nesting deeper than msgpack's stack.
+        detail = str(exc) or ("nested too deeply" if type(exc).__name__ == "StackError" else "")
+        raise ProtocolError(f"not valid msgpack ({type(exc).__name__}: {detail})") from None
 
 
 def _validation_text(exc: ValidationError) -> str:
