@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from protocol.exceptions import ProtocolError, WrongTokenError
+from protocol.exceptions import ProtocolError, UnknownJobError, WrongTokenError
 from protocol.models import ReportResult
 from protocol.store import JobStore
 from protocol.tokens import verify
@@ -28,6 +28,7 @@ class ResultKeys:
     def __init__(self, store: JobStore) -> None:
         self.store = store
         self._jobs: OrderedDict[str, dict[int, str]] = OrderedDict()
+        self._gone: set[str] = set()  # jobs of the current batch that Redis does not have
 
     def load(self, wanted: Iterable[tuple[str, int]]) -> None:
         """Fetch the keys of the (job, rank) pairs not cached yet, in one round trip."""
@@ -38,8 +39,12 @@ class ResultKeys:
                 self._jobs.move_to_end(job_id)
             if ranks is None or rank not in ranks:
                 missing.append((job_id, rank))
+        self._gone = set()
         for (job_id, rank), key in self.store.result_keys(missing).items():
-            if key:  # A rank not registered (yet) is asked for again next time.
+            if key is None:
+                self._gone.add(job_id)
+                self._jobs.pop(job_id, None)
+            elif key:  # A rank not registered (yet) is asked for again next time.
                 self._jobs.setdefault(job_id, {})[rank] = key
         while len(self._jobs) > _JOBS_CACHED:
             self._jobs.popitem(last=False)
@@ -48,10 +53,13 @@ class ResultKeys:
         """Raise unless the entry's MAC is its rank's (call :meth:`load` for it first).
 
         Raises:
+            UnknownJobError: Redis does not have the job (deleted, or lost in a restart).
             ProtocolError: The rank is not registered with the job.
             WrongTokenError: The MAC is missing or made with another token.
         """
         rank = message.result.rank
+        if message.job_id in self._gone:
+            raise UnknownJobError(f"unknown job id {message.job_id!r}")
         key = self._jobs.get(message.job_id, {}).get(rank, "")
         if not key:
             raise ProtocolError(f"rank {rank} is not registered with job {message.job_id}")

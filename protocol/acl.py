@@ -5,8 +5,9 @@ gets the commands and key patterns it needs and nothing else (README "Who may do
 
 * ``perseus-rank``: the training hook. Appends to the input streams, waits for its registration
   reply, follows a job's updates stream, reads schedules, refreshes the job's activity, and
-  keeps power-limit profiles. It cannot read results, journals or rq's state, delete anything,
-  write a job's state or reach the dead-letter stream.
+  keeps power-limit profiles. It cannot read results, journals, the results' token keys or
+  rq's state, delete anything, write a job's state or reach the dead-letter stream; on Redis 7
+  it cannot read the input streams either.
 * ``perseus-service``: ``perseus coordinator`` and ``perseus worker`` (rq). Everything on the
   ``perseus:*`` and ``rq:*`` keys and rq's pubsub channels; no server administration.
 * ``perseus-operator``: ``perseus status``, ``dump``, ``profile``, ``deadletter list``,

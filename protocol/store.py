@@ -276,16 +276,26 @@ class JobStore:
         )
         return int(single(batch))
 
-    def result_keys(self, wanted: Iterable[tuple[str, int]]) -> dict[tuple[str, int], str]:
-        """The results' HMAC keys of (job, rank) pairs, one round trip ('' if not registered)."""
+    def result_keys(self, wanted: Iterable[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
+        """The results' HMAC keys of (job, rank) pairs, in one round trip.
+
+        '' for a rank not registered, None for a job that does not exist.
+        """
         pairs = list(dict.fromkeys(wanted))
         if not pairs:
             return {}
+        jobs = list(dict.fromkeys(job_id for job_id, _ in pairs))
         with self.conn.pipeline(transaction=False) as pipe:
+            for job_id in jobs:
+                pipe.exists(keys.job_info(job_id))
             for job_id, rank in pairs:
                 pipe.hget(keys.job_tokens(job_id), str(rank))
-            raws = pipe.execute()
-        return {p: raw[:64].decode() if raw else "" for p, raw in zip(pairs, raws, strict=True)}
+            replies = pipe.execute()
+        exists = dict(zip(jobs, replies[: len(jobs)], strict=True))
+        out: dict[tuple[str, int], str | None] = {}
+        for pair, raw in zip(pairs, replies[len(jobs) :], strict=True):
+            out[pair] = raw[:64].decode() if raw else ("" if exists[pair[0]] else None)
+        return out
 
     def ranks(self, job_id: str) -> list[RankInfo]:
         """Registered ranks, sorted by rank."""

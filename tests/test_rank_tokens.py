@@ -23,7 +23,7 @@ from protocol.models import (
 from protocol.store import JobStore
 from protocol.tokens import sign
 from tests.helpers import FREQS, drain, make_settings, register, result, wait_for
-from worker_client.hook.session import CoordinatorClient
+from worker_client.hook.session import CoordinatorClient, ScheduleWatcher
 
 
 def _reasons(r) -> list[str]:
@@ -150,3 +150,17 @@ def test_the_reply_never_shows_its_token():
     reply = Reply(ok=True, job_id="j", token="s3cret-token")
     assert "s3cret-token" not in repr(reply) and "s3cret-token" not in str(reply)
     assert sign("s3cret-token", b"data") != sign("other", b"data")
+
+
+def test_a_refused_heartbeat_is_logged_once_and_training_goes_on(service, r, redis_url, caplog):
+    job_id = register(CoordinatorClient(redis_url), pp=1)
+    stranger = CoordinatorClient(redis_url)  # it did not register rank 0
+    watcher = ScheduleWatcher(stranger, job_id, rank=0, version=0)
+    try:
+        watcher._beat()
+        watcher._beat()
+    finally:
+        watcher._conn.close()
+    assert watcher.error is None and watcher.token_refused and not watcher.job_lost
+    assert caplog.text.count(f"wrong token for rank 0 of job {job_id}") == 1
+    assert JobStore(r).ranks_heard(job_id) == {}

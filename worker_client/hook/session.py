@@ -24,6 +24,7 @@ from protocol.exceptions import (
     PerseusError,
     ProtocolError,
     UnknownJobError,
+    WrongTokenError,
 )
 from protocol.models import (
     FrequencySchedule,
@@ -310,6 +311,7 @@ class ScheduleWatcher(threading.Thread):
         self.error: BaseException | None = None
         self.outage = _Outage(f"rank {rank} schedule watcher", client.where, outage_timeout)
         self.job_lost = False
+        self.token_refused = False  # a heartbeat was refused: this client did not register
         self.job_error = ""  # the scheduler's failure, once announced (logged once)
         self.heartbeat_interval = heartbeat_interval
         self._next_beat = time.monotonic()  # the first heartbeat at once: the rank is alive
@@ -364,7 +366,15 @@ class ScheduleWatcher(threading.Thread):
 
     def _beat(self) -> None:
         self._next_beat = time.monotonic() + self.heartbeat_interval
-        if self.client.heartbeat(self.job_id, self.rank) or self.job_lost:
+        try:
+            exists = self.client.heartbeat(self.job_id, self.rank)
+        except WrongTokenError as exc:
+            # Training goes on (as for a lost job); said once, loudly.
+            if not self.token_refused:
+                self.token_refused = True
+                logger.error("%s; this rank does not count as alive in `perseus status`", exc)
+            return
+        if exists or self.job_lost:
             return
         self.job_lost = True
         logger.error(
