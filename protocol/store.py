@@ -157,9 +157,7 @@ class JobStore:
         ]
         status = int(self.scripts.heartbeat(keys=keys_, args=[job_id, rank, token]))
         if status == -1:
-            raise WrongTokenError(
-                f"heartbeat of rank {rank} of job {job_id} refused: wrong token for rank {rank}"
-            )
+            raise WrongTokenError(f"wrong token for rank {rank} of job {job_id}: heartbeat refused")
         return status == 1
 
     def ranks_heard(self, job_id: str) -> dict[int, float]:
