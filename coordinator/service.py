@@ -6,6 +6,8 @@ pending. Each entry is validated, applied to Redis idempotently, answered (regis
 reply) and acknowledged; an entry that cannot be processed goes to the dead-letter stream with
 the reason and every original field, and the loop goes on. Redis errors are not acknowledged:
 the entry is retried. A periodic sweep re-enqueues stalled work and deletes idle jobs.
+A rank's registration reply carries its secret token; a result counts only with the MAC of
+its rank's token (:mod:`coordinator.trust`).
 """
 
 from __future__ import annotations
@@ -339,7 +341,8 @@ class Coordinator:
             if isinstance(result, Exception):
                 # A registration answered before gets no second (error) reply.
                 first = not isinstance(result, DuplicateEntryError)
-                outcome.dead(stream, entry_id, fields, str(result), reply=first)
+                reason = str(result) or type(result).__name__
+                outcome.dead(stream, entry_id, fields, reason, reply=first)
                 continue
             if isinstance(message, RegisterRank):
                 outcome.answered(stream, entry_id)
