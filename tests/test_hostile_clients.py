@@ -97,6 +97,16 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         proc = start_perseus(args, tmp, "coordinator.log", env)
         try:
             genuine = CoordinatorClient(server.url, reply_timeout=20)
+            # What the genuine client sends, kept for the replays: the coordinator trims
+            # acknowledged entries from the streams.
+            sent: list[tuple[str, dict[bytes, bytes]]] = []
+            xadd = genuine.conn.xadd
+
+            def recording_xadd(name: str, fields: dict[Any, Any], *args: Any, **kw: Any) -> Any:
+                sent.append((name, {_bytes(k): _bytes(v) for k, v in fields.items()}))
+                return xadd(name, fields, *args, **kw)
+
+            genuine.conn.xadd = recording_xadd  # type: ignore[method-assign]
             job_id = register(genuine, pp=2)
             hostile = CoordinatorClient(server.url, reply_timeout=20)
             hostile_job = register(hostile, pp=1)
@@ -108,8 +118,8 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
             stack = Stack(conn, proc, genuine, job_id, hostile, hostile_job, profiler_job)
             drain(conn)
             stack.advance()
-            stack.first_result = _entry(conn, keys.RESULTS_STREAM, job_id)
-            stack.first_registration = _entry(conn, keys.REGISTRATIONS_STREAM, job_id)
+            stack.first_result = _entry(sent, keys.RESULTS_STREAM, job_id)
+            stack.first_registration = _entry(sent, keys.REGISTRATIONS_STREAM, job_id)
             stack.advance()
             floor = int(conn.hget(keys.job_info(job_id), "results_floor") or 1)
             assert floor > 1  # version 1's results are consumed: a replay of one is late
@@ -121,12 +131,18 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
             print((tmp / "coordinator.log").read_text()[-3000:])
 
 
-def _entry(conn: redis.Redis, stream: str, job_id: str) -> dict[bytes, bytes]:
-    """The first entry of ``stream`` about ``job_id``."""
-    for _id, fields in conn.xrange(stream):
-        if fields.get(b"job_id") == job_id.encode():
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def _entry(
+    sent: list[tuple[str, dict[bytes, bytes]]], stream: str, job_id: str
+) -> dict[bytes, bytes]:
+    """The first entry sent to ``stream`` about ``job_id``."""
+    for name, fields in sent:
+        if name == stream and fields.get(b"job_id") == job_id.encode():
             return fields
-    raise AssertionError(f"no entry about {job_id} in {stream}")
+    raise AssertionError(f"no entry about {job_id} sent to {stream}")
 
 
 Entries = list[tuple[str, dict[Any, Any]]]
