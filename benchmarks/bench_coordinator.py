@@ -97,9 +97,15 @@ def hook_result(rank: int, version: int) -> ProfilingResult:
     )
 
 
-def report_fields(job_id: str, ranks: int, version: int) -> list[dict]:
+def report_fields(
+    job_id: str, ranks: int, version: int, client: CoordinatorClient | None = None
+) -> list[dict]:
+    """Every rank's result entry, signed with its token when ``client`` registered it."""
     return [
-        encode_message(ReportResult(job_id=job_id, result=hook_result(rank, version)))
+        encode_message(
+            ReportResult(job_id=job_id, result=hook_result(rank, version)),
+            token=client.token(job_id, rank) if client is not None else None,
+        )
         for rank in range(ranks)
     ]
 
@@ -142,19 +148,18 @@ class Stack:
             script = [sys.executable, __file__, "--raw-server", self.url, "--ranks", str(ranks)]
             self.procs.append(subprocess.Popen(script, env=env))
             self.job_id, self.stream = RAW, keys.job_key(RAW, "in")
+            self.client: CoordinatorClient | None = None
         else:
             self.procs.append(start_coordinator(self.url))
             self.procs.append(start_worker(self.url, *(["--fork"] if kind == "fork" else [])))
-            self.job_id, self.stream = (
-                register(CoordinatorClient(self.url), ranks),
-                keys.RESULTS_STREAM,
-            )
+            self.client = CoordinatorClient(self.url)
+            self.job_id, self.stream = register(self.client, ranks), keys.RESULTS_STREAM
         self.updates = keys.job_updates(self.job_id)
         self.last_id = wait_version(self.conn, self.updates, b"0", 0)
 
     def round(self, version: int) -> None:
         """All ranks report ``version``; record the time until the next version is visible."""
-        batch = report_fields(self.job_id, self.ranks, version)
+        batch = report_fields(self.job_id, self.ranks, version, self.client)
         start = time.perf_counter()
         with self.conn.pipeline(transaction=False) as pipe:
             for fields in batch:

@@ -42,11 +42,12 @@ FREQS = list(range(1980, 1380, -15))
 SCHEDULER = "tests.toy_schedulers:StepDown"
 
 _local = threading.local()
+_tokens: dict[tuple[str, int], str] = {}  # a rank's results may leave from another thread
 
 
 def _client(url: str) -> CoordinatorClient:
     if getattr(_local, "client", None) is None:
-        _local.client = CoordinatorClient(url, reply_timeout=300)
+        _local.client = CoordinatorClient(url, reply_timeout=300, tokens=_tokens)
     return _local.client
 
 
@@ -79,16 +80,24 @@ def _warm_up(_: int) -> None:
     """A no-op task: every pool process has started and imported."""
 
 
-def register_chunk(job: tuple[str, list[tuple[str, int]], int]) -> int:
-    """One process's share of registrations; returns how many succeeded."""
+Tokens = dict[tuple[str, int], str]
+
+
+def register_chunk(job: tuple[str, list[tuple[str, int]], int]) -> tuple[int, Tokens]:
+    """One process's share of registrations; returns how many succeeded, and their tokens.
+
+    The pool may hand the same ranks' reports to another process: it gets the tokens along.
+    """
     url, ranks, threads = job
     with ThreadPoolExecutor(threads) as pool:
-        return sum(pool.map(_register, [(url, j, r) for j, r in ranks]))
+        ok = sum(pool.map(_register, [(url, j, r) for j, r in ranks]))
+    return ok, {pair: _tokens[pair] for pair in ranks if pair in _tokens}
 
 
-def report_chunk(job: tuple[str, list[tuple[str, int]], int, int]) -> dict[str, float]:
+def report_chunk(job: tuple[str, list[tuple[str, int]], int, int, Tokens]) -> dict[str, float]:
     """One process's share of one round of results; returns each job's last report time."""
-    url, ranks, version, threads = job
+    url, ranks, version, threads, tokens = job
+    _tokens.update(tokens)
     last: dict[str, float] = {}
     with ThreadPoolExecutor(threads) as pool:
         for job_id, at in pool.map(_report, [(url, j, r, version) for j, r in ranks]):
@@ -171,14 +180,17 @@ def main() -> None:
             with ctx.Pool(opts.procs, initializer=_warm) as pool:
                 pool.map(_warm_up, range(opts.procs))  # imports done before the clock starts
                 started = time.time()
-                ok = sum(pool.map(register_chunk, [(server.url, c, opts.threads) for c in chunks]))
+                done = pool.map(register_chunk, [(server.url, c, opts.threads) for c in chunks])
+                ok = sum(n for n, _ in done)
+                tokens = {pair: token for _, got in done for pair, token in got.items()}
                 registered_s = time.time() - started
                 first = wait_versions(store, jobs, 1, 600)
                 first_s = max(first.values()) - started
                 latencies: list[float] = []
                 for version in range(1, opts.versions + 1):
                     rounds = pool.map(
-                        report_chunk, [(server.url, c, version, opts.threads) for c in chunks]
+                        report_chunk,
+                        [(server.url, c, version, opts.threads, tokens) for c in chunks],
                     )
                     last = {j: max(r.get(j, 0.0) for r in rounds) for j in jobs}
                     arrived = wait_versions(store, jobs, version + 1, 600)

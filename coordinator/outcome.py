@@ -70,12 +70,16 @@ class Outcome:
         fields: dict[bytes, bytes],
         reason: str,
         oversize: bool = False,
+        reply: bool = True,
     ) -> None:
-        """Dead-letter an entry; a registration's client gets the reason as its reply."""
+        """Dead-letter an entry; a registration's client gets the reason as its reply.
+
+        ``reply=False``: a request answered before (its client must get that first reply).
+        """
         self.dead_letters.append(
             deadletter.entry_fields(stream, entry_id, fields, reason, time.time(), oversize)
         )
         self.reasons.append(f"{stream} {entry_id}: {reason}")
-        reply_to = _request_reply_key(fields)
+        reply_to = _request_reply_key(fields) if reply else None
         if reply_to is not None:
             self.replies[reply_to] = Reply(ok=False, error=reason)

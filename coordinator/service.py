@@ -8,6 +8,8 @@ the reason and every original field, and the loop goes on. Redis errors (out of 
 included) are not acknowledged: the entry is retried, after a backoff. An entry removed from
 its stream before it was processed is counted and logged (:mod:`protocol.streams`). A periodic
 sweep re-enqueues stalled work, deletes idle jobs and trims the input streams.
+A rank's registration reply carries its secret token; a result counts only with the MAC of
+its rank's token (:mod:`coordinator.trust`).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from coordinator.outcome import Outcome, log_lost
 from coordinator.resilience import Backoff, check_redis_version, ensure_groups
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
+from coordinator.trust import ResultKeys
 from protocol import deadletter, keys, streams
 from protocol.consumers import GroupMembers
-from protocol.exceptions import PerseusError, ProtocolError, UnknownJobError
+from protocol.exceptions import DuplicateEntryError, PerseusError, ProtocolError, UnknownJobError
 from protocol.models import (
     JobConfig,
     RegisterJob,
@@ -48,6 +51,7 @@ from protocol.models import (
 from protocol.scheduler import BUILTIN, check_scheduler_args, resolve_scheduler
 from protocol.store import JobRecord, JobStore, StoreBatch
 from protocol.store_batch import Answer
+from protocol.tokens import new_token
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +94,7 @@ class Coordinator:
         self._last_beat = 0.0
         self._last_claim = float("-inf")
         self._records: OrderedDict[str, JobRecord] = OrderedDict()
+        self.result_keys = ResultKeys(self.store)
         self.sweeper = Sweeper(self.store)
         self.processed = 0
         self.dead_lettered = 0
@@ -247,6 +252,9 @@ class Coordinator:
             except (PerseusError, ValueError) as exc:
                 outcome.dead(stream, entry_id, fields, str(exc) or type(exc).__name__)
         jobs = self._job_records(m.job_id for *_, m in pending if not isinstance(m, RegisterJob))
+        self.result_keys.load(
+            (m.job_id, m.result.rank) for *_, m in pending if isinstance(m, ReportResult)
+        )
         batch = self.store.batch()
         queued: list[tuple[str, str, dict[bytes, bytes], Message]] = []
         now = self.store.clock.now()  # activity stamps: the server's clock, like heartbeats
@@ -268,7 +276,10 @@ class Coordinator:
             queued, batch.execute(), strict=True
         ):
             if isinstance(result, Exception):
-                outcome.dead(stream, entry_id, fields, str(result) or type(result).__name__)
+                # A registration answered before gets no second (error) reply.
+                first = not isinstance(result, DuplicateEntryError)
+                reason = str(result) or type(result).__name__
+                outcome.dead(stream, entry_id, fields, reason, reply=first)
                 continue
             if isinstance(message, RegisterRank):
                 outcome.answered(stream, entry_id)
@@ -336,18 +347,31 @@ class Coordinator:
                     f"rank {message.rank_info.rank} registers {clocks} frequencies, over "
                     f"max_frequencies={self.settings.max_frequencies} (PERSEUS_MAX_FREQUENCIES)"
                 )
+            scheduler = resolve_scheduler(record.config.scheduler)
+            sweep = scheduler.sweep_versions(record.config.scheduler_args, clocks)
+            if sweep is not None and sweep > self.settings.max_sweep_versions:
+                raise ProtocolError(
+                    f"rank {message.rank_info.rank} registers {clocks} frequencies: the "
+                    f"{record.config.scheduler} sweep would take {sweep} versions, over "
+                    f"max_sweep_versions={self.settings.max_sweep_versions} "
+                    "(PERSEUS_MAX_SWEEP_VERSIONS); restrict its frequencies"
+                )
             # Answered and acknowledged by the store's script: one round trip per request.
-            needs = resolve_scheduler(record.config.scheduler).needs_instruction_energy
+            # The reply carries the rank's token; Redis keeps only digests of it.
+            token = new_token()
+            needs = scheduler.needs_instruction_energy
+            reply = Reply(ok=True, job_id=info.job_id, instruction_energy=needs, token=token)
             answer = Answer(
                 reply_key=keys.reply_key(message.request_id),
-                reply=pack(Reply(ok=True, job_id=info.job_id, instruction_energy=needs)),
+                reply=pack(reply),
                 ttl=self.settings.reply_ttl,
                 stream=stream,
                 group=keys.COORDINATOR_GROUP,
                 entry_id=entry_id,
             )
-            batch.add_rank(info, message.rank_info, now, answer)
+            batch.add_rank(info, message.rank_info, now, token, message.request_id, answer)
         elif isinstance(message, ReportResult):
+            self.result_keys.check(message, fields)
             # One its scheduler cannot use is dead-lettered here: stored, it would fail the job.
             resolve_scheduler(record.config.scheduler).check_result(message.result)
             # Stored as it arrived (validated above): packing it again costs more than the rest.
@@ -497,3 +521,4 @@ class Coordinator:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long (see Sweeper)."""
         for job_id in self.sweeper.run(self.settings, self.enqueue_advance):
             self._records.pop(job_id, None)
+            self.result_keys.forget(job_id)

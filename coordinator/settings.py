@@ -54,6 +54,9 @@ class PerseusSettings(BaseSettings):
             dead-lettered with its first bytes and size only.
         max_world_size: Most ranks a job may register with.
         max_frequencies: Most clocks a rank may register (an H100 has 170 or so).
+        max_sweep_versions: Most schedule versions a job's profiling sweep may take (one per
+            clock swept, e.g. ``InstructionProfiler``); a rank whose clocks would make it
+            longer is refused when it registers.
         snapshot_every: Schedule versions between snapshots of a job's scheduler state
             (schedulers that support them); each snapshot deletes the profiling results it
             consumed, so a long job's Redis memory stays flat. 0: never.
@@ -79,6 +82,7 @@ class PerseusSettings(BaseSettings):
     max_entry_bytes: int = Field(default=1_048_576, ge=1024)
     max_world_size: int = Field(default=100_000, ge=1)
     max_frequencies: int = Field(default=1024, ge=1)
+    max_sweep_versions: int = Field(default=256, ge=1)
     snapshot_every: int = Field(default=10, ge=0)
 
     @field_validator("log_level")
@@ -105,6 +109,7 @@ class PerseusSettings(BaseSettings):
         "max_entry_bytes",
         "max_world_size",
         "max_frequencies",
+        "max_sweep_versions",
     )
 
     def shared(self) -> dict[str, Any]:

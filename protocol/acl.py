@@ -5,8 +5,9 @@ gets the commands and key patterns it needs and nothing else (README "Who may do
 
 * ``perseus-rank``: the training hook. Appends to the input streams, waits for its registration
   reply, follows a job's updates stream, reads schedules, refreshes the job's activity, and
-  keeps power-limit profiles. It cannot read results, journals or rq's state, delete anything,
-  write a job's state or reach the dead-letter stream.
+  keeps power-limit profiles. It cannot read results, journals, the results' token keys or
+  rq's state, delete anything, write a job's state or reach the dead-letter stream; on Redis 7
+  it cannot read the input streams either.
 * ``perseus-service``: ``perseus coordinator`` and ``perseus worker`` (rq). Everything on the
   ``perseus:*`` and ``rq:*`` keys and rq's pubsub channels; no server administration.
 * ``perseus-operator``: ``perseus status``, ``dump``, ``profile``, ``deadletter list``,
@@ -28,18 +29,23 @@ ROLES = ("rank", "service", "operator")
 # file naming it would not load); redis-py ignores its refusal on 7.2 and later.
 _BASE = "+ping +auth +hello +client|setname +client|getname +client|id"
 
-# Keys a rank reads but must not write: a job's version, schedules, info and updates stream.
+# Keys a rank reads but must not write: a job's version, schedules, info and updates stream,
+# and the SHA-1 digests of its ranks' tokens (the heartbeat script, run as the rank, checks
+# them). The results' HMAC keys (keys.job_tokens) match no rank pattern.
 _RANK_READS = (
     keys.job_version("*"),
     keys.job_schedule("*", "*"),  # type: ignore[arg-type]
     keys.job_info("*"),
     keys.job_updates("*"),
+    keys.job_beatcheck("*"),
 )
-# Keys a rank writes: the input streams, its reply list, the jobs index and its job's liveness
-# hash (heartbeats: ZADD XX GT only refreshes existing jobs), its job's finished ranks and the
-# finished jobs (the hook's close, through one script), power-limit profiles.
+# Streams a rank appends to but must not read: other ranks' registrations (request ids, whose
+# replies carry tokens) and results.
+_RANK_APPENDS = keys.INPUT_STREAMS
+# Keys a rank writes: its reply list, the jobs index and its job's liveness hash (heartbeats:
+# ZADD XX GT only refreshes existing jobs), its job's finished ranks and the finished jobs (the
+# hook's close, through one script that checks the rank's token), power-limit profiles.
 _RANK_WRITES = (
-    *keys.INPUT_STREAMS,
     keys.reply_key("*"),
     keys.JOBS_INDEX,
     keys.job_alive("*"),
@@ -74,13 +80,16 @@ def role_rules(role: str, redis_major: int = 7) -> str:
 
     Args:
         role: One of :data:`ROLES`.
-        redis_major: Redis 7 has read-only key patterns (``%R~``): a rank can read but not
-            write a job's schedules. Redis 6.2 has not; its rank rules let a rank's write
-            commands (XADD, SET, ZADD) reach those keys too.
+        redis_major: Redis 7 has read-only and write-only key patterns (``%R~``, ``%W~``):
+            a rank can read but not write a job's schedules, and append to the input
+            streams but not read them. Redis 6.2 has not; its rank rules let a rank's write
+            commands (XADD, SET, ZADD) reach the keys it reads, and its XREAD the input
+            streams.
     """
     if role == "rank":
-        read = "%R~" if redis_major >= 7 else "~"
-        patterns = [f"{read}{p}" for p in _RANK_READS] + [f"~{p}" for p in _RANK_WRITES]
+        read, append = ("%R~", "%W~") if redis_major >= 7 else ("~", "~")
+        patterns = [f"{read}{p}" for p in _RANK_READS]
+        patterns += [f"{append}{p}" for p in _RANK_APPENDS] + [f"~{p}" for p in _RANK_WRITES]
         return f"{' '.join(patterns)} {_BASE} {' '.join(_RANK_COMMANDS)}"
     if role == "service":
         return f"{_SERVICE} {_BASE}"

@@ -41,6 +41,8 @@ _ORIG = b"orig:"
 
 HEAD_BYTES = 256
 """How much of each field an oversize entry's dead letter keeps."""
+HEAD_FIELDS = 16
+"""How many fields an oversize entry's dead letter keeps (a million tiny fields add up too)."""
 
 
 def entry_size(fields: dict[bytes, bytes]) -> int:
@@ -60,8 +62,9 @@ def entry_fields(
 
     Every original field is kept byte for byte as ``orig:<name>``, so nothing is lost and
     :func:`replay` can send the entry back unchanged. An ``oversize`` entry keeps only the
-    first :data:`HEAD_BYTES` of each field and its total size (``size``): copying it whole
-    would let one client fill Redis with dead letters. It cannot be replayed.
+    first :data:`HEAD_BYTES` of its first :data:`HEAD_FIELDS` fields, its total size
+    (``size``) and field count (``fields``): copying it whole would let one client fill Redis
+    with dead letters. It cannot be replayed.
     """
     entry: dict[Any, Any] = {
         "reason": reason,
@@ -71,7 +74,9 @@ def entry_fields(
     }
     if oversize:
         entry["size"] = str(entry_size(fields))
-        entry.update({_ORIG + name[:HEAD_BYTES]: v[:HEAD_BYTES] for name, v in fields.items()})
+        entry["fields"] = str(len(fields))
+        head = list(fields.items())[:HEAD_FIELDS]
+        entry.update({_ORIG + name[:HEAD_BYTES]: v[:HEAD_BYTES] for name, v in head})
     else:
         entry.update({_ORIG + name: value for name, value in fields.items()})
     return entry

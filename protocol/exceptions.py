@@ -19,6 +19,17 @@ class UnknownJobError(ProtocolError):
     """A job id that the coordinator does not know (never registered, or garbage-collected)."""
 
 
+class DuplicateEntryError(ProtocolError):
+    """A request that was already answered arrived again (redelivered or replayed).
+
+    Dead-lettered without a reply: the first reply is the one its client waits for.
+    """
+
+
+class WrongTokenError(ProtocolError):
+    """A result or heartbeat does not carry the token its rank got when it registered."""
+
+
 class ScheduleError(PerseusError):
     """The schedule and the training loop disagree (wrong instruction, too few or many)."""
 

@@ -15,20 +15,26 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from protocol import keys
+from protocol.exceptions import WrongTokenError
 from protocol.store import JobStore
 
 # Marks a rank (or, with ARGV[2] == '', the whole job) finished, on the server's clock.
 # Idempotent: a rank marked twice counts once, and a finished job keeps its first finish time.
-# KEYS[1] job info, KEYS[2] job's finished ranks, KEYS[3] finished jobs.
-# ARGV[1] job id, ARGV[2] rank ('' finishes the job whatever its ranks did).
-# Returns {status, ranks finished, world size}: 0 unknown job, -1 rank out of range,
-# 1 recorded, 2 recorded and the job is finished.
+# A rank proves itself with its token, like a heartbeat: runs as the rank's ACL user, so it
+# compares SHA-1 digests (KEYS[4]); an operator finishing the whole job passes no token.
+# KEYS[1] job info, KEYS[2] job's finished ranks, KEYS[3] finished jobs, KEYS[4] job beatcheck.
+# ARGV[1] job id, ARGV[2] rank ('' finishes the job whatever its ranks did), ARGV[3] the rank's
+# token (ignored with ARGV[2] == '').
+# Returns {status, ranks finished, world size}: 0 unknown job, -1 rank out of range, -2 wrong
+# token, 1 recorded, 2 recorded and the job is finished.
 FINISH = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, 0} end
 local world = tonumber(redis.call('HGET', KEYS[1], 'world_size'))
 if ARGV[2] ~= '' then
   local rank = tonumber(ARGV[2])
   if not rank or rank < 0 or rank >= world or rank % 1 ~= 0 then return {-1, 0, world} end
+  local digest = redis.call('HGET', KEYS[4], ARGV[2])
+  if not digest or digest ~= redis.sha1hex(ARGV[3]) then return {-2, 0, world} end
 end
 redis.replicate_commands()  -- Redis 6.2: TIME before writes needs effects replication
 local t = redis.call('TIME')
@@ -67,20 +73,33 @@ class JobLifecycle:
         self.store = store
         self._finish = store.conn.register_script(FINISH)
 
-    def _call(self, job_id: str, rank: str) -> tuple[int, int, int]:
-        names = [keys.job_info(job_id), keys.job_finished(job_id), keys.FINISHED_JOBS]
-        status, count, world = self._finish(keys=names, args=[job_id, rank])
+    def _call(self, job_id: str, rank: str, token: str = "") -> tuple[int, int, int]:
+        names = [
+            keys.job_info(job_id),
+            keys.job_finished(job_id),
+            keys.FINISHED_JOBS,
+            keys.job_beatcheck(job_id),
+        ]
+        status, count, world = self._finish(keys=names, args=[job_id, rank, token])
         return int(status), int(count), int(world)
 
-    def finish_rank(self, job_id: str, rank: int) -> bool | None:
+    def finish_rank(self, job_id: str, rank: int, token: str) -> bool | None:
         """Mark ``rank`` finished; return whether the job is now finished (None: no such job).
+
+        Args:
+            job_id: The job.
+            rank: The rank that finished.
+            token: The token ``rank`` got when it registered.
 
         Raises:
             ValueError: ``rank`` is not one of the job's ranks.
+            WrongTokenError: ``token`` is not ``rank``'s (nothing is recorded).
         """
-        status, _count, world = self._call(job_id, str(int(rank)))
+        status, _count, world = self._call(job_id, str(int(rank)), token)
         if status == -1:
             raise ValueError(f"rank {rank} is out of range for job {job_id} (world size {world})")
+        if status == -2:
+            raise WrongTokenError(f"wrong token for rank {rank} of job {job_id}: finish refused")
         return None if status == 0 else status == 2
 
     def finish_job(self, job_id: str) -> bool:

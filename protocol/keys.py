@@ -75,6 +75,20 @@ def job_ranks(job_id: str) -> str:
     return job_key(job_id, "ranks")
 
 
+def job_tokens(job_id: str) -> str:
+    """Hash: rank -> SHA-256 of its token (64 hex) followed by the registering request id.
+
+    The HMAC key of the rank's results (:mod:`protocol.tokens`). Services only: no rank ACL
+    pattern matches it.
+    """
+    return job_key(job_id, "tokens")
+
+
+def job_beatcheck(job_id: str) -> str:
+    """Hash: rank -> SHA-1 of its token; the heartbeat script (run by ranks) checks it."""
+    return job_key(job_id, "beatcheck")
+
+
 def job_version(job_id: str) -> str:
     """String: the latest published schedule version (absent until the first one)."""
     return job_key(job_id, "version")

@@ -15,6 +15,7 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from protocol.exceptions import ProtocolError
+from protocol.tokens import sign
 
 # Job ids and metadata end up inside Redis key names: keep them free of ':' and spaces.
 _METADATA_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -297,6 +298,9 @@ class Reply(_Model):
     error: str = ""
     # To a rank's registration: the job's scheduler needs per-instruction energy.
     instruction_energy: bool = False
+    # To a rank's registration: its secret (protocol.tokens); results and heartbeats prove it.
+    # Kept out of repr, so a logged or raised reply never shows it.
+    token: str = Field(default="", repr=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +318,9 @@ def _unpack_raw(data: bytes) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"not valid msgpack ({type(exc).__name__}: {exc})") from None
+        # StackError says nothing by itself: it is nesting deeper than msgpack's stack.
+        detail = str(exc) or ("nested too deeply" if type(exc).__name__ == "StackError" else "")
+        raise ProtocolError(f"not valid msgpack ({type(exc).__name__}: {detail})") from None
 
 
 def _validation_text(exc: ValidationError) -> str:
@@ -340,12 +346,21 @@ def validate(cls: type[M], raw: Any) -> M:
 
 def encode_message(
     message: RegisterJob | RegisterRank | ReportResult | SetTarget,
+    token: str | None = None,
 ) -> dict[str, Any]:
-    """Stream-entry fields for a message (``kind`` and ``job_id`` stay readable in redis-cli)."""
+    """Stream-entry fields for a message (``kind`` and ``job_id`` stay readable in redis-cli).
+
+    Args:
+        message: The message.
+        token: The reporting rank's token: a ``report_result`` entry then carries the MAC of
+            its data (``mac``), which the coordinator checks (the token itself is not sent).
+    """
     fields: dict[str, Any] = {"kind": message.kind, "data": pack(message)}
     job_id = getattr(message, "job_id", "")
     if job_id:
         fields["job_id"] = job_id
+    if token is not None:
+        fields["mac"] = sign(token, fields["data"])
     return fields
 
 

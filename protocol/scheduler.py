@@ -65,6 +65,16 @@ class FrequencyScheduler:
         return self._finished
 
     @classmethod
+    def sweep_versions(cls, args: dict[str, Any], frequencies: int) -> int | None:
+        """Versions a profiling sweep takes for a rank with ``frequencies`` clocks; None: none.
+
+        The coordinator refuses a rank whose sweep would be longer than its
+        ``max_sweep_versions`` setting when the rank registers. Schedulers that sweep clocks
+        (one schedule version per clock) override this.
+        """
+        return None
+
+    @classmethod
     def check_args(cls, args: dict[str, Any]) -> None:
         """Raise ConfigError if ``args`` cannot work, beyond fitting the signature.
 

@@ -11,6 +11,7 @@ snapshot lets the results it has consumed be deleted; per-version summaries of t
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,6 +20,7 @@ import redis
 from redis.client import Pipeline
 
 from protocol import keys
+from protocol.exceptions import WrongTokenError
 from protocol.job_record import JobRecord, JobState, stored_result, unknown_job
 from protocol.models import (
     FrequencySchedule,
@@ -34,6 +36,7 @@ from protocol.models import (
 from protocol.server_clock import ServerClock
 from protocol.store_batch import StoreBatch, single
 from protocol.store_scripts import Scripts
+from protocol.tokens import new_token
 
 _GC_INDEXES = (keys.FINISHED_JOBS, keys.STARTING_JOBS)
 KEEP_SCHEDULES = 4
@@ -139,14 +142,25 @@ class JobStore:
         raw = self.conn.hget(keys.job_info(job_id), "error")
         return raw.decode() if raw else ""
 
-    def touch(self, job_id: str, rank: int | None = None) -> bool:
-        """Mark the job (and ``rank``) active at the server's time; return whether it exists.
+    def touch(self, job_id: str, rank: int, token: str) -> bool:
+        """Mark the job and ``rank`` active at the server's time; return whether it exists.
 
         Only refreshes a job that exists (``ZADD XX GT``): a deleted job is never revived.
+
+        Raises:
+            WrongTokenError: ``token`` is not the one ``rank`` got when it registered
+                (nothing is refreshed).
         """
-        keys_ = [keys.JOBS_INDEX, keys.job_info(job_id), keys.job_alive(job_id)]
-        args = [job_id, "" if rank is None else rank]
-        return bool(self.scripts.heartbeat(keys=keys_, args=args))
+        keys_ = [
+            keys.JOBS_INDEX,
+            keys.job_info(job_id),
+            keys.job_alive(job_id),
+            keys.job_beatcheck(job_id),
+        ]
+        status = int(self.scripts.heartbeat(keys=keys_, args=[job_id, rank, token]))
+        if status == -1:
+            raise WrongTokenError(f"wrong token for rank {rank} of job {job_id}: heartbeat refused")
+        return status == 1
 
     def ranks_heard(self, job_id: str) -> dict[int, float]:
         """Rank -> server time of its last heartbeat (ranks never heard from are absent)."""
@@ -224,6 +238,8 @@ class JobStore:
                 keys.job_snapshot(job_id),
                 keys.job_alive(job_id),
                 keys.job_finished(job_id),
+                keys.job_tokens(job_id),
+                keys.job_beatcheck(job_id),
             ]
             # Results may exist one version past the latest schedule only if a client
             # misbehaved; they are rejected before being stored, so 1..latest covers all.
@@ -238,16 +254,58 @@ class JobStore:
                 return bool(deleted)
 
     # --- ranks -----------------------------------------------------------------------------
-    def add_rank(self, job: JobInfo, rank: RankInfo, now: float | None = None) -> int:
+    def add_rank(
+        self,
+        job: JobInfo,
+        rank: RankInfo,
+        now: float | None = None,
+        token: str | None = None,
+        request_id: str | None = None,
+    ) -> int:
         """Register ``rank`` with ``job``; return how many ranks are registered.
+
+        Args:
+            job: The job.
+            rank: The rank.
+            now: Unix time of the activity (default: now).
+            token: The rank's token (default: a new one nobody knows; the coordinator passes
+                the one its reply carries).
+            request_id: The registration request (default: a new one).
 
         Raises:
             UnknownJobError: The job does not exist.
-            ProtocolError: The rank does not fit the job, or registered with other info.
+            ProtocolError: The rank does not fit the job, or is already registered.
         """
         batch = self.batch()
-        batch.add_rank(job, rank, self.clock.now() if now is None else now)
+        batch.add_rank(
+            job,
+            rank,
+            self.clock.now() if now is None else now,
+            token if token is not None else new_token(),
+            request_id if request_id is not None else uuid.uuid4().hex,
+        )
         return int(single(batch))
+
+    def result_keys(self, wanted: Iterable[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
+        """The results' HMAC keys of (job, rank) pairs, in one round trip.
+
+        '' for a rank not registered, None for a job that does not exist.
+        """
+        pairs = list(dict.fromkeys(wanted))
+        if not pairs:
+            return {}
+        jobs = list(dict.fromkeys(job_id for job_id, _ in pairs))
+        with self.conn.pipeline(transaction=False) as pipe:
+            for job_id in jobs:
+                pipe.exists(keys.job_info(job_id))
+            for job_id, rank in pairs:
+                pipe.hget(keys.job_tokens(job_id), str(rank))
+            replies = pipe.execute()
+        exists = dict(zip(jobs, replies[: len(jobs)], strict=True))
+        out: dict[tuple[str, int], str | None] = {}
+        for pair, raw in zip(pairs, replies[len(jobs) :], strict=True):
+            out[pair] = raw[:64].decode() if raw else ("" if exists[pair[0]] else None)
+        return out
 
     def ranks(self, job_id: str) -> list[RankInfo]:
         """Registered ranks, sorted by rank."""
@@ -264,12 +322,10 @@ class JobStore:
     ) -> tuple[bool, int, int]:
         """Store a rank's result; return (newly added, latest version, results for its version).
 
-        A result of a version whose results the scheduler already consumed (and that were
-        deleted after a snapshot) is dropped: (False, latest, 0).
-
         Raises:
             UnknownJobError: The job does not exist.
-            ProtocolError: Rank out of range or unregistered, or a version never published.
+            ProtocolError: Rank out of range or unregistered, a version never published, or
+                one whose results the scheduler already consumed (deleted after a snapshot).
         """
         batch = self.batch()
         batch.add_result(job, result, self.clock.now() if now is None else now)

@@ -13,10 +13,11 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from protocol import keys
-from protocol.exceptions import ProtocolError, UnknownJobError
+from protocol.exceptions import DuplicateEntryError, ProtocolError, UnknownJobError
 from protocol.job_record import unknown_job
 from protocol.models import JobConfig, JobInfo, ProfilingResult, RankInfo, SetTarget, pack
 from protocol.store_scripts import Scripts
+from protocol.tokens import beat_digest, result_key
 
 REQUEST_TTL_S = 24 * 3600
 """How long a ``register_job`` request id keeps naming the job it created (client retries)."""
@@ -111,12 +112,25 @@ class StoreBatch:
         self._add(command, finish)
 
     def add_rank(
-        self, job: JobInfo, rank: RankInfo, now: float, answer: Answer | None = None
+        self,
+        job: JobInfo,
+        rank: RankInfo,
+        now: float,
+        token: str,
+        request_id: str,
+        answer: Answer | None = None,
     ) -> None:
         """Queue :meth:`JobStore.add_rank` (its fit to the job is checked now).
 
-        With ``answer``, a successful registration is also answered and acknowledged by the
-        same script.
+        Args:
+            job: The job.
+            rank: The registering rank.
+            now: Unix time of the activity.
+            token: The rank's new token; only its digests are stored (:mod:`protocol.tokens`).
+            request_id: The registration request: the same request delivered again is
+                recognized (:class:`~protocol.exceptions.DuplicateEntryError`).
+            answer: A successful registration is also answered and acknowledged by the same
+                script.
         """
         try:
             rank.check_fits(job)
@@ -128,8 +142,11 @@ class StoreBatch:
             keys.job_ranks(job.job_id),
             keys.JOBS_INDEX,
             keys.DUE_JOBS,
+            keys.job_tokens(job.job_id),
+            keys.job_beatcheck(job.job_id),
         ]
         args = [job.job_id, now, rank.rank, pack(rank), job.world_size]
+        args += [result_key(token), beat_digest(token), request_id]
         if answer is not None:
             names += [answer.reply_key, answer.stream]
             args += [answer.reply, answer.ttl, answer.group, answer.entry_id]
@@ -142,6 +159,16 @@ class StoreBatch:
             if status == -2:
                 raise ProtocolError(
                     f"rank {rank.rank} of job {job.job_id} is already registered with other info"
+                )
+            if status == -6:
+                raise ProtocolError(
+                    f"rank {rank.rank} of job {job.job_id} is already registered (a rank "
+                    "registers once per job; a restarted training run registers a new job)"
+                )
+            if status == -7:
+                raise DuplicateEntryError(
+                    f"registration request {request_id} of rank {rank.rank} was already "
+                    "answered (the same entry delivered again, or replayed)"
                 )
             return int(count)
 
@@ -191,8 +218,12 @@ class StoreBatch:
                     f"result for schedule version {version} of job {job.job_id}, but the "
                     f"latest published version is {latest}"
                 )
-            if status == -5:  # A late result of a version already consumed: nothing to do.
-                return False, latest, 0
+            if status == -5:  # Late, or replayed: its version's results are gone.
+                raise ProtocolError(
+                    f"result of rank {result.rank} for schedule version {version} of job "
+                    f"{job.job_id} came after the scheduler consumed that version's results "
+                    "(a late or replayed entry); nothing was changed"
+                )
             if added[position] == -3:
                 raise ProtocolError(f"rank {result.rank} is not registered with job {job.job_id}")
             return added[position] == 1, latest, count

@@ -29,25 +29,38 @@ if KEYS[4] then redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[4]) end
 return {1, ARGV[3]}
 """
 
-# KEYS[1] job info, KEYS[2] job ranks, KEYS[3] jobs index, KEYS[4] due set; optionally
-# KEYS[5] reply list, KEYS[6] the registration's source stream.
-# ARGV[1] job id, ARGV[2] now, ARGV[3] rank, ARGV[4] msgpack RankInfo, ARGV[5] world size;
-# with KEYS[5..6]: ARGV[6] msgpack reply, ARGV[7] reply TTL, ARGV[8] consumer group,
-# ARGV[9] source entry id: on success the reply is pushed and the entry acknowledged too, so a
-# registration is answered in the same round trip.
-# Returns {status, ranks registered}: 1 ok, -1 unknown job, -2 rank registered with other info.
+# KEYS[1] job info, KEYS[2] job ranks, KEYS[3] jobs index, KEYS[4] due set, KEYS[5] job
+# tokens, KEYS[6] job beatcheck; optionally KEYS[7] reply list, KEYS[8] the registration's
+# source stream.
+# ARGV[1] job id, ARGV[2] now, ARGV[3] rank, ARGV[4] msgpack RankInfo, ARGV[5] world size,
+# ARGV[6] SHA-256 of the rank's new token (64 hex), ARGV[7] its SHA-1, ARGV[8] request id;
+# with KEYS[7..8]: ARGV[9] msgpack reply (carries the token), ARGV[10] reply TTL, ARGV[11]
+# consumer group, ARGV[12] source entry id: on success the reply is pushed and the entry
+# acknowledged too, so a registration is answered in the same round trip.
+# A rank registers once per job: the token of its first registration stays. The same request
+# delivered again is acknowledged without a second reply (the first one holds the token).
+# Returns {status, ranks registered}: 1 ok, -1 unknown job, -2 rank registered with other info,
+# -6 rank registered by another request, -7 this very request was already answered.
 ADD_RANK = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0} end
 local current = redis.call('HGET', KEYS[2], ARGV[3])
-if current and current ~= ARGV[4] then return {-2, 0} end
-if not current then redis.call('HSET', KEYS[2], ARGV[3], ARGV[4]) end
+if current then
+  if current ~= ARGV[4] then return {-2, 0} end
+  local owner = redis.call('HGET', KEYS[5], ARGV[3]) or ''
+  if string.sub(owner, 65) ~= ARGV[8] then return {-6, 0} end
+  if KEYS[8] then redis.call('XACK', KEYS[8], ARGV[11], ARGV[12]) end
+  return {-7, redis.call('HLEN', KEYS[2])}
+end
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+redis.call('HSET', KEYS[5], ARGV[3], ARGV[6] .. ARGV[8])
+redis.call('HSET', KEYS[6], ARGV[3], ARGV[7])
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
 local count = redis.call('HLEN', KEYS[2])
 if count >= tonumber(ARGV[5]) then redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1]) end
-if KEYS[6] then
-  redis.call('LPUSH', KEYS[5], ARGV[6])
-  redis.call('EXPIRE', KEYS[5], ARGV[7])
-  redis.call('XACK', KEYS[6], ARGV[8], ARGV[9])
+if KEYS[8] then
+  redis.call('LPUSH', KEYS[7], ARGV[9])
+  redis.call('EXPIRE', KEYS[7], ARGV[10])
+  redis.call('XACK', KEYS[8], ARGV[11], ARGV[12])
 end
 return {1, count}
 """
@@ -218,18 +231,22 @@ return 0
 """
 
 
-# A heartbeat, timed by the Redis server's clock, so that ranks and coordinators whose clocks
-# disagree still agree on how long ago a rank was heard from.
-# KEYS[1] jobs index, KEYS[2] job info, KEYS[3] job alive set (rank -> time).
-# ARGV[1] job id, ARGV[2] rank ('' for a heartbeat of the job only).
-# Returns 1 if the job exists (refreshed only then: a deleted job is never revived), else 0.
+# A rank's heartbeat, timed by the Redis server's clock, so that ranks and coordinators whose
+# clocks disagree still agree on how long ago a rank was heard from. Run by the ranks' ACL user,
+# so it can read the token digests of KEYS[4] only (never the results' HMAC keys).
+# KEYS[1] jobs index, KEYS[2] job info, KEYS[3] job alive set (rank -> time), KEYS[4] job
+# beatcheck. ARGV[1] job id, ARGV[2] rank, ARGV[3] the rank's token.
+# Returns 1 if the job exists (refreshed only then: a deleted job is never revived), 0 if not,
+# -1 if the token is not the rank's (nothing refreshed: it does not count as liveness).
 HEARTBEAT = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local digest = redis.call('HGET', KEYS[4], ARGV[2])
+if not digest or digest ~= redis.sha1hex(ARGV[3]) then return -1 end
 redis.replicate_commands()  -- Redis 6.2: TIME before writes needs effects replication
 local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
 redis.call('ZADD', KEYS[1], 'XX', 'GT', now, ARGV[1])
-if ARGV[2] ~= '' then redis.call('ZADD', KEYS[3], now, ARGV[2]) end
+redis.call('ZADD', KEYS[3], now, ARGV[2])
 return 1
 """
 

@@ -136,6 +136,18 @@ class InstructionProfiler(FrequencyScheduler):
     needs_instruction_energy = True
     server_path_args = frozenset({"out_path", "then"})  # then names an output folder
 
+    @classmethod
+    def sweep_versions(cls, args: dict[str, Any], frequencies: int) -> int | None:
+        """One version per clock swept (every stage and instruction sweeps at once).
+
+        A rank's stage sweeps at most its own clocks, or the ``frequencies`` argument's if
+        given; energy rises may stop it sooner.
+        """
+        restrict = args.get("frequencies")
+        if isinstance(restrict, list | tuple):
+            return min(frequencies, len(set(restrict)))
+        return frequencies
+
     def __init__(
         self,
         job_info: JobInfo,

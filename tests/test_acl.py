@@ -116,6 +116,8 @@ def test_each_role_works_within_its_permissions_and_is_refused_outside(
     job_info = keys.job_info(job_id)
     assert rank.hget(job_info, "scheduler") is not None  # may read its job's info
     assert refused(rank, "HGETALL", keys.job_results(job_id, 1))
+    assert refused(rank, "HGETALL", keys.job_tokens(job_id))  # the results' HMAC keys
+    assert rank.hget(keys.job_beatcheck(job_id), "0")  # heartbeats check these digests
     assert refused(rank, "LRANGE", keys.job_journal(job_id), "0", "-1")
     assert refused(rank, "XADD", keys.DEADLETTER_STREAM, "*", "x", "1")
     assert refused(rank, "DEL", job_info)
@@ -172,6 +174,13 @@ def test_on_redis_7_ranks_cannot_write_what_they_read(tmp_path):
         assert refused(rank, "SET", keys.job_version("j"), "999")
         assert refused(rank, "XADD", keys.job_updates("j"), "*", "version", "999")
         assert rank.xadd(keys.RESULTS_STREAM, {"x": "1"})
+        # Appends only: other ranks' request ids (whose replies carry tokens) stay unseen.
+        for stream in keys.INPUT_STREAMS:
+            assert refused(rank, "XREAD", "STREAMS", stream, "0")
+        svc.hset(keys.job_beatcheck("j"), "0", "digest")
+        assert rank.hget(keys.job_beatcheck("j"), "0") == b"digest"
+        assert refused(rank, "SET", keys.job_beatcheck("j"), "x")
+        assert refused(rank, "HGET", keys.job_tokens("j"), "0")
     finally:
         proc.terminate()
         proc.wait(timeout=10)

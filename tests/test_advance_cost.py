@@ -42,6 +42,7 @@ def new_job(store: JobStore, job_id: str, scheduler: str) -> None:
         store.add_rank(
             job,
             RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=CLOCKS),
+            token=f"token-{rank}",
         )
 
 
@@ -103,7 +104,7 @@ def test_a_worker_that_lost_its_cache_rebuilds_from_the_snapshot_not_the_start(r
     assert dumped["3"] == summaries[3] and len(dumped) == 50
 
 
-def test_a_late_result_of_a_consumed_version_is_dropped(r, redis_url):
+def test_a_late_result_of_a_consumed_version_is_dead_lettered(r, redis_url):
     store = JobStore(r)
     new_job(store, "late", SNAPSHOTTING)
     advance_job("late", conn=r, snapshot_every=2)
@@ -112,9 +113,11 @@ def test_a_late_result_of_a_consumed_version_is_dropped(r, redis_url):
         advance_job("late", conn=r, snapshot_every=2)
     assert not r.exists(keys.job_results("late", 2))
     coord = Coordinator(r, make_settings(redis_url))
-    fields = encode_message(ReportResult(job_id="late", result=result(0, 2)))
+    fields = encode_message(ReportResult(job_id="late", result=result(0, 2)), token="token-0")
     coord.handle(keys.RESULTS_STREAM, "1-1", _bytes(fields))
-    assert not r.exists(keys.job_results("late", 2)) and r.xlen(keys.DEADLETTER_STREAM) == 0
+    assert not r.exists(keys.job_results("late", 2))
+    ((_id, letter),) = r.xrange(keys.DEADLETTER_STREAM)  # nothing lost silently
+    assert b"after the scheduler consumed that version's results" in letter[b"reason"]
 
 
 def _bytes(fields: dict) -> dict[bytes, bytes]:
@@ -197,7 +200,11 @@ def test_a_batch_of_results_is_one_script_call_and_one_xack(r, redis_url):
         (
             keys.RESULTS_STREAM,
             f"5-{rank}",
-            _bytes(encode_message(ReportResult(job_id="batch", result=result(rank, 1)))),
+            _bytes(
+                encode_message(
+                    ReportResult(job_id="batch", result=result(rank, 1)), token=f"token-{rank}"
+                )
+            ),
         )
         for rank in range(RANKS)
     ]

@@ -88,11 +88,13 @@ def test_redelivered_entries_change_nothing_twice(r, redis_url):
     store.add_rank(
         store.get_job(job_id).info,
         RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS),
+        token="t0",
     )
     advance_job(job_id, conn=r)
+    message = ReportResult(job_id=job_id, result=result(0, 1))
     report = {
         k.encode(): (v.encode() if isinstance(v, str) else v)
-        for k, v in encode_message(ReportResult(job_id=job_id, result=result(0, 1))).items()
+        for k, v in encode_message(message, token="t0").items()
     }
     coord.handle(keys.RESULTS_STREAM, "1700000000001-0", report)
     coord.handle(keys.RESULTS_STREAM, "1700000000001-0", report)

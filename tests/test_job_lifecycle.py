@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import redis
 from click.testing import CliRunner
 
@@ -13,9 +14,11 @@ from coordinator.service import Coordinator
 from coordinator.status import format_snapshot, snapshot
 from coordinator.tasks import advance_job
 from protocol import keys
+from protocol.exceptions import WrongTokenError
 from protocol.job_lifecycle import JobLifecycle
 from protocol.models import JobConfig, JobInfo, RankInfo
 from protocol.store import JobStore
+from protocol.tokens import new_token
 from tests.helpers import (
     FREQS,
     TOY_SCHEDULER,
@@ -30,12 +33,16 @@ from tests.helpers import (
 )
 
 
-def new_job(store: JobStore, job_id: str, world: int = 2, ranks: int | None = None) -> None:
+def new_job(store: JobStore, job_id: str, world: int = 2, ranks: int | None = None) -> list[str]:
+    """Create a job and register ranks; return their tokens."""
     job = JobInfo(job_id=job_id, pp_degree=world, dp_degree=1, tp_degree=1, world_size=world)
     store.create_job(job, JobConfig(scheduler=TOY_SCHEDULER), f"1-{len(job_id)}")
+    tokens = []
     for rank in range(world if ranks is None else ranks):
         info = RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS)
-        store.add_rank(job, info)
+        tokens.append(new_token())
+        store.add_rank(job, info, token=tokens[-1])
+    return tokens
 
 
 def cli(redis_url: str, *args: str):
@@ -94,20 +101,25 @@ def store_time(r: redis.Redis) -> float:
 
 def test_finishing_a_rank_is_idempotent_and_checked(r):
     store = JobStore(r)
-    new_job(store, "two")
+    tokens = new_job(store, "two")
     lifecycle = JobLifecycle(store)
-    assert lifecycle.finish_rank("two", 0) is False
-    assert lifecycle.finish_rank("two", 0) is False  # a retried close counts once
+    assert lifecycle.finish_rank("two", 0, tokens[0]) is False
+    assert lifecycle.finish_rank("two", 0, tokens[0]) is False  # a retried close counts once
     try:
-        lifecycle.finish_rank("two", 2)
+        lifecycle.finish_rank("two", 2, tokens[1])
         raise AssertionError("rank 2 of a 2-rank job was accepted")
     except ValueError as exc:
         assert "out of range" in str(exc)
+    # Another rank's token, or none, finishes nothing: a client cannot end a job it is not in.
+    for wrong in (tokens[0], ""):
+        with pytest.raises(WrongTokenError, match="rank 1 of job two"):
+            lifecycle.finish_rank("two", 1, wrong)
     assert lifecycle.endings(["two"])["two"].ranks_finished == 1
-    assert lifecycle.finish_rank("two", 1) is True
+    assert lifecycle.finish_rank("two", 1, tokens[1]) is True
     first = r.zscore(keys.FINISHED_JOBS, "two")
-    assert lifecycle.finish_rank("two", 1) is True and r.zscore(keys.FINISHED_JOBS, "two") == first
-    assert lifecycle.finish_rank("gone", 0) is None  # no such job: nothing created
+    assert lifecycle.finish_rank("two", 1, tokens[1]) is True
+    assert r.zscore(keys.FINISHED_JOBS, "two") == first
+    assert lifecycle.finish_rank("gone", 0, tokens[0]) is None  # no such job: nothing created
     assert not r.exists(keys.job_finished("gone")) and r.zscore(keys.FINISHED_JOBS, "gone") is None
 
 

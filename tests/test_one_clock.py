@@ -11,18 +11,23 @@ from protocol import keys
 from protocol.deadletter import purge
 from protocol.models import JobConfig, JobInfo, RankInfo
 from protocol.store import JobStore
+from protocol.tokens import new_token
 from tests.helpers import FREQS, TOY_SCHEDULER, make_settings, register, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 EIGHT_DAYS = 8 * 86400
 
 
-def new_job(store: JobStore, job_id: str, world: int = 1) -> None:
+def new_job(store: JobStore, job_id: str, world: int = 1) -> dict[tuple[str, int], str]:
+    """Create a job with its ranks registered; return their tokens, as a client keeps them."""
     job = JobInfo(job_id=job_id, pp_degree=world, dp_degree=1, tp_degree=1, world_size=world)
     store.create_job(job, JobConfig(scheduler=TOY_SCHEDULER), f"1-{len(job_id)}")
+    tokens = {}
     for rank in range(world):
         info = RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS)
-        store.add_rank(job, info)
+        tokens[(job_id, rank)] = new_token()
+        store.add_rank(job, info, token=tokens[(job_id, rank)])
+    return tokens
 
 
 def activity(store: JobStore, job_id: str) -> float:
@@ -34,8 +39,8 @@ def test_a_coordinator_8_days_ahead_keeps_live_jobs_and_stamps_the_servers_time(
     r, redis_url, monkeypatch
 ):
     store = JobStore(r)
-    new_job(store, "live")  # registered through a coordinator whose clock is right
-    client = CoordinatorClient(redis_url)
+    tokens = new_job(store, "live")  # registered through a coordinator whose clock is right
+    client = CoordinatorClient(redis_url, tokens=tokens)
     assert client.heartbeat("live", 0)
 
     real = time.time
@@ -68,12 +73,12 @@ def test_a_coordinator_8_days_ahead_keeps_live_jobs_and_stamps_the_servers_time(
 
 def test_a_rank_and_a_worker_120_s_behind_keep_their_job(r, redis_url, monkeypatch):
     store = JobStore(r)
-    new_job(store, "behind")
+    tokens = new_job(store, "behind")
     coord = Coordinator(r, make_settings(redis_url, max_job_idle_time=60))
 
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() - 120)
-    client = CoordinatorClient(redis_url)
+    client = CoordinatorClient(redis_url, tokens=tokens)
     assert client.heartbeat("behind", 0)  # a rank 120 s behind
     assert advance_job("behind", conn=r) == [1]  # a worker 120 s behind publishes version 1
     assert abs(activity(store, "behind") - store.server_time()) < 5

@@ -451,8 +451,9 @@ class PerseusOptimizer(Callback):
             )
             return
         try:
-            done = JobLifecycle(self.client.store).finish_rank(self.job_id, self.rank)
-        except (redis.RedisError, ValueError) as exc:
+            token = self.client.token(self.job_id, self.rank) or ""
+            done = JobLifecycle(self.client.store).finish_rank(self.job_id, self.rank, token)
+        except (redis.RedisError, PerseusError, ValueError) as exc:
             logger.warning(
                 "rank %d: could not mark job %s finished (%s); it is deleted when idle instead",
                 self.rank,

@@ -24,6 +24,7 @@ from protocol.exceptions import (
     PerseusError,
     ProtocolError,
     UnknownJobError,
+    WrongTokenError,
 )
 from protocol.models import (
     FrequencySchedule,
@@ -55,15 +56,25 @@ class CoordinatorClient:
     Args:
         redis_url: The Redis the coordinator uses.
         reply_timeout: Seconds to wait for a registration reply.
+        tokens: Where to keep the ranks' tokens, shared with other clients of this process
+            (say, one per thread); default: this client's own.
     """
 
-    def __init__(self, redis_url: str, reply_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        reply_timeout: float = 60.0,
+        tokens: dict[tuple[str, int], str] | None = None,
+    ) -> None:
         self.redis_url = redis_url
         self.where = redact_url(redis_url)  # for messages: never the password
         self.reply_timeout = reply_timeout
         # BLPOP waits up to reply_timeout for a registration's answer: the socket must wait longer.
         self.conn = connect(redis_url, socket_timeout=reply_timeout + SOCKET_TIMEOUT_S)
         self.store = JobStore(self.conn)
+        # (job, rank) -> the token its registration reply gave: results and heartbeats prove
+        # it. Never logged, never sent as such (results carry a MAC, see protocol.tokens).
+        self._tokens: dict[tuple[str, int], str] = {} if tokens is None else tokens
 
     def _request(self, message: RegisterJob | RegisterRank) -> Reply:
         try:
@@ -110,16 +121,30 @@ class CoordinatorClient:
         return self._request(request).job_id
 
     def register_rank(self, job_id: str, rank: RankInfo) -> Reply:
-        """Register one rank with a job; the reply says what the job's scheduler needs."""
-        return self._request(
+        """Register one rank with a job; the reply says what the job's scheduler needs.
+
+        The reply's token is kept by this client: its results and heartbeats for the rank
+        carry the proof of it.
+        """
+        reply = self._request(
             RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=rank)
         )
+        self._tokens[(job_id, rank.rank)] = reply.token
+        return reply
+
+    def token(self, job_id: str, rank: int) -> str | None:
+        """The token ``rank`` got when this client registered it (None: it did not).
+
+        For callers that build result entries themselves (``encode_message(..., token=)``).
+        """
+        return self._tokens.get((job_id, rank))
 
     def report(self, job_id: str, result: ProfilingResult) -> None:
-        """Publish a profiling result (fire and forget)."""
+        """Publish a profiling result (fire and forget), with its rank's MAC."""
+        token = self._tokens.get((job_id, result.rank))
         self.conn.xadd(
             keys.RESULTS_STREAM,
-            encode_message(ReportResult(job_id=job_id, result=result)),
+            encode_message(ReportResult(job_id=job_id, result=result), token=token),
         )
 
     def set_target(self, job_id: str, iteration_time: float) -> None:
@@ -129,13 +154,16 @@ class CoordinatorClient:
             encode_message(SetTarget(job_id=job_id, iteration_time=iteration_time)),
         )
 
-    def heartbeat(self, job_id: str, rank: int | None = None) -> bool:
-        """Mark the job (and ``rank``) active; return whether Redis still has the job.
+    def heartbeat(self, job_id: str, rank: int) -> bool:
+        """Mark the job and ``rank`` active; return whether Redis still has the job.
 
         Timed by the Redis server's clock: idle-job GC spares the job, and ``perseus status``
         sees when each rank was last heard from, whatever this machine's clock says.
+
+        Raises:
+            WrongTokenError: This client did not register ``rank`` (or another process did).
         """
-        return self.store.touch(job_id, rank)
+        return self.store.touch(job_id, rank, self._tokens.get((job_id, rank), ""))
 
     def latest_version(self, job_id: str) -> int:
         """Latest published schedule version (0 if none yet)."""
@@ -287,6 +315,7 @@ class ScheduleWatcher(threading.Thread):
         self.error: BaseException | None = None
         self.outage = _Outage(f"rank {rank} schedule watcher", client.where, outage_timeout)
         self.job_lost = False
+        self.token_refused = False  # a heartbeat was refused: this client did not register
         self.job_error = ""  # the scheduler's failure, once announced (logged once)
         self.heartbeat_interval = heartbeat_interval
         self._next_beat = time.monotonic()  # the first heartbeat at once: the rank is alive
@@ -344,7 +373,15 @@ class ScheduleWatcher(threading.Thread):
 
     def _beat(self) -> None:
         self._next_beat = time.monotonic() + self.heartbeat_interval
-        if self.client.heartbeat(self.job_id, self.rank) or self.job_lost:
+        try:
+            exists = self.client.heartbeat(self.job_id, self.rank)
+        except WrongTokenError as exc:
+            # Training goes on (as for a lost job); said once, loudly.
+            if not self.token_refused:
+                self.token_refused = True
+                logger.error("%s; this rank does not count as alive in `perseus status`", exc)
+            return
+        if exists or self.job_lost:
             return
         self.job_lost = True
         logger.error(
