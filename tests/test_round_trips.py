@@ -1,0 +1,100 @@
+"""Round trips on the path from all ranks' results to the next version: counted, not timed.
+
+A round trip is one command or one pipeline sent on a connection (what waits for Redis).
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from redis.connection import AbstractConnection
+from rq import Queue, SimpleWorker
+from rq.job import JobStatus
+
+from coordinator.replay import LiveSchedulers
+from coordinator.tasks import LIVE, advance_job
+from coordinator.worker_loop import PerseusSimpleWorker
+from protocol import keys
+from protocol.models import JournalEntry
+from protocol.store import JobStore
+from tests.test_advance_cost import RANKS, SNAPSHOTTING, new_job, report_all
+
+SENT = [0]  # round trips of this process, counted while a test counts them
+
+
+def started_after() -> int:
+    """An rq task: how many round trips this process had made when the task started."""
+    return SENT[0]
+
+
+@pytest.fixture
+def count_round_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    original = AbstractConnection.send_packed_command
+
+    def counted(self: AbstractConnection, command: object, check_health: bool = True) -> None:
+        SENT[0] += 1
+        original(self, command, check_health)
+
+    SENT[0] = 0
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+    return SENT
+
+
+def test_advancing_a_cached_job_reads_its_results_with_its_state(r, count_round_trips):
+    store = JobStore(r)
+    new_job(store, "rt", SNAPSHOTTING)
+    LIVE.clear()
+    try:
+        assert advance_job("rt", conn=r, snapshot_every=0) == [1]
+        for version in (2, 3):
+            report_all(store, "rt")
+            before = count_round_trips[0]
+            assert advance_job("rt", conn=r, snapshot_every=0) == [version]
+            # Lease + state + the results the cached scheduler observes; publish; release.
+            assert count_round_trips[0] - before == 3
+        assert "rt" in LIVE
+    finally:
+        LIVE.clear()
+    # What it observed is what was reported: the scheduler stepped down once per version.
+    assert [s.frequencies[0][1] for s in store.schedules("rt", 3)] == [1980 - 30] * RANKS
+
+
+def test_a_guessed_version_that_is_not_due_is_read_again(r):
+    """The prefetched results are used only when they are the version observed."""
+    store = JobStore(r)
+    new_job(store, "guess", SNAPSHOTTING)
+    cache = LiveSchedulers()
+    advance_job("guess", conn=r)  # version 1
+    report_all(store, "guess")
+    state = store.job_state("guess", prefetch=5)  # a wrong guess: nothing stored there
+    assert state.prefetched == (5, [])
+    live = cache.get(store, state)
+    entry = JournalEntry(version=2, observed_version=1)
+    observed = live.apply_inputs(store, "guess", entry, state.prefetched)
+    assert observed is not None and [o.rank for o in observed] == list(range(RANKS))
+
+
+def _run_one_task(r: redis.Redis, worker_class: type[SimpleWorker]) -> tuple[int, int]:
+    """Round trips before the task started and in all, for one task in burst mode."""
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    job = queue.enqueue(started_after, result_ttl=600)
+    SENT[0] = 0
+    worker_class([queue], connection=r).work(burst=True)
+    job.refresh()
+    assert job.get_status() == JobStatus.FINISHED
+    started = job.return_value()
+    assert isinstance(started, int)
+    # rq's bookkeeping is all there: the finished registry has it, nothing is left started.
+    assert job.id in queue.finished_job_registry.get_job_ids()
+    assert queue.started_job_registry.get_job_ids() == []
+    return started, SENT[0]
+
+
+def test_the_long_lived_worker_starts_a_task_in_fewer_round_trips_than_rq(r, count_round_trips):
+    _run_one_task(r, SimpleWorker)  # one-off costs (server version, scripts) out of the way
+    rq_started, rq_total = _run_one_task(r, SimpleWorker)
+    started, total = _run_one_task(r, PerseusSimpleWorker)
+    # Heartbeats in one pipeline each (two before the task), and the execution's record
+    # sent with the task's start.
+    assert started <= rq_started - 5, (started, rq_started)
+    assert total <= rq_total - 10, (total, rq_total)
