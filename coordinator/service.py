@@ -26,6 +26,7 @@ from redis.client import Pipeline
 from rq import Queue
 from rq.job import Job
 
+from coordinator.completion import CompletionGuess
 from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
@@ -103,6 +104,7 @@ class _Outcome:
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     advance: set[str] = field(default_factory=set)  # job ids
+    enqueued: set[str] = field(default_factory=set)  # job ids whose work is enqueued already
     acks: dict[str, list[str]] = field(default_factory=dict)  # stream -> entry ids
     self_acked: int = 0  # entries a store script acknowledged
 
@@ -164,6 +166,7 @@ class Coordinator:
         self._last_beat = 0.0
         self._last_claim = float("-inf")
         self._records: OrderedDict[str, JobRecord] = OrderedDict()
+        self._guess = CompletionGuess()
         self.sweeper = Sweeper(self.store)
         self.processed = 0
         self.dead_lettered = 0
@@ -226,12 +229,15 @@ class Coordinator:
             for stream, entries in reply or []
             for entry_id, fields in entries
         ]
+        decoded: dict[tuple[str, str], Message | Exception] = {}
         results = sum(s == keys.RESULTS_STREAM for s, _, _ in batch)
         for _ in range(_TOP_UPS if block_ms is not None and results else 0):
             # A blocked read returns with the first result of a burst (every rank reports at
             # the end of the same step): take what else arrived, so that they form one batch.
             if results >= _BATCH:
                 break  # A full batch already (and XREADGROUP refuses a count of 0).
+            # Decoded while Redis still takes in the rest of the burst, not after all of it.
+            self._decode_ahead(batch, decoded)
             more = self.conn.xreadgroup(
                 keys.COORDINATOR_GROUP,
                 self.consumer,
@@ -243,7 +249,23 @@ class Coordinator:
             results += len(got)
             if not got or results >= _BATCH:
                 break
-        return self.handle_batch(batch)
+        return self.handle_batch(batch, decoded)
+
+    def _decode_ahead(
+        self,
+        entries: list[tuple[str, str, dict[bytes, bytes] | None]],
+        decoded: dict[tuple[str, str], Message | Exception],
+    ) -> None:
+        """Decode the entries not decoded yet into ``decoded`` (what failed: its error)."""
+        for stream, entry_id, fields in entries:
+            if (stream, entry_id) in decoded or fields is None:
+                continue
+            if deadletter.entry_size(fields) > self.settings.max_entry_bytes:
+                continue  # handle_batch refuses it before decoding
+            try:
+                decoded[(stream, entry_id)] = decode_message(fields)
+            except (PerseusError, ValueError) as exc:
+                decoded[(stream, entry_id)] = exc
 
     def _claim_stale(self) -> int:
         handled = 0
@@ -266,7 +288,11 @@ class Coordinator:
         """Process one stream entry, then acknowledge it (or dead-letter it)."""
         self.handle_batch([(stream, entry_id, fields)])
 
-    def handle_batch(self, entries: list[tuple[str, str, dict[bytes, bytes] | None]]) -> int:
+    def handle_batch(
+        self,
+        entries: list[tuple[str, str, dict[bytes, bytes] | None]],
+        decoded: dict[tuple[str, str], Message | Exception] | None = None,
+    ) -> int:
         """Process entries read together, in three round trips whatever their number.
 
         Job metadata for all of them in one pipeline (cached: degrees never change), every
@@ -274,6 +300,10 @@ class Coordinator:
         stream in one transaction. An entry that cannot be processed is dead-lettered with
         the reason; a Redis error leaves every entry pending, to be retried (all writes are
         idempotent). Entries trimmed away while pending (no fields) are only acknowledged.
+
+        Args:
+            entries: (stream, entry id, fields) as read.
+            decoded: Messages (or decoding errors) of some entries, decoded already.
 
         Returns:
             Entries processed or dead-lettered.
@@ -296,7 +326,10 @@ class Coordinator:
                 outcome.dead(stream, entry_id, fields, reason, oversize=True)
                 continue
             try:
-                pending.append((stream, entry_id, fields, decode_message(fields)))
+                message = decoded.get((stream, entry_id)) if decoded else None
+                if isinstance(message, Exception):
+                    raise message
+                pending.append((stream, entry_id, fields, message or decode_message(fields)))
             except (PerseusError, ValueError) as exc:
                 outcome.dead(stream, entry_id, fields, str(exc) or type(exc).__name__)
         jobs = self._job_records(m.job_id for *_, m in pending if not isinstance(m, RegisterJob))
@@ -317,9 +350,21 @@ class Coordinator:
                 )
                 continue
             queued.append((stream, entry_id, fields, message))
-        for (stream, entry_id, fields, message), result in zip(
-            queued, batch.execute(), strict=True
-        ):
+        # The scheduler work of versions these results complete goes in the same round trip.
+        reports = []
+        for *_, message in queued:
+            if isinstance(message, ReportResult) and (record := jobs.get(message.job_id)):
+                reports.append((record.info, message.result))
+        guessed = self._guess.completed(reports)
+
+        def enqueue_guessed(pipe: Pipeline) -> None:
+            for job_id in guessed:
+                self.enqueue_advance(job_id, pipeline=pipe)
+
+        replies = batch.execute(enqueue_guessed if guessed else None)
+        if batch.then_ok:
+            outcome.enqueued.update(guessed)
+        for (stream, entry_id, fields, message), result in zip(queued, replies, strict=True):
             if isinstance(result, Exception):
                 outcome.dead(stream, entry_id, fields, str(result) or type(result).__name__)
                 continue
@@ -434,8 +479,10 @@ class Coordinator:
                 outcome.advance.add(info.job_id)
         elif isinstance(message, ReportResult):
             _added, latest, count = result
-            if message.result.schedule_version == latest and count >= info.world_size:
-                outcome.advance.add(info.job_id)
+            if message.result.schedule_version == latest:
+                self._guess.record(info.job_id, latest, count)
+                if count >= info.world_size:
+                    outcome.advance.add(info.job_id)
         else:
             outcome.advance.add(info.job_id)
 
@@ -459,7 +506,7 @@ class Coordinator:
                     maxlen=self.settings.stream_maxlen,
                     approximate=True,
                 )
-            for job_id in sorted(outcome.advance):
+            for job_id in sorted(outcome.advance - outcome.enqueued):
                 self.enqueue_advance(job_id, pipeline=pipe)
             for stream, ids in outcome.acks.items():
                 if ids:
@@ -537,3 +584,4 @@ class Coordinator:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long (see Sweeper)."""
         for job_id in self.sweeper.run(self.settings, self.enqueue_advance):
             self._records.pop(job_id, None)
+            self._guess.forget(job_id)

@@ -11,12 +11,15 @@ from redis.connection import AbstractConnection
 from rq import Queue, SimpleWorker
 from rq.job import JobStatus
 
+from coordinator.completion import CompletionGuess
 from coordinator.replay import LiveSchedulers
+from coordinator.service import Coordinator
 from coordinator.tasks import LIVE, advance_job
 from coordinator.worker_loop import PerseusSimpleWorker
 from protocol import keys
-from protocol.models import JournalEntry
+from protocol.models import JobInfo, JournalEntry, ReportResult, encode_message
 from protocol.store import JobStore
+from tests.helpers import make_settings, result
 from tests.test_advance_cost import RANKS, SNAPSHOTTING, new_job, report_all
 
 SENT = [0]  # round trips of this process, counted while a test counts them
@@ -99,3 +102,71 @@ def test_the_long_lived_worker_starts_a_task_in_fewer_round_trips_than_rq(r, cou
     # in the task's start transaction (1 fewer).
     assert started <= rq_started - 6, (started, rq_started)
     assert total <= rq_total - 10, (total, rq_total)
+
+
+# --- the coordinator ---------------------------------------------------------------------------
+def _reports(job_id: str, version: int, ranks: range) -> list[tuple[str, str, dict[bytes, bytes]]]:
+    entries = []
+    for rank in ranks:
+        fields = encode_message(ReportResult(job_id=job_id, result=result(rank, version)))
+        raw = {k.encode(): v.encode() if isinstance(v, str) else v for k, v in fields.items()}
+        entries.append((keys.RESULTS_STREAM, f"{version}-{rank}", raw))
+    return entries
+
+
+def test_the_results_that_complete_a_version_are_written_with_its_work_enqueued(
+    r, redis_url, count_round_trips, monkeypatch
+):
+    """The enqueue rides with the writes, not with the acknowledgements a round trip later."""
+    store = JobStore(r)
+    new_job(store, "guess", SNAPSHOTTING)
+    advance_job("guess", conn=r)  # version 1
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    coord = Coordinator(r, make_settings(redis_url))
+    coord.handle_batch(_reports("guess", 1, range(1)))  # the job's record is cached now
+    coord.queue.get_redis_server_version()  # rq asks once per queue
+    assert queue.count == 0
+    finishes: list[int] = []
+    monkeypatch.setattr(coord, "_finish", lambda outcome: finishes.append(count_round_trips[0]))
+    before = count_round_trips[0]
+    coord.handle_batch(_reports("guess", 1, range(1, RANKS)))
+    # A guess (1 counted before + 3 here = all): one round trip wrote them and enqueued.
+    assert finishes == [before + 1]
+    assert queue.count == 1 and store.due("guess")
+    # The next version, all ranks in one batch: the same.
+    assert advance_job("guess", conn=r) == [2]
+    queue.empty()
+    coord.handle_batch(_reports("guess", 2, range(RANKS)))
+    assert queue.count == 1
+
+
+def test_a_wrong_guess_costs_a_task_and_loses_no_work(r, redis_url):
+    store = JobStore(r)
+    new_job(store, "wrong", SNAPSHOTTING)
+    advance_job("wrong", conn=r)
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    coord = Coordinator(r, make_settings(redis_url))
+    coord.handle_batch(_reports("wrong", 1, range(2)))  # ranks 0, 1: 2 of 4 counted
+    # Ranks 1 (again) and 2: the guess says 4 of 4, the store counts 3.
+    coord.handle_batch(_reports("wrong", 1, range(1, 3)))
+    assert queue.count == 1 and not store.due("wrong")
+    assert advance_job("wrong", conn=r) == []  # the wasted task: nothing due
+    queue.empty()
+    # Another coordinator (or the hook's retry) stores rank 3: this one has nothing to
+    # guess from, and enqueues the work once the store says the version is complete.
+    coord.handle_batch(_reports("wrong", 1, range(3, 4)))
+    assert queue.count == 1 and store.due("wrong")
+
+
+def test_completion_guess_rules():
+    guess = CompletionGuess()
+    job = JobInfo(job_id="j", pp_degree=4, dp_degree=1, tp_degree=1, world_size=4)
+    batch = [(job, result(rank, 3)) for rank in range(4)]
+    assert guess.completed(batch) == ["j"]  # nothing known: a whole version in one batch
+    assert guess.completed(batch[:3]) == []
+    guess.record("j", 3, 3)
+    assert guess.completed(batch[3:]) == ["j"]  # 3 counted + the last one
+    guess.record("j", 3, 4)
+    assert guess.completed(batch) == []  # complete already: its work was enqueued
+    assert guess.completed([(job, result(r, 4)) for r in range(4)]) == ["j"]  # a newer one
+    assert guess.completed([(job, result(r, 2)) for r in range(4)]) == []  # an older one
