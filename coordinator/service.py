@@ -104,7 +104,7 @@ class _Outcome:
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     advance: set[str] = field(default_factory=set)  # job ids
-    enqueued: set[str] = field(default_factory=set)  # job ids whose work is enqueued already
+    enqueued: dict[str, str] = field(default_factory=dict)  # job id -> rq job enqueued already
     acks: dict[str, list[str]] = field(default_factory=dict)  # stream -> entry ids
     self_acked: int = 0  # entries a store script acknowledged
 
@@ -357,13 +357,17 @@ class Coordinator:
                 reports.append((record.info, message.result))
         guessed = self._guess.completed(reports)
 
+        rq_jobs: dict[str, str] = {}
+
         def enqueue_guessed(pipe: Pipeline) -> None:
             for job_id in guessed:
-                self.enqueue_advance(job_id, pipeline=pipe)
+                # Not recorded on the job yet: the job may be gone (a write to its info hash
+                # would leave a partial one). _finish records it once the store replied.
+                rq_jobs[job_id] = self.enqueue_advance(job_id, pipeline=pipe, record=False).id
 
         replies = batch.execute(enqueue_guessed if guessed else None)
         if batch.then_ok:
-            outcome.enqueued.update(guessed)
+            outcome.enqueued.update(rq_jobs)
         for (stream, entry_id, fields, message), result in zip(queued, replies, strict=True):
             if isinstance(result, Exception):
                 outcome.dead(stream, entry_id, fields, str(result) or type(result).__name__)
@@ -506,8 +510,11 @@ class Coordinator:
                     maxlen=self.settings.stream_maxlen,
                     approximate=True,
                 )
-            for job_id in sorted(outcome.advance - outcome.enqueued):
-                self.enqueue_advance(job_id, pipeline=pipe)
+            for job_id in sorted(outcome.advance):
+                if job_id in outcome.enqueued:
+                    self._record_enqueued(job_id, outcome.enqueued[job_id], pipe)
+                else:
+                    self.enqueue_advance(job_id, pipeline=pipe)
             for stream, ids in outcome.acks.items():
                 if ids:
                     pipe.xack(stream, keys.COORDINATOR_GROUP, *ids)
@@ -551,11 +558,14 @@ class Coordinator:
         )
 
     # --- scheduler work --------------------------------------------------------------------
-    def enqueue_advance(self, job_id: str, pipeline: Pipeline | None = None) -> Job:
+    def enqueue_advance(
+        self, job_id: str, pipeline: Pipeline | None = None, record: bool = True
+    ) -> Job:
         """Enqueue the rq job that computes ``job_id``'s next schedule version.
 
         With ``pipeline`` (a transaction in explicit MULTI mode), the enqueue happens when the
-        caller executes it.
+        caller executes it. ``record``: also note the rq job and the time on the job (what the
+        sweep checks); otherwise the caller does (:meth:`_record_enqueued`).
         """
         lease_ms = max(1000, int(self.settings.stall_timeout * 1000))
         pipe = pipeline
@@ -572,13 +582,17 @@ class Coordinator:
             failure_ttl=24 * 3600,
             pipeline=pipe,
         )
-        self.store.set_fields(
-            job_id, pipeline=pipe, enqueued_at=f"{time.time():.3f}", rq_job=job.id
-        )
+        if record:
+            self._record_enqueued(job_id, job.id, pipe)
         if pipeline is None:
             pipe.execute()
             pipe.reset()
         return job
+
+    def _record_enqueued(self, job_id: str, rq_job: str, pipe: Pipeline) -> None:
+        self.store.set_fields(
+            job_id, pipeline=pipe, enqueued_at=f"{time.time():.3f}", rq_job=rq_job
+        )
 
     def sweep(self) -> None:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long (see Sweeper)."""

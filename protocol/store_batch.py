@@ -255,7 +255,14 @@ class StoreBatch:
                     pipe.evalsha(script.sha, len(names), *names, *args)
                 if then is not None:
                     then(pipe)
-                replies = pipe.execute(raise_on_error=False)
+                try:
+                    replies = pipe.execute(raise_on_error=False)
+                except NoScriptError:
+                    # A transaction: Redis refused the unknown script while queueing and
+                    # aborted all of it (``then`` included).
+                    if attempt == 2:
+                        raise
+                    replies = [NoScriptError()]
             if attempt == 2 or not any(isinstance(r, NoScriptError) for r in replies):
                 break
             for script in {id(c[0]): c[0] for c in commands}.values():

@@ -170,3 +170,17 @@ def test_completion_guess_rules():
     assert guess.completed(batch) == []  # complete already: its work was enqueued
     assert guess.completed([(job, result(r, 4)) for r in range(4)]) == ["j"]  # a newer one
     assert guess.completed([(job, result(r, 2)) for r in range(4)]) == []  # an older one
+
+
+def test_a_guess_for_a_job_that_is_gone_leaves_nothing_of_it(r, redis_url):
+    """The guessed enqueue does not touch the job's keys: a deleted job stays deleted."""
+    store = JobStore(r)
+    new_job(store, "gone", SNAPSHOTTING)
+    advance_job("gone", conn=r)
+    coord = Coordinator(r, make_settings(redis_url))
+    coord.handle_batch(_reports("gone", 1, range(2)))  # its record and counts are cached
+    assert store.delete_job("gone")
+    coord.handle_batch(_reports("gone", 1, range(2, RANKS)))  # guessed complete
+    assert not r.exists(keys.job_info("gone"))
+    reasons = [f[b"reason"] for _, f in r.xrange(keys.DEADLETTER_STREAM)]
+    assert len(reasons) == RANKS - 2 and all(b"unknown job" in x for x in reasons)
