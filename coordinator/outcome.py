@@ -50,6 +50,7 @@ class Outcome:
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     advance: set[str] = field(default_factory=set)  # job ids
+    enqueued: dict[str, str] = field(default_factory=dict)  # job id -> rq job enqueued already
     acks: dict[str, list[str]] = field(default_factory=dict)  # stream -> entry ids
     lost: dict[str, list[str]] = field(default_factory=dict)  # stream -> ids gone unread
     self_acked: int = 0  # entries a store script acknowledged

@@ -73,12 +73,27 @@ class LiveScheduler:
         self.allowed = {r.rank: set(r.available_frequencies) for r in self.ranks}
 
     def apply_inputs(
-        self, store: JobStore, job_id: str, entry: JournalEntry
+        self,
+        store: JobStore,
+        job_id: str,
+        entry: JournalEntry,
+        prefetched: tuple[int, list[bytes]] | None = None,
     ) -> list[ProfilingResult] | None:
-        """Feed the entry's observation and control messages; return the observed results."""
+        """Feed the entry's observation and control messages; return the observed results.
+
+        Args:
+            store: The job store.
+            job_id: The job.
+            entry: The journal entry whose inputs to feed.
+            prefetched: (version, stored results) already read with the job's state; used if
+                that is the version the entry observes.
+        """
         results = None
         if entry.observed_version is not None:
-            results = store.results(job_id, entry.observed_version, trusted=True)
+            if prefetched is not None and prefetched[0] == entry.observed_version:
+                results = store.decode_results(prefetched[1], trusted=True)
+            else:
+                results = store.results(job_id, entry.observed_version, trusted=True)
             self.scheduler.observe(results)
             self.observed_upto = entry.observed_version
         if entry.controls_upto > self.controls_applied:
@@ -247,3 +262,11 @@ class LiveSchedulers:
 
     def __contains__(self, job_id: str) -> bool:
         return job_id in self._jobs
+
+    def expected_observation(self, job_id: str) -> int | None:
+        """The version whose results the job's cached scheduler would observe next, if cached.
+
+        The newest version it published: worth reading with the job's state, in one round trip.
+        """
+        live = self._jobs.get(job_id)
+        return live.version if live is not None and live.version > 0 else None

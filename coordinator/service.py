@@ -28,6 +28,7 @@ from redis.client import Pipeline
 from rq import Queue
 from rq.job import Job
 
+from coordinator.completion import CompletionGuess
 from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat
 from coordinator.outcome import Outcome, log_lost
 from coordinator.resilience import Backoff, check_redis_version, ensure_groups
@@ -95,6 +96,7 @@ class Coordinator:
         self._last_claim = float("-inf")
         self._records: OrderedDict[str, JobRecord] = OrderedDict()
         self.result_keys = ResultKeys(self.store)
+        self._guess = CompletionGuess()
         self.sweeper = Sweeper(self.store)
         self.processed = 0
         self.dead_lettered = 0
@@ -175,12 +177,15 @@ class Coordinator:
             for stream, entries in reply or []
             for entry_id, fields in entries
         ]
+        decoded: dict[tuple[str, str], Message | Exception] = {}
         results = sum(s == keys.RESULTS_STREAM for s, _, _ in batch)
         for _ in range(_TOP_UPS if block_ms is not None and results else 0):
             # A blocked read returns with the first result of a burst (every rank reports at
             # the end of the same step): take what else arrived, so that they form one batch.
             if results >= _BATCH:
                 break  # A full batch already (and XREADGROUP refuses a count of 0).
+            # Decoded while Redis still takes in the rest of the burst, not after all of it.
+            self._decode_ahead(batch, decoded)
             more = self.conn.xreadgroup(
                 keys.COORDINATOR_GROUP,
                 self.consumer,
@@ -192,7 +197,23 @@ class Coordinator:
             results += len(got)
             if not got or results >= _BATCH:
                 break
-        return self.handle_batch(batch)
+        return self.handle_batch(batch, decoded)
+
+    def _decode_ahead(
+        self,
+        entries: list[tuple[str, str, dict[bytes, bytes] | None]],
+        decoded: dict[tuple[str, str], Message | Exception],
+    ) -> None:
+        """Decode the entries not decoded yet into ``decoded`` (what failed: its error)."""
+        for stream, entry_id, fields in entries:
+            if (stream, entry_id) in decoded or fields is None:
+                continue
+            if deadletter.entry_size(fields) > self.settings.max_entry_bytes:
+                continue  # handle_batch refuses it before decoding
+            try:
+                decoded[(stream, entry_id)] = decode_message(fields)
+            except (PerseusError, ValueError) as exc:
+                decoded[(stream, entry_id)] = exc
 
     def _claim_stale(self) -> int:
         handled = 0
@@ -216,7 +237,11 @@ class Coordinator:
         """Process one stream entry, then acknowledge it (or dead-letter it)."""
         self.handle_batch([(stream, entry_id, fields)])
 
-    def handle_batch(self, entries: list[tuple[str, str, dict[bytes, bytes] | None]]) -> int:
+    def handle_batch(
+        self,
+        entries: list[tuple[str, str, dict[bytes, bytes] | None]],
+        decoded: dict[tuple[str, str], Message | Exception] | None = None,
+    ) -> int:
         """Process entries read together, in three round trips whatever their number.
 
         Job metadata for all of them in one pipeline (cached: degrees never change), every
@@ -225,6 +250,10 @@ class Coordinator:
         the reason; a Redis error leaves every entry pending, to be retried (all writes are
         idempotent). Entries trimmed away while pending (no fields) are acknowledged, counted
         in :data:`protocol.keys.STREAM_LOSSES` and logged.
+
+        Args:
+            entries: (stream, entry id, fields) as read.
+            decoded: Messages (or decoding errors) of some entries, decoded already.
 
         Returns:
             Entries processed or dead-lettered.
@@ -248,7 +277,10 @@ class Coordinator:
                 outcome.dead(stream, entry_id, fields, reason, oversize=True)
                 continue
             try:
-                pending.append((stream, entry_id, fields, decode_message(fields)))
+                message = decoded.get((stream, entry_id)) if decoded else None
+                if isinstance(message, Exception):
+                    raise message
+                pending.append((stream, entry_id, fields, message or decode_message(fields)))
             except (PerseusError, ValueError) as exc:
                 outcome.dead(stream, entry_id, fields, str(exc) or type(exc).__name__)
         jobs = self._job_records(m.job_id for *_, m in pending if not isinstance(m, RegisterJob))
@@ -272,9 +304,25 @@ class Coordinator:
                 )
                 continue
             queued.append((stream, entry_id, fields, message))
-        for (stream, entry_id, fields, message), result in zip(
-            queued, batch.execute(), strict=True
-        ):
+        # The scheduler work of versions these results complete goes in the same round trip.
+        reports = []
+        for *_, message in queued:
+            if isinstance(message, ReportResult) and (record := jobs.get(message.job_id)):
+                reports.append((record.info, message.result))
+        guessed = self._guess.completed(reports)
+
+        rq_jobs: dict[str, str] = {}
+
+        def enqueue_guessed(pipe: Pipeline) -> None:
+            for job_id in guessed:
+                # Not recorded on the job yet: the job may be gone (a write to its info hash
+                # would leave a partial one). _finish records it once the store replied.
+                rq_jobs[job_id] = self.enqueue_advance(job_id, pipeline=pipe, record=False).id
+
+        replies = batch.execute(enqueue_guessed if guessed else None)
+        if batch.then_ok:
+            outcome.enqueued.update(rq_jobs)
+        for (stream, entry_id, fields, message), result in zip(queued, replies, strict=True):
             if isinstance(result, Exception):
                 # A registration answered before gets no second (error) reply.
                 first = not isinstance(result, DuplicateEntryError)
@@ -410,8 +458,10 @@ class Coordinator:
                 outcome.advance.add(info.job_id)
         elif isinstance(message, ReportResult):
             _added, latest, count = result
-            if message.result.schedule_version == latest and count >= info.world_size:
-                outcome.advance.add(info.job_id)
+            if message.result.schedule_version == latest:
+                self._guess.record(info.job_id, latest, count)
+                if count >= info.world_size:
+                    outcome.advance.add(info.job_id)
         else:
             outcome.advance.add(info.job_id)
 
@@ -436,7 +486,10 @@ class Coordinator:
                     approximate=True,
                 )
             for job_id in sorted(outcome.advance):
-                self.enqueue_advance(job_id, pipeline=pipe)
+                if job_id in outcome.enqueued:
+                    self._record_enqueued(job_id, outcome.enqueued[job_id], pipe)
+                else:
+                    self.enqueue_advance(job_id, pipeline=pipe)
             for stream, ids in outcome.acks.items():
                 if ids:
                     pipe.xack(stream, keys.COORDINATOR_GROUP, *ids)
@@ -488,11 +541,14 @@ class Coordinator:
         )
 
     # --- scheduler work --------------------------------------------------------------------
-    def enqueue_advance(self, job_id: str, pipeline: Pipeline | None = None) -> Job:
+    def enqueue_advance(
+        self, job_id: str, pipeline: Pipeline | None = None, record: bool = True
+    ) -> Job:
         """Enqueue the rq job that computes ``job_id``'s next schedule version.
 
         With ``pipeline`` (a transaction in explicit MULTI mode), the enqueue happens when the
-        caller executes it.
+        caller executes it. ``record``: also note the rq job and the time on the job (what the
+        sweep checks); otherwise the caller does (:meth:`_record_enqueued`).
         """
         lease_ms = max(1000, int(self.settings.stall_timeout * 1000))
         pipe = pipeline
@@ -509,16 +565,21 @@ class Coordinator:
             failure_ttl=24 * 3600,
             pipeline=pipe,
         )
-        self.store.set_fields(
-            job_id, pipeline=pipe, enqueued_at=f"{self.store.clock.now():.3f}", rq_job=job.id
-        )
+        if record:
+            self._record_enqueued(job_id, job.id, pipe)
         if pipeline is None:
             pipe.execute()
             pipe.reset()
         return job
+
+    def _record_enqueued(self, job_id: str, rq_job: str, pipe: Pipeline) -> None:
+        self.store.set_fields(
+            job_id, pipeline=pipe, enqueued_at=f"{self.store.clock.now():.3f}", rq_job=rq_job
+        )
 
     def sweep(self) -> None:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long (see Sweeper)."""
         for job_id in self.sweeper.run(self.settings, self.enqueue_advance):
             self._records.pop(job_id, None)
             self.result_keys.forget(job_id)
+            self._guess.forget(job_id)

@@ -187,7 +187,7 @@ def advance_once(
     )
     try:
         # From here the cached scheduler has taken inputs that only a publish records.
-        observed = live.apply_inputs(store, job_id, entry)
+        observed = live.apply_inputs(store, job_id, entry, state.prefetched)
         schedules = check_schedules(
             live.scheduler.next_schedule(), live.ranks, record.config.scheduler, live.allowed
         )
@@ -252,9 +252,12 @@ def advance_job(
     token = uuid.uuid4().hex
     published: list[int] = []
     for _ in range(_MAX_ROUNDS):
-        # Taking the lease and reading the job's state is one round trip.
+        # Taking the lease and reading the job's state is one round trip, and so is reading
+        # the results a cached scheduler expects to observe with them.
         try:
-            state = store.job_state(job_id, lease=(token, lease_ttl_ms))
+            state = store.job_state(
+                job_id, lease=(token, lease_ttl_ms), prefetch=LIVE.expected_observation(job_id)
+            )
         except UnknownJobError:
             store.release_lease(job_id, token)
             logger.info("job %s is gone (deleted as idle?): nothing to advance", job_id)

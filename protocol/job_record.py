@@ -65,6 +65,8 @@ class JobState:
     control_length: int
     tail: JournalEntry | None  # the journal's last entry
     leased: bool = False  # the lease was taken with this read (JobStore.job_state)
+    # (version, stored results) read in the same MULTI when the caller guessed the version
+    prefetched: tuple[int, list[bytes]] | None = None
 
     @property
     def fresh_results(self) -> bool:

@@ -100,15 +100,25 @@ class JobStore:
         pairs = zip(ids, raws, strict=True)
         return {j: JobRecord.from_hash(raw) if raw else None for j, raw in pairs}
 
-    def job_state(self, job_id: str, lease: tuple[str, int] | None = None) -> JobState:
+    def job_state(
+        self,
+        job_id: str,
+        lease: tuple[str, int] | None = None,
+        prefetch: int | None = None,
+    ) -> JobState:
         """Info, rank count, version, journal and control lengths, consistent (one MULTI).
 
         Args:
             job_id: The job.
             lease: (token, ttl_ms): also try to take the job's lease in the same round trip;
                 :attr:`JobState.leased` tells whether it was taken.
+            prefetch: Also read the stored results of this version (the one a caller
+                expects to observe next) into :attr:`JobState.prefetched`: the round trip
+                that :meth:`results` would take afterwards.
         """
         with self.conn.pipeline(transaction=True) as pipe:
+            if prefetch is not None:
+                pipe.hvals(keys.job_results(job_id, prefetch))
             if lease is not None:
                 pipe.set(keys.job_lease(job_id), lease[0], nx=True, px=lease[1])
             pipe.hgetall(keys.job_info(job_id))
@@ -118,6 +128,7 @@ class JobStore:
             pipe.lindex(keys.job_journal(job_id), -1)
             pipe.xlen(keys.job_control(job_id))
             replies = pipe.execute()
+        prefetched = (prefetch, replies.pop(0)) if prefetch is not None else None
         leased = bool(replies.pop(0)) if lease is not None else False
         raw, ranks, version, journal, tail, control = replies
         if not raw:
@@ -130,6 +141,7 @@ class JobStore:
             control_length=int(control),
             tail=unpack(JournalEntry, tail) if tail is not None else None,
             leased=leased,
+            prefetched=prefetched,
         )
 
     def job_fields(self, job_id: str, *names: str) -> dict[str, str]:
@@ -340,7 +352,10 @@ class JobStore:
             version: The schedule version they were measured under.
             trusted: Skip re-validation (the coordinator validated them before storing).
         """
-        raw = self.conn.hvals(keys.job_results(job_id, version))
+        return self.decode_results(self.conn.hvals(keys.job_results(job_id, version)), trusted)
+
+    def decode_results(self, raw: list[bytes], trusted: bool = False) -> list[ProfilingResult]:
+        """Decode stored results (as HVALS of a results hash returns them), sorted by rank."""
         self.results_decoded += len(raw)
         decoded = [stored_result(v, trusted) for v in raw]
         return sorted(decoded, key=lambda r: r.rank)

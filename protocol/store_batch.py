@@ -9,6 +9,7 @@ from typing import Any
 
 import msgpack
 import redis
+from redis.client import Pipeline
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
@@ -49,6 +50,7 @@ class StoreBatch:
         # how to turn that command's reply into the write's outcome.
         self._ops: list[tuple[int | None, Callable[[Any], Any]]] = []
         self._result_groups: dict[tuple[str, int], int] = {}  # (job, version) -> command
+        self.then_ok = False  # whether execute's ``then`` commands all succeeded
 
     def _add(
         self, command: tuple[Script, list[str], list[Any]], finish: Callable[[Any], Any]
@@ -256,8 +258,12 @@ class StoreBatch:
 
         self._ops.append((None, finish))
 
-    def execute(self) -> list[Any]:
+    def execute(self, then: Callable[[Pipeline], Any] | None = None) -> list[Any]:
         """Send every queued write; return each outcome, or the PerseusError it raised.
+
+        Args:
+            then: Queues more commands after the writes, sent with them in one transaction
+                (MULTI, called already). :attr:`then_ok` tells whether they all succeeded.
 
         Raises:
             redis.RedisError: Redis failed (nothing is known about which writes happened;
@@ -265,7 +271,11 @@ class StoreBatch:
         """
         ops, commands = self._ops, self._commands
         self._ops, self._commands, self._result_groups = [], [], {}
-        replies = self._send(commands) if commands else []
+        self.then_ok = False
+        replies = self._send(commands, then) if commands else []
+        if then is not None and commands:
+            extra = replies[len(commands) :]
+            self.then_ok = not any(isinstance(r, Exception) for r in extra)
         outcomes: list[Any] = []
         for index, finish in ops:
             reply = replies[index] if index is not None else None
@@ -277,14 +287,30 @@ class StoreBatch:
                 outcomes.append(exc)
         return outcomes
 
-    def _send(self, commands: list[tuple[Script, list[str], list[Any]]]) -> list[Any]:
+    def _send(
+        self,
+        commands: list[tuple[Script, list[str], list[Any]]],
+        then: Callable[[Pipeline], Any] | None = None,
+    ) -> list[Any]:
         # EVALSHA straight away: redis-py's pipelined scripts would first ask SCRIPT EXISTS,
         # a round trip per batch. A server that lost its scripts (restart) gets them again.
         for attempt in (1, 2):
-            with self.scripts.conn.pipeline(transaction=False) as pipe:
+            # With ``then``: one transaction (rq queues its enqueue in an explicit MULTI).
+            with self.scripts.conn.pipeline(transaction=then is not None) as pipe:
+                if then is not None:
+                    pipe.multi()
                 for script, names, args in commands:
                     pipe.evalsha(script.sha, len(names), *names, *args)
-                replies = pipe.execute(raise_on_error=False)
+                if then is not None:
+                    then(pipe)
+                try:
+                    replies = pipe.execute(raise_on_error=False)
+                except NoScriptError:
+                    # A transaction: Redis refused the unknown script while queueing and
+                    # aborted all of it (``then`` included).
+                    if attempt == 2:
+                        raise
+                    replies = [NoScriptError()]
             if attempt == 2 or not any(isinstance(r, NoScriptError) for r in replies):
                 break
             for script in {id(c[0]): c[0] for c in commands}.values():

@@ -21,12 +21,14 @@ rank with that rank's own figures; :mod:`schedulers.planning.profile_csv`), and 
   a policy picks a plan (:mod:`schedulers.planning.choose`) and that plan is served forever: the
   automatic profile -> optimize -> serve path.
 
-rq workers rebuild the scheduler by replaying the whole journal on every task, so the end of
-the replay (CSV write, planning) runs again each time. Both are idempotent and cheap on
-replay: the CSV is replaced only if its content changed, and planning is skipped when
-``out_dir`` already holds a frontier computed from the same CSV content and parameters (a
-hash recorded in ``out_dir/.instruction_profiler.json`` after the planner finished).
-Paths are as seen by the rq workers.
+The profiler snapshots (its sweeps and per-rank averages, see :meth:`InstructionProfiler.snapshot`),
+so a worker that starts afresh restores the newest snapshot and replays only the journal
+after it, and the results it consumed are deleted. Restoring or replaying past the end of the
+sweep runs its end (CSV write, planning) again. Both are idempotent and cheap then: the CSV is
+replaced only if its content changed, and planning is skipped when ``out_dir`` already holds
+a frontier computed from the same CSV content and parameters (a hash recorded in
+``out_dir/.instruction_profiler.json`` after the planner finished). Paths are as seen by the
+rq workers.
 """
 
 from __future__ import annotations
@@ -295,6 +297,59 @@ class InstructionProfiler(FrequencyScheduler):
                 f"(warmup_iters={self.warmup_iters}); set the hook's report_every above it"
             )
         return math.fsum(kept_t) / len(kept_t), math.fsum(kept_e) / len(kept_e)
+
+    # --- snapshots ----------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The sweeps and per-rank averages so far, and how far the schedules got.
+
+        Taken between versions (results observed, next schedules computed): the generator
+        is then waiting for results of the schedules that the sweeps' state determines, so
+        :meth:`restore` can start a new one at the same point.
+        """
+        return {
+            "started": self._generator is not None,
+            "finished": self._finished,
+            "sweeps": [
+                [stage, inst, s.frequencies, s.measured, s.energies, s.rises, s.stopped]
+                for (stage, inst), s in self.sweeps.items()
+            ],
+            "rank_data": [
+                [rank, [[inst, freq, t, e] for (inst, freq), (t, e) in data.items()]]
+                for rank, data in self.rank_data.items()
+            ],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`snapshot`'s ``state`` (right after construction).
+
+        Raises:
+            ValueError: The state is not one of this profiler's (other stages, clocks or
+                ranks: the job's arguments changed).
+        """
+        sweeps = {(int(row[0]), str(row[1])): row[2:] for row in state["sweeps"]}
+        if set(sweeps) != set(self.sweeps):
+            raise ValueError(f"snapshot sweeps {sorted(sweeps)}, expected {sorted(self.sweeps)}")
+        for key, (freqs, measured, energies, rises, stopped) in sweeps.items():
+            sweep = self.sweeps[key]
+            if [int(f) for f in freqs] != sweep.frequencies:
+                raise ValueError(f"snapshot sweeps other clocks for stage {key[0]} {key[1]}")
+            sweep.measured = [int(f) for f in measured]
+            sweep.energies = [float(e) for e in energies]
+            sweep.rises, sweep.stopped = int(rises), bool(stopped)
+        ranks = {int(rank): rows for rank, rows in state["rank_data"]}
+        if set(ranks) != set(self.rank_data):
+            expected = sorted(self.rank_data)
+            raise ValueError(f"snapshot has ranks {sorted(ranks)}, expected {expected}")
+        self.rank_data = {
+            rank: {(str(i), int(f)): (float(t), float(e)) for i, f, t, e in ranks[rank]}
+            for rank in self.rank_data
+        }
+        if state["started"]:
+            # The generator resumes where the sweeps are: it yields the schedules the snapshot's
+            # version serves (past the end: writes the CSV and plans again, both idempotent).
+            self._generator = self._run()
+            self._next = next(self._generator)
+            self._finished = bool(state["finished"])
 
     # --- outputs ------------------------------------------------------------------------------
     def profile_results(self) -> list[OfflineProfilingResult]:

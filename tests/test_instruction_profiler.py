@@ -13,11 +13,16 @@ import subprocess
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 
+from coordinator.replay import LiveSchedulers
+from coordinator.tasks import advance_once
+from protocol import keys
 from protocol.exceptions import ConfigError, ProtocolError
-from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
-from schedulers.instruction_profiler import PLAN_MARKER, InstructionProfiler
+from protocol.models import FrequencySchedule, JobConfig, JobInfo, ProfilingResult, RankInfo
+from protocol.store import JobStore
+from schedulers.instruction_profiler import PLAN_MARKER, PROFILE_ARTIFACT, InstructionProfiler
 from schedulers.planning.pipeline_dag import PipelineShape, one_f_one_b_order
 from schedulers.planning.plan_file import read_plan_file, write_plan_file
 from schedulers.planning.profile_csv import read_profile_csv
@@ -275,6 +280,73 @@ def test_then_plans_once_and_serves_the_chosen_plan(tmp_path):
     assert replayed.next_schedule() == versions[-1]
     assert not replayed.planned
     assert (plans / "frontier.csv").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("at", [1, 4, "end"])
+def test_a_restored_profiler_continues_the_same_sequence(tmp_path, at):
+    """A snapshot taken after any version, restored into a new profiler, goes on identically."""
+    job, ranks = make_job(pp=2, dp=2)
+    table = synthetic_instruction_table(2, noise=0.005, seed=5)
+    args = {"out_path": str(tmp_path / "profile.csv"), "microbatches": 2}
+    versions, observed = drive(InstructionProfiler(job, ranks, **args), job, table)
+    cut = len(observed) if at == "end" else at  # versions served before the snapshot
+
+    original = InstructionProfiler(job, ranks, **args)
+    for schedules, results in zip(versions[:cut], observed[:cut], strict=True):
+        assert original.next_schedule() == schedules
+        original.observe(results)
+    assert original.next_schedule() == versions[cut]
+    state = msgpack.unpackb(msgpack.packb(original.snapshot()), raw=False)  # as Redis keeps it
+
+    restored = InstructionProfiler(job, ranks, **args)
+    restored.restore(state)
+    assert restored.next_schedule() == versions[cut]
+    for schedules, results in zip(versions[cut + 1 :], observed[cut:], strict=False):
+        for profiler in (original, restored):
+            profiler.observe(results)
+            assert profiler.next_schedule() == schedules
+    assert restored.done and restored.artifacts() == original.artifacts()
+    assert restored.sweeps == original.sweeps and restored.rank_data == original.rank_data
+    # Converged alike: results no longer change anything.
+    for profiler in (original, restored):
+        profiler.observe(observed[-1])
+        assert profiler.next_schedule() == versions[-1] and profiler.converged
+
+
+def test_workers_that_restart_profile_from_snapshots_like_one_that_does_not(r, tmp_path):
+    """Through Redis: a fresh cache every 3 versions rebuilds from the newest snapshot."""
+    job, ranks = make_job(pp=2, dp=2)
+    table = synthetic_instruction_table(2, noise=0.005, seed=7)
+    args = {"microbatches": 2, "frequencies": list(GRAPHICS_CLOCKS[:12])}
+    reference = InstructionProfiler(job, ranks, **args)
+    versions, observed = drive(reference, job, table)  # (the table's noise is drawn per lookup)
+    store = JobStore(r)
+    job_info = job.model_copy(update={"job_id": "prof"})
+    store.create_job(job_info, JobConfig(scheduler=PROFILER, scheduler_args=args), "1-1")
+    for info in ranks:
+        store.add_rank(job_info, info)
+    cache = LiveSchedulers()
+    for version in range(1, len(versions) + 1):
+        if version % 3 == 0:
+            cache = LiveSchedulers()  # a restarted worker
+        assert advance_once(store, "prof", cache, snapshot_every=2) == version
+        served = store.schedules("prof", version)
+        assert [s.frequencies for s in served] == [s.frequencies for s in versions[version - 1]]
+        for res in observed[version - 1] if version <= len(observed) else []:
+            store.add_result(job_info, res)
+    assert int(store.job_fields("prof", "snapshot_len")["snapshot_len"]) >= len(versions) - 2
+    assert not r.exists(keys.job_results("prof", 1))  # consumed by a snapshot, deleted
+    assert store.artifacts("prof")[PROFILE_ARTIFACT] == reference.csv_bytes()
+
+
+def test_a_snapshot_of_another_job_shape_is_refused(tmp_path):
+    job, ranks = make_job(pp=2, dp=2)
+    profiler = InstructionProfiler(job, ranks, microbatches=2)
+    profiler.next_schedule()
+    state = profiler.snapshot()
+    other = InstructionProfiler(job, ranks, microbatches=2, frequencies=list(GRAPHICS_CLOCKS[::8]))
+    with pytest.raises(ValueError, match="other clocks"):
+        other.restore(state)
 
 
 # --- multi-process ---------------------------------------------------------------------------

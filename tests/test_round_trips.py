@@ -1,0 +1,186 @@
+"""Round trips on the path from all ranks' results to the next version: counted, not timed.
+
+A round trip is one command or one pipeline sent on a connection (what waits for Redis).
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from redis.connection import AbstractConnection
+from rq import Queue, SimpleWorker
+from rq.job import JobStatus
+
+from coordinator.completion import CompletionGuess
+from coordinator.replay import LiveSchedulers
+from coordinator.service import Coordinator
+from coordinator.tasks import LIVE, advance_job
+from coordinator.worker_loop import PerseusSimpleWorker
+from protocol import keys
+from protocol.models import JobInfo, JournalEntry, ReportResult, encode_message
+from protocol.store import JobStore
+from tests.helpers import make_settings, result
+from tests.test_advance_cost import RANKS, SNAPSHOTTING, new_job, report_all
+
+SENT = [0]  # round trips of this process, counted while a test counts them
+
+
+def started_after() -> int:
+    """An rq task: how many round trips this process had made when the task started."""
+    return SENT[0]
+
+
+@pytest.fixture
+def count_round_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    original = AbstractConnection.send_packed_command
+
+    def counted(self: AbstractConnection, command: object, check_health: bool = True) -> None:
+        SENT[0] += 1
+        original(self, command, check_health)
+
+    SENT[0] = 0
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+    return SENT
+
+
+def test_advancing_a_cached_job_reads_its_results_with_its_state(r, count_round_trips):
+    store = JobStore(r)
+    new_job(store, "rt", SNAPSHOTTING)
+    LIVE.clear()
+    try:
+        assert advance_job("rt", conn=r, snapshot_every=0) == [1]
+        for version in (2, 3):
+            report_all(store, "rt")
+            before = count_round_trips[0]
+            assert advance_job("rt", conn=r, snapshot_every=0) == [version]
+            # Lease + state + the results the cached scheduler observes; publish; release.
+            assert count_round_trips[0] - before == 3
+        assert "rt" in LIVE
+    finally:
+        LIVE.clear()
+    # What it observed is what was reported: the scheduler stepped down once per version.
+    assert [s.frequencies[0][1] for s in store.schedules("rt", 3)] == [1980 - 30] * RANKS
+
+
+def test_a_guessed_version_that_is_not_due_is_read_again(r):
+    """The prefetched results are used only when they are the version observed."""
+    store = JobStore(r)
+    new_job(store, "guess", SNAPSHOTTING)
+    cache = LiveSchedulers()
+    advance_job("guess", conn=r)  # version 1
+    report_all(store, "guess")
+    state = store.job_state("guess", prefetch=5)  # a wrong guess: nothing stored there
+    assert state.prefetched == (5, [])
+    live = cache.get(store, state)
+    entry = JournalEntry(version=2, observed_version=1)
+    observed = live.apply_inputs(store, "guess", entry, state.prefetched)
+    assert observed is not None and [o.rank for o in observed] == list(range(RANKS))
+
+
+def _run_one_task(r: redis.Redis, worker_class: type[SimpleWorker]) -> tuple[int, int]:
+    """Round trips before the task started and in all, for one task in burst mode."""
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    job = queue.enqueue(started_after, result_ttl=600)
+    SENT[0] = 0
+    worker_class([queue], connection=r).work(burst=True)
+    job.refresh()
+    assert job.get_status() == JobStatus.FINISHED
+    started = job.return_value()
+    assert isinstance(started, int)
+    # rq's bookkeeping is all there: the finished registry has it, nothing is left started.
+    assert job.id in queue.finished_job_registry.get_job_ids()
+    assert queue.started_job_registry.get_job_ids() == []
+    return started, SENT[0]
+
+
+def test_the_long_lived_worker_starts_a_task_in_fewer_round_trips_than_rq(r, count_round_trips):
+    _run_one_task(r, SimpleWorker)  # one-off costs (server version, scripts) out of the way
+    rq_started, rq_total = _run_one_task(r, SimpleWorker)
+    started, total = _run_one_task(r, PerseusSimpleWorker)
+    # Before the task: the heartbeat before the blocking dequeue in one pipeline (2 fewer),
+    # none right after it (3 fewer: the task's start beats), and the execution's record sent
+    # in the task's start transaction (1 fewer).
+    assert started <= rq_started - 6, (started, rq_started)
+    assert total <= rq_total - 10, (total, rq_total)
+
+
+# --- the coordinator ---------------------------------------------------------------------------
+def _reports(job_id: str, version: int, ranks: range) -> list[tuple[str, str, dict[bytes, bytes]]]:
+    entries = []
+    for rank in ranks:
+        fields = encode_message(ReportResult(job_id=job_id, result=result(rank, version)))
+        raw = {k.encode(): v.encode() if isinstance(v, str) else v for k, v in fields.items()}
+        entries.append((keys.RESULTS_STREAM, f"{version}-{rank}", raw))
+    return entries
+
+
+def test_the_results_that_complete_a_version_are_written_with_its_work_enqueued(
+    r, redis_url, count_round_trips, monkeypatch
+):
+    """The enqueue rides with the writes, not with the acknowledgements a round trip later."""
+    store = JobStore(r)
+    new_job(store, "guess", SNAPSHOTTING)
+    advance_job("guess", conn=r)  # version 1
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    coord = Coordinator(r, make_settings(redis_url))
+    coord.handle_batch(_reports("guess", 1, range(1)))  # the job's record is cached now
+    coord.queue.get_redis_server_version()  # rq asks once per queue
+    assert queue.count == 0
+    finishes: list[int] = []
+    monkeypatch.setattr(coord, "_finish", lambda outcome: finishes.append(count_round_trips[0]))
+    before = count_round_trips[0]
+    coord.handle_batch(_reports("guess", 1, range(1, RANKS)))
+    # A guess (1 counted before + 3 here = all): one round trip wrote them and enqueued.
+    assert finishes == [before + 1]
+    assert queue.count == 1 and store.due("guess")
+    # The next version, all ranks in one batch: the same.
+    assert advance_job("guess", conn=r) == [2]
+    queue.empty()
+    coord.handle_batch(_reports("guess", 2, range(RANKS)))
+    assert queue.count == 1
+
+
+def test_a_wrong_guess_costs_a_task_and_loses_no_work(r, redis_url):
+    store = JobStore(r)
+    new_job(store, "wrong", SNAPSHOTTING)
+    advance_job("wrong", conn=r)
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    coord = Coordinator(r, make_settings(redis_url))
+    coord.handle_batch(_reports("wrong", 1, range(2)))  # ranks 0, 1: 2 of 4 counted
+    # Ranks 1 (again) and 2: the guess says 4 of 4, the store counts 3.
+    coord.handle_batch(_reports("wrong", 1, range(1, 3)))
+    assert queue.count == 1 and not store.due("wrong")
+    assert advance_job("wrong", conn=r) == []  # the wasted task: nothing due
+    queue.empty()
+    # Another coordinator (or the hook's retry) stores rank 3: this one has nothing to
+    # guess from, and enqueues the work once the store says the version is complete.
+    coord.handle_batch(_reports("wrong", 1, range(3, 4)))
+    assert queue.count == 1 and store.due("wrong")
+
+
+def test_completion_guess_rules():
+    guess = CompletionGuess()
+    job = JobInfo(job_id="j", pp_degree=4, dp_degree=1, tp_degree=1, world_size=4)
+    batch = [(job, result(rank, 3)) for rank in range(4)]
+    assert guess.completed(batch) == ["j"]  # nothing known: a whole version in one batch
+    assert guess.completed(batch[:3]) == []
+    guess.record("j", 3, 3)
+    assert guess.completed(batch[3:]) == ["j"]  # 3 counted + the last one
+    guess.record("j", 3, 4)
+    assert guess.completed(batch) == []  # complete already: its work was enqueued
+    assert guess.completed([(job, result(r, 4)) for r in range(4)]) == ["j"]  # a newer one
+    assert guess.completed([(job, result(r, 2)) for r in range(4)]) == []  # an older one
+
+
+def test_a_guess_for_a_job_that_is_gone_leaves_nothing_of_it(r, redis_url):
+    """The guessed enqueue does not touch the job's keys: a deleted job stays deleted."""
+    store = JobStore(r)
+    new_job(store, "gone", SNAPSHOTTING)
+    advance_job("gone", conn=r)
+    coord = Coordinator(r, make_settings(redis_url))
+    coord.handle_batch(_reports("gone", 1, range(2)))  # its record and counts are cached
+    assert store.delete_job("gone")
+    coord.handle_batch(_reports("gone", 1, range(2, RANKS)))  # guessed complete
+    assert not r.exists(keys.job_info("gone"))
+    reasons = [f[b"reason"] for _, f in r.xrange(keys.DEADLETTER_STREAM)]
+    assert len(reasons) == RANKS - 2 and all(b"unknown job" in x for x in reasons)
