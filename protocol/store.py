@@ -301,7 +301,9 @@ class JobStore:
     def result_keys(self, wanted: Iterable[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
         """The results' HMAC keys of (job, rank) pairs, in one round trip.
 
-        '' for a rank not registered, None for a job that does not exist.
+        Every registered rank of each job named comes back too, so that a cache holds a job's
+        keys after its first batch. '' for a rank not registered, None for a job that does
+        not exist.
         """
         pairs = list(dict.fromkeys(wanted))
         if not pairs:
@@ -310,13 +312,16 @@ class JobStore:
         with self.conn.pipeline(transaction=False) as pipe:
             for job_id in jobs:
                 pipe.exists(keys.job_info(job_id))
-            for job_id, rank in pairs:
-                pipe.hget(keys.job_tokens(job_id), str(rank))
+                pipe.hgetall(keys.job_tokens(job_id))
             replies = pipe.execute()
-        exists = dict(zip(jobs, replies[: len(jobs)], strict=True))
+        exists = dict(zip(jobs, replies[::2], strict=True))
         out: dict[tuple[str, int], str | None] = {}
-        for pair, raw in zip(pairs, replies[len(jobs) :], strict=True):
-            out[pair] = raw[:64].decode() if raw else ("" if exists[pair[0]] else None)
+        for job_id, tokens in zip(jobs, replies[1::2], strict=True):
+            for rank, raw in tokens.items():
+                out[(job_id, int(rank))] = raw[:64].decode()
+        for job_id, rank in pairs:
+            if (job_id, rank) not in out:
+                out[(job_id, rank)] = "" if exists[job_id] else None
         return out
 
     def ranks(self, job_id: str) -> list[RankInfo]:

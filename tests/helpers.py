@@ -20,7 +20,8 @@ from rq import Queue, SimpleWorker
 
 from coordinator.settings import PerseusSettings
 from protocol import keys
-from protocol.models import JobInfo, ProfilingResult, RankInfo
+from protocol.models import JobConfig, JobInfo, ProfilingResult, RankInfo
+from protocol.store import JobStore
 from schedulers.planning.pipeline_dag import one_f_one_b_order
 from schedulers.planning.plan_file import write_plan_file
 from tests.e2e_ranks import run_rank
@@ -31,6 +32,11 @@ from worker_client.hook.session import CoordinatorClient
 ROOT = Path(__file__).resolve().parent.parent
 FREQS = [1980, 1965, 1950, 1935]
 TOY_SCHEDULER = "tests.toy_schedulers:StepDown"
+# Jobs built straight in the store (new_job): their ranks, schedulers and clocks.
+RANKS = 4
+STEPDOWN = "tests.toy_schedulers:StepDown"
+SNAPSHOTTING = "tests.toy_schedulers:SnapshotStepDown"
+CLOCKS = [1980 - 15 * i for i in range(60)]
 # Coordinators that notice unclaimed work and stalled jobs quickly (fault and outage tests).
 FAST_RECOVERY = {"PERSEUS_STALL_TIMEOUT": "2", "PERSEUS_RECONCILE_INTERVAL": "0.3"}
 # Redis 7 for the tests that must hold on 6.2 and 7 (started privately, on a unix socket).
@@ -325,3 +331,23 @@ class TLSProxy(threading.Thread):
     def stop(self) -> None:
         """Stop accepting and forwarding."""
         self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def new_job(store: JobStore, job_id: str, scheduler: str) -> None:
+    """A job of RANKS ranks registered straight in the store (rank r's token: ``token-r``)."""
+    job = JobInfo(job_id=job_id, pp_degree=RANKS, dp_degree=1, tp_degree=1, world_size=RANKS)
+    store.create_job(job, JobConfig(scheduler=scheduler), f"1-{len(job_id)}")
+    for rank in range(RANKS):
+        store.add_rank(
+            job,
+            RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=CLOCKS),
+            token=f"token-{rank}",
+        )
+
+
+def report_all(store: JobStore, job_id: str) -> None:
+    """Every rank's result for the job's latest version, written straight in the store."""
+    info = store.get_job(job_id).info
+    version = store.version(job_id)
+    for rank in range(RANKS):
+        store.add_result(info, result(rank, version))

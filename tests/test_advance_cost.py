@@ -22,35 +22,23 @@ from coordinator.tasks import advance_job, advance_once
 from protocol import keys
 from protocol.models import JobConfig, JobInfo, RankInfo, ReportResult, encode_message
 from protocol.store import JobStore
-from tests.helpers import make_settings, result, start_perseus, wait_for
-
-RANKS = 4
-STEPDOWN = "tests.toy_schedulers:StepDown"
-SNAPSHOTTING = "tests.toy_schedulers:SnapshotStepDown"
-CLOCKS = [1980 - 15 * i for i in range(60)]
+from tests.helpers import (
+    CLOCKS,
+    RANKS,
+    SNAPSHOTTING,
+    STEPDOWN,
+    make_settings,
+    new_job,
+    report_all,
+    result,
+    start_perseus,
+    wait_for,
+)
 
 
 def commands(conn: redis.Redis) -> int:
     """Commands the server has processed so far (this INFO call included)."""
     return int(conn.info("stats")["total_commands_processed"])
-
-
-def new_job(store: JobStore, job_id: str, scheduler: str) -> None:
-    job = JobInfo(job_id=job_id, pp_degree=RANKS, dp_degree=1, tp_degree=1, world_size=RANKS)
-    store.create_job(job, JobConfig(scheduler=scheduler), f"1-{len(job_id)}")
-    for rank in range(RANKS):
-        store.add_rank(
-            job,
-            RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=CLOCKS),
-            token=f"token-{rank}",
-        )
-
-
-def report_all(store: JobStore, job_id: str) -> None:
-    info = store.get_job(job_id).info
-    version = store.version(job_id)
-    for rank in range(RANKS):
-        store.add_result(info, result(rank, version))
 
 
 @pytest.mark.parametrize("scheduler", [STEPDOWN, SNAPSHOTTING])

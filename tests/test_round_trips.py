@@ -19,8 +19,7 @@ from coordinator.worker_loop import PerseusSimpleWorker
 from protocol import keys
 from protocol.models import JobInfo, JournalEntry, ReportResult, encode_message
 from protocol.store import JobStore
-from tests.helpers import make_settings, result
-from tests.test_advance_cost import RANKS, SNAPSHOTTING, new_job, report_all
+from tests.helpers import RANKS, SNAPSHOTTING, make_settings, new_job, report_all, result
 
 SENT = [0]  # round trips of this process, counted while a test counts them
 
@@ -108,7 +107,9 @@ def test_the_long_lived_worker_starts_a_task_in_fewer_round_trips_than_rq(r, cou
 def _reports(job_id: str, version: int, ranks: range) -> list[tuple[str, str, dict[bytes, bytes]]]:
     entries = []
     for rank in ranks:
-        fields = encode_message(ReportResult(job_id=job_id, result=result(rank, version)))
+        fields = encode_message(
+            ReportResult(job_id=job_id, result=result(rank, version)), token=f"token-{rank}"
+        )
         raw = {k.encode(): v.encode() if isinstance(v, str) else v for k, v in fields.items()}
         entries.append((keys.RESULTS_STREAM, f"{version}-{rank}", raw))
     return entries

@@ -28,6 +28,7 @@ import ast
 import json
 import os
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,6 +139,21 @@ def read_plan_file(path: str | os.PathLike[str]) -> PlanFile:
     return plan
 
 
+# CPython 3.11 keeps the AST builder's recursion depth in state shared by threads, and a
+# thread switch inside ast.parse can leave it wrong: "SystemError: AST constructor recursion
+# depth mismatch" (python/cpython#106905, seen here with a worker thread parsing a plan while
+# the main thread did). Our own parses take turns; one parse that still hits it is retried.
+_PARSE_LOCK = threading.Lock()
+
+
+def _parse(text: str, source: str) -> ast.Expression:
+    with _PARSE_LOCK:
+        try:
+            return ast.parse(text, filename=source, mode="eval")
+        except SystemError:
+            return ast.parse(text, filename=source, mode="eval")
+
+
 def parse_plan_text(text: str, source: str = "<string>") -> PlanFile:
     """Parse the text of a plan file without executing it.
 
@@ -153,7 +169,7 @@ def parse_plan_text(text: str, source: str = "<string>") -> PlanFile:
     if not has_code:
         raise ConfigError(f"{source}: empty plan (no stage lists)")
     try:
-        tree = ast.parse(text, filename=source, mode="eval")
+        tree = _parse(text, source)
     except SyntaxError as exc:
         raise ConfigError(f"{source}:{exc.lineno or '?'}: syntax error: {exc.msg}") from None
     except (ValueError, MemoryError, RecursionError) as exc:  # e.g. NUL bytes, absurd nesting
