@@ -28,8 +28,10 @@ from redis.client import Pipeline
 from rq import Queue
 from rq.job import Job
 
+from coordinator.advance_queue import enqueue, record_enqueued
 from coordinator.completion import CompletionGuess
 from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat
+from coordinator.job_config import job_config
 from coordinator.outcome import Outcome, log_lost
 from coordinator.resilience import Backoff, check_redis_version, ensure_groups
 from coordinator.settings import PerseusSettings
@@ -39,7 +41,6 @@ from protocol import deadletter, keys, streams
 from protocol.consumers import GroupMembers
 from protocol.exceptions import DuplicateEntryError, PerseusError, ProtocolError, UnknownJobError
 from protocol.models import (
-    JobConfig,
     RegisterJob,
     RegisterRank,
     Reply,
@@ -49,9 +50,9 @@ from protocol.models import (
     make_job_id,
     pack,
 )
-from protocol.scheduler import BUILTIN, check_scheduler_args, resolve_scheduler
-from protocol.store import JobRecord, JobStore, StoreBatch
-from protocol.store_batch import Answer
+from protocol.scheduler import resolve_scheduler
+from protocol.store import JobRecord, JobStore
+from protocol.store_batch import Answer, StoreBatch
 from protocol.tokens import new_token
 
 logger = logging.getLogger(__name__)
@@ -378,7 +379,7 @@ class Coordinator:
                     f"world_size {job.world_size} is over max_world_size="
                     f"{self.settings.max_world_size} (PERSEUS_MAX_WORLD_SIZE)"
                 )
-            config = self._job_config(message)
+            config = job_config(self.settings, message)
             name = config.scheduler.rpartition(":")[2] or config.scheduler
             job = job.model_copy(update={"job_id": make_job_id(job, name, entry_id)})
             message.job = job
@@ -487,7 +488,7 @@ class Coordinator:
                 )
             for job_id in sorted(outcome.advance):
                 if job_id in outcome.enqueued:
-                    self._record_enqueued(job_id, outcome.enqueued[job_id], pipe)
+                    record_enqueued(self.store, job_id, outcome.enqueued[job_id], pipe)
                 else:
                     self.enqueue_advance(job_id, pipeline=pipe)
             for stream, ids in outcome.acks.items():
@@ -507,75 +508,12 @@ class Coordinator:
         for stream, ids in outcome.lost.items():
             log_lost(stream, ids)
 
-    def _job_config(self, message: RegisterJob) -> JobConfig:
-        dump_dir = self.settings.dump_dir if self.settings.dump_data else ""
-        if message.scheduler is None:
-            if not self.settings.scheduler:
-                raise ProtocolError(
-                    "this coordinator has no default scheduler (PERSEUS_SCHEDULER is empty): "
-                    "the job must choose one when it registers"
-                )
-            return JobConfig(
-                scheduler=self.settings.scheduler,
-                scheduler_args=self.settings.scheduler_args,
-                dump_dir=dump_dir,
-            )
-        # A job may pick a built-in scheduler only: a `module:Class` sent by a client would let
-        # any rank make the workers import arbitrary code.
-        if message.scheduler not in BUILTIN:
-            raise ProtocolError(
-                f"job asked for scheduler {message.scheduler!r}; a job may choose one of "
-                f"{', '.join(sorted(BUILTIN))} (others only through the coordinator's settings)"
-            )
-        given = {k for k, v in message.scheduler_args.items() if v is not None}
-        paths = sorted(resolve_scheduler(message.scheduler).server_path_args & given)
-        if paths:
-            raise ProtocolError(
-                f"scheduler argument(s) {', '.join(paths)} of {message.scheduler} name paths on "
-                "the server; only the coordinator's settings may set them (a job may send "
-                "data: plan_text, policies, numbers)"
-            )
-        check_scheduler_args(message.scheduler, message.scheduler_args)
-        return JobConfig(
-            scheduler=message.scheduler, scheduler_args=message.scheduler_args, dump_dir=dump_dir
-        )
-
     # --- scheduler work --------------------------------------------------------------------
     def enqueue_advance(
         self, job_id: str, pipeline: Pipeline | None = None, record: bool = True
     ) -> Job:
-        """Enqueue the rq job that computes ``job_id``'s next schedule version.
-
-        With ``pipeline`` (a transaction in explicit MULTI mode), the enqueue happens when the
-        caller executes it. ``record``: also note the rq job and the time on the job (what the
-        sweep checks); otherwise the caller does (:meth:`_record_enqueued`).
-        """
-        lease_ms = max(1000, int(self.settings.stall_timeout * 1000))
-        pipe = pipeline
-        if pipe is None:
-            pipe = self.conn.pipeline(transaction=True)
-            pipe.multi()
-        job = self.queue.enqueue_call(
-            "coordinator.tasks.advance_job",
-            args=(job_id, lease_ms),
-            kwargs={"snapshot_every": self.settings.snapshot_every},
-            description=f"advance {job_id}",
-            timeout=self.settings.job_timeout,
-            result_ttl=600,
-            failure_ttl=24 * 3600,
-            pipeline=pipe,
-        )
-        if record:
-            self._record_enqueued(job_id, job.id, pipe)
-        if pipeline is None:
-            pipe.execute()
-            pipe.reset()
-        return job
-
-    def _record_enqueued(self, job_id: str, rq_job: str, pipe: Pipeline) -> None:
-        self.store.set_fields(
-            job_id, pipeline=pipe, enqueued_at=f"{self.store.clock.now():.3f}", rq_job=rq_job
-        )
+        """Enqueue the rq task that computes ``job_id``'s next version (see :func:`enqueue`)."""
+        return enqueue(self.queue, self.store, self.settings, job_id, pipeline, record)
 
     def sweep(self) -> None:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long (see Sweeper)."""

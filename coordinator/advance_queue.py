@@ -1,0 +1,58 @@
+"""Scheduler work on rq: the task that advances a job, alone or in a caller's transaction."""
+
+from __future__ import annotations
+
+from redis.client import Pipeline
+from rq import Queue
+from rq.job import Job
+
+from coordinator.settings import PerseusSettings
+from protocol.store import JobStore
+
+
+def enqueue(
+    queue: Queue,
+    store: JobStore,
+    settings: PerseusSettings,
+    job_id: str,
+    pipeline: Pipeline | None = None,
+    record: bool = True,
+) -> Job:
+    """Enqueue the rq task that computes ``job_id``'s next schedule version.
+
+    Args:
+        queue: The scheduler queue.
+        store: The job store (``record`` writes to the job).
+        settings: Stall timeout (the task's lease), job timeout, snapshot interval.
+        job_id: The job.
+        pipeline: A transaction in explicit MULTI mode: the enqueue happens when the caller
+            executes it (default: now, in a transaction of its own).
+        record: Also note the rq task and the time on the job (what the sweep checks);
+            otherwise the caller does, with :func:`record_enqueued`.
+    """
+    lease_ms = max(1000, int(settings.stall_timeout * 1000))
+    pipe = pipeline
+    if pipe is None:
+        pipe = store.conn.pipeline(transaction=True)
+        pipe.multi()
+    job = queue.enqueue_call(
+        "coordinator.tasks.advance_job",
+        args=(job_id, lease_ms),
+        kwargs={"snapshot_every": settings.snapshot_every},
+        description=f"advance {job_id}",
+        timeout=settings.job_timeout,
+        result_ttl=600,
+        failure_ttl=24 * 3600,
+        pipeline=pipe,
+    )
+    if record:
+        record_enqueued(store, job_id, job.id, pipe)
+    if pipeline is None:
+        pipe.execute()
+        pipe.reset()
+    return job
+
+
+def record_enqueued(store: JobStore, job_id: str, rq_job: str, pipe: Pipeline) -> None:
+    """Note on the job which rq task advances it and when it was enqueued (server clock)."""
+    store.set_fields(job_id, pipeline=pipe, enqueued_at=f"{store.clock.now():.3f}", rq_job=rq_job)

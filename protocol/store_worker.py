@@ -1,0 +1,255 @@
+"""The worker's side of the job store: schedules, the journal, snapshots, the lease, what is due.
+
+A mixin of :class:`protocol.store.JobStore` (which sets the attributes declared here), kept in
+its own module so that each stays readable; callers use ``JobStore``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import redis
+
+from protocol import keys
+from protocol.job_record import JobRecord
+from protocol.models import FrequencySchedule, JournalEntry, pack, unpack
+from protocol.server_clock import ServerClock
+from protocol.store_batch import StoreBatch
+from protocol.store_scripts import Scripts
+
+
+class WorkerStore:
+    """Schedules, journal, snapshots, lease and due set of jobs (see :class:`JobStore`)."""
+
+    conn: redis.Redis
+    scripts: Scripts
+    clock: ServerClock
+    stream_maxlen: int
+    keep_schedules: int
+
+    def batch(self) -> StoreBatch:
+        """A batch of writes sent in one round trip."""
+        return StoreBatch(self.scripts)
+
+    # --- schedules -------------------------------------------------------------------------
+    def version(self, job_id: str) -> int:
+        """Latest published schedule version (0 if none)."""
+        raw = self.conn.get(keys.job_version(job_id))
+        return int(raw) if raw is not None else 0
+
+    def schedule(self, job_id: str, version: int, rank: int) -> FrequencySchedule | None:
+        """One rank's schedule of ``version``, or None if not published (or no longer kept)."""
+        raw = self.conn.hget(keys.job_schedule(job_id, version), str(rank))
+        return unpack(FrequencySchedule, raw) if raw is not None else None
+
+    def schedules(self, job_id: str, version: int) -> list[FrequencySchedule]:
+        """Every rank's schedule of ``version``, sorted by rank (empty if not kept)."""
+        raw = self.conn.hvals(keys.job_schedule(job_id, version))
+        return sorted((unpack(FrequencySchedule, v) for v in raw), key=lambda s: s.rank)
+
+    def journal(self, job_id: str, start: int = 0) -> list[JournalEntry]:
+        """The replay journal from its ``start``-th entry on, in order."""
+        raw = self.conn.lrange(keys.job_journal(job_id), start, -1)
+        return [unpack(JournalEntry, v) for v in raw]
+
+    def publish(
+        self,
+        job_id: str,
+        schedules: list[FrequencySchedule],
+        entry: JournalEntry,
+        now: float | None = None,
+        journal_length: int | None = None,
+        summary: bytes | None = None,
+    ) -> bool:
+        """Publish ``schedules`` as version ``entry.version`` if the latest is the one before.
+
+        Args:
+            job_id: The job.
+            schedules: One per rank.
+            entry: The journal entry of the new version.
+            now: Unix time to record (default: now).
+            journal_length: Also require the journal to still have this many entries (what
+                the caller replayed), so no observation recorded meanwhile is skipped.
+            summary: Summary of the results the entry observed (kept after they expire).
+
+        Returns:
+            True if this call published it; False if another writer got there first.
+        """
+        now = self.clock.now() if now is None else now
+        flat: list[Any] = []
+        for schedule in schedules:
+            # Validated fields are plain data: packed as the model would be, without a copy.
+            stamped = dict(schedule.__dict__, version=entry.version)
+            flat += [str(schedule.rank), msgpack.packb(stamped, use_bin_type=True)]
+        old = entry.version - self.keep_schedules
+        published, _current = self.scripts.publish(
+            keys=[
+                keys.job_version(job_id),
+                keys.job_schedule(job_id, entry.version),
+                keys.job_journal(job_id),
+                keys.job_updates(job_id),
+                keys.JOBS_INDEX,
+                keys.job_info(job_id),
+                keys.job_summaries(job_id),
+                keys.job_schedule(job_id, max(old, 0)),
+            ],
+            args=[
+                job_id,
+                now,
+                entry.version - 1,
+                entry.version,
+                pack(entry),
+                self.stream_maxlen,
+                "" if journal_length is None else journal_length,
+                *_summary_args(entry, summary),
+                "1" if old >= 1 else "0",
+                *flat,
+            ],
+        )
+        return bool(published)
+
+    def record_unpublished(
+        self,
+        job_id: str,
+        entry: JournalEntry,
+        journal_length: int,
+        now: float | None = None,
+        summary: bytes | None = None,
+    ) -> bool:
+        """Append an unpublished journal entry if the journal still has ``journal_length``."""
+        now = self.clock.now() if now is None else now
+        return bool(
+            self.scripts.record(
+                keys=[
+                    keys.job_journal(job_id),
+                    keys.JOBS_INDEX,
+                    keys.job_summaries(job_id),
+                ],
+                args=[journal_length, pack(entry), now, job_id, *_summary_args(entry, summary)],
+            )
+        )
+
+    def save_artifacts(self, job_id: str, artifacts: dict[str, bytes]) -> None:
+        """Store what a scheduler produced (same content on every replay, so idempotent)."""
+        if artifacts:
+            self.conn.hset(keys.job_artifacts(job_id), mapping=artifacts)
+
+    def artifacts(self, job_id: str) -> dict[str, bytes]:
+        """Every artifact of a job, by name."""
+        raw = self.conn.hgetall(keys.job_artifacts(job_id))
+        return {name.decode(): value for name, value in raw.items()}
+
+    # --- scheduler snapshots ---------------------------------------------------------------
+    def save_snapshot(self, job_id: str, data: bytes, journal_length: int, consumed: range) -> bool:
+        """Store a snapshot taken after ``journal_length`` entries; delete consumed results.
+
+        Args:
+            job_id: The job.
+            data: The msgpack snapshot.
+            journal_length: Journal entries it covers (stored only if the journal has exactly
+                these, and no snapshot covers more).
+            consumed: Versions whose results the snapshot consumed: deleted, and refused from
+                now on.
+
+        Returns:
+            True if stored.
+        """
+        doomed = [keys.job_results(job_id, v) for v in consumed]
+        return bool(
+            self.scripts.snapshot(
+                keys=[
+                    keys.job_snapshot(job_id),
+                    keys.job_journal(job_id),
+                    keys.job_info(job_id),
+                    *doomed,
+                ],
+                args=[journal_length, data, consumed.stop],
+            )
+        )
+
+    def snapshot(self, job_id: str) -> bytes | None:
+        """The latest stored snapshot, if any."""
+        raw = self.conn.get(keys.job_snapshot(job_id))
+        return bytes(raw) if raw is not None else None
+
+    # --- worker lease ----------------------------------------------------------------------
+    def acquire_lease(self, job_id: str, token: str, ttl_ms: int) -> bool:
+        """Try to become the one worker advancing ``job_id`` for ``ttl_ms``."""
+        return bool(self.conn.set(keys.job_lease(job_id), token, nx=True, px=ttl_ms))
+
+    def renew_lease(self, job_id: str, token: str, ttl_ms: int) -> bool:
+        """Extend a held lease; False if it was lost."""
+        return bool(self.scripts.renew(keys=[keys.job_lease(job_id)], args=[token, ttl_ms]))
+
+    def release_lease(self, job_id: str, token: str) -> None:
+        """Release the lease if still held by ``token``."""
+        self.scripts.release(keys=[keys.job_lease(job_id)], args=[token])
+
+    def release_and_settle(self, job_id: str, token: str) -> bool:
+        """:meth:`release_lease` and :meth:`settle` in one round trip; return whether due."""
+        batch = self.batch()
+        batch.call(self.scripts.release, [keys.job_lease(job_id)], [token])
+        batch.call(self.scripts.due, self._due_keys(job_id), [job_id, "settle", self.clock.now()])
+        _released, due = batch.execute()
+        return bool(due == 1)
+
+    def lease_holder(self, job_id: str) -> str | None:
+        """Token of the current lease holder, if any."""
+        raw = self.conn.get(keys.job_lease(job_id))
+        return raw.decode() if raw is not None else None
+
+    # --- what is due -----------------------------------------------------------------------
+    def _due_keys(self, job_id: str) -> list[str]:
+        return [
+            keys.job_info(job_id),
+            keys.job_ranks(job_id),
+            keys.job_version(job_id),
+            keys.job_journal(job_id),
+            keys.job_control(job_id),
+            keys.DUE_JOBS,
+            keys.FINISHED_JOBS,
+        ]
+
+    def _due_call(self, job_id: str, mode: str) -> int:
+        return int(
+            self.scripts.due(keys=self._due_keys(job_id), args=[job_id, mode, self.clock.now()])
+        )
+
+    def due(self, job: JobRecord | str) -> bool:
+        """Whether the job needs its next schedule version computed (one round trip)."""
+        return self._due_call(job if isinstance(job, str) else job.job_id, "") == 1
+
+    def settle(self, job_id: str) -> bool:
+        """Like :meth:`due`, and a job with nothing due leaves the due set (atomically)."""
+        return self._due_call(job_id, "settle") == 1
+
+    def mark_due(self, job_ids: list[str]) -> list[str]:
+        """Put those of ``job_ids`` with work due into the due set (one round trip); return them.
+
+        Reconciles the due set with the jobs themselves, e.g. after Redis lost the write that
+        had put a job there.
+        """
+        batch = self.batch()
+        now = self.clock.now()
+        for job_id in job_ids:
+            batch.call(self.scripts.due, self._due_keys(job_id), [job_id, "mark", now])
+        return [j for j, due in zip(job_ids, batch.execute(), strict=True) if due == 1]
+
+    def jobs_page(self, start: int, count: int) -> list[str]:
+        """Jobs ``start`` to ``start + count - 1`` of the jobs index (for a sweep in pages)."""
+        return [j.decode() for j in self.conn.zrange(keys.JOBS_INDEX, start, start + count - 1)]
+
+    def forget_due(self, job_id: str) -> None:
+        """Take a job out of the due set (its next input puts it back)."""
+        self.conn.zrem(keys.DUE_JOBS, job_id)
+
+    def due_jobs(self, limit: int = 1000) -> list[str]:
+        """Jobs that may have work due, longest waiting first (the sweep's worklist)."""
+        return [j.decode() for j in self.conn.zrange(keys.DUE_JOBS, 0, limit - 1)]
+
+
+def _summary_args(entry: JournalEntry, summary: bytes | None) -> list[Any]:
+    if summary is None or entry.observed_version is None:
+        return ["", b""]
+    return [str(entry.observed_version), summary]
