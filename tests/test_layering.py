@@ -202,3 +202,23 @@ def test_imports_inside_functions_name_the_heavy_dependency_they_avoid():
 def test_the_checker_sees_a_violation(importer, imported):
     # Guards the checker itself: an upward import must be reported by the rule it applies.
     assert group_of(imported) not in ALLOWED[group_of(importer)]
+
+
+def _test_module_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_tests_share_helpers_not_other_test_modules():
+    """Helpers live in conftest.py / tests/helpers.py: a test module imports no other one."""
+    offenders = {}
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        bad = sorted(n for n in _test_module_imports(path) if n.startswith("tests.test_"))
+        if bad:
+            offenders[path.name] = bad
+    assert not offenders, f"test modules importing other test modules: {offenders}"
