@@ -25,6 +25,7 @@ from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker, Worker
+from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job
 from rq.utils import now
@@ -59,8 +60,19 @@ class _StopAware:
             pipe.execute()
 
     def handle_warm_shutdown_request(self) -> None:
+        # rq stops an idle worker by raising StopRequested from its signal handler, wherever
+        # the main thread is. Inside a log call (rq logs each task it takes) logging swallows
+        # it ("--- Logging error ---") and the worker went on for ever. rq's loop also checks
+        # this flag before each dequeue: the stop then happens after the task at hand.
         self.stop_requested = True
+        self._stop_requested = True
         super().handle_warm_shutdown_request()  # type: ignore[misc]
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, *args: Any, **kw: Any) -> Any:
+        """Take a task as rq does, unless a stop was asked for (its StopRequested may be lost)."""
+        if self.stop_requested:
+            raise StopRequested()
+        return super().dequeue_job_and_maintain_ttl(timeout, *args, **kw)  # type: ignore[misc]
 
     def teardown(self) -> None:
         """Run rq's teardown (record the worker's death, unsubscribe), for at most a few seconds.

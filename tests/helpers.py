@@ -105,12 +105,25 @@ def start_perseus(
 
 
 def stop(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
-    """Terminate processes and wait for them."""
+    """Terminate processes and wait for them.
+
+    Raises:
+        AssertionError: One did not exit within ``timeout`` after SIGTERM (it is killed, so
+            that no process outlives the test).
+    """
+    procs = list(procs)
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
+    hung = []
     for proc in procs:
-        proc.wait(timeout=timeout)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            hung.append(proc.args)
+    assert not hung, f"did not stop within {timeout} s of SIGTERM: {hung}"
 
 
 IMPORT_BLOCKER = """

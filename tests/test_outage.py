@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from protocol.models import JobInfo, ProfilingResult, ReportResult, unpack
 from protocol.store import JobStore
 from tests.helpers import (
     FAST_RECOVERY,
+    ROOT,
     make_hook,
     make_settings,
     register,
@@ -34,6 +36,7 @@ from tests.helpers import (
     start_perseus,
     step_until,
     stop,
+    subprocess_env,
     wait_for,
 )
 from worker_client.gpu.frequency import DryRunFrequencyController
@@ -293,6 +296,22 @@ def test_worker_waiting_for_redis_stops_on_sigterm(tmp_path):
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+
+
+def test_a_stop_request_that_rq_loses_in_a_log_call_still_stops_the_worker(redis_url):
+    # The SIGTERM lands while rq logs the task it took (logging swallows rq's StopRequested):
+    # the task is finished, then the worker stops instead of waiting for work for ever.
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.worker_stop_script", redis_url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        env=subprocess_env(),
+    )
+    assert "--- Logging error ---" in proc.stderr  # the stop was raised inside a log call
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "stopped after 0 restarts; tasks done: 1" in proc.stdout
 
 
 def test_training_and_every_process_ride_through_redis_out_of_memory(gloo, cluster, tmp_path):
