@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import click
 import pytest
 import redis
 from click.testing import CliRunner
@@ -16,6 +17,7 @@ from coordinator.embedded import EmbeddedRedis
 from protocol import keys
 from protocol.exceptions import CoordinatorUnavailableError
 from protocol.models import JobInfo
+from schedulers.planning.synthetic_profile import write_synthetic_profile
 from tests.helpers import (
     ROOT,
     TOY_SCHEDULER,
@@ -29,6 +31,8 @@ from tests.helpers import (
 )
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.hook.session import CoordinatorClient
+from worker_client.power_limit.profile import PowerLimitProfile, save_profile_file
+from worker_client.power_limit.selectors import PowerLimitMeasurement
 
 PASSWORD = "pw-5ecret-4711"
 WRONG = "pw-wrong-0815"
@@ -50,19 +54,52 @@ def cli(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output + (repr(result.exception) if result.exception else "")
 
 
-def test_commands_never_print_the_password(server):
+# Arguments that make each command that takes --redis-url run once; the services (which keep
+# running) are checked by test_services_log_no_password.
+COMMAND_ARGS: dict[str, list[list[str]]] = {
+    "status": [[], ["--json"]],
+    "dump": [["no-such-job"]],
+    "profile": [["no-such-job"]],
+    "target": [["no-such-job", "1.0"]],
+    "deadletter list": [[]],
+    "deadletter replay": [["--all"]],
+    "deadletter purge": [["--all"]],
+    "optimize": [["profile.csv", "-s", "2", "-m", "2", "--out", "plans", "--enqueue"]],
+    "power-limit show": [["no-such-workload"]],
+    "power-limit delete": [["no-such-workload"]],
+    "power-limit import": [["profile.json", "w"]],
+    "power-limit export": [["no-such-workload", "out.json"]],
+    "jobs list": [[], ["--json"]],
+    "jobs delete": [["no-such-job"]],
+    "jobs finish": [["no-such-job"]],
+}
+SERVICES = {"coordinator", "worker", "demo"}  # the demo: its wrong-password start below
+
+
+def redis_commands(group: click.Group, path: tuple[str, ...] = ()) -> list[str]:
+    """Every `perseus` command (group members included) that takes --redis-url."""
+    found = []
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            found += redis_commands(command, (*path, name))
+        elif any("--redis-url" in getattr(p, "opts", ()) for p in command.params):
+            found.append(" ".join((*path, name)))
+    return found
+
+
+def test_every_command_that_connects_is_checked():
+    assert set(redis_commands(main)) == set(COMMAND_ARGS) | SERVICES
+
+
+def test_commands_never_print_the_password(server, tmp_path, monkeypatch):
     url = server.url
     assert PASSWORD in url
-    for args in (
-        ["status"],
-        ["status", "--json"],
-        ["deadletter", "list"],
-        ["deadletter", "replay", "--all"],
-        ["dump", "no-such-job"],
-        ["target", "no-such-job", "1.0"],
-        ["profile", "no-such-job"],
-        ["power-limit", "show", "no-such-workload"],
-    ):
+    monkeypatch.chdir(tmp_path)
+    write_synthetic_profile(tmp_path / "profile.csv", 2)
+    measured = PowerLimitMeasurement(power_limit=300, time=1.0, energy=300.0)
+    save_profile_file(PowerLimitProfile(measurements=[measured]), tmp_path / "profile.json")
+    runs = [name.split() + args for name, all_args in COMMAND_ARGS.items() for args in all_args]
+    for args in runs:
         code, out = cli(*args, "--redis-url", url)
         assert clean(out), (args, out)
         # The wrong password fails with a message that names the server, not the password.
@@ -70,6 +107,9 @@ def test_commands_never_print_the_password(server):
         code, out = cli(*args, "--redis-url", wrong)
         assert code != 0 and clean(out), (args, out)
         assert "127.0.0.1" in out, (args, out)
+    # The demo runs a whole job: checked where it fails, connecting with a wrong password.
+    code, out = cli("demo", "--redis-url", url.replace(PASSWORD, WRONG))
+    assert code != 0 and clean(out) and "127.0.0.1" in out, out
 
 
 @pytest.mark.parametrize("command", ["coordinator", "worker"])
