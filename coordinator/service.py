@@ -169,9 +169,9 @@ class Coordinator:
         return handled
 
     def _consume(self, start: str, block_ms: int | None) -> int:
-        streams = {s: start for s in keys.INPUT_STREAMS}
+        wanted = {s: start for s in keys.INPUT_STREAMS}
         reply = self.conn.xreadgroup(
-            keys.COORDINATOR_GROUP, self.consumer, streams, count=_BATCH, block=block_ms
+            keys.COORDINATOR_GROUP, self.consumer, wanted, count=_BATCH, block=block_ms
         )
         batch = [
             (stream.decode(), entry_id.decode(), fields)
