@@ -16,6 +16,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,38 @@ PLAN_STEPS = 6
 # stops early, so versions keep coming while the faults happen.
 SWEEP = [1980 - 15 * i for i in range(16)]
 FAULT_STEPS, STEP_SLEEP = 300, 0.2
+
+
+class PublishedSchedules(threading.Thread):
+    """Every version's schedules, read as it is published: Redis keeps only the newest few.
+
+    Polls the job's version and survives Redis restarts (it retries until stopped).
+    """
+
+    def __init__(self, url: str, job_id: str) -> None:
+        super().__init__(name="published-schedules", daemon=True)
+        self.url, self.job_id = url, job_id
+        self.schedules: dict[int, dict[int, list[int]]] = {}
+        self.missed: list[int] = []  # versions already deleted when first looked for
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        store = JobStore(redis.Redis.from_url(self.url, socket_timeout=5))
+        seen = 0
+        while not self.stop.wait(0.05):
+            try:
+                latest = store.version(self.job_id)
+                for version in range(seen + 1, latest + 1):
+                    got = store.schedules(self.job_id, version)
+                    if got:
+                        self.schedules[version] = {
+                            s.rank: [f for _, f in s.frequencies] for s in got
+                        }
+                    else:
+                        self.missed.append(version)
+                    seen = version
+            except redis.RedisError:
+                continue
 
 
 def readme_commands() -> list[str]:
@@ -313,6 +346,8 @@ class SmokeRun:
             step_sleep=STEP_SLEEP,
         )
         job_id = wait_for(quiet(lambda: find_job(store, "faults")), timeout=120, what="the job")
+        recorder = PublishedSchedules(self.url, job_id)
+        recorder.start()
         wait_for(quiet(lambda: store.version(job_id) >= 2), timeout=120, what="version 2")
 
         victim, doing = self.pick_busy_worker(conn)
@@ -339,7 +374,9 @@ class SmokeRun:
         self.stack.note(f"version {store.version(job_id)} after the restart")
 
         records = collect_ranks(procs, self.out, "faults", timeout=600)
-        self.check_fault_job(store, job_id, records)
+        recorder.stop.set()
+        recorder.join(timeout=10)
+        self.check_fault_job(store, job_id, records, recorder)
 
     def pick_busy_worker(self, conn: redis.Redis) -> tuple[str, str]:
         """A worker container holding an rq job if one is caught within 20 s, else any.
@@ -362,16 +399,18 @@ class SmokeRun:
             time.sleep(0.005)
         return containers[0], "idle"
 
-    def check_fault_job(self, store: JobStore, job_id: str, records: list[dict]) -> None:
+    def check_fault_job(
+        self, store: JobStore, job_id: str, records: list[dict], recorded: PublishedSchedules
+    ) -> None:
         assert {rec["job_id"] for rec in records} == {job_id}
         final = store.version(job_id)
         conn = store.conn
         published = [int(f[b"version"]) for _, f in conn.xrange(keys.job_updates(job_id))]
         assert published == list(range(1, final + 1)), published  # none skipped or repeated
-        schedules = {
-            v: {s.rank: [f for _, f in s.frequencies] for s in store.schedules(job_id, v)}
-            for v in range(1, final + 1)
-        }
+        assert not recorded.missed, f"versions deleted before they were read: {recorded.missed}"
+        schedules = recorded.schedules
+        assert sorted(schedules) == list(range(1, final + 1)), sorted(schedules)
+        reported: dict[int, set[int]] = {}  # version -> ranks that reported it
         for rec in records:
             rank = rec["rank"]
             per_step = len(rec["frequencies"]) // FAULT_STEPS
@@ -381,17 +420,25 @@ class SmokeRun:
                 ran[version] = ran.get(version, 0) + 1
                 clocks = rec["frequencies"][step * per_step : (step + 1) * per_step]
                 assert clocks == schedules[version][rank], f"rank {rank} step {step} v{version}"
-            # Every version a rank ran long enough to report has its result in Redis.
-            reported = {v for v, steps in ran.items() if steps >= 2}
-            stored = {
-                v
-                for v in range(1, final + 1)
-                if str(rank).encode() in conn.hkeys(keys.job_results(job_id, v))
-            }
-            assert stored == reported, (rank, sorted(stored), sorted(reported))
+            for version, steps in ran.items():
+                if steps >= 2:  # ran long enough to report
+                    reported.setdefault(version, set()).add(rank)
+        # Every result reported is in Redis: as it arrived, or, once the scheduler's snapshot
+        # consumed it, counted in that version's summary.
+        summaries = store.summaries(job_id)
+        for version in range(1, final + 1):
+            kept = {int(r) for r in conn.hkeys(keys.job_results(job_id, version))}
+            ranks = reported.get(version, set())
+            if kept:
+                assert kept == ranks, (version, sorted(kept), sorted(ranks))
+            elif version in summaries:
+                assert summaries[version]["ranks"] == len(ranks), (version, summaries[version])
+            else:
+                assert not ranks, (version, "reported, but neither kept nor summarized")
         assert conn.xlen(keys.DEADLETTER_STREAM) == 0, "dead letters"
         self.stack.note(
-            f"fault job {job_id}: versions 1..{final}, every result stored, no dead letters"
+            f"fault job {job_id}: versions 1..{final}, every result stored or summarized, "
+            "no dead letters"
         )
 
 
