@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 from click.testing import CliRunner
+from rq import Queue
 
 from coordinator.cli import main
 from protocol import keys
@@ -231,3 +232,19 @@ def test_profile_fetches_the_sweeps_csv_or_says_why_there_is_none(r, redis_url, 
     assert (tmp_path / "p.csv").read_text() == csv_text
     code, out = perseus("profile", job, "--out", "-", "--redis-url", redis_url)
     assert code == 0 and out == csv_text
+
+
+def test_perseus_worker_runs_tasks_with_its_startup_heap_frozen(r, redis_url):
+    # gc.freeze() keeps the imported and preloaded heap out of full collections, whose pauses
+    # were bench_coordinator's p99 (35-60 ms). The task reports what the worker froze.
+    job = Queue(keys.RQ_QUEUE, connection=r).enqueue("gc.get_freeze_count")
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "worker", "--burst", "--redis-url", redis_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=subprocess_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert job.return_value(refresh=True) > 10_000  # the imports and preloaded schedulers
