@@ -268,7 +268,9 @@ class Coordinator:
             if not fields:  # XADD needs a field: none means the entry is gone
                 outcome.lost.setdefault(stream, []).append(entry_id)
                 continue
-            size = deadletter.entry_size(fields)
+            known = decoded.get((stream, entry_id)) if decoded else None
+            # Decoded ahead means sized already: _decode_ahead skips the oversize ones.
+            size = 0 if known is not None else deadletter.entry_size(fields)
             if size > self.settings.max_entry_bytes:
                 # Refused before decoding: a huge msgpack payload costs memory to unpack.
                 reason = (
@@ -278,10 +280,9 @@ class Coordinator:
                 outcome.dead(stream, entry_id, fields, reason, oversize=True)
                 continue
             try:
-                message = decoded.get((stream, entry_id)) if decoded else None
-                if isinstance(message, Exception):
-                    raise message
-                pending.append((stream, entry_id, fields, message or decode_message(fields)))
+                if isinstance(known, Exception):
+                    raise known
+                pending.append((stream, entry_id, fields, known or decode_message(fields)))
             except (PerseusError, ValueError) as exc:
                 outcome.dead(stream, entry_id, fields, str(exc) or type(exc).__name__)
         jobs = self._job_records(m.job_id for *_, m in pending if not isinstance(m, RegisterJob))

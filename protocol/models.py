@@ -103,7 +103,7 @@ class RankInfo(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> RankInfo:
-        if any(f <= 0 for f in self.available_frequencies):
+        if min(self.available_frequencies) <= 0:  # min_length=1 holds: checked before
             raise ValueError("available_frequencies must all be positive (MHz)")
         if len(set(self.available_frequencies)) != len(self.available_frequencies):
             raise ValueError("available_frequencies has duplicates")

@@ -18,6 +18,7 @@ Two ways to write one, as in Zeus:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Generator
@@ -191,8 +192,11 @@ BUILTIN: dict[str, str] = {
 }
 
 
+@functools.lru_cache(maxsize=256)
 def resolve_scheduler(name: str) -> type[FrequencyScheduler]:
     """Return the scheduler class for a builtin name or a ``module:Class`` path.
+
+    Cached (failures are not): the coordinator resolves a job's scheduler for every entry.
 
     Raises:
         ConfigError: unknown name, import failure, or not a FrequencyScheduler subclass.

@@ -294,6 +294,8 @@ class StoreBatch:
     ) -> list[Any]:
         # EVALSHA straight away: redis-py's pipelined scripts would first ask SCRIPT EXISTS,
         # a round trip per batch. A server that lost its scripts (restart) gets them again.
+        if then is None and len(commands) == 1:
+            return [self._send_one(*commands[0])]
         for attempt in (1, 2):
             # With ``then``: one transaction (rq queues its enqueue in an explicit MULTI).
             with self.scripts.conn.pipeline(transaction=then is not None) as pipe:
@@ -316,6 +318,18 @@ class StoreBatch:
             for script in {id(c[0]): c[0] for c in commands}.values():
                 script.sha = self.scripts.conn.script_load(script.script)
         return replies
+
+    def _send_one(self, script: Script, names: list[str], args: list[Any]) -> Any:
+        """One script call without a pipeline (a registration, say): a pipeline costs more."""
+        conn = self.scripts.conn
+        try:
+            try:
+                return conn.evalsha(script.sha, len(names), *names, *args)
+            except NoScriptError:
+                script.sha = conn.script_load(script.script)
+                return conn.evalsha(script.sha, len(names), *names, *args)
+        except redis.ResponseError as exc:  # as a pipeline returns it (raise_on_error=False)
+            return exc
 
 
 def _pack_plain(model: ProfilingResult) -> bytes:
