@@ -7,11 +7,16 @@
    same traffic served by one process with one pipeline per batch, msgpack only: no
    validation, no rq, no scheduler. The scheduler is `tests.toy_schedulers:SnapshotStepDown`,
    which lowers the clocks every round, so every round publishes a version.
+   For the long-lived worker it also prints where a version's time goes, from the timestamps
+   rq and the job record already keep (read between rounds, outside the timed path).
 2. Redis memory of that job (every `perseus:job:<id>:*` key) at versions 20 and 200.
 3. Registrations per second from one client (request, then wait for the reply), against the
-   raw request/reply limit (a responder that only answers).
-4. rq round trip of a task that imports the planner (lowtime): forking worker with the
-   scheduler modules preloaded (the default) against `--no-preload`.
+   raw request/reply limit: the same request and reply traffic (a rank's coordinates and
+   clocks, a reply with a token's length), msgpack only, answered by a responder that stores
+   the rank's info and answers; with the CPU each process spends per request.
+4. rq round trip of a task that imports what a planning scheduler's first task needs (the
+   planner and scipy.optimize, its fit): forking worker with the scheduler modules preloaded
+   (the default) against `--no-preload`.
 
     python benchmarks/bench_coordinator.py [--versions 200] [--ranks 64]
 """
@@ -19,12 +24,15 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.embedded import EmbeddedRedis  # noqa: E402
 from protocol import keys  # noqa: E402
+from protocol.connection import SOCKET_TIMEOUT_S, connect  # noqa: E402
 from protocol.constants import H100_GRAPHICS_CLOCKS  # noqa: E402
 from protocol.models import (  # noqa: E402
     JobInfo,
@@ -143,6 +152,7 @@ class Stack:
         self.procs: list[subprocess.Popen] = []
         self.latencies: dict[int, float] = {}
         self.memory: dict[int, int] = {}
+        self.stages: list[tuple[float, ...]] = []  # long-lived only: see record_stages
         if kind == "raw":
             env = dict(os.environ, PYTHONPATH=str(ROOT))
             script = [sys.executable, __file__, "--raw-server", self.url, "--ranks", str(ranks)]
@@ -160,18 +170,41 @@ class Stack:
     def round(self, version: int) -> None:
         """All ranks report ``version``; record the time until the next version is visible."""
         batch = report_fields(self.job_id, self.ranks, version, self.client)
-        start = time.perf_counter()
+        wall, start = time.time(), time.perf_counter()
         with self.conn.pipeline(transaction=False) as pipe:
             for fields in batch:
                 pipe.xadd(self.stream, fields)
             pipe.execute()
+        sent = time.perf_counter() - start
         self.last_id = wait_version(self.conn, self.updates, self.last_id, version)
         self.latencies[version + 1] = time.perf_counter() - start
+        if self.kind == "long-lived":
+            self.record_stages(wall, sent, self.latencies[version + 1])
         if self.kind != "raw" and version + 1 in (20, 200):
             # The worker snapshots right after publishing: measure once it is done.
             while self.conn.exists(keys.job_lease(self.job_id)):
                 time.sleep(0.005)
             self.memory[version + 1] = job_memory(self.conn, self.job_id)
+
+    def record_stages(self, wall: float, sent: float, visible: float) -> None:
+        """Note when this round's results were in, its task created, started and published.
+
+        Times are seconds after the first XADD: the rq task's ``created_at`` (set by the
+        coordinator as it builds the task) and ``started_at`` (the worker), the job's
+        ``published_at`` (Redis TIME in the publish script). One machine, one clock.
+        """
+        info = self.conn.hgetall(keys.job_key(self.job_id, "info"))
+        task = self.conn.hgetall(b"rq:job:" + info.get(b"rq_job", b""))
+
+        def stamp(value: bytes | None) -> float:
+            if not value:
+                return float("nan")
+            moment = datetime.datetime.fromisoformat(value.decode().replace("Z", "+00:00"))
+            return moment.timestamp() - wall
+
+        published = float(info.get(b"published_at") or "nan") - wall
+        created, started = stamp(task.get(b"created_at")), stamp(task.get(b"started_at"))
+        self.stages.append((sent, created, started, published, visible))
 
     def close(self) -> None:
         for proc in reversed(self.procs):
@@ -207,8 +240,12 @@ def start_coordinator(url: str) -> subprocess.Popen:
 
 # --- the raw limit ------------------------------------------------------------------------------
 def raw_server(url: str, ranks: int) -> None:
-    """One process, one pipeline per batch, msgpack only: answers requests, publishes versions."""
-    conn = redis.Redis.from_url(url)
+    """One process, one pipeline per batch, msgpack only: answers requests, publishes versions.
+
+    It stores what the coordinator stores (each rank's info, each result) and connects as it
+    does (``protocol.connection.connect``: the same socket time-outs).
+    """
+    conn = connect(url)
     results, requests = keys.job_key(RAW, "in"), keys.job_key(RAW, "requests")
     for stream in (results, requests):
         try:
@@ -225,8 +262,12 @@ def raw_server(url: str, ranks: int) -> None:
                 for entry_id, fields in entries:
                     data = msgpack.unpackb(fields[b"data"], raw=False)
                     if stream.decode() == requests:
+                        rank_info = data["rank_info"]
+                        pipe.hset(
+                            keys.job_ranks(RAW), str(rank_info["rank"]), msgpack.packb(rank_info)
+                        )
                         reply_key = keys.reply_key(data["request_id"])
-                        pipe.lpush(reply_key, msgpack.packb({"ok": True, "job_id": RAW}))
+                        pipe.lpush(reply_key, msgpack.packb(RAW_REPLY))
                         pipe.expire(reply_key, 300)
                     else:
                         result = data["result"]
@@ -252,34 +293,90 @@ def raw_server(url: str, ranks: int) -> None:
             pipe.execute()
 
 
-def raw_request(conn: redis.Redis) -> Callable[[], None]:
-    """The client side of the raw limit: the same request/reply as CoordinatorClient."""
+# The raw server's answer: the fields and sizes of a registration reply (a 43-character token
+# like protocol.tokens makes), none of the work.
+RAW_REPLY = {"ok": True, "job_id": RAW, "error": "", "instruction_energy": False, "token": "t" * 43}
+
+
+def raw_request(conn: redis.Redis) -> Callable[[int], None]:
+    """The client side of the raw limit: the same request/reply traffic as CoordinatorClient.
+
+    The request carries what a rank's registration carries (its coordinates and clocks), packed
+    with msgpack alone: no models, no validation.
+    """
     stream = keys.job_key(RAW, "requests")
 
-    def request() -> None:
-        request_id = f"raw-{time.perf_counter_ns()}"
-        data = msgpack.packb({"request_id": request_id})
-        conn.xadd(stream, {"kind": "register_rank", "data": data})
+    def request(rank: int) -> None:
+        request_id = uuid.uuid4().hex
+        message = {
+            "kind": "register_rank",
+            "request_id": request_id,
+            "job_id": RAW,
+            "rank_info": {
+                "rank": rank,
+                "dp_rank": 0,
+                "pp_rank": rank,
+                "tp_rank": 0,
+                "available_frequencies": FREQS,
+            },
+        }
+        fields = {"kind": "register_rank", "data": msgpack.packb(message), "job_id": RAW}
+        conn.xadd(stream, fields)
         if conn.blpop([keys.reply_key(request_id)], timeout=30) is None:
             raise TimeoutError("raw server did not answer")
 
     return request
 
 
-def registrations(raw: Stack, ours: Stack, ranks: int, jobs: int) -> tuple[float, float]:
-    """Registrations per second (raw limit, coordinator), one client, interleaved job by job."""
-    client, request = CoordinatorClient(ours.url), raw_request(raw.conn)
-    spent = [0.0, 0.0]
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of process ``pid`` so far (default: this one); Linux only."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Turns:
+    """Time and CPU (client, server, Redis) spent in one side's turns."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.pids = (None, stack.procs[0].pid, stack.server.pid)
+        self.wall = 0.0
+        self.cpu = [0.0, 0.0, 0.0]
+
+    def __enter__(self) -> Turns:
+        self._cpu = [cpu_seconds(pid) for pid in self.pids]
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall += time.perf_counter() - self._start
+        for i, pid in enumerate(self.pids):
+            self.cpu[i] += cpu_seconds(pid) - self._cpu[i]
+
+
+def registrations(raw: Stack, ours: Stack, ranks: int, jobs: int) -> tuple[Turns, Turns]:
+    """Registrations (raw limit, coordinator) from one client, interleaved job by job.
+
+    The last rank of a job makes a worker compute its first version: that is waited for
+    outside both timings, so that it slows neither the next job's raw turn nor ours.
+    """
+    client = CoordinatorClient(ours.url)
+    # Connected as CoordinatorClient connects (its reply wait, its socket time-out).
+    request = raw_request(connect(raw.url, socket_timeout=client.reply_timeout + SOCKET_TIMEOUT_S))
+    turns = Turns(raw), Turns(ours)
     for _ in range(jobs):
-        start = time.perf_counter()
-        for _ in range(ranks + 1):
-            request()
-        spent[0] += time.perf_counter() - start
-        start = time.perf_counter()
-        register(client, ranks)
-        spent[1] += time.perf_counter() - start
-    count = jobs * (ranks + 1)
-    return count / spent[0], count / spent[1]
+        with turns[0]:
+            for rank in range(ranks + 1):
+                request(rank)
+        with turns[1]:
+            job_id = register(client, ranks)
+        wait_version(ours.conn, keys.job_updates(job_id), b"0", 0)
+        while ours.conn.exists(keys.job_lease(job_id)):
+            time.sleep(0.002)
+    return turns
 
 
 # --- the rq import round trip --------------------------------------------------------------------
@@ -339,6 +436,18 @@ def main() -> None:
                 cells += f"  {medians[-1]:10.1f} {percentile(values, 0.99):7.1f}"
             growth = f"{medians[-1] / medians[0]:.2f}x" if len(medians) > 1 else "-"
             print(f"  {stack.name:<40}{cells}   {growth}")
+        stages = [row for row in stacks[1].stages[1:] if all(t == t for t in row)]
+        print(f"\nwhere the time goes, long-lived worker, p50 of {len(stages)} versions (ms after")
+        print("the first XADD; rq's and the job's own timestamps):")
+        names = (
+            "all results in Redis (client's pipeline answered)",
+            "rq task created (coordinator read, checked, stored them)",
+            "rq task started (worker dequeued and recorded it)",
+            "version published (state read, scheduler, publish script)",
+            "version visible to the client",
+        )
+        for i, name in enumerate(names):
+            print(f"  {name:<62}{statistics.median(row[i] for row in stages) * 1000:6.1f}")
         print("\nRedis memory of the job (every perseus:job:<id>:* key):")
         for stack in stacks:
             if stack.memory:
@@ -346,16 +455,23 @@ def main() -> None:
                 cells = "   ".join(f"v{v}: {b / 1e3:7.1f} kB" for v, b in sorted(memory.items()))
                 ratio = f"   v200/v20 {memory[200] / memory[20]:.2f}" if len(memory) == 2 else ""
                 print(f"  {stack.name:<40}{cells}{ratio}")
-        limit, ours = registrations(stacks[0], stacks[1], args.ranks, args.registration_jobs)
+        turns = registrations(stacks[0], stacks[1], args.ranks, args.registration_jobs)
         count = args.registration_jobs * (args.ranks + 1)
+        limit, ours = (count / t.wall for t in turns)
         print(f"\nregistrations per second, 1 client ({count} requests each, interleaved):")
-        print(f"  raw request/reply limit  {limit:8.0f}/s")
-        print(f"  perseus coordinator      {ours:8.0f}/s   {ours / limit:.2f} of the limit")
+        print("  CPU per request (us):                     client   server    Redis")
+        for name, rate, side in (
+            ("raw request/reply limit", limit, turns[0]),
+            ("perseus coordinator", ours, turns[1]),
+        ):
+            cpu = "".join(f"{c / count * 1e6:9.0f}" for c in side.cpu)
+            print(f"  {name:<24} {rate:8.0f}/s     {cpu}")
+        print(f"  the coordinator reaches {ours / limit:.2f} of the limit")
     finally:
         for stack in stacks:
             stack.close()
 
-    print("\nrq round trip of a task that imports the planner (lowtime), --fork:")
+    print("\nrq round trip of a task importing the planner and its fit (scipy.optimize), --fork:")
     with EmbeddedRedis() as server:
         results = {}
         for name, flags in (
@@ -371,7 +487,7 @@ def main() -> None:
             median, p90 = statistics.median(values), percentile(values, 0.9)
             print(f"  {name:<24} median {median:7.1f} ms   p90 {p90:7.1f} ms")
         fast, slow = (statistics.median(v) for v in results.values())
-        print(f"  preloading makes such a job {slow / fast:.1f}x faster")
+        print(f"  without preloading such a task takes {slow / fast:.1f}x as long")
 
 
 if __name__ == "__main__":
