@@ -16,26 +16,25 @@ import secrets
 import signal
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import click
 import redis
-from pydantic import ValidationError
 
+from coordinator.cli_common import load_settings
+from coordinator.cli_deadletter import deadletter_group
 from coordinator.cli_demo import demo_command
 from coordinator.cli_jobs import jobs_group
 from coordinator.dump import dump_job
 from coordinator.embedded import EmbeddedRedis, redis_server_binary
 from coordinator.service import Coordinator
-from coordinator.settings import PerseusSettings, unknown_variables
 from coordinator.status import SILENT_AFTER_S, format_snapshot, snapshot
 from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_workers
 from protocol import keys
 from protocol.acl import ROLES, acl_file, role_user
 from protocol.cli_options import connect_or_fail, redact_url, redis_url_option, setting_option
-from protocol.deadletter import get_dead_letter, list_dead_letters, purge, replay
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.scheduler import BUILTIN, FrequencyScheduler, resolve_scheduler
 from protocol.store import JobStore
@@ -44,23 +43,6 @@ from schedulers.planning.cli import choose_command, optimize_command
 from worker_client.gpu.cli import profile_p2p_command
 from worker_client.hook.session import CoordinatorClient
 from worker_client.power_limit.cli import power_limit_group
-
-
-def _settings(**overrides: Any) -> PerseusSettings:
-    unknown = unknown_variables(os.environ)
-    if unknown:
-        raise click.UsageError("; ".join(unknown))
-    given = {k: v for k, v in overrides.items() if v is not None}
-    try:
-        return PerseusSettings(**given)
-    except ValidationError as exc:
-        raise click.UsageError(f"invalid settings:\n{exc}") from None
-    except PerseusError as exc:
-        raise click.UsageError(str(exc)) from None
-
-
-def _connect(url: str) -> redis.Redis:
-    return connect_or_fail(url)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -124,7 +106,7 @@ def coordinator(
             args = json.loads(scheduler_args)
         except json.JSONDecodeError as exc:
             raise click.BadParameter(f"not JSON: {exc}", param_hint="--scheduler-args") from None
-    settings = _settings(
+    settings = load_settings(
         redis_url=redis_url,
         scheduler=scheduler,
         scheduler_args=args,
@@ -139,7 +121,7 @@ def coordinator(
         settings.check_scheduler()
     except PerseusError as exc:
         raise click.UsageError(f"{exc}\n{_scheduler_hint(settings.scheduler)}") from None
-    service = Coordinator(_connect(settings.redis_url), settings)
+    service = Coordinator(connect_or_fail(settings.redis_url), settings)
     signal.signal(signal.SIGTERM, lambda *_: service.stop_event.set())
     freeze_startup_heap()
     where = redact_url(settings.redis_url)
@@ -238,7 +220,7 @@ def worker(
     """
     if fork and simple:
         raise click.UsageError("--fork and --simple exclude each other")
-    settings = _settings(redis_url=redis_url, log_level=log_level)
+    settings = load_settings(redis_url=redis_url, log_level=log_level)
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -246,7 +228,7 @@ def worker(
         preload_schedulers()
     freeze_startup_heap()
     cls = PerseusWorker if fork else PerseusSimpleWorker
-    conn = _connect(settings.redis_url)
+    conn = connect_or_fail(settings.redis_url)
     kind = "forking" if fork else "long-lived"
     click.echo(
         f"perseus worker: queue={keys.RQ_QUEUE} {kind} redis={redact_url(settings.redis_url)}"
@@ -286,8 +268,8 @@ def status(
     """
     if watch and as_json:
         raise click.UsageError("--watch shows tables; leave out --json")
-    settings = _settings(redis_url=redis_url)
-    conn = _connect(settings.redis_url)
+    settings = load_settings(redis_url=redis_url)
+    conn = connect_or_fail(settings.redis_url)
     if not watch:
         snap = snapshot(conn, silent_after)
         click.echo(json.dumps(snap, indent=1) if as_json else format_snapshot(snap))
@@ -312,11 +294,11 @@ def status(
 @click.option("--out", "out_dir", default="./dump", show_default=True, help="Folder to write to.")
 def dump(redis_url: str | None, job_id: str, out_dir: str) -> None:
     """Write a job's ranks, schedules, results and journal to OUT/JOB_ID/ as JSON."""
-    settings = _settings(redis_url=redis_url)
+    settings = load_settings(redis_url=redis_url)
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise click.BadParameter(f"{out_dir} exists and is not a folder", param_hint="--out")
     try:
-        folder = dump_job(JobStore(_connect(settings.redis_url)), job_id, out_dir)
+        folder = dump_job(JobStore(connect_or_fail(settings.redis_url)), job_id, out_dir)
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
@@ -340,8 +322,8 @@ def profile(redis_url: str | None, job_id: str, out_path: str) -> None:
     The CSV is what `perseus optimize` reads: profile a job, then optimize, choose and train
     with the chosen plan (Zeus's workflow).
     """
-    settings = _settings(redis_url=redis_url)
-    store = JobStore(_connect(settings.redis_url))
+    settings = load_settings(redis_url=redis_url)
+    store = JobStore(connect_or_fail(settings.redis_url))
     try:
         record = store.get_job(job_id)
     except PerseusError as exc:
@@ -376,10 +358,10 @@ def target(redis_url: str | None, job_id: str, seconds: float) -> None:
     switch every rank to the least-energy plan that meets the target in a new version. Fails
     for an unknown job or a scheduler that takes no target.
     """
-    settings = _settings(redis_url=redis_url)
+    settings = load_settings(redis_url=redis_url)
     if not seconds > 0:
         raise click.BadParameter(f"must be a positive number of seconds, got {seconds}")
-    store = JobStore(_connect(settings.redis_url))
+    store = JobStore(connect_or_fail(settings.redis_url))
     try:
         record = store.get_job(job_id)
         scheduler_cls = resolve_scheduler(record.config.scheduler)
@@ -488,90 +470,6 @@ def schedulers() -> None:
             click.echo(f"{name:<22} unavailable: {exc}")
 
 
-@main.group("deadletter")
-def deadletter_group() -> None:
-    """Entries the coordinator could not process, with the reason (perseus:stream:deadletter)."""
-
-
-@deadletter_group.command("list")
-@redis_url_option
-@click.option(
-    "--count",
-    default=100,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="How many dead letters to show, oldest first.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
-def deadletter_list(redis_url: str | None, count: int, as_json: bool) -> None:
-    """Show the oldest COUNT dead letters: id, time, kind, job and reason."""
-    letters = list_dead_letters(_connect(_settings(redis_url=redis_url).redis_url), count)
-    if as_json:
-        click.echo(json.dumps([d.summary() for d in letters], indent=1))
-        return
-    if not letters:
-        click.echo("no dead letters")
-    for d in letters:
-        when = datetime.fromtimestamp(d.dead_at, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-        mark = "" if d.replayable else "  (not replayable)"
-        click.echo(f"{d.entry_id}  {when}  {d.kind or '?'}  {d.job_id or '-'}{mark}")
-        click.echo(f"    {d.reason}")
-
-
-@deadletter_group.command("replay")
-@redis_url_option
-@click.argument("entry_ids", nargs=-1)
-@click.option("--all", "replay_all", is_flag=True, help="Every replayable dead letter.")
-def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_all: bool) -> None:
-    """Send dead letters back to the stream they came from (results and control only).
-
-    An entry that fails again is dead-lettered again with the new reason: nothing is lost.
-    """
-    if bool(entry_ids) == replay_all:
-        raise click.UsageError("give dead-letter ids, or --all")
-    settings = _settings(redis_url=redis_url)
-    conn = _connect(settings.redis_url)
-    try:
-        if replay_all:
-            letters = [d for d in list_dead_letters(conn, count=100_000) if d.replayable]
-        else:
-            letters = [get_dead_letter(conn, entry_id) for entry_id in entry_ids]
-        for letter in letters:
-            new_id = replay(conn, letter)
-            if new_id is None:
-                click.echo(f"{letter.entry_id}: gone meanwhile (replayed by someone else?)")
-            else:
-                click.echo(f"{letter.entry_id} -> {letter.source_stream} {new_id}")
-    except PerseusError as exc:
-        raise click.ClickException(str(exc)) from None
-    if replay_all and not letters:
-        click.echo("no replayable dead letters")
-
-
-@deadletter_group.command("purge")
-@redis_url_option
-@click.argument("entry_ids", nargs=-1)
-@click.option(
-    "--older-than",
-    type=click.FloatRange(min=0),
-    default=None,
-    help="Delete dead letters older than this many seconds.",
-)
-@click.option("--all", "purge_all", is_flag=True, help="Delete every dead letter.")
-def deadletter_purge(
-    redis_url: str | None, entry_ids: tuple[str, ...], older_than: float | None, purge_all: bool
-) -> None:
-    """Delete dead letters for good: ENTRY_IDS, those older than --older-than, or --all."""
-    if sum((bool(entry_ids), older_than is not None, purge_all)) != 1:
-        raise click.UsageError("give dead-letter ids, --older-than SECONDS, or --all")
-    conn = _connect(_settings(redis_url=redis_url).redis_url)
-    try:
-        removed = purge(conn, list(entry_ids) if entry_ids else None, older_than)
-    except PerseusError as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(f"deleted {removed} dead letter(s)")
-
-
 # Commands that live next to what they drive (one concept per module).
 for _command in (
     optimize_command,
@@ -580,6 +478,7 @@ for _command in (
     profile_p2p_command,
     demo_command,
     jobs_group,
+    deadletter_group,
 ):
     main.add_command(_command)
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import click
 
+from coordinator.cli_common import connect_settings
 from protocol import keys
-from protocol.cli_options import connect_or_fail, redis_url_option
+from protocol.cli_options import redis_url_option
 from protocol.job_lifecycle import JobLifecycle
 from protocol.store import JobStore
 
@@ -77,7 +78,7 @@ def jobs_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def jobs_list(redis_url: str | None, as_json: bool) -> None:
     """Show every job: id, state, world size, version, age, idle time, ranks finished."""
-    rows = job_rows(JobStore(connect_or_fail(redis_url)))
+    rows = job_rows(JobStore(connect_settings(redis_url)))
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         return
@@ -103,7 +104,7 @@ def jobs_delete(redis_url: str | None, job_ids: tuple[str, ...]) -> None:
 
     Ranks still training keep their current schedule; their heartbeats say the job is gone.
     """
-    store = JobStore(connect_or_fail(redis_url))
+    store = JobStore(connect_settings(redis_url))
     missing = []
     for job_id in job_ids:
         if not store.conn.exists(keys.job_info(job_id)):
@@ -120,7 +121,7 @@ def jobs_delete(redis_url: str | None, job_ids: tuple[str, ...]) -> None:
 @click.argument("job_ids", nargs=-1, required=True)
 def jobs_finish(redis_url: str | None, job_ids: tuple[str, ...]) -> None:
     """Mark JOB_IDS finished, whatever their ranks did (deleted after finished_retention)."""
-    lifecycle = JobLifecycle(JobStore(connect_or_fail(redis_url)))
+    lifecycle = JobLifecycle(JobStore(connect_settings(redis_url)))
     missing = [job_id for job_id in job_ids if not lifecycle.finish_job(job_id)]
     for job_id in job_ids:
         if job_id not in missing:

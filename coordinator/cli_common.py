@@ -1,0 +1,40 @@
+"""What the ``perseus`` commands share: settings built from the environment, checked connections."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import click
+import redis
+from pydantic import ValidationError
+
+from coordinator.settings import PerseusSettings, unknown_variables
+from protocol.cli_options import connect_or_fail
+from protocol.exceptions import PerseusError
+
+
+def load_settings(**overrides: Any) -> PerseusSettings:
+    """Settings from ``PERSEUS_*`` variables, with the flags given (not ``None``) on top.
+
+    Built here, in the entry point, never at import.
+
+    Raises:
+        click.UsageError: An unknown ``PERSEUS_*`` variable (a typo, say) or an invalid value;
+            the message names it.
+    """
+    unknown = unknown_variables(os.environ)
+    if unknown:
+        raise click.UsageError("; ".join(unknown))
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return PerseusSettings(**given)
+    except ValidationError as exc:
+        raise click.UsageError(f"invalid settings:\n{exc}") from None
+    except PerseusError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def connect_settings(redis_url: str | None) -> redis.Redis:
+    """A client on ``--redis-url`` or ``PERSEUS_REDIS_URL``, checked like every setting."""
+    return connect_or_fail(load_settings(redis_url=redis_url).redis_url)

@@ -1,0 +1,96 @@
+"""``perseus deadletter``: list, replay and purge what the coordinator could not process."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import click
+
+from coordinator.cli_common import connect_settings
+from protocol.cli_options import redis_url_option
+from protocol.deadletter import get_dead_letter, list_dead_letters, purge, replay
+from protocol.exceptions import PerseusError
+
+
+@click.group("deadletter")
+def deadletter_group() -> None:
+    """Entries the coordinator could not process, with the reason (perseus:stream:deadletter)."""
+
+
+@deadletter_group.command("list")
+@redis_url_option
+@click.option(
+    "--count",
+    default=100,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="How many dead letters to show, oldest first.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
+def deadletter_list(redis_url: str | None, count: int, as_json: bool) -> None:
+    """Show the oldest COUNT dead letters: id, time, kind, job and reason."""
+    letters = list_dead_letters(connect_settings(redis_url), count)
+    if as_json:
+        click.echo(json.dumps([d.summary() for d in letters], indent=1))
+        return
+    if not letters:
+        click.echo("no dead letters")
+    for d in letters:
+        when = datetime.fromtimestamp(d.dead_at, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        mark = "" if d.replayable else "  (not replayable)"
+        click.echo(f"{d.entry_id}  {when}  {d.kind or '?'}  {d.job_id or '-'}{mark}")
+        click.echo(f"    {d.reason}")
+
+
+@deadletter_group.command("replay")
+@redis_url_option
+@click.argument("entry_ids", nargs=-1)
+@click.option("--all", "replay_all", is_flag=True, help="Every replayable dead letter.")
+def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_all: bool) -> None:
+    """Send dead letters back to the stream they came from (results and control only).
+
+    An entry that fails again is dead-lettered again with the new reason: nothing is lost.
+    """
+    if bool(entry_ids) == replay_all:
+        raise click.UsageError("give dead-letter ids, or --all")
+    conn = connect_settings(redis_url)
+    try:
+        if replay_all:
+            letters = [d for d in list_dead_letters(conn, count=100_000) if d.replayable]
+        else:
+            letters = [get_dead_letter(conn, entry_id) for entry_id in entry_ids]
+        for letter in letters:
+            new_id = replay(conn, letter)
+            if new_id is None:
+                click.echo(f"{letter.entry_id}: gone meanwhile (replayed by someone else?)")
+            else:
+                click.echo(f"{letter.entry_id} -> {letter.source_stream} {new_id}")
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
+    if replay_all and not letters:
+        click.echo("no replayable dead letters")
+
+
+@deadletter_group.command("purge")
+@redis_url_option
+@click.argument("entry_ids", nargs=-1)
+@click.option(
+    "--older-than",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Delete dead letters older than this many seconds.",
+)
+@click.option("--all", "purge_all", is_flag=True, help="Delete every dead letter.")
+def deadletter_purge(
+    redis_url: str | None, entry_ids: tuple[str, ...], older_than: float | None, purge_all: bool
+) -> None:
+    """Delete dead letters for good: ENTRY_IDS, those older than --older-than, or --all."""
+    if sum((bool(entry_ids), older_than is not None, purge_all)) != 1:
+        raise click.UsageError("give dead-letter ids, --older-than SECONDS, or --all")
+    conn = connect_settings(redis_url)
+    try:
+        removed = purge(conn, list(entry_ids) if entry_ids else None, older_than)
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"deleted {removed} dead letter(s)")
