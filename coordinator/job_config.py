@@ -1,11 +1,16 @@
-"""What a registering job gets: scheduler and arguments, within what a client may choose."""
+"""What a registering job or rank gets: scheduler and arguments, within the coordinator's limits."""
 
 from __future__ import annotations
 
 from coordinator.settings import PerseusSettings
 from protocol.exceptions import ProtocolError
-from protocol.models import JobConfig, RegisterJob
-from protocol.scheduler import BUILTIN, check_scheduler_args, resolve_scheduler
+from protocol.models import JobConfig, JobInfo, RankInfo, RegisterJob
+from protocol.scheduler import (
+    BUILTIN,
+    FrequencyScheduler,
+    check_scheduler_args,
+    resolve_scheduler,
+)
 
 
 def job_config(settings: PerseusSettings, message: RegisterJob) -> JobConfig:
@@ -49,3 +54,44 @@ def job_config(settings: PerseusSettings, message: RegisterJob) -> JobConfig:
     return JobConfig(
         scheduler=message.scheduler, scheduler_args=message.scheduler_args, dump_dir=dump_dir
     )
+
+
+def check_job_limits(settings: PerseusSettings, job: JobInfo) -> None:
+    """Refuse a job registration the coordinator's limits do not allow.
+
+    Raises:
+        ProtocolError: The job sets its own id, or its world size is over the limit.
+    """
+    if job.job_id:
+        raise ProtocolError("job_id must be empty when registering a job; the coordinator sets it")
+    if job.world_size > settings.max_world_size:
+        raise ProtocolError(
+            f"world_size {job.world_size} is over max_world_size="
+            f"{settings.max_world_size} (PERSEUS_MAX_WORLD_SIZE)"
+        )
+
+
+def check_rank_limits(
+    settings: PerseusSettings, config: JobConfig, rank: RankInfo
+) -> type[FrequencyScheduler]:
+    """Refuse a rank whose clocks are over the limits; return the job's scheduler class.
+
+    Raises:
+        ProtocolError: Too many clocks, or a profiling sweep over ``max_sweep_versions``.
+    """
+    clocks = len(rank.available_frequencies)
+    if clocks > settings.max_frequencies:
+        raise ProtocolError(
+            f"rank {rank.rank} registers {clocks} frequencies, over "
+            f"max_frequencies={settings.max_frequencies} (PERSEUS_MAX_FREQUENCIES)"
+        )
+    scheduler = resolve_scheduler(config.scheduler)
+    sweep = scheduler.sweep_versions(config.scheduler_args, clocks)
+    if sweep is not None and sweep > settings.max_sweep_versions:
+        raise ProtocolError(
+            f"rank {rank.rank} registers {clocks} frequencies: the {config.scheduler} sweep "
+            f"would take {sweep} versions, over max_sweep_versions="
+            f"{settings.max_sweep_versions} (PERSEUS_MAX_SWEEP_VERSIONS); restrict its "
+            "frequencies"
+        )
+    return scheduler

@@ -31,7 +31,7 @@ from rq.job import Job
 from coordinator.advance_queue import enqueue, record_enqueued
 from coordinator.completion import CompletionGuess
 from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat
-from coordinator.job_config import job_config
+from coordinator.job_config import check_job_limits, check_rank_limits, job_config
 from coordinator.outcome import Outcome, log_lost
 from coordinator.resilience import Backoff, check_redis_version, ensure_groups
 from coordinator.settings import PerseusSettings
@@ -39,7 +39,7 @@ from coordinator.sweep import Sweeper
 from coordinator.trust import ResultKeys
 from protocol import deadletter, keys, streams
 from protocol.consumers import GroupMembers
-from protocol.exceptions import DuplicateEntryError, PerseusError, ProtocolError, UnknownJobError
+from protocol.exceptions import DuplicateEntryError, PerseusError, UnknownJobError
 from protocol.models import (
     RegisterJob,
     RegisterRank,
@@ -371,15 +371,7 @@ class Coordinator:
     ) -> None:
         if isinstance(message, RegisterJob):
             job = message.job
-            if job.job_id:
-                raise ProtocolError(
-                    "job_id must be empty when registering a job; the coordinator sets it"
-                )
-            if job.world_size > self.settings.max_world_size:
-                raise ProtocolError(
-                    f"world_size {job.world_size} is over max_world_size="
-                    f"{self.settings.max_world_size} (PERSEUS_MAX_WORLD_SIZE)"
-                )
+            check_job_limits(self.settings, job)
             config = job_config(self.settings, message)
             name = config.scheduler.rpartition(":")[2] or config.scheduler
             job = job.model_copy(update={"job_id": make_job_id(job, name, entry_id)})
@@ -391,21 +383,7 @@ class Coordinator:
             raise UnknownJobError(f"unknown job id {message.job_id!r}")
         info = record.info
         if isinstance(message, RegisterRank):
-            clocks = len(message.rank_info.available_frequencies)
-            if clocks > self.settings.max_frequencies:
-                raise ProtocolError(
-                    f"rank {message.rank_info.rank} registers {clocks} frequencies, over "
-                    f"max_frequencies={self.settings.max_frequencies} (PERSEUS_MAX_FREQUENCIES)"
-                )
-            scheduler = resolve_scheduler(record.config.scheduler)
-            sweep = scheduler.sweep_versions(record.config.scheduler_args, clocks)
-            if sweep is not None and sweep > self.settings.max_sweep_versions:
-                raise ProtocolError(
-                    f"rank {message.rank_info.rank} registers {clocks} frequencies: the "
-                    f"{record.config.scheduler} sweep would take {sweep} versions, over "
-                    f"max_sweep_versions={self.settings.max_sweep_versions} "
-                    "(PERSEUS_MAX_SWEEP_VERSIONS); restrict its frequencies"
-                )
+            scheduler = check_rank_limits(self.settings, record.config, message.rank_info)
             # Answered and acknowledged by the store's script: one round trip per request.
             # The reply carries the rank's token; Redis keeps only digests of it.
             token = new_token()
