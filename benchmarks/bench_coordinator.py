@@ -374,8 +374,10 @@ def registrations(raw: Stack, ours: Stack, ranks: int, jobs: int) -> tuple[Turns
         with turns[1]:
             job_id = register(client, ranks)
         wait_version(ours.conn, keys.job_updates(job_id), b"0", 0)
-        while ours.conn.exists(keys.job_lease(job_id)):
+        task = ours.conn.hget(keys.job_info(job_id), "rq_job") or b""
+        while ours.conn.hget(b"rq:job:" + task, "status") not in (b"finished", b"failed"):
             time.sleep(0.002)
+        time.sleep(0.005)  # rq's bookkeeping after the task (heartbeat, idle state)
     return turns
 
 
