@@ -403,7 +403,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", type=int, default=200)
     parser.add_argument("--ranks", type=int, default=64)
-    parser.add_argument("--registration-jobs", type=int, default=8)
+    parser.add_argument("--registration-jobs", type=int, default=32)
     parser.add_argument("--raw-server", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_server:
@@ -468,6 +468,8 @@ def main() -> None:
         ):
             cpu = "".join(f"{c / count * 1e6:9.0f}" for c in side.cpu)
             print(f"  {name:<24} {rate:8.0f}/s     {cpu}")
+        tick = 1e6 / os.sysconf("SC_CLK_TCK") / count
+        print(f"  (CPU read from /proc in clock ticks: one tick is {tick:.0f} us per request)")
         print(f"  the coordinator reaches {ours / limit:.2f} of the limit")
     finally:
         for stack in stacks:
