@@ -254,7 +254,9 @@ class Coordinator:
 
         Args:
             entries: (stream, entry id, fields) as read.
-            decoded: Messages (or decoding errors) of some entries, decoded already.
+            decoded: Messages (or decoding errors) of some entries, decoded already; an
+                entry in it counts as within ``max_entry_bytes`` (:meth:`_decode_ahead`
+                decodes no larger one).
 
         Returns:
             Entries processed or dead-lettered.

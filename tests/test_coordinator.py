@@ -60,6 +60,27 @@ def test_register_schedule_report_advance(service, r, redis_url):
     assert [len(batch) for batch in scheduler.observed] == [2, 2]
 
 
+def test_a_redis_that_lost_its_scripts_gets_them_again(service, r, redis_url):
+    """After SCRIPT FLUSH (a restart, say), single writes and batches load their script again."""
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    r.script_flush()
+    job_id = client.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
+    for rank in range(2):
+        r.script_flush()  # a registration is one script call, sent without a pipeline
+        info = RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS)
+        assert client.register_rank(job_id, info).ok
+    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+    drain(r)
+    r.script_flush()  # results go in a batch, with the version's task in its transaction
+    for rank in range(2):
+        client.report(job_id, result(rank, 1))
+    wait_for(lambda: JobStore(r).result_count(job_id, 1) == 2)
+    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+    drain(r)
+    assert JobStore(r).version(job_id) == 2
+    assert not r.xlen(keys.DEADLETTER_STREAM)
+
+
 def test_two_jobs_registered_in_the_same_second_get_different_ids(service, redis_url):
     client = CoordinatorClient(redis_url, reply_timeout=5)
     ids = {
