@@ -186,6 +186,24 @@ class Stack:
                 time.sleep(0.005)
             self.memory[version + 1] = job_memory(self.conn, self.job_id)
 
+    def settle(self, job_id: str | None = None) -> None:
+        """Wait, outside every timing, until the worker is done with the job's last task.
+
+        After publishing, a worker still snapshots, releases its lease and does rq's
+        bookkeeping (a forked child also exits): that work must not land in the next row's
+        timed round.
+        """
+        if self.kind == "raw":
+            return
+        task = self.conn.hget(keys.job_info(job_id or self.job_id), "rq_job") or b""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done = self.conn.hget(b"rq:job:" + task, "status") in (b"finished", b"failed")
+            if done and all(w.get_state() == "idle" for w in Worker.all(connection=self.conn)):
+                return
+            time.sleep(0.001)
+        raise TimeoutError(f"{self.name}: the worker did not go idle within 30 s")
+
     def record_stages(self, wall: float, sent: float, visible: float) -> None:
         """Note when this round's results were in, its task created, started and published.
 
@@ -252,7 +270,8 @@ def raw_server(url: str, ranks: int) -> None:
             conn.xgroup_create(stream, "raw", id="0", mkstream=True)
         except redis.ResponseError:
             pass
-    version, counts = 1, {}  # version -> results received
+    version = 1
+    counts: dict[int, int] = {}  # version -> results received
     conn.set(keys.job_version(RAW), version)
     conn.xadd(keys.job_updates(RAW), {"version": version})
     while True:
@@ -267,7 +286,8 @@ def raw_server(url: str, ranks: int) -> None:
                             keys.job_ranks(RAW), str(rank_info["rank"]), msgpack.packb(rank_info)
                         )
                         reply_key = keys.reply_key(data["request_id"])
-                        pipe.lpush(reply_key, msgpack.packb(RAW_REPLY))
+                        reply = dict(RAW_REPLY, job_id=data["job_id"])
+                        pipe.lpush(reply_key, msgpack.packb(reply))
                         pipe.expire(reply_key, 300)
                     else:
                         result = data["result"]
@@ -298,11 +318,11 @@ def raw_server(url: str, ranks: int) -> None:
 RAW_REPLY = {"ok": True, "job_id": RAW, "error": "", "instruction_energy": False, "token": "t" * 43}
 
 
-def raw_request(conn: redis.Redis) -> Callable[[int], None]:
+def raw_request(conn: redis.Redis, job_id: str) -> Callable[[int], None]:
     """The client side of the raw limit: the same request/reply traffic as CoordinatorClient.
 
-    The request carries what a rank's registration carries (its coordinates and clocks), packed
-    with msgpack alone: no models, no validation.
+    The request carries what a rank's registration carries (a job id as long as a real one,
+    the rank's coordinates and clocks), packed with msgpack alone: no models, no validation.
     """
     stream = keys.job_key(RAW, "requests")
 
@@ -311,7 +331,7 @@ def raw_request(conn: redis.Redis) -> Callable[[int], None]:
         message = {
             "kind": "register_rank",
             "request_id": request_id,
-            "job_id": RAW,
+            "job_id": job_id,
             "rank_info": {
                 "rank": rank,
                 "dp_rank": 0,
@@ -320,7 +340,7 @@ def raw_request(conn: redis.Redis) -> Callable[[int], None]:
                 "available_frequencies": FREQS,
             },
         }
-        fields = {"kind": "register_rank", "data": msgpack.packb(message), "job_id": RAW}
+        fields = {"kind": "register_rank", "data": msgpack.packb(message), "job_id": job_id}
         conn.xadd(stream, fields)
         if conn.blpop([keys.reply_key(request_id)], timeout=30) is None:
             raise TimeoutError("raw server did not answer")
@@ -360,24 +380,29 @@ class Turns:
 def registrations(raw: Stack, ours: Stack, ranks: int, jobs: int) -> tuple[Turns, Turns]:
     """Registrations (raw limit, coordinator) from one client, interleaved job by job.
 
-    The last rank of a job makes a worker compute its first version: that is waited for
-    outside both timings, so that it slows neither the next job's raw turn nor ours.
+    Each side goes first every other job. The last rank of a job makes a worker compute its
+    first version: that is waited for, until the worker is idle, outside both timings.
     """
     client = CoordinatorClient(ours.url)
     # Connected as CoordinatorClient connects (its reply wait, its socket time-out).
-    request = raw_request(connect(raw.url, socket_timeout=client.reply_timeout + SOCKET_TIMEOUT_S))
+    conn = connect(raw.url, socket_timeout=client.reply_timeout + SOCKET_TIMEOUT_S)
+    request = raw_request(conn, job_id=ours.job_id)  # an id as long as a real one
     turns = Turns(raw), Turns(ours)
-    for _ in range(jobs):
+
+    def raw_turn() -> None:
         with turns[0]:
             for rank in range(ranks + 1):
                 request(rank)
+
+    def our_turn() -> None:
         with turns[1]:
             job_id = register(client, ranks)
         wait_version(ours.conn, keys.job_updates(job_id), b"0", 0)
-        task = ours.conn.hget(keys.job_info(job_id), "rq_job") or b""
-        while ours.conn.hget(b"rq:job:" + task, "status") not in (b"finished", b"failed"):
-            time.sleep(0.002)
-        time.sleep(0.005)  # rq's bookkeeping after the task (heartbeat, idle state)
+        ours.settle(job_id)
+
+    for job in range(jobs):
+        for turn in (raw_turn, our_turn) if job % 2 == 0 else (our_turn, raw_turn):
+            turn()
     return turns
 
 
@@ -427,6 +452,7 @@ def main() -> None:
         for version in range(1, args.versions + 1):
             for stack in stacks:
                 stack.round(version)
+                stack.settle()
         print(f"\nreport -> next version visible, {args.ranks} ranks (ms):")
         header = "".join(f"   v{a}-{b} p50    p99" for a, b in windows)
         print(f"  {'':<40}{header}   p50 growth")
@@ -468,8 +494,10 @@ def main() -> None:
         ):
             cpu = "".join(f"{c / count * 1e6:9.0f}" for c in side.cpu)
             print(f"  {name:<24} {rate:8.0f}/s     {cpu}")
-        tick = 1e6 / os.sysconf("SC_CLK_TCK") / count
-        print(f"  (CPU read from /proc in clock ticks: one tick is {tick:.0f} us per request)")
+        # Each turn's CPU is a difference of clock ticks: off by up to a tick either way
+        # (standard deviation 1/sqrt(6) of a tick), and the turns' errors add up.
+        error = (args.registration_jobs / 6) ** 0.5 * 1e6 / os.sysconf("SC_CLK_TCK") / count
+        print(f"  (CPU from /proc, in clock ticks rounded at every turn: about +-{error:.0f} us)")
         print(f"  the coordinator reaches {ours / limit:.2f} of the limit")
     finally:
         for stack in stacks:
