@@ -211,7 +211,7 @@ class Stack:
         coordinator as it builds the task) and ``started_at`` (the worker), the job's
         ``published_at`` (Redis TIME in the publish script). One machine, one clock.
         """
-        info = self.conn.hgetall(keys.job_key(self.job_id, "info"))
+        info = self.conn.hgetall(keys.job_info(self.job_id))
         task = self.conn.hgetall(b"rq:job:" + info.get(b"rq_job", b""))
 
         def stamp(value: bytes | None) -> float:

@@ -23,7 +23,7 @@ from typing import Any
 import click
 import redis
 
-from coordinator.cli_common import load_settings
+from coordinator.cli_common import connect_settings, load_settings
 from coordinator.cli_deadletter import deadletter_group
 from coordinator.cli_demo import demo_command
 from coordinator.cli_jobs import jobs_group
@@ -322,8 +322,7 @@ def profile(redis_url: str | None, job_id: str, out_path: str) -> None:
     The CSV is what `perseus optimize` reads: profile a job, then optimize, choose and train
     with the chosen plan (Zeus's workflow).
     """
-    settings = load_settings(redis_url=redis_url)
-    store = JobStore(connect_or_fail(settings.redis_url))
+    store = JobStore(connect_settings(redis_url))
     try:
         record = store.get_job(job_id)
     except PerseusError as exc:
