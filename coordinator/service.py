@@ -31,8 +31,9 @@ from rq.job import Job
 from coordinator.advance_queue import enqueue, record_enqueued
 from coordinator.completion import CompletionGuess
 from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat
-from coordinator.job_config import check_job_limits, check_rank_limits, job_config
+from coordinator.job_config import check_job_limits, job_config
 from coordinator.outcome import Outcome, log_lost
+from coordinator.registration import RankRegistrar
 from coordinator.resilience import Backoff, check_redis_version, ensure_groups
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
@@ -52,8 +53,7 @@ from protocol.models import (
 )
 from protocol.scheduler import resolve_scheduler
 from protocol.store import JobRecord, JobStore
-from protocol.store_batch import Answer, StoreBatch
-from protocol.tokens import new_token
+from protocol.store_batch import StoreBatch
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class Coordinator:
         self._records: OrderedDict[str, JobRecord] = OrderedDict()
         self.result_keys = ResultKeys(self.store)
         self._guess = CompletionGuess()
+        self.registrar = RankRegistrar(settings)
         self.sweeper = Sweeper(self.store)
         self.processed = 0
         self.dead_lettered = 0
@@ -159,6 +160,8 @@ class Coordinator:
             self._last_claim = now
             handled += self._claim_stale()
         handled += self._consume(">", block_ms=block_ms)
+        # While the clients that were answered send their next requests.
+        self.registrar.prepare()
         if time.monotonic() - self._last_beat >= HEARTBEAT_INTERVAL_S:
             self._last_beat = time.monotonic()
             # The container healthcheck reads it; timed by the server, like every stamp.
@@ -289,7 +292,7 @@ class Coordinator:
                 outcome.dead(stream, entry_id, fields, str(exc) or type(exc).__name__)
         jobs = self._job_records(m.job_id for *_, m in pending if not isinstance(m, RegisterJob))
         self.result_keys.load(
-            (m.job_id, m.result.rank) for *_, m in pending if isinstance(m, ReportResult)
+            [(m.job_id, m.result.rank) for *_, m in pending if isinstance(m, ReportResult)]
         )
         batch = self.store.batch()
         queued: list[tuple[str, str, dict[bytes, bytes], Message]] = []
@@ -353,6 +356,8 @@ class Coordinator:
             else:
                 self._records.move_to_end(job_id)
                 found[job_id] = record
+        if not missing:
+            return found
         for job_id, record in self.store.get_jobs(missing).items():
             found[job_id] = record
             if record is not None:
@@ -385,21 +390,7 @@ class Coordinator:
             raise UnknownJobError(f"unknown job id {message.job_id!r}")
         info = record.info
         if isinstance(message, RegisterRank):
-            scheduler = check_rank_limits(self.settings, record.config, message.rank_info)
-            # Answered and acknowledged by the store's script: one round trip per request.
-            # The reply carries the rank's token; Redis keeps only digests of it.
-            token = new_token()
-            needs = scheduler.needs_instruction_energy
-            reply = Reply(ok=True, job_id=info.job_id, instruction_energy=needs, token=token)
-            answer = Answer(
-                reply_key=keys.reply_key(message.request_id),
-                reply=pack(reply),
-                ttl=self.settings.reply_ttl,
-                stream=stream,
-                group=keys.COORDINATOR_GROUP,
-                entry_id=entry_id,
-            )
-            batch.add_rank(info, message.rank_info, now, token, message.request_id, answer)
+            self.registrar.queue(batch, record, message, stream, entry_id, now)
         elif isinstance(message, ReportResult):
             self.result_keys.check(message, fields)
             # One its scheduler cannot use is dead-lettered here: stored, it would fail the job.

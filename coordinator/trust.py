@@ -8,7 +8,7 @@ per job, so its key never changes, and a burst of results costs no extra round t
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection
 
 from protocol.exceptions import ProtocolError, UnknownJobError, WrongTokenError
 from protocol.models import ReportResult
@@ -30,8 +30,11 @@ class ResultKeys:
         self._jobs: OrderedDict[str, dict[int, str]] = OrderedDict()
         self._gone: set[str] = set()  # jobs of the current batch that Redis does not have
 
-    def load(self, wanted: Iterable[tuple[str, int]]) -> None:
+    def load(self, wanted: Collection[tuple[str, int]]) -> None:
         """Fetch the keys of the (job, rank) pairs not cached yet, in one round trip."""
+        self._gone = set()
+        if not wanted:  # A batch of registrations, say.
+            return
         missing = []
         for job_id, rank in set(wanted):
             ranks = self._jobs.get(job_id)
@@ -39,7 +42,6 @@ class ResultKeys:
                 self._jobs.move_to_end(job_id)
             if ranks is None or rank not in ranks:
                 missing.append((job_id, rank))
-        self._gone = set()
         for (job_id, rank), key in self.store.result_keys(missing).items():
             if key is None:
                 self._gone.add(job_id)

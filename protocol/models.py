@@ -99,12 +99,11 @@ class RankInfo(_Model):
     dp_rank: int = Field(ge=0)
     pp_rank: int = Field(ge=0)
     tp_rank: int = Field(ge=0)
-    available_frequencies: list[int] = Field(min_length=1)
+    # Positive: checked by pydantic-core, item by item (the error names the index).
+    available_frequencies: list[Annotated[int, Field(gt=0)]] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _check(self) -> RankInfo:
-        if min(self.available_frequencies) <= 0:  # min_length=1 holds: checked before
-            raise ValueError("available_frequencies must all be positive (MHz)")
         if len(set(self.available_frequencies)) != len(self.available_frequencies):
             raise ValueError("available_frequencies has duplicates")
         return self
@@ -319,6 +318,31 @@ def pack(model: BaseModel) -> bytes:
     return msgpack.packb(model.model_dump(mode="python"), use_bin_type=True)
 
 
+def pack_rank_reply(job_id: str, instruction_energy: bool, token: str) -> bytes:
+    """``pack(Reply(ok=True, ...))`` of a rank's registration, without building the model.
+
+    The same bytes (a test checks): the rank waits for this reply, and building and dumping
+    the model costs more than the rest of packing it.
+    """
+    reply = {
+        "ok": True,
+        "job_id": job_id,
+        "error": "",
+        "instruction_energy": instruction_energy,
+        "token": token,
+    }
+    return msgpack.packb(reply, use_bin_type=True)
+
+
+def pack_plain(model: BaseModel) -> bytes:
+    """``pack(model)`` of a model whose fields hold only numbers, strings, lists and dicts.
+
+    Such a model's ``__dict__`` is what ``model_dump`` returns; skipping the dump matters on
+    the paths a rank waits on (a test checks that the bytes are the same).
+    """
+    return msgpack.packb(dict(model.__dict__), use_bin_type=True)
+
+
 def _unpack_raw(data: bytes) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
@@ -360,7 +384,13 @@ def encode_message(
         token: The reporting rank's token: a ``report_result`` entry then carries the MAC of
             its data (``mac``), which the coordinator checks (the token itself is not sent).
     """
-    fields: dict[str, Any] = {"kind": message.kind, "data": pack(message)}
+    if isinstance(message, RegisterRank):
+        # The rank waits for its reply: its fields are plain, so no model_dump (same bytes).
+        plain = dict(message.__dict__, rank_info=dict(message.rank_info.__dict__))
+        data = msgpack.packb(plain, use_bin_type=True)
+    else:
+        data = pack(message)
+    fields: dict[str, Any] = {"kind": message.kind, "data": data}
     job_id = getattr(message, "job_id", "")
     if job_id:
         fields["job_id"] = job_id

@@ -35,7 +35,7 @@ from protocol.server_clock import ServerClock
 from protocol.store_batch import single
 from protocol.store_scripts import Scripts
 from protocol.store_worker import WorkerStore
-from protocol.tokens import new_token
+from protocol.tokens import credentials, new_token
 
 _GC_INDEXES = (keys.FINISHED_JOBS, keys.STARTING_JOBS)
 KEEP_SCHEDULES = 4
@@ -288,7 +288,7 @@ class JobStore(WorkerStore):
             job,
             rank,
             self.clock.now() if now is None else now,
-            token if token is not None else new_token(),
+            credentials(token if token is not None else new_token()),
             request_id if request_id is not None else uuid.uuid4().hex,
         )
         return int(single(batch))

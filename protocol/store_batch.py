@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from functools import lru_cache
+from typing import Any, NamedTuple
 
-import msgpack
 import redis
 from redis.client import Pipeline
 from redis.commands.core import Script
@@ -16,16 +15,23 @@ from redis.exceptions import NoScriptError
 from protocol import keys
 from protocol.exceptions import DuplicateEntryError, ProtocolError, UnknownJobError
 from protocol.job_record import unknown_job
-from protocol.models import JobConfig, JobInfo, ProfilingResult, RankInfo, SetTarget, pack
+from protocol.models import (
+    JobConfig,
+    JobInfo,
+    ProfilingResult,
+    RankInfo,
+    SetTarget,
+    pack,
+    pack_plain,
+)
 from protocol.store_scripts import Scripts
-from protocol.tokens import beat_digest, result_key
+from protocol.tokens import Credentials
 
 REQUEST_TTL_S = 24 * 3600
 """How long a ``register_job`` request id keeps naming the job it created (client retries)."""
 
 
-@dataclass(frozen=True)
-class Answer:
+class Answer(NamedTuple):
     """How a script answers and acknowledges the stream entry whose write succeeded."""
 
     reply_key: str
@@ -34,6 +40,19 @@ class Answer:
     stream: str
     group: str
     entry_id: str
+
+
+@lru_cache(maxsize=1024)
+def _rank_keys(job_id: str) -> tuple[str, ...]:
+    # Every rank of a job registers: its key names are built once.
+    return (
+        keys.job_info(job_id),
+        keys.job_ranks(job_id),
+        keys.JOBS_INDEX,
+        keys.DUE_JOBS,
+        keys.job_tokens(job_id),
+        keys.job_beatcheck(job_id),
+    )
 
 
 class StoreBatch:
@@ -118,9 +137,10 @@ class StoreBatch:
         job: JobInfo,
         rank: RankInfo,
         now: float,
-        token: str,
+        credentials: Credentials,
         request_id: str,
         answer: Answer | None = None,
+        stamp: bool = True,
     ) -> None:
         """Queue :meth:`JobStore.add_rank` (its fit to the job is checked now).
 
@@ -128,27 +148,23 @@ class StoreBatch:
             job: The job.
             rank: The registering rank.
             now: Unix time of the activity.
-            token: The rank's new token; only its digests are stored (:mod:`protocol.tokens`).
+            credentials: The rank's new token; only its digests are stored
+                (:mod:`protocol.tokens`).
             request_id: The registration request: the same request delivered again is
                 recognized (:class:`~protocol.exceptions.DuplicateEntryError`).
             answer: A successful registration is also answered and acknowledged by the same
                 script.
+            stamp: Record the activity in the jobs index (False: the caller did so a moment
+                ago, for another rank of the job; a registration burst then skips a write).
         """
         try:
             rank.check_fits(job)
         except ValueError as exc:
             self._fail(ProtocolError(str(exc)))
             return
-        names = [
-            keys.job_info(job.job_id),
-            keys.job_ranks(job.job_id),
-            keys.JOBS_INDEX,
-            keys.DUE_JOBS,
-            keys.job_tokens(job.job_id),
-            keys.job_beatcheck(job.job_id),
-        ]
-        args = [job.job_id, now, rank.rank, pack(rank), job.world_size]
-        args += [result_key(token), beat_digest(token), request_id]
+        names = [*_rank_keys(job.job_id)]
+        args = [job.job_id, now, rank.rank, pack_plain(rank), job.world_size]
+        args += [credentials.result_key, credentials.beat_digest, request_id, "1" if stamp else "0"]
         if answer is not None:
             names += [answer.reply_key, answer.stream]
             args += [answer.reply, answer.ttl, answer.group, answer.entry_id]
@@ -208,7 +224,7 @@ class StoreBatch:
             index = self._result_groups[(job.job_id, version)] = len(self._commands) - 1
         args = self._commands[index][2]
         position = (len(args) - 4) // 2
-        args += [result.rank, data if data is not None else _pack_plain(result)]
+        args += [result.rank, data if data is not None else pack_plain(result)]
 
         def finish(reply: Any) -> tuple[bool, int, int]:
             status, latest, count = (int(x) for x in reply[:3])
@@ -330,11 +346,6 @@ class StoreBatch:
                 return conn.evalsha(script.sha, len(names), *names, *args)
         except redis.ResponseError as exc:  # as a pipeline returns it (raise_on_error=False)
             return exc
-
-
-def _pack_plain(model: ProfilingResult) -> bytes:
-    # Its fields are plain lists, dicts and numbers once validated: no model_dump needed.
-    return msgpack.packb(dict(model.__dict__), use_bin_type=True)
 
 
 def single(batch: StoreBatch) -> Any:

@@ -33,9 +33,10 @@ return {1, ARGV[3]}
 # tokens, KEYS[6] job beatcheck; optionally KEYS[7] reply list, KEYS[8] the registration's
 # source stream.
 # ARGV[1] job id, ARGV[2] now, ARGV[3] rank, ARGV[4] msgpack RankInfo, ARGV[5] world size,
-# ARGV[6] SHA-256 of the rank's new token (64 hex), ARGV[7] its SHA-1, ARGV[8] request id;
-# with KEYS[7..8]: ARGV[9] msgpack reply (carries the token), ARGV[10] reply TTL, ARGV[11]
-# consumer group, ARGV[12] source entry id: on success the reply is pushed and the entry
+# ARGV[6] SHA-256 of the rank's new token (64 hex), ARGV[7] its SHA-1, ARGV[8] request id,
+# ARGV[9] '1' to stamp the job's activity in the jobs index ('0': it was, a moment ago);
+# with KEYS[7..8]: ARGV[10] msgpack reply (carries the token), ARGV[11] reply TTL, ARGV[12]
+# consumer group, ARGV[13] source entry id: on success the reply is pushed and the entry
 # acknowledged too, so a registration is answered in the same round trip.
 # A rank registers once per job: the token of its first registration stays. The same request
 # delivered again is acknowledged without a second reply (the first one holds the token).
@@ -48,19 +49,19 @@ if current then
   if current ~= ARGV[4] then return {-2, 0} end
   local owner = redis.call('HGET', KEYS[5], ARGV[3]) or ''
   if string.sub(owner, 65) ~= ARGV[8] then return {-6, 0} end
-  if KEYS[8] then redis.call('XACK', KEYS[8], ARGV[11], ARGV[12]) end
+  if KEYS[8] then redis.call('XACK', KEYS[8], ARGV[12], ARGV[13]) end
   return {-7, redis.call('HLEN', KEYS[2])}
 end
 redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
 redis.call('HSET', KEYS[5], ARGV[3], ARGV[6] .. ARGV[8])
 redis.call('HSET', KEYS[6], ARGV[3], ARGV[7])
-redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+if ARGV[9] == '1' then redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1]) end
 local count = redis.call('HLEN', KEYS[2])
 if count >= tonumber(ARGV[5]) then redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1]) end
 if KEYS[8] then
-  redis.call('LPUSH', KEYS[7], ARGV[9])
-  redis.call('EXPIRE', KEYS[7], ARGV[10])
-  redis.call('XACK', KEYS[8], ARGV[11], ARGV[12])
+  redis.call('LPUSH', KEYS[7], ARGV[10])
+  redis.call('EXPIRE', KEYS[7], ARGV[11])
+  redis.call('XACK', KEYS[8], ARGV[12], ARGV[13])
 end
 return {1, count}
 """

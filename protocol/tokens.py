@@ -17,9 +17,12 @@ MACs, which are of no use for other data), never reaches a dead letter, and neve
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
+import os
 import secrets
+from typing import NamedTuple
 
 TOKEN_BYTES = 32
 """Random bytes per token (256 bits)."""
@@ -28,6 +31,59 @@ TOKEN_BYTES = 32
 def new_token() -> str:
     """A fresh random token (URL-safe text)."""
     return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+class Credentials(NamedTuple):
+    """A fresh token with the two digests Redis keeps of it."""
+
+    token: str
+    result_key: str
+    beat_digest: str
+
+
+def credentials(token: str) -> Credentials:
+    """``token`` with its digests."""
+    return Credentials(token, result_key(token), beat_digest(token))
+
+
+class TokenSupply:
+    """Fresh tokens with their digests, made ahead in batches off a registration's path.
+
+    A coordinator answers registrations one after another; making a token and hashing it
+    costs a system call and two digests each, while the rank waits. :meth:`top_up` (called
+    when the coordinator has nothing to do) makes them ahead, :meth:`take` hands one out,
+    once. Each token is :data:`TOKEN_BYTES` from ``os.urandom``, like :func:`new_token`'s.
+
+    Args:
+        batch: Tokens made per refill.
+    """
+
+    def __init__(self, batch: int = 64) -> None:
+        self.batch = batch
+        self._ready: list[Credentials] = []
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    def top_up(self) -> None:
+        """Refill when fewer than half a batch are ready (one ``os.urandom`` call)."""
+        if self._pid != os.getpid():  # A forked copy must not hand out its parent's tokens.
+            self._ready, self._pid = [], os.getpid()
+        missing = self.batch - len(self._ready)
+        if missing < self.batch // 2:
+            return
+        raw = os.urandom(TOKEN_BYTES * missing)
+        for i in range(0, len(raw), TOKEN_BYTES):
+            token = base64.urlsafe_b64encode(raw[i : i + TOKEN_BYTES]).rstrip(b"=").decode()
+            self._ready.append(credentials(token))
+
+    def take(self) -> Credentials:
+        """A token nobody has had, with its digests."""
+        if not self._ready or self._pid != os.getpid():
+            self._ready, self._pid = [], os.getpid()
+            self.top_up()
+        return self._ready.pop()
 
 
 def beat_digest(token: str) -> str:

@@ -1,0 +1,77 @@
+"""A rank's registration, answered in the round trip that stores it; the rank waits meanwhile."""
+
+from __future__ import annotations
+
+from coordinator.job_config import check_rank_limits
+from coordinator.settings import PerseusSettings
+from protocol import keys
+from protocol.job_record import JobRecord
+from protocol.models import RegisterRank, pack_rank_reply
+from protocol.store_batch import Answer, StoreBatch
+from protocol.tokens import TokenSupply
+
+_STAMPS_KEPT = 10_000  # jobs whose last activity stamp a coordinator remembers
+
+
+class RankRegistrar:
+    """Queues a rank's registration with its reply and the acknowledgement of its entry.
+
+    Everything a registration can do without its request is done ahead, while the
+    coordinator waits for entries: tokens and their digests (:class:`TokenSupply`).
+
+    Args:
+        settings: The coordinator's settings (limits, reply TTL, idle time).
+    """
+
+    def __init__(self, settings: PerseusSettings) -> None:
+        self.settings = settings
+        self.tokens = TokenSupply()
+        self._stamped: dict[str, float] = {}  # job id -> when a registration stamped it
+
+    def queue(
+        self,
+        batch: StoreBatch,
+        record: JobRecord,
+        message: RegisterRank,
+        stream: str,
+        entry_id: str,
+        now: float,
+    ) -> None:
+        """Queue the registration on ``batch``: stored, answered and acknowledged by one script.
+
+        The reply carries the rank's token; Redis keeps only digests of it.
+
+        Raises:
+            ProtocolError: The rank is over the coordinator's limits.
+        """
+        scheduler = check_rank_limits(self.settings, record.config, message.rank_info)
+        info = record.info
+        fresh = self.tokens.take()
+        answer = Answer(
+            reply_key=keys.reply_key(message.request_id),
+            reply=pack_rank_reply(info.job_id, scheduler.needs_instruction_energy, fresh.token),
+            ttl=self.settings.reply_ttl,
+            stream=stream,
+            group=keys.COORDINATOR_GROUP,
+            entry_id=entry_id,
+        )
+        stamp = self.stamp_due(info.job_id, now)
+        batch.add_rank(info, message.rank_info, now, fresh, message.request_id, answer, stamp)
+
+    def stamp_due(self, job_id: str, now: float) -> bool:
+        """Whether a registration should refresh the job's activity stamp in the jobs index.
+
+        A job's ranks register in a burst: stamping once a second (or a tenth of the idle
+        limit, if shorter) keeps the index as useful and spares a write per rank.
+        """
+        interval = min(1.0, self.settings.max_job_idle_time / 10)
+        if now - self._stamped.get(job_id, float("-inf")) < interval:
+            return False
+        if len(self._stamped) >= _STAMPS_KEPT:
+            self._stamped.clear()  # bounded; forgetting a stamp only costs a write
+        self._stamped[job_id] = now
+        return True
+
+    def prepare(self) -> None:
+        """Make tokens ahead (call while no rank waits on this coordinator)."""
+        self.tokens.top_up()

@@ -1,0 +1,137 @@
+"""The registration path's shortcuts: the same bytes as the models, fresh tokens, fewer writes."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import msgpack
+import pytest
+
+from coordinator.resilience import ensure_groups
+from coordinator.service import Coordinator
+from protocol import keys
+from protocol.exceptions import ProtocolError
+from protocol.models import (
+    JobConfig,
+    JobInfo,
+    RankInfo,
+    RegisterJob,
+    RegisterRank,
+    Reply,
+    encode_message,
+    pack,
+    pack_plain,
+    pack_rank_reply,
+    unpack,
+)
+from protocol.store import JobStore
+from protocol.tokens import TOKEN_BYTES, TokenSupply, beat_digest, result_key
+from tests.helpers import TOY_SCHEDULER, make_settings
+
+RANK = RankInfo(rank=3, dp_rank=1, pp_rank=1, tp_rank=0, available_frequencies=[1980, 1500, 210])
+
+
+@pytest.mark.parametrize("needs", [True, False])
+def test_a_rank_reply_is_packed_as_the_model_packs_it(needs):
+    token = "t" * 43
+    model = Reply(ok=True, job_id="job-1", instruction_energy=needs, token=token)
+    data = pack_rank_reply("job-1", needs, token)
+    assert data == pack(model)
+    assert unpack(Reply, data) == model
+
+
+def test_plain_packing_of_rank_info_and_a_registration_matches_the_models():
+    assert pack_plain(RANK) == pack(RANK)
+    message = RegisterRank(request_id=uuid.uuid4().hex, job_id="job-1", rank_info=RANK)
+    assert encode_message(message)["data"] == pack(message)
+    # Decoded, it is the same message.
+    raw = msgpack.unpackb(encode_message(message)["data"], raw=False)
+    assert RegisterRank.model_validate(raw) == message
+
+
+def test_a_clock_that_is_not_positive_is_named_by_its_index():
+    with pytest.raises(ValueError, match=r"available_frequencies\.1\n.*greater than 0"):
+        RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=[1980, 0])
+    with pytest.raises(ValueError, match="available_frequencies has duplicates"):
+        RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=[1980, 1980])
+
+
+def test_the_token_supply_hands_out_each_token_once_with_its_digests():
+    supply = TokenSupply(batch=8)
+    seen = set()
+    for _ in range(30):  # several refills, from take() alone
+        fresh = supply.take()
+        assert fresh.token not in seen
+        seen.add(fresh.token)
+        # As secrets.token_urlsafe(TOKEN_BYTES) makes them: 43 URL-safe characters.
+        assert len(fresh.token) == 43 and (TOKEN_BYTES * 4 + 2) // 3 == 43
+        assert fresh.result_key == result_key(fresh.token)
+        assert fresh.beat_digest == beat_digest(fresh.token)
+    supply.top_up()
+    assert len(supply) == 8
+    supply.take()
+    supply.top_up()  # 7 of 8 ready: not yet worth a refill
+    assert len(supply) == 7
+
+
+def test_a_forked_process_never_hands_out_its_parents_tokens():
+    supply = TokenSupply(batch=8)
+    supply.top_up()
+    ready = {supply.take().token for _ in range(4)} | {c.token for c in supply._ready}
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report the token it gets, then leave at once
+        os.write(write, supply.take().token.encode())
+        os._exit(0)
+    os.close(write)
+    child_token = os.read(read, 100).decode()
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert len(child_token) == 43
+    assert child_token not in ready
+
+
+def _register(coord: Coordinator, r, job_id: str, rank: int) -> None:
+    info = RANK.model_copy(update={"rank": rank, "pp_rank": rank, "dp_rank": 0})
+    message = RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=info)
+    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(message))
+    coord.step(block_ms=None)
+    reply = unpack(Reply, r.lpop(keys.reply_key(message.request_id)))
+    assert reply.ok, reply.error
+
+
+def test_a_registration_burst_stamps_the_jobs_activity_once_per_interval(r, redis_url):
+    # max_job_idle_time=5: stamps at most every 0.5 s (a tenth of it).
+    coord = Coordinator(r, make_settings(redis_url, max_job_idle_time=5))
+    ensure_groups(r)
+    job = RegisterJob(
+        request_id=uuid.uuid4().hex,
+        job=JobInfo(pp_degree=4, dp_degree=1, tp_degree=1, world_size=4),
+    )
+    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))
+    coord.step(block_ms=None)
+    job_id = unpack(Reply, r.lpop(keys.reply_key(job.request_id))).job_id
+    r.zadd(keys.JOBS_INDEX, {job_id: 1.0})  # an old stamp, to see which registration moves it
+    _register(coord, r, job_id, 0)
+    first = r.zscore(keys.JOBS_INDEX, job_id)
+    assert first > 1.0
+    r.zadd(keys.JOBS_INDEX, {job_id: 1.0})
+    _register(coord, r, job_id, 1)  # a moment later: no stamp
+    assert r.zscore(keys.JOBS_INDEX, job_id) == 1.0
+    # Still registered, with its token's digests, like a stamped one.
+    assert r.hexists(keys.job_ranks(job_id), "1")
+    assert r.hexists(keys.job_tokens(job_id), "1") and r.hexists(keys.job_beatcheck(job_id), "1")
+    coord.registrar._stamped[job_id] -= 0.5  # as if half a second had passed
+    _register(coord, r, job_id, 2)
+    assert r.zscore(keys.JOBS_INDEX, job_id) > first
+
+
+def test_the_store_stamps_every_registration_it_is_given(r):
+    store = JobStore(r)
+    job = JobInfo(job_id="stamp-job", pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
+    store.create_job(job, JobConfig(scheduler=TOY_SCHEDULER), "1-0", now=5.0)
+    store.add_rank(job, RANK.model_copy(update={"rank": 0, "dp_rank": 0, "pp_rank": 0}), now=7.0)
+    assert r.zscore(keys.JOBS_INDEX, "stamp-job") == 7.0
+    with pytest.raises(ProtocolError, match="already registered"):
+        store.add_rank(job, RANK.model_copy(update={"rank": 0, "dp_rank": 0, "pp_rank": 0}))
