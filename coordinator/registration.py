@@ -41,6 +41,14 @@ class RankRegistrar:
 
         The reply carries the rank's token; Redis keeps only digests of it.
 
+        Args:
+            batch: Where the script call goes.
+            record: The rank's job.
+            message: The registration.
+            stream: The stream it was read from.
+            entry_id: Its entry there (the script acknowledges it).
+            now: Server time of the activity.
+
         Raises:
             ProtocolError: The rank is over the coordinator's limits.
         """
@@ -59,18 +67,39 @@ class RankRegistrar:
         batch.add_rank(info, message.rank_info, now, fresh, message.request_id, answer, stamp)
 
     def stamp_due(self, job_id: str, now: float) -> bool:
-        """Whether a registration should refresh the job's activity stamp in the jobs index.
+        """Whether a registration now should refresh the job's stamp in the jobs index.
 
-        A job's ranks register in a burst: stamping once a second (or a tenth of the idle
-        limit, if shorter) keeps the index as useful and spares a write per rank.
+        A job's ranks register in a burst: stamping once a second keeps the index as useful
+        and spares a write per rank. The interval is shorter where a limit that reads the
+        stamp is short: a tenth of ``max_job_idle_time`` or of ``start_retention``.
+
+        Args:
+            job_id: The job.
+            now: Server time of the registration.
+
+        Returns:
+            True unless a registration of the job stamped it less than an interval ago
+            (:meth:`stamped` records that).
         """
-        interval = min(1.0, self.settings.max_job_idle_time / 10)
-        if now - self._stamped.get(job_id, float("-inf")) < interval:
-            return False
+        settings = self.settings
+        interval = min(1.0, settings.max_job_idle_time / 10, settings.start_retention / 10)
+        return now - self._stamped.get(job_id, float("-inf")) >= interval
+
+    def stamped(self, job_id: str, now: float) -> None:
+        """Record that a registration stored now stamped the job, if :meth:`stamp_due` said so.
+
+        Called once the script has stored it: a registration refused (or not sent) stamped
+        nothing, so the next one still must.
+
+        Args:
+            job_id: The job.
+            now: The ``now`` the registration was queued with.
+        """
+        if not self.stamp_due(job_id, now):
+            return  # Queued without a stamp (or another one of the batch recorded it).
         if len(self._stamped) >= _STAMPS_KEPT:
             self._stamped.clear()  # bounded; forgetting a stamp only costs a write
         self._stamped[job_id] = now
-        return True
 
     def prepare(self) -> None:
         """Make tokens ahead (call while no rank waits on this coordinator)."""

@@ -338,7 +338,7 @@ class Coordinator:
                 continue
             if isinstance(message, RegisterRank):
                 outcome.answered(stream, entry_id)
-            self._settle_entry(message, result, jobs, outcome)
+            self._settle_entry(message, result, jobs, outcome, now)
         self._finish(outcome)
         return sum(len(ids) for ids in outcome.acks.values()) + outcome.self_acked
 
@@ -406,6 +406,7 @@ class Coordinator:
         result: Any,
         jobs: dict[str, JobRecord | None],
         outcome: Outcome,
+        now: float,
     ) -> None:
         """Decide the reply and the scheduler work of an entry whose write succeeded."""
         if isinstance(message, RegisterJob):
@@ -427,6 +428,7 @@ class Coordinator:
                 result,
                 info.world_size,
             )
+            self.registrar.stamped(info.job_id, now)
             if result == info.world_size:
                 outcome.advance.add(info.job_id)
         elif isinstance(message, ReportResult):

@@ -31,8 +31,9 @@ class PerseusSettings(BaseSettings):
         log_level: Logging level name.
         dump_data: Also write ranks, schedules and profiling results of each job to files.
         dump_dir: Where dumps go, one folder per job.
-        max_job_idle_time: Seconds without activity (registration, results, or the hook's
-            heartbeats) after which a job's state is deleted.
+        max_job_idle_time: Seconds without activity (registrations, stamped at most once a
+            second per job; results; the hook's heartbeats) after which a job's state is
+            deleted.
         finished_retention: Seconds a finished job (every rank's hook closed, or ``perseus
             jobs finish``) is kept before it is deleted.
         start_retention: Seconds without activity after which a job that never got its first

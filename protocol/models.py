@@ -323,6 +323,14 @@ def pack_rank_reply(job_id: str, instruction_energy: bool, token: str) -> bytes:
 
     The same bytes (a test checks): the rank waits for this reply, and building and dumping
     the model costs more than the rest of packing it.
+
+    Args:
+        job_id: The job the rank joined.
+        instruction_energy: Whether the job's scheduler needs per-instruction energy.
+        token: The rank's new token.
+
+    Returns:
+        The msgpack reply.
     """
     reply = {
         "ok": True,
@@ -339,6 +347,12 @@ def pack_plain(model: BaseModel) -> bytes:
 
     Such a model's ``__dict__`` is what ``model_dump`` returns; skipping the dump matters on
     the paths a rank waits on (a test checks that the bytes are the same).
+
+    Args:
+        model: A :class:`RankInfo` or :class:`ProfilingResult`, say (no nested models).
+
+    Returns:
+        What ``pack(model)`` returns.
     """
     return msgpack.packb(dict(model.__dict__), use_bin_type=True)
 

@@ -34,44 +34,76 @@ def new_token() -> str:
 
 
 class Credentials(NamedTuple):
-    """A fresh token with the two digests Redis keeps of it."""
+    """A fresh token with the two digests Redis keeps of it (its repr hides the token)."""
 
     token: str
     result_key: str
     beat_digest: str
 
+    def __repr__(self) -> str:
+        return f"Credentials(token=<hidden>, result_key={self.result_key[:8]}...)"
+
 
 def credentials(token: str) -> Credentials:
-    """``token`` with its digests."""
+    """``token`` with its digests.
+
+    Args:
+        token: A rank's token.
+
+    Returns:
+        The token, its SHA-256 (:func:`result_key`) and its SHA-1 (:func:`beat_digest`).
+    """
     return Credentials(token, result_key(token), beat_digest(token))
 
 
+# Bumped in every child a fork makes: a supply made before must not hand out the tokens that
+# its parent holds too (a process id can be reused, a fork count cannot).
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
 class TokenSupply:
-    """Fresh tokens with their digests, made ahead in batches off a registration's path.
+    """Fresh tokens with their digests, made in batches off a registration's path.
 
     A coordinator answers registrations one after another; making a token and hashing it
-    costs a system call and two digests each, while the rank waits. :meth:`top_up` (called
-    when the coordinator has nothing to do) makes them ahead, :meth:`take` hands one out,
-    once. Each token is :data:`TOKEN_BYTES` from ``os.urandom``, like :func:`new_token`'s.
+    costs a system call and two digests each, while the rank waits. :meth:`top_up` (the
+    coordinator calls it after each read, while the ranks it answered send their next
+    requests) makes them ahead; :meth:`take` hands one out, once. Each token is
+    :data:`TOKEN_BYTES` from ``os.urandom``, like :func:`new_token`'s.
 
     Args:
-        batch: Tokens made per refill.
+        batch: Tokens kept ready; a refill tops up to it once half are used.
+
+    Raises:
+        ValueError: ``batch`` is below 1.
     """
 
     def __init__(self, batch: int = 64) -> None:
+        if batch < 1:
+            raise ValueError(f"batch={batch}: a token supply keeps at least one token")
         self.batch = batch
         self._ready: list[Credentials] = []
-        self._pid = os.getpid()
+        self._forks = _forks
 
     def __len__(self) -> int:
         return len(self._ready)
 
+    def _forget_if_forked(self) -> None:
+        if self._forks != _forks:
+            self._ready, self._forks = [], _forks
+
     def top_up(self) -> None:
-        """Refill when fewer than half a batch are ready (one ``os.urandom`` call)."""
-        if self._pid != os.getpid():  # A forked copy must not hand out its parent's tokens.
-            self._ready, self._pid = [], os.getpid()
+        """Refill when no more than half a batch is ready (one ``os.urandom`` call)."""
+        self._forget_if_forked()
         missing = self.batch - len(self._ready)
-        if missing < self.batch // 2:
+        if missing < max(1, self.batch // 2):
             return
         raw = os.urandom(TOKEN_BYTES * missing)
         for i in range(0, len(raw), TOKEN_BYTES):
@@ -80,8 +112,8 @@ class TokenSupply:
 
     def take(self) -> Credentials:
         """A token nobody has had, with its digests."""
-        if not self._ready or self._pid != os.getpid():
-            self._ready, self._pid = [], os.getpid()
+        self._forget_if_forked()
+        if not self._ready:
             self.top_up()
         return self._ready.pop()
 

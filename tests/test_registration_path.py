@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import uuid
 
@@ -11,7 +12,6 @@ import pytest
 from coordinator.resilience import ensure_groups
 from coordinator.service import Coordinator
 from protocol import keys
-from protocol.exceptions import ProtocolError
 from protocol.models import (
     JobConfig,
     JobInfo,
@@ -64,15 +64,19 @@ def test_the_token_supply_hands_out_each_token_once_with_its_digests():
         fresh = supply.take()
         assert fresh.token not in seen
         seen.add(fresh.token)
-        # As secrets.token_urlsafe(TOKEN_BYTES) makes them: 43 URL-safe characters.
-        assert len(fresh.token) == 43 and (TOKEN_BYTES * 4 + 2) // 3 == 43
+        # As secrets.token_urlsafe(TOKEN_BYTES) makes them: URL-safe base64, no padding.
+        assert base64.urlsafe_b64decode(fresh.token + "=") and len(fresh.token) == 43
+        assert len(base64.urlsafe_b64decode(fresh.token + "=")) == TOKEN_BYTES
         assert fresh.result_key == result_key(fresh.token)
         assert fresh.beat_digest == beat_digest(fresh.token)
+        assert fresh.token not in repr(fresh) and fresh.token not in str(fresh)
     supply.top_up()
     assert len(supply) == 8
     supply.take()
     supply.top_up()  # 7 of 8 ready: not yet worth a refill
     assert len(supply) == 7
+    with pytest.raises(ValueError, match="batch=0"):
+        TokenSupply(batch=0)
 
 
 def test_a_forked_process_never_hands_out_its_parents_tokens():
@@ -81,15 +85,18 @@ def test_a_forked_process_never_hands_out_its_parents_tokens():
     ready = {supply.take().token for _ in range(4)} | {c.token for c in supply._ready}
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: report the token it gets, then leave at once
-        os.write(write, supply.take().token.encode())
-        os._exit(0)
+    if pid == 0:  # the child: report the token it gets, then leave at once, whatever happens
+        try:
+            os.write(write, supply.take().token.encode())
+        finally:
+            os._exit(0)
     os.close(write)
     child_token = os.read(read, 100).decode()
     os.waitpid(pid, 0)
     os.close(read)
     assert len(child_token) == 43
     assert child_token not in ready
+    assert supply.take().token in ready  # the parent's own are still good here
 
 
 def _register(coord: Coordinator, r, job_id: str, rank: int) -> None:
@@ -102,8 +109,8 @@ def _register(coord: Coordinator, r, job_id: str, rank: int) -> None:
 
 
 def test_a_registration_burst_stamps_the_jobs_activity_once_per_interval(r, redis_url):
-    # max_job_idle_time=5: stamps at most every 0.5 s (a tenth of it).
-    coord = Coordinator(r, make_settings(redis_url, max_job_idle_time=5))
+    # Defaults: a stamp at most every second.
+    coord = Coordinator(r, make_settings(redis_url))
     ensure_groups(r)
     job = RegisterJob(
         request_id=uuid.uuid4().hex,
@@ -122,16 +129,52 @@ def test_a_registration_burst_stamps_the_jobs_activity_once_per_interval(r, redi
     # Still registered, with its token's digests, like a stamped one.
     assert r.hexists(keys.job_ranks(job_id), "1")
     assert r.hexists(keys.job_tokens(job_id), "1") and r.hexists(keys.job_beatcheck(job_id), "1")
-    coord.registrar._stamped[job_id] -= 0.5  # as if half a second had passed
+    coord.registrar._stamped[job_id] -= 1.0  # as if a second had passed
     _register(coord, r, job_id, 2)
     assert r.zscore(keys.JOBS_INDEX, job_id) > first
+
+
+def test_a_refused_registration_does_not_count_as_a_stamp(r, redis_url):
+    coord = Coordinator(r, make_settings(redis_url))
+    ensure_groups(r)
+    job = RegisterJob(
+        request_id=uuid.uuid4().hex,
+        job=JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2),
+    )
+    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))
+    coord.step(block_ms=None)
+    job_id = unpack(Reply, r.lpop(keys.reply_key(job.request_id))).job_id
+    _register(coord, r, job_id, 0)
+    coord.registrar._stamped.clear()  # as if long ago
+    r.zadd(keys.JOBS_INDEX, {job_id: 1.0})
+    # Rank 0 again, with other clocks: refused by the script, so nothing was stamped ...
+    other = RANK.model_copy(update={"rank": 0, "pp_rank": 0, "dp_rank": 0, "tp_rank": 0})
+    other = other.model_copy(update={"available_frequencies": [1410]})
+    refused = RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=other)
+    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(refused))
+    coord.step(block_ms=None)
+    assert not unpack(Reply, r.lpop(keys.reply_key(refused.request_id))).ok
+    assert r.zscore(keys.JOBS_INDEX, job_id) == 1.0
+    # ... and the next registration stamps.
+    _register(coord, r, job_id, 1)
+    assert r.zscore(keys.JOBS_INDEX, job_id) > 1.0
+
+
+def test_the_stamp_interval_follows_the_shortest_limit_that_reads_it(r, redis_url):
+    settings = make_settings(redis_url, max_job_idle_time=100, start_retention=2.0)
+    coord = Coordinator(r, settings)
+    registrar = coord.registrar
+    assert registrar.stamp_due("j", 50.0)
+    registrar.stamped("j", 50.0)
+    assert not registrar.stamp_due("j", 50.19)  # a tenth of start_retention: 0.2 s
+    assert registrar.stamp_due("j", 50.2)
 
 
 def test_the_store_stamps_every_registration_it_is_given(r):
     store = JobStore(r)
     job = JobInfo(job_id="stamp-job", pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
     store.create_job(job, JobConfig(scheduler=TOY_SCHEDULER), "1-0", now=5.0)
-    store.add_rank(job, RANK.model_copy(update={"rank": 0, "dp_rank": 0, "pp_rank": 0}), now=7.0)
-    assert r.zscore(keys.JOBS_INDEX, "stamp-job") == 7.0
-    with pytest.raises(ProtocolError, match="already registered"):
-        store.add_rank(job, RANK.model_copy(update={"rank": 0, "dp_rank": 0, "pp_rank": 0}))
+    for rank, now in ((0, 7.0), (1, 7.5)):
+        info = RANK.model_copy(update={"rank": rank, "dp_rank": 0, "pp_rank": rank})
+        store.add_rank(job, info, now=now)
+        assert r.zscore(keys.JOBS_INDEX, "stamp-job") == now
