@@ -16,8 +16,8 @@ _STAMPS_KEPT = 10_000  # jobs whose last activity stamp a coordinator remembers
 class RankRegistrar:
     """Queues a rank's registration with its reply and the acknowledgement of its entry.
 
-    Everything a registration can do without its request is done ahead, while the
-    coordinator waits for entries: tokens and their digests (:class:`TokenSupply`).
+    What a registration needs without its request is made ahead, after each read while the
+    ranks answered send their next requests: tokens and their digests (:class:`TokenSupply`).
 
     Args:
         settings: The coordinator's settings (limits, reply TTL, idle time).

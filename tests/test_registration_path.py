@@ -99,6 +99,18 @@ def test_a_forked_process_never_hands_out_its_parents_tokens():
     assert supply.take().token in ready  # the parent's own are still good here
 
 
+def _new_job(coord: Coordinator, r, world: int) -> str:
+    """Register a ``world``-stage job through ``coord``; return its id."""
+    ensure_groups(r)
+    job = RegisterJob(
+        request_id=uuid.uuid4().hex,
+        job=JobInfo(pp_degree=world, dp_degree=1, tp_degree=1, world_size=world),
+    )
+    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))
+    coord.step(block_ms=None)
+    return unpack(Reply, r.lpop(keys.reply_key(job.request_id))).job_id
+
+
 def _register(coord: Coordinator, r, job_id: str, rank: int) -> None:
     info = RANK.model_copy(update={"rank": rank, "pp_rank": rank, "dp_rank": 0})
     message = RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=info)
@@ -111,14 +123,7 @@ def _register(coord: Coordinator, r, job_id: str, rank: int) -> None:
 def test_a_registration_burst_stamps_the_jobs_activity_once_per_interval(r, redis_url):
     # Defaults: a stamp at most every second.
     coord = Coordinator(r, make_settings(redis_url))
-    ensure_groups(r)
-    job = RegisterJob(
-        request_id=uuid.uuid4().hex,
-        job=JobInfo(pp_degree=4, dp_degree=1, tp_degree=1, world_size=4),
-    )
-    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))
-    coord.step(block_ms=None)
-    job_id = unpack(Reply, r.lpop(keys.reply_key(job.request_id))).job_id
+    job_id = _new_job(coord, r, world=4)
     r.zadd(keys.JOBS_INDEX, {job_id: 1.0})  # an old stamp, to see which registration moves it
     _register(coord, r, job_id, 0)
     first = r.zscore(keys.JOBS_INDEX, job_id)
@@ -136,14 +141,7 @@ def test_a_registration_burst_stamps_the_jobs_activity_once_per_interval(r, redi
 
 def test_a_refused_registration_does_not_count_as_a_stamp(r, redis_url):
     coord = Coordinator(r, make_settings(redis_url))
-    ensure_groups(r)
-    job = RegisterJob(
-        request_id=uuid.uuid4().hex,
-        job=JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2),
-    )
-    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))
-    coord.step(block_ms=None)
-    job_id = unpack(Reply, r.lpop(keys.reply_key(job.request_id))).job_id
+    job_id = _new_job(coord, r, world=2)
     _register(coord, r, job_id, 0)
     coord.registrar._stamped.clear()  # as if long ago
     r.zadd(keys.JOBS_INDEX, {job_id: 1.0})
