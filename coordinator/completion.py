@@ -10,8 +10,10 @@ costs a task that finds nothing due; a missed one falls back to enqueueing after
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 
-from protocol.models import JobInfo, ProfilingResult
+from protocol.job_record import JobRecord
+from protocol.models import JobInfo, ProfilingResult, ReportResult
 
 _JOBS = 10_000  # jobs whose latest counts a coordinator remembers
 
@@ -58,3 +60,23 @@ class CompletionGuess:
             if before < infos[job_id].world_size <= before + len(reported):
                 done.append(job_id)
         return sorted(set(done))
+
+    def completes_all(self, messages: Iterable[object], jobs: Mapping[str, JobRecord]) -> bool:
+        """Whether the results among ``messages`` likely complete every version they are for.
+
+        The coordinator stops gathering a burst then: the read that would find nothing more
+        is a round trip on the way to the next version.
+
+        Args:
+            messages: Decoded entries (anything that is not a result is left out).
+            jobs: Known jobs by id; a result of a job not in it makes the answer False.
+        """
+        reports = []
+        for message in messages:
+            if isinstance(message, ReportResult):
+                record = jobs.get(message.job_id)
+                if record is None:
+                    return False  # Its world size is not known here.
+                reports.append((record.info, message.result))
+        wanted = {info.job_id for info, _ in reports}
+        return bool(wanted) and len(self.completed(reports)) == len(wanted)

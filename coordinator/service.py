@@ -190,6 +190,8 @@ class Coordinator:
                 break  # A full batch already (and XREADGROUP refuses a count of 0).
             # Decoded while Redis still takes in the rest of the burst, not after all of it.
             self._decode_ahead(batch, decoded)
+            if self._guess.completes_all(decoded.values(), self._records):
+                break  # Nothing more of this burst can come: no read that finds nothing.
             more = self.conn.xreadgroup(
                 keys.COORDINATOR_GROUP,
                 self.consumer,

@@ -13,6 +13,7 @@ from rq.job import JobStatus
 
 from coordinator.completion import CompletionGuess
 from coordinator.replay import LiveSchedulers
+from coordinator.resilience import ensure_groups
 from coordinator.service import Coordinator
 from coordinator.tasks import LIVE, advance_job
 from coordinator.worker_loop import PerseusSimpleWorker
@@ -185,3 +186,38 @@ def test_a_guess_for_a_job_that_is_gone_leaves_nothing_of_it(r, redis_url):
     assert not r.exists(keys.job_info("gone"))
     reasons = [f[b"reason"] for _, f in r.xrange(keys.DEADLETTER_STREAM)]
     assert len(reasons) == RANKS - 2 and all(b"unknown job" in x for x in reasons)
+
+
+def test_a_burst_that_completes_its_version_takes_no_read_that_finds_nothing(
+    r, redis_url, monkeypatch
+):
+    store = JobStore(r)
+    new_job(store, "burst", SNAPSHOTTING)
+    advance_job("burst", conn=r)  # version 1
+    ensure_groups(r)
+    coord = Coordinator(r, make_settings(redis_url), claim_idle_ms=60_000)
+    reads: list[int] = []
+    read = coord.conn.xreadgroup
+
+    def counted(*args: object, **kwargs: object) -> object:
+        reads.append(1)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(coord.conn, "xreadgroup", counted)
+    for version, expected in ((1, 2), (2, 1)):
+        for _stream, _id, fields in _reports("burst", version, range(RANKS)):
+            r.xadd(keys.RESULTS_STREAM, fields)
+        reads.clear()
+        assert coord.step(block_ms=100) == RANKS
+        # Version 1: the job's size is not known before its first batch, so the coordinator
+        # reads once more and finds nothing. Version 2: the first read holds every rank's
+        # result, and that is known.
+        assert len(reads) == expected, version
+        assert store.due("burst")
+        assert advance_job("burst", conn=r) == [version + 1]
+    # A version still short of a rank: it reads on (up to its top-ups) for the rest.
+    for _stream, _id, fields in _reports("burst", 3, range(RANKS - 1)):
+        r.xadd(keys.RESULTS_STREAM, fields)
+    reads.clear()
+    assert coord.step(block_ms=100) == RANKS - 1
+    assert len(reads) == 2 and not store.due("burst")
