@@ -21,7 +21,6 @@ import base64
 import hashlib
 import hmac
 import os
-import secrets
 from typing import NamedTuple
 
 TOKEN_BYTES = 32
@@ -30,7 +29,12 @@ TOKEN_BYTES = 32
 
 def new_token() -> str:
     """A fresh random token (URL-safe text)."""
-    return secrets.token_urlsafe(TOKEN_BYTES)
+    return _as_text(os.urandom(TOKEN_BYTES))
+
+
+def _as_text(secret: bytes) -> str:
+    # What secrets.token_urlsafe does with its bytes: URL-safe base64 without padding.
+    return base64.urlsafe_b64encode(secret).rstrip(b"=").decode()
 
 
 class Credentials(NamedTuple):
@@ -107,8 +111,7 @@ class TokenSupply:
             return
         raw = os.urandom(TOKEN_BYTES * missing)
         for i in range(0, len(raw), TOKEN_BYTES):
-            token = base64.urlsafe_b64encode(raw[i : i + TOKEN_BYTES]).rstrip(b"=").decode()
-            self._ready.append(credentials(token))
+            self._ready.append(credentials(_as_text(raw[i : i + TOKEN_BYTES])))
 
     def take(self) -> Credentials:
         """A token nobody has had, with its digests."""
