@@ -212,3 +212,24 @@ def test_cuda_ordinal(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cuda_ordinal(3) == 0
     assert cuda_ordinal(1) == 1
     assert cuda_ordinal(0) is None
+
+
+def test_registered_read_only_module_serves_name_based_callers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Code that takes an NVML module by name (the hook) reads through the proxy, never writes."""
+    from tests import fake_nvml
+    from worker_client.gpu.nvml_readonly import register_read_only_module
+
+    log = tmp_path / "nvml.log"
+    monkeypatch.setenv("FAKE_NVML_LOG", str(log))
+    name = register_read_only_module("tests.fake_nvml")
+    assert register_read_only_module("tests.fake_nvml") == name  # registered once
+    nvml = NVML(name)
+    assert nvml.graphics_clocks(0)[0] == 1980
+    with pytest.raises(GPUError, match="read-only NVML: nvmlDeviceSetGpuLockedClocks"):
+        nvml.lock_gpu_clocks(0, 1980)
+    with pytest.raises(GPUError, match="cannot import NVML module 'no_such_nvml'"):
+        register_read_only_module("no_such_nvml")
+    calls = [call for call, _ in fake_nvml.read_log(log)]
+    assert calls and all(is_read_function(c) for c in calls), calls

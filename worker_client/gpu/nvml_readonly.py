@@ -12,6 +12,8 @@ measurement path that holds only a :class:`ReadOnlyNVML` cannot reach an NVML wr
 
 from __future__ import annotations
 
+import importlib
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -153,3 +155,23 @@ def assert_read_only(nvml: NVML) -> None:
     for method in _WRITE_METHODS:
         if getattr(type(nvml), method) is not getattr(ReadOnlyNVML, method):
             raise AssertionError(f"{type(nvml).__name__}.{method} overrides the refusing method")
+
+
+def register_read_only_module(module: str = REAL_NVML) -> str:
+    """Register a read-only proxy of NVML module ``module`` and return its import name.
+
+    For code that takes an NVML module *by name* (the training hook, a controller's side
+    process in this interpreter): given the returned name, it can only read the GPU.
+
+    Raises:
+        GPUError: ``module`` cannot be imported.
+
+    """
+    name = f"perseus_read_only__{module.replace('.', '_')}"
+    if name not in sys.modules:
+        try:
+            real = importlib.import_module(module)
+        except ImportError as exc:
+            raise GPUError(f"cannot import NVML module {module!r}: {exc}") from None
+        sys.modules[name] = _ReadOnlyModule(real)  # type: ignore[assignment]
+    return name

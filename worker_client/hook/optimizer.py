@@ -263,6 +263,23 @@ class PerseusOptimizer(Callback):
         Waits for the GPU only where it matters: before timing an instruction, and before a
         clock change (queued work must finish at the clock it was planned for).
         """
+        frequency = self._next_frequency(name)
+        if self._measuring or frequency != self._frequency:
+            self._sync()
+            self.syncs += 1
+        self._frequency = frequency
+        self.controller.set_frequency(frequency)
+        if self._measuring and self.instruction_energy:
+            self._inst_mark = self.energy_source.mark()
+        self._inst_start = self._clock()
+
+    def _next_frequency(self, name: str) -> int:
+        """The planned frequency of instruction ``name``, checked against the schedule's order.
+
+        Raises:
+            ScheduleError: ``name`` is not the instruction the schedule expects next.
+
+        """
         item = next(self._iter, None)
         if item is None:
             raise ScheduleError(
@@ -275,14 +292,7 @@ class PerseusOptimizer(Callback):
                 f"rank {self.rank}: expected instruction {expected!r} but got {name!r} "
                 f"(schedule version {self.schedule.version})"
             )
-        if self._measuring or frequency != self._frequency:
-            self._sync()
-            self.syncs += 1
-        self._frequency = frequency
-        self.controller.set_frequency(frequency)
-        if self._measuring and self.instruction_energy:
-            self._inst_mark = self.energy_source.mark()
-        self._inst_start = self._clock()
+        return frequency
 
     def on_instruction_end(self, name: str) -> None:
         """Record the instruction's duration (and energy mark)."""
