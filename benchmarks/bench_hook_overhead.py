@@ -9,15 +9,19 @@ PointSolution plan: forwards at the highest clock, backwards at a lower one, so 
 switch is a clock change):
 
 * ``bare``: no hook.
+* ``sync only``: no hook, only the synchronizations a measuring hook makes.
 * ``steady``: the hook after its profiling window (``report_every=1``): it synchronizes only
   before a clock change.
+* ``steady events``: the same with ``clock_sync="events"``: at a clock change the training
+  thread records a CUDA event and the hook's side thread requests the clock once the GPU has
+  reached it; nothing waits on the training thread.
 * ``measure``: every step measured (a window that never fills): a sync at every boundary.
 * ``measure+ie``: also per-instruction energy marks, from the default energy source.
 * ``measure+ie counter``: the same with :class:`CounterEnergySource`, i.e. NVML's energy
   counter read on the training thread at every mark.
-* ``events``: an experimental variant (below) that records CUDA events instead of
-  synchronizing and applies each clock request from a side thread once the event that ends
-  the previous instruction has completed.
+* ``events`` / ``events spin``: an experiment (:class:`EventTimedOptimizer`) that also times
+  the profiling window with CUDA events instead of synchronizing; clocks as in ``steady
+  events``, with blocking or spinning waits.
 
 Rounds alternate the variants in blocks of ``--block`` steps (the first round is a warm-up);
 each step starts on an idle GPU and ends when the GPU is done. Then a few untimed steps per
@@ -38,12 +42,10 @@ import argparse
 import itertools
 import json
 import os
-import queue
 import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,7 @@ VARIANTS = (
     "bare",
     "sync only",
     "steady",
+    "steady events",
     "measure",
     "measure+ie",
     "measure+ie counter",
@@ -160,32 +163,32 @@ class LagController:
         """Nothing to restore: no clock was changed."""
 
 
-class EventTimedOptimizer(PerseusOptimizer):
-    """Experimental: CUDA events instead of synchronizing; clock requests from a side thread.
+class MarkerLog:
+    """marker_fn for ``clock_sync="events"``: records an event and keeps it for the lag pass."""
 
-    The training thread never waits for the GPU: at a clock change it records an event (the end
-    of the work queued so far) and queues ``(event, frequency)``; a side thread waits for each
-    event in turn and only then requests the clock, so queued work still runs at the clock it
-    was planned for. Instruction times are event pairs, resolved after the step (the harness
-    reads them); per-step times and energy are not reported by this variant.
+    def __init__(self, gpu: Gpu, blocking: bool) -> None:
+        self.gpu, self.blocking = gpu, blocking
+        self.made: list[Any] = []
+
+    def __call__(self) -> Any:
+        event = self.gpu.event(self.blocking)
+        self.made.append(event)
+        return event
+
+
+class EventTimedOptimizer(PerseusOptimizer):
+    """Experimental: also time a profiling window with CUDA events instead of synchronizing.
+
+    Built with ``clock_sync="events"``, so clock changes are requested by the hook's side
+    thread once the GPU reaches them, in profiling windows too; instructions are timed by event
+    pairs, resolved after the step (the harness reads them). Per-step times and energy are not
+    reported by this variant.
     """
 
-    def __init__(self, *args: Any, gpu: Gpu, spin: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, gpu: Gpu, **kwargs: Any) -> None:
+        super().__init__(*args, clock_sync="events", **kwargs)
         self.gpu = gpu
-        self.blocking = not spin  # a spinning wait may slow the training thread's launches
-        self.applied: list[tuple[Any, float]] = []  # (boundary event, request time)
         self.event_pairs: dict[str, list[tuple[Any, Any]]] = {}
-        self._requests: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
-        self._applier = threading.Thread(target=self._apply, name="perseus-clock", daemon=True)
-        self._applier.start()
-
-    def _apply(self) -> None:
-        while (item := self._requests.get()) is not None:
-            event, frequency = item
-            event.synchronize()  # the previous instruction is done on the GPU
-            self.applied.append((event, time.perf_counter()))
-            self.controller.set_frequency(frequency)
 
     def on_step_begin(self) -> None:
         self._in_step = True
@@ -195,7 +198,8 @@ class EventTimedOptimizer(PerseusOptimizer):
         frequency = self._next_frequency(name)
         if frequency != self._frequency:
             self._frequency = frequency
-            self._requests.put((self.gpu.event(self.blocking), frequency))
+            assert self._clocks is not None and self._marker_fn is not None
+            self._clocks.request(frequency, self._marker_fn())
         if self._measuring:
             self._start_event = self.gpu.event()
 
@@ -206,11 +210,6 @@ class EventTimedOptimizer(PerseusOptimizer):
     def on_step_end(self) -> None:
         self._measuring = False  # the base class would synchronize to time the step
         super().on_step_end()
-
-    def close(self) -> None:
-        self._requests.put(None)
-        self._applier.join()
-        super().close()
 
 
 def _model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -262,13 +261,16 @@ def _hook(variant: str, url: str, plan: str, nvml_module: str, gpu: Gpu) -> Pers
         "redis_url": url, "job_metadata": f"overhead-{variant.replace(' ', '-').replace('+', '-')}",
         "nvml_module": nvml_module, "controller": LagController(),
         "scheduler": "PointSolution", "scheduler_args": {"plan_text": plan},
-        "report_every": 1 if variant == "steady" else 10**9,
+        "report_every": 1 if variant.startswith("steady") else 10**9,
         "instruction_energy": "+ie" in variant,
     }  # fmt: skip
     if variant.endswith("counter"):
         kwargs["energy_source"] = CounterEnergySource(NVML(nvml_module), 0)
     if variant.startswith("events"):
-        return EventTimedOptimizer(**kwargs, gpu=gpu, spin=variant.endswith("spin"))
+        marks = MarkerLog(gpu, blocking=not variant.endswith("spin"))
+        return EventTimedOptimizer(**kwargs, gpu=gpu, marker_fn=marks)
+    if variant == "steady events":
+        kwargs |= {"clock_sync": "events", "marker_fn": MarkerLog(gpu, blocking=True)}
     return PerseusOptimizer(**kwargs)
 
 
@@ -279,22 +281,22 @@ def _lags(hook: PerseusOptimizer, model: nn.Module, data: Any, actions: Any, gpu
         gpu.sync()
         ref_host = time.perf_counter()
         ref = gpu.event()  # completes at once on an idle GPU: GPU time <-> host time
-        pairs: list[tuple[Any, float]]
-        if isinstance(hook, EventTimedOptimizer):
-            hook.applied.clear()
+        controller: LagController = hook.controller  # type: ignore[assignment]
+        seen = len(controller.calls)
+        pairs: list[tuple[Any, float]] = []
+        if hook._clocks is not None:  # clock_sync="events": one request per marker
+            marks: MarkerLog = hook._marker_fn  # type: ignore[assignment]
+            made = len(marks.made)
             _step(model, hook, data, actions, gpu)
-            time.sleep(0.01)  # the side thread has issued its last request
-            pairs = list(hook.applied)
+            time.sleep(0.01)  # the side thread has made its last request
+            times = [t for t, _ in controller.calls[seen:]]
+            pairs = list(zip(marks.made[made:], times, strict=True))
         else:
-            controller: LagController = hook.controller  # type: ignore[assignment]
             boundaries: list[Any] = []
-            seen = len(controller.calls)
             _step(model, hook, data, actions, gpu, boundaries)
             # One request per on_instruction_begin, made after the boundary event before it.
-            made = controller.calls[seen:]
-            pairs = []
             last = None
-            for event, (t, freq) in zip(boundaries, made, strict=True):
+            for event, (t, freq) in zip(boundaries, controller.calls[seen:], strict=True):
                 if freq != last:  # the base hook repeats unchanged requests; only changes count
                     pairs.append((event, t))
                 last = freq
@@ -419,8 +421,6 @@ def main() -> None:
 def _request_count(hook: Callback | None) -> int:
     if not isinstance(hook, PerseusOptimizer):
         return 0
-    if isinstance(hook, EventTimedOptimizer):
-        return len(hook.applied)
     calls = hook.controller.calls  # type: ignore[attr-defined]
     return sum(1 for a, b in itertools.pairwise(calls) if a[1] != b[1])
 

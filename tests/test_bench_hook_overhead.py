@@ -49,6 +49,7 @@ def test_simulated_run_reports_every_variant(tmp_path: Path) -> None:
         "bare",
         "sync only",
         "steady",
+        "steady events",
         "measure",
         "measure+ie",
         "measure+ie counter",
@@ -63,7 +64,8 @@ def test_simulated_run_reports_every_variant(tmp_path: Path) -> None:
     assert rows["sync only"]["syncs_per_step"] == 2 * 16 + 2
     assert rows["measure"]["syncs_per_step"] == rows["measure+ie"]["syncs_per_step"] == 34
     assert rows["steady"]["syncs_per_step"] == changes
-    assert rows["events"]["syncs_per_step"] == rows["events spin"]["syncs_per_step"] == 0
+    for variant in ("steady events", "events", "events spin"):
+        assert rows[variant]["syncs_per_step"] == 0, variant
     hooked = [v for v in rows if v not in ("bare", "sync only")]
     assert all(rows[v]["requests_per_step"] == changes for v in hooked)
     assert rows["measure+ie counter"]["energy_source"] == "CounterEnergySource"

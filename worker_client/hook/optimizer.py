@@ -33,6 +33,7 @@ from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInf
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import NVML
 from worker_client.hook.callback import Callback
+from worker_client.hook.clock_requests import ClockRequester, Marker, cuda_marker
 from worker_client.hook.energy_source import EnergySource, default_energy_source
 from worker_client.hook.session import CoordinatorClient, ResultReporter, ScheduleWatcher
 
@@ -107,6 +108,14 @@ class PerseusOptimizer(Callback):
             :class:`~protocol.exceptions.JobFailedError` at the next step end. Default: log the
             error loudly once (every rank) and train on at the last schedule; the error is
             also in :attr:`job_error`.
+        clock_sync: How a clock change waits for the work queued before it. ``"wait"``
+            (default): ``sync_fn`` on the training thread, then the request. ``"events"``:
+            outside profiling windows the training thread only records a marker (a CUDA
+            event) and a side thread requests the clock once the GPU reaches it, so a step
+            that is not measured never waits for the GPU. Profiling windows synchronize
+            either way (their times are wall-clock times).
+        marker_fn: Records and returns a marker of the work queued so far, for
+            ``clock_sync="events"`` (default: a blocking ``torch.cuda.Event``; CUDA only).
     """
 
     def __init__(
@@ -136,9 +145,17 @@ class PerseusOptimizer(Callback):
         outage_timeout: float | None = None,
         heartbeat_interval: float = 60.0,
         raise_on_job_error: bool = False,
+        clock_sync: str = "wait",
+        marker_fn: Callable[[], Marker] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Create PerseusOptimizer after torch.distributed.init_process_group")
+        if clock_sync not in ("wait", "events"):
+            raise ValueError(f"clock_sync must be 'wait' or 'events', got {clock_sync!r}")
+        if clock_sync == "events" and marker_fn is None:
+            if not torch.cuda.is_available():
+                raise ConfigError("clock_sync='events' needs CUDA events (or a marker_fn)")
+            marker_fn = cuda_marker
         if report_every < 1:
             raise ValueError(f"report_every must be >= 1, got {report_every}")
         if outage_timeout is not None and outage_timeout <= 0:
@@ -201,6 +218,11 @@ class PerseusOptimizer(Callback):
         if isinstance(controller, str):
             controller = make_controller(controller, device_id)  # type: ignore[arg-type]
         self.controller: FrequencySetter = controller
+        self._marker_fn = marker_fn
+        self._clocks: ClockRequester | None = None
+        if clock_sync == "events":
+            self._clocks = ClockRequester(controller)
+            self._clocks.start()
 
         self.schedule = self.client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
         self._iter: Iterator[tuple[str, int]] = iter(self.schedule.frequencies)
@@ -264,11 +286,21 @@ class PerseusOptimizer(Callback):
         clock change (queued work must finish at the clock it was planned for).
         """
         frequency = self._next_frequency(name)
-        if self._measuring or frequency != self._frequency:
+        changed = frequency != self._frequency
+        self._frequency = frequency
+        if self._clocks is None:
+            if self._measuring or changed:
+                self._sync()
+                self.syncs += 1
+            self.controller.set_frequency(frequency)
+        elif self._measuring:
             self._sync()
             self.syncs += 1
-        self._frequency = frequency
-        self.controller.set_frequency(frequency)
+            if changed:  # in force before the instruction is timed
+                self._clocks.request(frequency, None, wait=True)
+        elif changed:
+            assert self._marker_fn is not None
+            self._clocks.request(frequency, self._marker_fn())
         if self._measuring and self.instruction_energy:
             self._inst_mark = self.energy_source.mark()
         self._inst_start = self._clock()
@@ -344,8 +376,8 @@ class PerseusOptimizer(Callback):
             raise build_error
         if remeasure and self._reported:
             self._reset_window()
-        for worker in (self.watcher, self.reporter):
-            if worker.error is not None:
+        for worker in (self.watcher, self.reporter, self._clocks):
+            if worker is not None and worker.error is not None:
                 raise worker.error
         if self.raise_on_job_error and self.watcher.job_error:
             raise JobFailedError(f"job {self.job_id}: scheduler failed: {self.watcher.job_error}")
@@ -440,6 +472,8 @@ class PerseusOptimizer(Callback):
         self.reporter.stop()
         self.watcher.stop()
         self._finish_rank()
+        if self._clocks is not None:
+            self._clocks.stop()  # its last requests reach the controller before it stops
         self.controller.stop()
         close = getattr(self.energy_source, "close", None)
         if self._owned_source and close is not None:

@@ -1,0 +1,157 @@
+"""clock_sync="events": clock changes wait for the GPU on a side thread, not the training one."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from protocol.exceptions import ConfigError, GPUError
+from tests.helpers import make_hook, run_step, wait_for, write_1f1b_plan
+from worker_client.gpu.frequency import DryRunFrequencyController
+from worker_client.hook.clock_requests import ClockRequester
+
+FORWARD, BACKWARD = 1980, 1965
+
+
+class Gate:
+    """A marker whose synchronize() blocks until the test opens it (the GPU 'reaching' it)."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.reached.wait(10), "the test never opened this marker"
+
+
+class Gates:
+    """marker_fn: hands out gates and keeps them; opens every one at once when ``open``."""
+
+    def __init__(self) -> None:
+        self.made: list[Gate] = []
+        self.open = False
+
+    def __call__(self) -> Gate:
+        gate = Gate()
+        if self.open:
+            gate.reached.set()
+        self.made.append(gate)
+        return gate
+
+
+def _plan(tmp_path: Path) -> str:
+    path = tmp_path / "plan.py"
+    write_1f1b_plan(path, 1, 2, [(FORWARD, BACKWARD)])
+    return path.read_text()
+
+
+def _events_hook(redis_url: str, tmp_path: Path, controller, gates: Gates, syncs: list[int]):
+    def sync() -> None:
+        syncs[0] += 1
+
+    return make_hook(
+        redis_url,
+        controller,
+        report_every=1,
+        sync_fn=sync,
+        scheduler="PointSolution",
+        scheduler_args={"plan_text": _plan(tmp_path)},
+        clock_sync="events",
+        marker_fn=gates,
+    )
+
+
+def test_a_clock_is_requested_only_once_the_gpu_reached_its_marker(
+    gloo, hook_service, redis_url, tmp_path
+):
+    _coord, start_worker = hook_service
+    start_worker()
+    controller, gates, syncs = DryRunFrequencyController(0), Gates(), [0]
+    hook = _events_hook(redis_url, tmp_path, controller, gates, syncs)
+    try:
+        # The profiling step (report_every=1) synchronizes and applies each change before the
+        # instruction it is for, as clock_sync="wait" does.
+        run_step(hook)
+        assert syncs[0] == 2 + 2 * 4 and not gates.made
+        assert [f for _, f in controller.records] == [FORWARD, BACKWARD, FORWARD, BACKWARD]
+
+        # After the report: no measurement, so no wait on the training thread.
+        before, requested = syncs[0], len(controller.records)
+        hook.on_step_begin()
+        hook.on_instruction_begin("forward")  # BACKWARD -> FORWARD: a marker, no request yet
+        assert len(gates.made) == 1
+        time.sleep(0.2)
+        assert len(controller.records) == requested  # the GPU has not reached it
+        gates.made[0].reached.set()
+        wait_for(lambda: len(controller.records) == requested + 1, 5, "the clock request")
+        assert controller.records[-1][1] == FORWARD
+        hook.on_instruction_end("forward")
+        gates.open = True
+        for name in ("backward", "forward", "backward"):
+            hook.on_instruction_begin(name)
+            hook.on_instruction_end(name)
+        hook.on_step_end()
+        assert syncs[0] == before  # a step that is not measured never waits
+        assert len(gates.made) == 4  # one marker per clock change
+        wait_for(lambda: len(controller.records) == requested + 4, 5, "every request")
+        assert [f for _, f in controller.records[requested:]] == [FORWARD, BACKWARD] * 2
+    finally:
+        hook.close()
+    assert not hook._clocks.is_alive()
+
+
+def test_a_failed_request_is_raised_at_the_next_step_end(gloo, hook_service, redis_url, tmp_path):
+    _coord, start_worker = hook_service
+    start_worker()
+
+    class Failing(DryRunFrequencyController):
+        fail = False
+
+        def set_frequency(self, frequency: int) -> None:
+            if self.fail:
+                raise GPUError("NVML nvmlDeviceSetGpuLockedClocks on GPU 0 failed: no permission")
+            super().set_frequency(frequency)
+
+    controller, gates, syncs = Failing(0), Gates(), [0]
+    gates.open = True
+    hook = _events_hook(redis_url, tmp_path, controller, gates, syncs)
+    try:
+        run_step(hook)
+        controller.fail = True
+        hook.on_step_begin()
+        for name in ("forward", "backward") * 2:
+            hook.on_instruction_begin(name)
+            hook.on_instruction_end(name)
+        wait_for(lambda: hook._clocks.error is not None, 5, "the failed request")
+        with pytest.raises(GPUError, match="no permission"):
+            hook.on_step_end()
+    finally:
+        hook.close()
+
+
+def test_bad_clock_sync_settings_are_refused_before_registering(gloo, r, redis_url):
+    with pytest.raises(ValueError, match="clock_sync must be 'wait' or 'events', got 'never'"):
+        make_hook(redis_url, DryRunFrequencyController(0), clock_sync="never")
+    # No CUDA here: the default marker (a CUDA event) cannot be made.
+    with pytest.raises(ConfigError, match="needs CUDA events"):
+        make_hook(redis_url, DryRunFrequencyController(0), clock_sync="events")
+    assert r.dbsize() == 0  # nothing was registered
+
+
+def test_requester_serves_in_order_and_stops_after_the_last_request():
+    controller = DryRunFrequencyController(0)
+    requester = ClockRequester(controller)
+    requester.start()
+    gates = [Gate() for _ in range(3)]
+    for gate, frequency in zip(gates, (1980, 1500, 1200), strict=True):
+        requester.request(frequency, gate)
+    time.sleep(0.1)
+    assert controller.records == []  # waiting on the first marker
+    for gate in reversed(gates):  # reached in any order: still requested in queue order
+        gate.reached.set()
+    requester.request(1100, None, wait=True)  # returns once applied
+    assert [f for _, f in controller.records] == [1980, 1500, 1200, 1100]
+    requester.stop()
+    assert not requester.is_alive() and requester.applied == 4 and requester.error is None

@@ -1,0 +1,97 @@
+"""Clock requests that wait for the GPU on a side thread instead of the training thread."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class Marker(Protocol):
+    """A point in the GPU's queued work (a recorded ``torch.cuda.Event``)."""
+
+    def synchronize(self) -> None:
+        """Wait until the GPU has done everything queued before this point."""
+
+
+class ClockSetter(Protocol):
+    """The part of a frequency controller that requests a clock."""
+
+    def set_frequency(self, frequency: int) -> None:
+        """Request ``frequency`` MHz."""
+
+
+def cuda_marker() -> Marker:
+    """A CUDA event recorded on the current stream; waiting on it sleeps rather than spins."""
+    event = torch.cuda.Event(blocking=True)
+    event.record()
+    return event
+
+
+_Request = tuple[Marker | None, int, threading.Event | None]
+
+
+class ClockRequester(threading.Thread):
+    """Requests each clock once the GPU has finished the work queued before its marker.
+
+    The training thread records a marker where the clock must change (the end of what it has
+    queued so far) and hands it over with :meth:`request`; it never waits for the GPU. This
+    thread waits for each marker in order and only then calls the controller, so work queued
+    earlier still runs at the clock planned for it. It is the controller's only caller, as a
+    :class:`~worker_client.gpu.frequency.FrequencyController` wants one thread.
+
+    An error stops further requests and is kept in :attr:`error` for the training thread to
+    raise.
+
+    Args:
+        controller: Where the clocks are requested.
+    """
+
+    def __init__(self, controller: ClockSetter) -> None:
+        super().__init__(name="perseus-clock-requests", daemon=True)
+        self._controller = controller
+        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self.error: Exception | None = None
+        self.applied = 0  # requests passed to the controller
+
+    def request(self, frequency: int, marker: Marker | None, wait: bool = False) -> None:
+        """Request ``frequency`` once ``marker`` is reached (at once if ``None``).
+
+        Args:
+            frequency: Clock, MHz.
+            marker: Where in the queued work the clock changes.
+            wait: Return only once the controller was called (used where the next
+                instruction is timed, so it runs at its own clock).
+        """
+        done = threading.Event() if wait else None
+        self._queue.put((marker, frequency, done))
+        if done is not None:
+            done.wait()
+
+    def run(self) -> None:
+        """Serve requests in order until :meth:`stop`."""
+        while (item := self._queue.get()) is not None:
+            marker, frequency, done = item
+            try:
+                if self.error is None:
+                    if marker is not None:
+                        marker.synchronize()
+                    self._controller.set_frequency(frequency)
+                    self.applied += 1
+            except Exception as exc:  # raised on the training thread by the hook
+                logger.debug("clock request of %d MHz failed: %s", frequency, exc)
+                self.error = exc
+            finally:
+                if done is not None:
+                    done.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Serve what was requested, then end (waits at most ``timeout`` for the GPU)."""
+        if self.is_alive():
+            self._queue.put(None)
+            self.join(timeout)
