@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from protocol.exceptions import ConfigError, GPUError
 from tests.helpers import make_hook, run_step, wait_for, write_1f1b_plan
@@ -41,13 +42,32 @@ class Gates:
         return gate
 
 
+class Slow(DryRunFrequencyController):
+    """A controller that takes 50 ms a request (a side thread's request lands late)."""
+
+    def set_frequency(self, frequency: int) -> None:
+        time.sleep(0.05)
+        super().set_frequency(frequency)
+
+
+class Failing(DryRunFrequencyController):
+    """A controller whose requests fail once ``fail`` is set."""
+
+    fail = False
+
+    def set_frequency(self, frequency: int) -> None:
+        if self.fail:
+            raise GPUError("NVML nvmlDeviceSetGpuLockedClocks on GPU 0 failed: no permission")
+        super().set_frequency(frequency)
+
+
 def _plan(tmp_path: Path) -> str:
     path = tmp_path / "plan.py"
     write_1f1b_plan(path, 1, 2, [(FORWARD, BACKWARD)])
     return path.read_text()
 
 
-def _events_hook(redis_url: str, tmp_path: Path, controller, gates: Gates, syncs: list[int]):
+def _events_hook(redis_url: str, tmp_path: Path, controller, gates: Gates, syncs: list[int], **kw):
     def sync() -> None:
         syncs[0] += 1
 
@@ -60,6 +80,7 @@ def _events_hook(redis_url: str, tmp_path: Path, controller, gates: Gates, syncs
         scheduler_args={"plan_text": _plan(tmp_path)},
         clock_sync="events",
         marker_fn=gates,
+        **kw,
     )
 
 
@@ -105,15 +126,6 @@ def test_a_clock_is_requested_only_once_the_gpu_reached_its_marker(
 def test_a_failed_request_is_raised_at_the_next_step_end(gloo, hook_service, redis_url, tmp_path):
     _coord, start_worker = hook_service
     start_worker()
-
-    class Failing(DryRunFrequencyController):
-        fail = False
-
-        def set_frequency(self, frequency: int) -> None:
-            if self.fail:
-                raise GPUError("NVML nvmlDeviceSetGpuLockedClocks on GPU 0 failed: no permission")
-            super().set_frequency(frequency)
-
     controller, gates, syncs = Failing(0), Gates(), [0]
     gates.open = True
     hook = _events_hook(redis_url, tmp_path, controller, gates, syncs)
@@ -127,14 +139,63 @@ def test_a_failed_request_is_raised_at_the_next_step_end(gloo, hook_service, red
         wait_for(lambda: hook._clocks.error is not None, 5, "the failed request")
         with pytest.raises(GPUError, match="no permission"):
             hook.on_step_end()
+        with pytest.raises(GPUError, match="no permission"):  # and at every later one
+            hook.on_step_end()
     finally:
         hook.close()
 
 
-def test_bad_clock_sync_settings_are_refused_before_registering(gloo, r, redis_url):
+def test_a_failed_request_in_a_profiling_window_stops_it_unreported(
+    gloo, hook_service, redis_url, tmp_path
+):
+    _coord, start_worker = hook_service
+    start_worker()
+    controller, gates, syncs = Failing(0), Gates(), [0]
+    controller.fail = True
+    hook = _events_hook(redis_url, tmp_path, controller, gates, syncs)
+    try:
+        hook.on_step_begin()
+        with pytest.raises(GPUError, match="no permission"):  # as clock_sync="wait" does
+            hook.on_instruction_begin("forward")
+        assert not hook._reported and hook._iter_time == []
+    finally:
+        hook.close()
+
+
+def test_a_timed_instruction_starts_once_its_clock_was_requested(
+    gloo, hook_service, redis_url, tmp_path
+):
+    """Each instruction's clock reached the controller before its timing starts, also when the
+    previous (unmeasured) step's last request is still on its way."""
+    _coord, start_worker = hook_service
+    start_worker()
+    controller, gates, syncs = Slow(0), Gates(), [0]
+    gates.open = True
+    in_force: list[int | None] = []  # the last clock requested, at each reading of the clock
+
+    def clock() -> float:
+        in_force.append(controller.records[-1][1] if controller.records else None)
+        return time.perf_counter()
+
+    hook = _events_hook(redis_url, tmp_path, controller, gates, syncs, clock=clock)
+    try:
+        run_step(hook)  # measured: each reading after a begin sees that instruction's clock
+        assert in_force[1:9:2] == [FORWARD, BACKWARD, FORWARD, BACKWARD], in_force
+        run_step(hook)  # not measured: four requests queued, 50 ms each
+        assert len(controller.records) < 8
+        hook._reset_window()  # what a new schedule version does: measure again
+        hook.on_step_begin()  # waits for the previous step's requests
+        assert len(controller.records) == 8
+        hook.abandon_step()
+    finally:
+        hook.close()
+
+
+def test_bad_clock_sync_settings_are_refused_before_registering(gloo, r, redis_url, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="clock_sync must be 'wait' or 'events', got 'never'"):
         make_hook(redis_url, DryRunFrequencyController(0), clock_sync="never")
-    # No CUDA here: the default marker (a CUDA event) cannot be made.
+    # No CUDA: the default marker (a CUDA event) cannot be made.
     with pytest.raises(ConfigError, match="needs CUDA events"):
         make_hook(redis_url, DryRunFrequencyController(0), clock_sync="events")
     assert r.dbsize() == 0  # nothing was registered
@@ -155,3 +216,16 @@ def test_requester_serves_in_order_and_stops_after_the_last_request():
     assert [f for _, f in controller.records] == [1980, 1500, 1200, 1100]
     requester.stop()
     assert not requester.is_alive() and requester.applied == 4 and requester.error is None
+
+
+def test_stop_drops_the_requests_of_a_marker_never_reached():
+    controller = DryRunFrequencyController(0)
+    requester = ClockRequester(controller)
+    requester.start()
+    gate = Gate()
+    requester.request(1500, gate)
+    assert requester.stop(timeout=0.2) is False  # the GPU never got there
+    gate.reached.set()
+    time.sleep(0.1)
+    # The controller may be stopped by now: nothing calls it from this thread any more.
+    assert controller.records == [] and not requester.is_alive()

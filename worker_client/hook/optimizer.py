@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Literal
 
 import redis
 import torch
@@ -33,23 +33,13 @@ from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInf
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import NVML
 from worker_client.hook.callback import Callback
-from worker_client.hook.clock_requests import ClockRequester, Marker, cuda_marker
+from worker_client.hook.clock_requests import ClockRequester, FrequencySetter, Marker, cuda_marker
 from worker_client.hook.energy_source import EnergySource, default_energy_source
 from worker_client.hook.session import CoordinatorClient, ResultReporter, ScheduleWatcher
 
 logger = logging.getLogger(__name__)
 
 Mark = tuple[float, float]  # (start mark, end mark) of an energy source
-
-
-class FrequencySetter(Protocol):
-    """What the hook needs from a frequency controller."""
-
-    def set_frequency(self, frequency: int) -> None:
-        """Request ``frequency`` MHz for what runs next."""
-
-    def stop(self) -> None:
-        """Stop controlling and restore the default clocks."""
 
 
 def _default_sync(device_id: int) -> Callable[[], None]:
@@ -111,9 +101,11 @@ class PerseusOptimizer(Callback):
         clock_sync: How a clock change waits for the work queued before it. ``"wait"``
             (default): ``sync_fn`` on the training thread, then the request. ``"events"``:
             outside profiling windows the training thread only records a marker (a CUDA
-            event) and a side thread requests the clock once the GPU reaches it, so a step
-            that is not measured never waits for the GPU. Profiling windows synchronize
-            either way (their times are wall-clock times).
+            event on the current stream) and a side thread requests the clock once the GPU
+            reaches it, so a step that is not measured never waits for the GPU. Profiling
+            windows synchronize either way (their times are wall-clock times). Meant for
+            GPU-bound steps: where launching keeps the CPU busy, the side thread competes
+            with it and can slow a step down.
         marker_fn: Records and returns a marker of the work queued so far, for
             ``clock_sync="events"`` (default: a blocking ``torch.cuda.Event``; CUDA only).
     """
@@ -145,7 +137,7 @@ class PerseusOptimizer(Callback):
         outage_timeout: float | None = None,
         heartbeat_interval: float = 60.0,
         raise_on_job_error: bool = False,
-        clock_sync: str = "wait",
+        clock_sync: Literal["wait", "events"] = "wait",
         marker_fn: Callable[[], Marker] | None = None,
     ) -> None:
         if not dist.is_initialized():
@@ -219,12 +211,12 @@ class PerseusOptimizer(Callback):
             controller = make_controller(controller, device_id)  # type: ignore[arg-type]
         self.controller: FrequencySetter = controller
         self._marker_fn = marker_fn
+
+        self.schedule = self.client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
         self._clocks: ClockRequester | None = None
         if clock_sync == "events":
             self._clocks = ClockRequester(controller)
             self._clocks.start()
-
-        self.schedule = self.client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
         self._iter: Iterator[tuple[str, int]] = iter(self.schedule.frequencies)
         self.watcher = ScheduleWatcher(
             self.client,
@@ -276,6 +268,8 @@ class PerseusOptimizer(Callback):
         if self._measuring:
             self._sync()  # The previous step's queued work is not this step's.
             self.syncs += 1
+            if self._clocks is not None:
+                self._clocks.flush()  # The last step's clocks are requested before timing.
             self._step_mark = self.energy_source.mark()
         self._step_time = self._clock()
 
@@ -296,7 +290,7 @@ class PerseusOptimizer(Callback):
         elif self._measuring:
             self._sync()
             self.syncs += 1
-            if changed:  # in force before the instruction is timed
+            if changed:  # requested before the instruction is timed
                 self._clocks.request(frequency, None, wait=True)
         elif changed:
             assert self._marker_fn is not None
@@ -340,6 +334,8 @@ class PerseusOptimizer(Callback):
 
     def on_step_end(self) -> None:
         """Check the schedule was used up, report if due, and swap in a newer version."""
+        if self._clocks is not None and self._clocks.error is not None:
+            raise self._clocks.error  # before a step run at wrong clocks could be reported
         leftover = next(self._iter, None)
         if leftover is not None:
             raise ScheduleError(
@@ -376,8 +372,8 @@ class PerseusOptimizer(Callback):
             raise build_error
         if remeasure and self._reported:
             self._reset_window()
-        for worker in (self.watcher, self.reporter, self._clocks):
-            if worker is not None and worker.error is not None:
+        for worker in (self.watcher, self.reporter):
+            if worker.error is not None:
                 raise worker.error
         if self.raise_on_job_error and self.watcher.job_error:
             raise JobFailedError(f"job {self.job_id}: scheduler failed: {self.watcher.job_error}")
