@@ -30,9 +30,9 @@ class Gate:
 class Gates:
     """marker_fn: hands out gates and keeps them; opens every one at once when ``open``."""
 
-    def __init__(self) -> None:
+    def __init__(self, open: bool = False) -> None:
         self.made: list[Gate] = []
-        self.open = False
+        self.open = open
 
     def __call__(self) -> Gate:
         gate = Gate()
@@ -67,128 +67,110 @@ def _plan(tmp_path: Path) -> str:
     return path.read_text()
 
 
-def _events_hook(redis_url: str, tmp_path: Path, controller, gates: Gates, syncs: list[int], **kw):
-    def sync() -> None:
-        syncs[0] += 1
-
-    return make_hook(
-        redis_url,
-        controller,
-        report_every=1,
-        sync_fn=sync,
-        scheduler="PointSolution",
-        scheduler_args={"plan_text": _plan(tmp_path)},
-        clock_sync="events",
-        marker_fn=gates,
-        **kw,
-    )
-
-
-def test_a_clock_is_requested_only_once_the_gpu_reached_its_marker(
-    gloo, hook_service, redis_url, tmp_path
-):
+@pytest.fixture
+def events_hook(gloo, hook_service, redis_url, tmp_path):
+    """Makes one-rank hooks with clock_sync="events" on a plan whose F and B clocks differ."""
     _coord, start_worker = hook_service
     start_worker()
-    controller, gates, syncs = DryRunFrequencyController(0), Gates(), [0]
-    hook = _events_hook(redis_url, tmp_path, controller, gates, syncs)
-    try:
-        # The profiling step (report_every=1) synchronizes and applies each change before the
-        # instruction it is for, as clock_sync="wait" does.
-        run_step(hook)
-        assert syncs[0] == 2 + 2 * 4 and not gates.made
-        assert [f for _, f in controller.records] == [FORWARD, BACKWARD, FORWARD, BACKWARD]
+    hooks = []
 
-        # After the report: no measurement, so no wait on the training thread.
-        before, requested = syncs[0], len(controller.records)
-        hook.on_step_begin()
-        hook.on_instruction_begin("forward")  # BACKWARD -> FORWARD: a marker, no request yet
-        assert len(gates.made) == 1
-        time.sleep(0.2)
-        assert len(controller.records) == requested  # the GPU has not reached it
-        gates.made[0].reached.set()
-        wait_for(lambda: len(controller.records) == requested + 1, 5, "the clock request")
-        assert controller.records[-1][1] == FORWARD
-        hook.on_instruction_end("forward")
-        gates.open = True
-        for name in ("backward", "forward", "backward"):
-            hook.on_instruction_begin(name)
-            hook.on_instruction_end(name)
-        hook.on_step_end()
-        assert syncs[0] == before  # a step that is not measured never waits
-        assert len(gates.made) == 4  # one marker per clock change
-        wait_for(lambda: len(controller.records) == requested + 4, 5, "every request")
-        assert [f for _, f in controller.records[requested:]] == [FORWARD, BACKWARD] * 2
-    finally:
+    def make(controller, gates: Gates, **kw):
+        hook = make_hook(
+            redis_url,
+            controller,
+            report_every=1,
+            scheduler="PointSolution",
+            scheduler_args={"plan_text": _plan(tmp_path)},
+            clock_sync="events",
+            marker_fn=gates,
+            **kw,
+        )
+        hooks.append(hook)
+        return hook
+
+    yield make
+    for hook in hooks:
         hook.close()
+
+
+def test_a_clock_is_requested_only_once_the_gpu_reached_its_marker(events_hook):
+    controller, gates = DryRunFrequencyController(0), Gates()
+    hook = events_hook(controller, gates)
+    # The profiling step (report_every=1) synchronizes and applies each change before the
+    # instruction it is for, as clock_sync="wait" does.
+    run_step(hook)
+    assert hook.syncs == 2 + 2 * 4 and not gates.made
+    assert [f for _, f in controller.records] == [FORWARD, BACKWARD, FORWARD, BACKWARD]
+
+    # After the report: no measurement, so no wait on the training thread.
+    before, requested = hook.syncs, len(controller.records)
+    hook.on_step_begin()
+    hook.on_instruction_begin("forward")  # BACKWARD -> FORWARD: a marker, no request yet
+    assert len(gates.made) == 1
+    time.sleep(0.2)
+    assert len(controller.records) == requested  # the GPU has not reached it
+    gates.made[0].reached.set()
+    wait_for(lambda: len(controller.records) == requested + 1, 5, "the clock request")
+    assert controller.records[-1][1] == FORWARD
+    hook.on_instruction_end("forward")
+    gates.open = True
+    for name in ("backward", "forward", "backward"):
+        hook.on_instruction_begin(name)
+        hook.on_instruction_end(name)
+    hook.on_step_end()
+    assert hook.syncs == before  # a step that is not measured never waits
+    assert len(gates.made) == 4  # one marker per clock change
+    wait_for(lambda: len(controller.records) == requested + 4, 5, "every request")
+    assert [f for _, f in controller.records[requested:]] == [FORWARD, BACKWARD] * 2
+    hook.close()
     assert not hook._clocks.is_alive()
 
 
-def test_a_failed_request_is_raised_at_the_next_step_end(gloo, hook_service, redis_url, tmp_path):
-    _coord, start_worker = hook_service
-    start_worker()
-    controller, gates, syncs = Failing(0), Gates(), [0]
-    gates.open = True
-    hook = _events_hook(redis_url, tmp_path, controller, gates, syncs)
-    try:
-        run_step(hook)
-        controller.fail = True
-        hook.on_step_begin()
-        for name in ("forward", "backward") * 2:
-            hook.on_instruction_begin(name)
-            hook.on_instruction_end(name)
-        wait_for(lambda: hook._clocks.error is not None, 5, "the failed request")
-        with pytest.raises(GPUError, match="no permission"):
-            hook.on_step_end()
-        with pytest.raises(GPUError, match="no permission"):  # and at every later one
-            hook.on_step_end()
-    finally:
-        hook.close()
-
-
-def test_a_failed_request_in_a_profiling_window_stops_it_unreported(
-    gloo, hook_service, redis_url, tmp_path
-):
-    _coord, start_worker = hook_service
-    start_worker()
-    controller, gates, syncs = Failing(0), Gates(), [0]
+def test_a_failed_request_is_raised_at_the_next_step_end(events_hook):
+    controller = Failing(0)
+    hook = events_hook(controller, Gates(open=True))
+    run_step(hook)
     controller.fail = True
-    hook = _events_hook(redis_url, tmp_path, controller, gates, syncs)
-    try:
-        hook.on_step_begin()
-        with pytest.raises(GPUError, match="no permission"):  # as clock_sync="wait" does
-            hook.on_instruction_begin("forward")
-        assert not hook._reported and hook._iter_time == []
-    finally:
-        hook.close()
+    hook.on_step_begin()
+    for name in ("forward", "backward") * 2:
+        hook.on_instruction_begin(name)
+        hook.on_instruction_end(name)
+    wait_for(lambda: hook._clocks.error is not None, 5, "the failed request")
+    with pytest.raises(GPUError, match="no permission"):
+        hook.on_step_end()
+    with pytest.raises(GPUError, match="no permission"):  # and at every later one
+        hook.on_step_end()
 
 
-def test_a_timed_instruction_starts_once_its_clock_was_requested(
-    gloo, hook_service, redis_url, tmp_path
-):
+def test_a_failed_request_in_a_profiling_window_stops_it_unreported(events_hook):
+    controller = Failing(0)
+    controller.fail = True
+    hook = events_hook(controller, Gates())
+    hook.on_step_begin()
+    with pytest.raises(GPUError, match="no permission"):  # as clock_sync="wait" does
+        hook.on_instruction_begin("forward")
+    assert not hook._reported and hook._iter_time == []
+
+
+def test_a_timed_instruction_starts_once_its_clock_was_requested(events_hook):
     """Each instruction's clock reached the controller before its timing starts, also when the
     previous (unmeasured) step's last request is still on its way."""
-    _coord, start_worker = hook_service
-    start_worker()
-    controller, gates, syncs = Slow(0), Gates(), [0]
-    gates.open = True
+    controller = Slow(0)
     in_force: list[int | None] = []  # the last clock requested, at each reading of the clock
 
     def clock() -> float:
         in_force.append(controller.records[-1][1] if controller.records else None)
         return time.perf_counter()
 
-    hook = _events_hook(redis_url, tmp_path, controller, gates, syncs, clock=clock)
-    try:
-        run_step(hook)  # measured: each reading after a begin sees that instruction's clock
-        assert in_force[1:9:2] == [FORWARD, BACKWARD, FORWARD, BACKWARD], in_force
-        run_step(hook)  # not measured: four requests queued, 50 ms each
-        assert len(controller.records) < 8
-        hook._reset_window()  # what a new schedule version does: measure again
-        hook.on_step_begin()  # waits for the previous step's requests
-        assert len(controller.records) == 8
-        hook.abandon_step()
-    finally:
-        hook.close()
+    hook = events_hook(controller, Gates(open=True), clock=clock)
+    run_step(hook)  # measured: each reading after a begin sees that instruction's clock
+    assert in_force[1:9:2] == [FORWARD, BACKWARD, FORWARD, BACKWARD], in_force
+    run_step(hook)  # not measured: four requests queued, 50 ms each
+    assert len(controller.records) < 8
+    hook._reset_window()  # what a new schedule version does: measure again
+    hook.on_step_begin()  # waits for the previous step's requests
+    assert len(controller.records) == 8
+    hook.abandon_step()
 
 
 def test_bad_clock_sync_settings_are_refused_before_registering(gloo, r, redis_url, monkeypatch):
