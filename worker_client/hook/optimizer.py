@@ -277,7 +277,9 @@ class PerseusOptimizer(Callback):
         """Check ``name`` against the schedule and set its frequency.
 
         Waits for the GPU only where it matters: before timing an instruction, and before a
-        clock change (queued work must finish at the clock it was planned for).
+        clock change (queued work must finish at the clock it was planned for); with
+        ``clock_sync="events"``, a clock change outside profiling windows hands a marker to
+        the side thread instead.
         """
         frequency = self._next_frequency(name)
         changed = frequency != self._frequency
