@@ -160,8 +160,8 @@ def assert_read_only(nvml: NVML) -> None:
 def register_read_only_module(module: str = REAL_NVML) -> str:
     """Register a read-only proxy of NVML module ``module`` and return its import name.
 
-    For code that takes an NVML module *by name* (the training hook, a controller's side
-    process in this interpreter): given the returned name, it can only read the GPU.
+    For code in this process that takes an NVML module *by name* (the training hook): given
+    the returned name, it can only read the GPU. A spawned process does not know the name.
 
     Raises:
         GPUError: ``module`` cannot be imported.
