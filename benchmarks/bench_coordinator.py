@@ -261,9 +261,9 @@ def raw_server(url: str, ranks: int) -> None:
     """One process, one pipeline per batch, msgpack only: answers requests, publishes versions.
 
     It stores what the coordinator stores (each rank's info, each result) and connects as it
-    does (``protocol.connection.connect``: the same socket time-outs).
+    does (``protocol.connection.connect``: the same socket time-outs, one dedicated connection).
     """
-    conn = connect(url)
+    conn = connect(url, dedicated=True)
     results, requests = keys.job_key(RAW, "in"), keys.job_key(RAW, "requests")
     for stream in (results, requests):
         try:

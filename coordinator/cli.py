@@ -121,7 +121,8 @@ def coordinator(
         settings.check_scheduler()
     except PerseusError as exc:
         raise click.UsageError(f"{exc}\n{_scheduler_hint(settings.scheduler)}") from None
-    service = Coordinator(connect_or_fail(settings.redis_url), settings)
+    # The coordinator's loop is one thread: its client keeps one connection (no pool checkout).
+    service = Coordinator(connect_or_fail(settings.redis_url, dedicated=True), settings)
     signal.signal(signal.SIGTERM, lambda *_: service.stop_event.set())
     freeze_startup_heap()
     where = redact_url(settings.redis_url)

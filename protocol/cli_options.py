@@ -63,15 +63,24 @@ def setting_option(
     )
 
 
-def connect_or_fail(url: str | None, socket_timeout: float | None = 30.0) -> redis.Redis:
+def connect_or_fail(
+    url: str | None, socket_timeout: float | None = 30.0, dedicated: bool = False
+) -> redis.Redis:
     """A client on ``url`` (default :data:`DEFAULT_REDIS_URL`) that answered a PING.
+
+    Args:
+        url: The Redis URL.
+        socket_timeout: Seconds a command may take.
+        dedicated: One connection kept by the client (see :func:`protocol.connection.connect`).
 
     Raises:
         click.ClickException: Redis does not answer; the password is not shown.
 
     """
     try:
-        return connect(url or DEFAULT_REDIS_URL, socket_timeout=socket_timeout, ping=True)
+        return connect(
+            url or DEFAULT_REDIS_URL, socket_timeout=socket_timeout, ping=True, dedicated=dedicated
+        )
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -22,6 +22,7 @@ from coordinator.embedded import EmbeddedRedis
 from coordinator.service import Coordinator
 from coordinator.worker_loop import wait_for_redis
 from protocol import keys
+from protocol.connection import connect
 from protocol.exceptions import CoordinatorUnavailableError
 from protocol.models import JobInfo, ProfilingResult, ReportResult, unpack
 from protocol.store import JobStore
@@ -374,6 +375,38 @@ def test_every_client_has_explicit_timeouts_longer_than_its_blocking_reads(url):
     watcher = ScheduleWatcher(client, "job", 0, 0)
     kwargs = watcher._conn.connection_pool.connection_kwargs
     assert kwargs["socket_timeout"] > MAX_BLOCK_S and kwargs["socket_connect_timeout"] > 0
+
+
+def test_a_dedicated_client_keeps_one_connection_and_gets_it_back_after_a_restart(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    with EmbeddedRedis() as server:
+        probe = redis.Redis.from_url(server.url)
+        before = probe.info("stats")["total_connections_received"]
+        probe.close()
+        conn = connect(server.url, ping=True, dedicated=True)
+        # The PING's connection is the one kept: the client it came from let go of the pool.
+        assert conn.info("stats")["total_connections_received"] == before + 1
+        pool = conn.connection_pool
+        checkouts = [0]
+        original = type(pool).get_connection
+
+        def counted(self: redis.ConnectionPool, *args: object, **kwargs: object) -> object:
+            checkouts[0] += 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(type(pool), "get_connection", counted)
+        for i in range(5):
+            conn.set("k", i)
+        assert conn.get("k") == b"4" and checkouts[0] == 0  # no checkout per command
+        with conn.pipeline() as pipe:  # pipelines still use the pool
+            pipe.incr("k").incr("k")
+            assert pipe.execute() == [5, 6] and checkouts[0] == 1
+        server.terminate()
+        with pytest.raises(redis.ConnectionError):
+            conn.get("k")
+        server.restart()
+        assert conn.get("k") is None  # the same client reconnected (to an empty server)
 
 
 def test_worker_and_coordinator_started_while_redis_is_full_wait_then_serve(tmp_path):
