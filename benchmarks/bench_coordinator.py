@@ -13,7 +13,9 @@
 3. Registrations per second from one client (request, then wait for the reply), against the
    raw request/reply limit: the same request and reply traffic (a rank's coordinates and
    clocks, a reply with a token's length), msgpack only, answered by a responder that stores
-   the rank's info and answers; with the CPU each process spends per request.
+   the rank's info and answers; with the CPU each process spends per request. Several rounds,
+   each with fresh processes (a round's ratio moves with where the OS runs them); the figure
+   is the median round's.
 4. rq round trip of a task that imports what a planning scheduler's first task needs (the
    planner and scipy.optimize, its fit): forking worker with the scheduler modules preloaded
    (the default) against `--no-preload`.
@@ -424,11 +426,37 @@ def window(latencies: dict[int, float], first: int, last: int) -> list[float]:
     return [latencies[v] * 1000 for v in range(first, last + 1) if v in latencies]
 
 
+ROUND_STACKS = (("raw", "raw"), ("long-lived", "long-lived"))
+
+
+def print_registrations(rounds: list[tuple[Turns, Turns]], ranks: int, jobs: int) -> None:
+    """Rates and CPU per request over all rounds, each round's ratio, and their median."""
+    count = jobs * (ranks + 1)
+    ratios = sorted(raw.wall / ours.wall for raw, ours in rounds)
+    total = count * len(rounds)
+    print(
+        f"\nregistrations per second, 1 client ({count} requests each, interleaved, "
+        f"{len(rounds)} rounds of fresh processes):"
+    )
+    print("  CPU per request (us):                     client   server    Redis")
+    for i, name in enumerate(("raw request/reply limit", "perseus coordinator")):
+        wall = sum(r[i].wall for r in rounds)
+        cpu = "".join(f"{sum(r[i].cpu[k] for r in rounds) / total * 1e6:9.0f}" for k in range(3))
+        print(f"  {name:<24} {total / wall:8.0f}/s     {cpu}")
+    # Each turn's CPU is a difference of clock ticks: off by up to a tick either way
+    # (standard deviation 1/sqrt(6) of a tick), and the turns' errors add up.
+    error = (jobs * len(rounds) / 6) ** 0.5 * 1e6 / os.sysconf("SC_CLK_TCK") / total
+    print(f"  (CPU from /proc, in clock ticks rounded at every turn: about +-{error:.0f} us)")
+    print("  each round's ratio: " + "  ".join(f"{r:.2f}" for r in ratios))
+    print(f"  the coordinator reaches {statistics.median(ratios):.2f} of the limit (median round)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", type=int, default=200)
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--registration-jobs", type=int, default=32)
+    parser.add_argument("--registration-rounds", type=int, default=5)
     parser.add_argument("--raw-server", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_server:
@@ -483,22 +511,19 @@ def main() -> None:
                 cells = "   ".join(f"v{v}: {b / 1e3:7.1f} kB" for v, b in sorted(memory.items()))
                 ratio = f"   v200/v20 {memory[200] / memory[20]:.2f}" if len(memory) == 2 else ""
                 print(f"  {stack.name:<40}{cells}{ratio}")
-        turns = registrations(stacks[0], stacks[1], args.ranks, args.registration_jobs)
-        count = args.registration_jobs * (args.ranks + 1)
-        limit, ours = (count / t.wall for t in turns)
-        print(f"\nregistrations per second, 1 client ({count} requests each, interleaved):")
-        print("  CPU per request (us):                     client   server    Redis")
-        for name, rate, side in (
-            ("raw request/reply limit", limit, turns[0]),
-            ("perseus coordinator", ours, turns[1]),
-        ):
-            cpu = "".join(f"{c / count * 1e6:9.0f}" for c in side.cpu)
-            print(f"  {name:<24} {rate:8.0f}/s     {cpu}")
-        # Each turn's CPU is a difference of clock ticks: off by up to a tick either way
-        # (standard deviation 1/sqrt(6) of a tick), and the turns' errors add up.
-        error = (args.registration_jobs / 6) ** 0.5 * 1e6 / os.sysconf("SC_CLK_TCK") / count
-        print(f"  (CPU from /proc, in clock ticks rounded at every turn: about +-{error:.0f} us)")
-        print(f"  the coordinator reaches {ours / limit:.2f} of the limit")
+        rounds = [registrations(stacks[0], stacks[1], args.ranks, args.registration_jobs)]
+        for stack in stacks:
+            stack.close()
+        stacks = []
+        for _ in range(args.registration_rounds - 1):
+            # Fresh processes each round: how the OS places three busy processes on few
+            # cores moves a round's ratio more than anything measured here.
+            stacks = [Stack(name, args.ranks, kind) for name, kind in ROUND_STACKS]
+            rounds.append(registrations(stacks[0], stacks[1], args.ranks, args.registration_jobs))
+            for stack in stacks:
+                stack.close()
+            stacks = []
+        print_registrations(rounds, args.ranks, args.registration_jobs)
     finally:
         for stack in stacks:
             stack.close()
