@@ -19,8 +19,6 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterable
 from typing import Any, Union
 
 import redis
@@ -33,6 +31,8 @@ from coordinator.completion import CompletionGuess
 from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat
 from coordinator.job_config import check_job_limits, job_config
 from coordinator.outcome import Outcome, log_lost
+from coordinator.read_ahead import InputReader
+from coordinator.records import RecordCache
 from coordinator.registration import RankRegistrar
 from coordinator.resilience import Backoff, check_redis_version, ensure_groups
 from coordinator.settings import PerseusSettings
@@ -57,7 +57,6 @@ from protocol.store_batch import StoreBatch
 
 logger = logging.getLogger(__name__)
 
-_INFO_CACHE = 10_000  # jobs whose info a coordinator keeps (none of it changes)
 _BATCH = 100  # entries read per stream at a time
 _TOP_UPS = 3  # non-blocking reads that gather a burst of results into one batch
 
@@ -95,10 +94,11 @@ class Coordinator:
         self._last_sweep = 0.0
         self._last_beat = 0.0
         self._last_claim = float("-inf")
-        self._records: OrderedDict[str, JobRecord] = OrderedDict()
+        self.records = RecordCache(self.store)
         self.result_keys = ResultKeys(self.store)
         self._guess = CompletionGuess()
         self.registrar = RankRegistrar(settings)
+        self.reader = InputReader(conn, self.consumer, _BATCH)
         self.sweeper = Sweeper(self.store)
         self.processed = 0
         self.dead_lettered = 0
@@ -142,7 +142,20 @@ class Coordinator:
                 ensure_groups(self.conn)
             except redis.RedisError as exc:
                 backoff.failed(exc)
+        self._drain()
         GroupMembers(self.conn).leave_on_stop(self.consumer)
+
+    def _drain(self) -> None:
+        """Handle what the read sent ahead with the last write brings (it is ours now)."""
+        if not self.reader.read_pending:
+            return
+        try:
+            self.handle_batch(list(self.reader.read(">", None)))
+        except redis.RedisError as exc:
+            # Left pending for this consumer: a coordinator's claim of stale entries takes them.
+            logger.warning("coordinator %s: last read not handled at stop (%s)", self.consumer, exc)
+        finally:
+            self.reader.reset()
 
     def _start(self) -> None:
         check_redis_version(str(self.conn.info("server")["redis_version"]))
@@ -172,15 +185,8 @@ class Coordinator:
         return handled
 
     def _consume(self, start: str, block_ms: int | None) -> int:
-        wanted = {s: start for s in keys.INPUT_STREAMS}
-        reply = self.conn.xreadgroup(
-            keys.COORDINATOR_GROUP, self.consumer, wanted, count=_BATCH, block=block_ms
-        )
-        batch = [
-            (stream.decode(), entry_id.decode(), fields)
-            for stream, entries in reply or []
-            for entry_id, fields in entries
-        ]
+        batch: list[tuple[str, str, dict[bytes, bytes] | None]]
+        batch = list(self.reader.read(start, block_ms))
         decoded: dict[tuple[str, str], Message | Exception] = {}
         results = sum(s == keys.RESULTS_STREAM for s, _, _ in batch)
         for _ in range(_TOP_UPS if block_ms is not None and results else 0):
@@ -190,7 +196,7 @@ class Coordinator:
                 break  # A full batch already (and XREADGROUP refuses a count of 0).
             # Decoded while Redis still takes in the rest of the burst, not after all of it.
             self._decode_ahead(batch, decoded)
-            if self._guess.completes_all(decoded.values(), self._records):
+            if self._guess.completes_all(decoded.values(), self.records):
                 break  # Nothing more of this burst can come: no read that finds nothing.
             more = self.conn.xreadgroup(
                 keys.COORDINATOR_GROUP,
@@ -203,7 +209,9 @@ class Coordinator:
             results += len(got)
             if not got or results >= _BATCH:
                 break
-        return self.handle_batch(batch, decoded)
+        # A blocking loop's next read goes with this batch's write (see InputReader).
+        ahead = block_ms if start == ">" and block_ms is not None else None
+        return self.handle_batch(batch, decoded, read_ahead=ahead)
 
     def _decode_ahead(
         self,
@@ -247,6 +255,7 @@ class Coordinator:
         self,
         entries: list[tuple[str, str, dict[bytes, bytes] | None]],
         decoded: dict[tuple[str, str], Message | Exception] | None = None,
+        read_ahead: int | None = None,
     ) -> int:
         """Process entries read together, in three round trips whatever their number.
 
@@ -262,6 +271,9 @@ class Coordinator:
             decoded: Messages (or decoding errors) of some entries, decoded already; an
                 entry in it counts as within ``max_entry_bytes`` (:meth:`_decode_ahead`
                 decodes no larger one).
+            read_ahead: A lone store write (one script call: a registration, say) is sent
+                with the next blocking read of new entries, which blocks this long
+                (:meth:`InputReader.send_with_read`); None: never.
 
         Returns:
             Entries processed or dead-lettered.
@@ -292,7 +304,7 @@ class Coordinator:
                 pending.append((stream, entry_id, fields, known or decode_message(fields)))
             except (PerseusError, ValueError) as exc:
                 outcome.dead(stream, entry_id, fields, str(exc) or type(exc).__name__)
-        jobs = self._job_records(m.job_id for *_, m in pending if not isinstance(m, RegisterJob))
+        jobs = self.records.load(m.job_id for *_, m in pending if not isinstance(m, RegisterJob))
         self.result_keys.load(
             [(m.job_id, m.result.rank) for *_, m in pending if isinstance(m, ReportResult)]
         )
@@ -328,7 +340,13 @@ class Coordinator:
                 # would leave a partial one). _finish records it once the store replied.
                 rq_jobs[job_id] = self.enqueue_advance(job_id, pipeline=pipe, record=False).id
 
-        replies = batch.execute(enqueue_guessed if guessed else None)
+        carry = None
+        if read_ahead is not None and not guessed and not self.reader.read_pending:
+
+            def carry(command: tuple[Any, ...]) -> Any:
+                return self.reader.send_with_read(command, read_ahead)
+
+        replies = batch.execute(enqueue_guessed if guessed else None, carry)
         if batch.then_ok:
             outcome.enqueued.update(rq_jobs)
         for (stream, entry_id, fields, message), result in zip(queued, replies, strict=True):
@@ -343,30 +361,6 @@ class Coordinator:
             self._settle_entry(message, result, jobs, outcome, now)
         self._finish(outcome)
         return sum(len(ids) for ids in outcome.acks.values()) + outcome.self_acked
-
-    def _job_records(self, job_ids: Iterable[str]) -> dict[str, JobRecord | None]:
-        """Jobs by id, from the cache or one pipeline for those not cached (None: unknown).
-
-        Cached: a job's degrees, world size and scheduler never change.
-        """
-        found: dict[str, JobRecord | None] = {}
-        missing = []
-        for job_id in set(job_ids):
-            record = self._records.get(job_id)
-            if record is None:
-                missing.append(job_id)
-            else:
-                self._records.move_to_end(job_id)
-                found[job_id] = record
-        if not missing:
-            return found
-        for job_id, record in self.store.get_jobs(missing).items():
-            found[job_id] = record
-            if record is not None:
-                self._records[job_id] = record
-        while len(self._records) > _INFO_CACHE:
-            self._records.popitem(last=False)
-        return found
 
     def _dispatch(
         self,
@@ -386,6 +380,8 @@ class Coordinator:
             job = job.model_copy(update={"job_id": make_job_id(job, name, entry_id)})
             message.job = job
             batch.create_job(job, config, entry_id, now, request_id=message.request_id)
+            # Cached once stored (_settle_entry): the job's first rank then reads nothing.
+            jobs[job.job_id] = JobRecord(info=job, config=config, fields={})
             return
         record = jobs.get(message.job_id)
         if record is None:
@@ -417,6 +413,8 @@ class Coordinator:
                 message.job = message.job.model_copy(update={"job_id": result})
             elif result:
                 logger.info("registered job %s", message.job.job_id)
+                if record := jobs.get(message.job.job_id):
+                    self.records.add(record)
             outcome.reply(message.request_id, Reply(ok=True, job_id=message.job.job_id))
             return
         record = jobs[message.job_id]
@@ -494,6 +492,6 @@ class Coordinator:
     def sweep(self) -> None:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long (see Sweeper)."""
         for job_id in self.sweeper.run(self.settings, self.enqueue_advance):
-            self._records.pop(job_id, None)
+            self.records.forget(job_id)
             self.result_keys.forget(job_id)
             self._guess.forget(job_id)

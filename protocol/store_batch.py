@@ -274,12 +274,19 @@ class StoreBatch:
 
         self._ops.append((None, finish))
 
-    def execute(self, then: Callable[[Pipeline], Any] | None = None) -> list[Any]:
+    def execute(
+        self,
+        then: Callable[[Pipeline], Any] | None = None,
+        carry: Callable[[tuple[Any, ...]], Any] | None = None,
+    ) -> list[Any]:
         """Send every queued write; return each outcome, or the PerseusError it raised.
 
         Args:
             then: Queues more commands after the writes, sent with them in one transaction
                 (MULTI, called already). :attr:`then_ok` tells whether they all succeeded.
+            carry: Sends a lone write (one script call, no ``then``) instead of this batch,
+                with whatever the caller sends along in the same write (the coordinator's
+                next read); returns its reply, an error reply as the exception.
 
         Raises:
             redis.RedisError: Redis failed (nothing is known about which writes happened;
@@ -288,7 +295,7 @@ class StoreBatch:
         ops, commands = self._ops, self._commands
         self._ops, self._commands, self._result_groups = [], [], {}
         self.then_ok = False
-        replies = self._send(commands, then) if commands else []
+        replies = self._send(commands, then, carry) if commands else []
         if then is not None and commands:
             extra = replies[len(commands) :]
             self.then_ok = not any(isinstance(r, Exception) for r in extra)
@@ -307,11 +314,17 @@ class StoreBatch:
         self,
         commands: list[tuple[Script, list[str], list[Any]]],
         then: Callable[[Pipeline], Any] | None = None,
+        carry: Callable[[tuple[Any, ...]], Any] | None = None,
     ) -> list[Any]:
         # EVALSHA straight away: redis-py's pipelined scripts would first ask SCRIPT EXISTS,
         # a round trip per batch. A server that lost its scripts (restart) gets them again.
         if then is None and len(commands) == 1:
-            return [self._send_one(*commands[0])]
+            script, names, args = commands[0]
+            if carry is not None:
+                reply = carry(("EVALSHA", script.sha, len(names), *names, *args))
+                if not isinstance(reply, NoScriptError):
+                    return [reply]
+            return [self._send_one(script, names, args)]
         for attempt in (1, 2):
             # With ``then``: one transaction (rq queues its enqueue in an explicit MULTI).
             with self.scripts.conn.pipeline(transaction=then is not None) as pipe:

@@ -12,15 +12,27 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from rq import Queue, SimpleWorker
 
+from coordinator.resilience import ensure_groups
 from coordinator.settings import PerseusSettings
 from protocol import keys
-from protocol.models import JobConfig, JobInfo, ProfilingResult, RankInfo
+from protocol.models import (
+    JobConfig,
+    JobInfo,
+    ProfilingResult,
+    RankInfo,
+    RegisterJob,
+    RegisterRank,
+    Reply,
+    encode_message,
+    unpack,
+)
 from protocol.store import JobStore
 from schedulers.planning.pipeline_dag import one_f_one_b_order
 from schedulers.planning.plan_file import write_plan_file
@@ -366,3 +378,23 @@ def report_all(store: JobStore, job_id: str) -> None:
     version = store.version(job_id)
     for rank in range(RANKS):
         store.add_result(info, result(rank, version))
+
+
+def job_through(coord: Any, r: Any, world: int) -> str:
+    """Register a ``world``-stage job through ``coord`` (one non-blocking step); return its id."""
+    ensure_groups(r)
+    job = RegisterJob(
+        request_id=uuid.uuid4().hex,
+        job=JobInfo(pp_degree=world, dp_degree=1, tp_degree=1, world_size=world),
+    )
+    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))
+    coord.step(block_ms=None)
+    return unpack(Reply, r.lpop(keys.reply_key(job.request_id))).job_id
+
+
+def rank_request(job_id: str, rank: int, clocks: list[int] | None = None) -> RegisterRank:
+    """A registration of stage ``rank`` of ``job_id`` (a fresh request id)."""
+    info = RankInfo(
+        rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=clocks or [1980, 210]
+    )
+    return RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=info)

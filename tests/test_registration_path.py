@@ -9,14 +9,12 @@ import uuid
 import msgpack
 import pytest
 
-from coordinator.resilience import ensure_groups
 from coordinator.service import Coordinator
 from protocol import keys
 from protocol.models import (
     JobConfig,
     JobInfo,
     RankInfo,
-    RegisterJob,
     RegisterRank,
     Reply,
     encode_message,
@@ -27,7 +25,7 @@ from protocol.models import (
 )
 from protocol.store import JobStore
 from protocol.tokens import TOKEN_BYTES, TokenSupply, beat_digest, result_key
-from tests.helpers import TOY_SCHEDULER, make_settings
+from tests.helpers import TOY_SCHEDULER, job_through, make_settings, rank_request
 
 RANK = RankInfo(rank=3, dp_rank=1, pp_rank=1, tp_rank=0, available_frequencies=[1980, 1500, 210])
 
@@ -99,21 +97,8 @@ def test_a_forked_process_never_hands_out_its_parents_tokens():
     assert supply.take().token in ready  # the parent's own are still good here
 
 
-def _new_job(coord: Coordinator, r, world: int) -> str:
-    """Register a ``world``-stage job through ``coord``; return its id."""
-    ensure_groups(r)
-    job = RegisterJob(
-        request_id=uuid.uuid4().hex,
-        job=JobInfo(pp_degree=world, dp_degree=1, tp_degree=1, world_size=world),
-    )
-    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))
-    coord.step(block_ms=None)
-    return unpack(Reply, r.lpop(keys.reply_key(job.request_id))).job_id
-
-
 def _register(coord: Coordinator, r, job_id: str, rank: int) -> None:
-    info = RANK.model_copy(update={"rank": rank, "pp_rank": rank, "dp_rank": 0})
-    message = RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=info)
+    message = rank_request(job_id, rank, RANK.available_frequencies)
     r.xadd(keys.REGISTRATIONS_STREAM, encode_message(message))
     coord.step(block_ms=None)
     reply = unpack(Reply, r.lpop(keys.reply_key(message.request_id)))
@@ -123,7 +108,7 @@ def _register(coord: Coordinator, r, job_id: str, rank: int) -> None:
 def test_a_registration_burst_stamps_the_jobs_activity_once_per_interval(r, redis_url):
     # Defaults: a stamp at most every second.
     coord = Coordinator(r, make_settings(redis_url))
-    job_id = _new_job(coord, r, world=4)
+    job_id = job_through(coord, r, world=4)
     r.zadd(keys.JOBS_INDEX, {job_id: 1.0})  # an old stamp, to see which registration moves it
     _register(coord, r, job_id, 0)
     first = r.zscore(keys.JOBS_INDEX, job_id)
@@ -141,7 +126,7 @@ def test_a_registration_burst_stamps_the_jobs_activity_once_per_interval(r, redi
 
 def test_a_refused_registration_does_not_count_as_a_stamp(r, redis_url):
     coord = Coordinator(r, make_settings(redis_url))
-    job_id = _new_job(coord, r, world=2)
+    job_id = job_through(coord, r, world=2)
     _register(coord, r, job_id, 0)
     coord.registrar._stamped.clear()  # as if long ago
     r.zadd(keys.JOBS_INDEX, {job_id: 1.0})
@@ -176,3 +161,27 @@ def test_the_store_stamps_every_registration_it_is_given(r):
         info = RANK.model_copy(update={"rank": rank, "dp_rank": 0, "pp_rank": rank})
         store.add_rank(job, info, now=now)
         assert r.zscore(keys.JOBS_INDEX, "stamp-job") == now
+
+
+def test_the_coordinator_that_created_a_job_reads_no_record_for_its_ranks(
+    r, redis_url, monkeypatch
+):
+    loads: list[tuple[str, list[str]]] = []
+
+    def counting(coord: Coordinator) -> Coordinator:
+        get_jobs = coord.store.get_jobs
+
+        def counted(job_ids):
+            loads.append((coord.consumer, list(job_ids)))
+            return get_jobs(loads[-1][1])
+
+        monkeypatch.setattr(coord.store, "get_jobs", counted)
+        return coord
+
+    creator = counting(Coordinator(r, make_settings(redis_url), consumer="creator"))
+    other = counting(Coordinator(r, make_settings(redis_url), consumer="other"))
+    job_id = job_through(creator, r, world=2)
+    _register(creator, r, job_id, 0)
+    assert loads == []  # cached when it stored the job
+    _register(other, r, job_id, 1)
+    assert loads == [("other", [job_id])]  # one that did not create it reads it once
