@@ -9,7 +9,8 @@ included) are not acknowledged: the entry is retried, after a backoff. An entry 
 its stream before it was processed is counted and logged (:mod:`protocol.streams`). A periodic
 sweep re-enqueues stalled work, deletes idle jobs and trims the input streams.
 A rank's registration reply carries its secret token; a result counts only with the MAC of
-its rank's token (:mod:`coordinator.trust`).
+its rank's token (:mod:`coordinator.trust`). A batch whose writes are one script call sends
+the loop's next blocking read with it (:mod:`coordinator.read_ahead`).
 """
 
 from __future__ import annotations
