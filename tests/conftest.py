@@ -15,10 +15,18 @@ from collections.abc import Iterator
 import pytest
 import redis
 import torch.distributed as dist
+from redis.connection import AbstractConnection
 
 from coordinator.embedded import EmbeddedRedis
 from coordinator.service import Coordinator
-from tests.helpers import REDIS7_BINARY, TOY_SCHEDULER, make_settings, start_perseus, stop
+from tests.helpers import (
+    REDIS7_BINARY,
+    SENT,
+    TOY_SCHEDULER,
+    make_settings,
+    start_perseus,
+    stop,
+)
 
 
 @pytest.fixture(scope="session")
@@ -110,3 +118,17 @@ def hook_service(r, redis_url, tmp_path, monkeypatch):
     stop(workers)
     coord.stop_event.set()
     thread.join(timeout=5)
+
+
+@pytest.fixture
+def count_round_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count this process's round trips in :data:`tests.helpers.SENT` (reset to 0 here)."""
+    original = AbstractConnection.send_packed_command
+
+    def counted(self: AbstractConnection, command: object, check_health: bool = True) -> None:
+        SENT[0] += 1
+        original(self, command, check_health)
+
+    SENT[0] = 0
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+    return SENT

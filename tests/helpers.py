@@ -57,6 +57,11 @@ REDIS7_BINARY = Path("/usr/bin/redis-server")
 T = TypeVar("T")
 
 
+SENT = [0]
+"""Round trips (commands or pipelines sent) of this process while a test counts them (the
+``count_round_trips`` fixture); module-level so that an rq task run in this process reads it."""
+
+
 def free_ports(n: int = 1) -> list[int]:
     """``n`` distinct TCP ports of 127.0.0.1 that were free a moment ago."""
     socks = [socket.socket() for _ in range(n)]

@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-from redis.connection import AbstractConnection
-
 from coordinator.service import Coordinator
 from protocol import keys
 from protocol.models import Reply, encode_message, unpack
 from tests.helpers import job_through, make_settings, rank_request
-
-
-@pytest.fixture
-def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Writes to Redis made by this process (each command or pipeline is one)."""
-    count = [0]
-    original = AbstractConnection.send_packed_command
-
-    def counted(self: AbstractConnection, command: object, check_health: bool = True) -> None:
-        count[0] += 1
-        original(self, command, check_health)
-
-    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
-    return count
 
 
 def _answered(r, request_id: str) -> Reply:
@@ -31,16 +14,16 @@ def _answered(r, request_id: str) -> Reply:
     return unpack(Reply, reply)
 
 
-def test_a_registration_costs_one_write_once_the_loop_reads_ahead(r, redis_url, sends):
+def test_a_registration_costs_one_write_once_the_loop_reads_ahead(r, redis_url, count_round_trips):
     coord = Coordinator(r, make_settings(redis_url))
     job_id = job_through(coord, r, world=4)
     per_step = []
     for rank in range(3):
         message = rank_request(job_id, rank)
         r.xadd(keys.REGISTRATIONS_STREAM, encode_message(message))
-        before = sends[0]
+        before = count_round_trips[0]
         assert coord.step(block_ms=1000) == 1
-        per_step.append(sends[0] - before)
+        per_step.append(count_round_trips[0] - before)
         assert _answered(r, message.request_id).ok
         assert coord.reader.read_pending
     # The first step also claims, beats and sweeps, reads, then writes with the next read.

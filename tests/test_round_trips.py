@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import redis
-from redis.connection import AbstractConnection
 from rq import Queue, SimpleWorker
 from rq.job import JobStatus
 
@@ -22,27 +20,12 @@ from coordinator.worker_loop import PerseusSimpleWorker
 from protocol import keys
 from protocol.models import JobInfo, JournalEntry, ReportResult, encode_message
 from protocol.store import JobStore
-from tests.helpers import RANKS, SNAPSHOTTING, make_settings, new_job, report_all, result
-
-SENT = [0]  # round trips of this process, counted while a test counts them
+from tests.helpers import RANKS, SENT, SNAPSHOTTING, make_settings, new_job, report_all, result
 
 
 def started_after() -> int:
     """An rq task: how many round trips this process had made when the task started."""
     return SENT[0]
-
-
-@pytest.fixture
-def count_round_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    original = AbstractConnection.send_packed_command
-
-    def counted(self: AbstractConnection, command: object, check_health: bool = True) -> None:
-        SENT[0] += 1
-        original(self, command, check_health)
-
-    SENT[0] = 0
-    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
-    return SENT
 
 
 def test_advancing_a_cached_job_reads_its_results_with_its_state(r, count_round_trips):
