@@ -325,28 +325,40 @@ class StoreBatch:
                 if not isinstance(reply, NoScriptError):
                     return [reply]
             return [self._send_one(script, names, args)]
-        for attempt in (1, 2):
-            # With ``then``: one transaction (rq queues its enqueue in an explicit MULTI).
-            with self.scripts.conn.pipeline(transaction=then is not None) as pipe:
-                if then is not None:
-                    pipe.multi()
-                for script, names, args in commands:
-                    pipe.evalsha(script.sha, len(names), *names, *args)
-                if then is not None:
-                    then(pipe)
-                try:
-                    replies = pipe.execute(raise_on_error=False)
-                except NoScriptError:
-                    # A transaction: Redis refused the unknown script while queueing and
-                    # aborted all of it (``then`` included).
-                    if attempt == 2:
-                        raise
-                    replies = [NoScriptError()]
-            if attempt == 2 or not any(isinstance(r, NoScriptError) for r in replies):
-                break
-            for script in {id(c[0]): c[0] for c in commands}.values():
-                script.sha = self.scripts.conn.script_load(script.script)
-        return replies
+        replies = self._pipelined(commands, then)
+        failed = [i for i, r in enumerate(replies[: len(commands)]) if isinstance(r, NoScriptError)]
+        if not failed:
+            return replies
+        for script in {id(commands[i][0]): commands[i][0] for i in failed}.values():
+            script.sha = self.scripts.conn.script_load(script.script)
+        # NOSCRIPT is an error of the call, not of the transaction: Redis ran every other
+        # command. Only the failed calls go again (a registration sent twice would find itself
+        # answered already), with ``then`` after them: the enqueue that went through ran before
+        # these writes, and a second one is harmless (a job's tasks share its lease).
+        retried = self._pipelined([commands[i] for i in failed], then)
+        for i, reply in zip(failed, retried, strict=False):
+            replies[i] = reply
+        return replies[: len(commands)] + retried[len(failed) :]
+
+    def _pipelined(
+        self,
+        commands: list[tuple[Script, list[str], list[Any]]],
+        then: Callable[[Pipeline], Any] | None,
+    ) -> list[Any]:
+        """Send ``commands`` (with ``then``: one transaction) in one pipeline; errors as replies."""
+        # With ``then``: one transaction (rq queues its enqueue in an explicit MULTI).
+        with self.scripts.conn.pipeline(transaction=then is not None) as pipe:
+            if then is not None:
+                pipe.multi()
+            for script, names, args in commands:
+                pipe.evalsha(script.sha, len(names), *names, *args)
+            if then is not None:
+                then(pipe)
+            try:
+                return pipe.execute(raise_on_error=False)
+            except NoScriptError:
+                # Refused while queueing (no server seen does so): nothing ran, all again.
+                return [NoScriptError() for _ in commands]
 
     def _send_one(self, script: Script, names: list[str], args: list[Any]) -> Any:
         """One script call without a pipeline (a registration, say): a pipeline costs more."""

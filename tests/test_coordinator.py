@@ -22,14 +22,18 @@ from protocol.exceptions import (
 )
 from protocol.models import (
     FrequencySchedule,
+    JobConfig,
     JobInfo,
     RankInfo,
     RegisterJob,
     ReportResult,
+    SetTarget,
     encode_message,
     pack,
 )
 from protocol.store import JobStore
+from protocol.store_scripts import ADD_RANK
+from protocol.tokens import credentials, new_token
 from tests.helpers import FREQS, drain, make_settings, register, result, wait_for
 from worker_client.hook.session import CoordinatorClient
 
@@ -79,6 +83,24 @@ def test_a_redis_that_lost_its_scripts_gets_them_again(service, r, redis_url):
     drain(r)
     assert JobStore(r).version(job_id) == 2
     assert not r.xlen(keys.DEADLETTER_STREAM)
+
+
+def test_a_batch_that_met_a_lost_script_sends_only_the_failed_calls_again(r):
+    """NOSCRIPT fails a call, not its transaction: what ran is not sent a second time."""
+    store = JobStore(r)
+    job = JobInfo(job_id="j", pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
+    store.create_job(job, JobConfig(scheduler="tests.toy_schedulers:StepDown"), "1-1")
+    r.script_flush()
+    r.script_load(ADD_RANK)  # known again: the registration's script, not the control's
+    now = store.clock.now()
+    batch = store.batch()
+    info = RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+    batch.add_rank(job, info, now, credentials(new_token()), "req-0")
+    batch.add_control(SetTarget(job_id="j", iteration_time=1.0), "5-0", now)
+    # Sent twice, this registration would come back as answered already (DuplicateEntryError).
+    assert batch.execute(then=lambda pipe: pipe.rpush("probe", "x")) == [1, True]
+    assert r.xlen(keys.job_control("j")) == 1
+    assert r.llen("probe") == 2  # ``then`` ran with the first send, and after the retry
 
 
 def test_two_jobs_registered_in_the_same_second_get_different_ids(service, redis_url):
