@@ -33,7 +33,7 @@ from protocol.models import (
 )
 from protocol.server_clock import ServerClock
 from protocol.store_batch import single
-from protocol.store_scripts import Scripts
+from protocol.store_scripts import FAIL_JOB, HSET_IF_JOB, Scripts
 from protocol.store_worker import WorkerStore
 from protocol.tokens import credentials, new_token
 
@@ -182,26 +182,26 @@ class JobStore(WorkerStore):
         return self.clock.sync()
 
     def set_fields(self, job_id: str, pipeline: Pipeline | None = None, **fields: Any) -> None:
-        """Set bookkeeping fields of the job's info hash (e.g. ``error``, ``enqueued_at``)."""
+        """Set bookkeeping fields of the job's info hash (e.g. ``enqueued_at``), if it exists.
+
+        A job deleted meanwhile stays deleted: a bare write would leave an info hash without
+        the job's degrees behind.
+        """
         target = pipeline if pipeline is not None else self.conn
-        target.hset(keys.job_info(job_id), mapping={k: str(v) for k, v in fields.items()})
+        flat = [x for name, value in fields.items() for x in (name, str(value))]
+        info = keys.job_info(job_id)
+        target.eval(HSET_IF_JOB, 2, info, info, *flat)
 
     def fail_job(self, job_id: str, error: str, pipeline: Pipeline | None = None) -> None:
         """Record that the job's scheduler failed, and announce it to the job's ranks.
 
-        One transaction sets the ``error`` field and appends ``error=...`` to the job's updates
-        stream, which every rank's watcher follows: training logs it at once.
+        One script sets the ``error`` field and appends ``error=...`` to the job's updates
+        stream, which every rank's watcher follows: training logs it at once. A job deleted
+        meanwhile is left alone.
         """
-        pipe = pipeline if pipeline is not None else self.conn.pipeline(transaction=True)
-        self.set_fields(job_id, pipeline=pipe, error=error)
-        pipe.xadd(
-            keys.job_updates(job_id),
-            {"error": error},
-            maxlen=self.stream_maxlen,
-            approximate=True,
-        )
-        if pipeline is None:
-            pipe.execute()
+        target = pipeline if pipeline is not None else self.conn
+        names = (keys.job_info(job_id), keys.job_updates(job_id))
+        target.eval(FAIL_JOB, 2, *names, error, self.stream_maxlen)
 
     def list_jobs(self) -> list[tuple[str, float]]:
         """(job id, last activity) of every job, most recent first."""

@@ -122,8 +122,10 @@ return 1
 # ARGV[5] msgpack JournalEntry, ARGV[6] updates MAXLEN, ARGV[7] expected journal length ('':
 # any), ARGV[8] summary field ('' none), ARGV[9] summary, ARGV[10] '1' deletes KEYS[8],
 # ARGV[11..] rank, msgpack FrequencySchedule pairs.
-# Returns {1, new version} or {0, current version}.
+# Returns {1, new version}, {0, current version}, or {-1, 0}: the job is gone (deleted while
+# its version was computed; writing would leave a partial job behind).
 PUBLISH = """
+if redis.call('EXISTS', KEYS[6]) == 0 then return {-1, 0} end
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
 if current ~= tonumber(ARGV[3]) then return {0, current} end
 if ARGV[7] ~= '' and redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[7]) then
@@ -141,10 +143,12 @@ return {1, tonumber(ARGV[4])}
 """
 
 # An observation that produced no new version: appended only if nobody appended meanwhile.
-# KEYS[1] journal, KEYS[2] jobs index, KEYS[3] summaries.
+# KEYS[1] journal, KEYS[2] jobs index, KEYS[3] summaries, KEYS[4] job info.
 # ARGV[1] expected journal length, ARGV[2] msgpack JournalEntry, ARGV[3] now, ARGV[4] job id,
-# ARGV[5] summary field ('' none), ARGV[6] summary. Returns 1 appended, 0 not.
+# ARGV[5] summary field ('' none), ARGV[6] summary. Returns 1 appended, 0 not, -1 the job is
+# gone.
 RECORD = """
+if redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
 if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return 0 end
 redis.call('RPUSH', KEYS[1], ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
@@ -157,8 +161,9 @@ return 1
 # no newer snapshot exists.
 # KEYS[1] snapshot, KEYS[2] journal, KEYS[3] job info, KEYS[4..] results hashes to delete.
 # ARGV[1] journal length covered, ARGV[2] msgpack snapshot, ARGV[3] new results floor (results
-# of lower versions are refused from now on). Returns 1 stored, 0 not.
+# of lower versions are refused from now on). Returns 1 stored, 0 not (the job gone included).
 SNAPSHOT = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[1]) then return 0 end
 if tonumber(redis.call('HGET', KEYS[3], 'snapshot_len') or '0') >= tonumber(ARGV[1]) then
   return 0
@@ -248,6 +253,29 @@ local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
 redis.call('ZADD', KEYS[1], 'XX', 'GT', now, ARGV[1])
 redis.call('ZADD', KEYS[3], now, ARGV[2])
+return 1
+"""
+
+
+# Writes to a hash of a job only while the job exists: a write racing the job's deletion must
+# not leave a partial job (an info hash without its degrees) or a stray key behind. Sent with
+# EVAL (short, and usable inside a caller's transaction with no NOSCRIPT to handle).
+# KEYS[1] job info, KEYS[2] the hash written (KEYS[1] itself, or another of the job's hashes).
+# ARGV field, value pairs. Returns 1 written, 0 the job does not exist.
+HSET_IF_JOB = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], unpack(ARGV))
+return 1
+"""
+
+# A scheduler failure, recorded on the job and announced on its updates stream (every rank's
+# watcher follows it), if the job still exists. Sent with EVAL, like HSET_IF_JOB.
+# KEYS[1] job info, KEYS[2] job updates stream. ARGV[1] the error, ARGV[2] updates MAXLEN.
+# Returns 1 recorded, 0 the job does not exist.
+FAIL_JOB = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'error', ARGV[1])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'error', ARGV[1])
 return 1
 """
 

@@ -12,11 +12,11 @@ import msgpack
 import redis
 
 from protocol import keys
-from protocol.job_record import JobRecord
+from protocol.job_record import JobRecord, unknown_job
 from protocol.models import FrequencySchedule, JournalEntry, pack, unpack
 from protocol.server_clock import ServerClock
 from protocol.store_batch import StoreBatch
-from protocol.store_scripts import Scripts
+from protocol.store_scripts import HSET_IF_JOB, Scripts
 
 
 class WorkerStore:
@@ -75,6 +75,9 @@ class WorkerStore:
 
         Returns:
             True if this call published it; False if another writer got there first.
+
+        Raises:
+            UnknownJobError: The job is gone (deleted while its version was computed).
         """
         now = self.clock.now() if now is None else now
         flat: list[Any] = []
@@ -83,7 +86,7 @@ class WorkerStore:
             stamped = dict(schedule.__dict__, version=entry.version)
             flat += [str(schedule.rank), msgpack.packb(stamped, use_bin_type=True)]
         old = entry.version - self.keep_schedules
-        published, _current = self.scripts.publish(
+        status, _current = self.scripts.publish(
             keys=[
                 keys.job_version(job_id),
                 keys.job_schedule(job_id, entry.version),
@@ -107,7 +110,9 @@ class WorkerStore:
                 *flat,
             ],
         )
-        return bool(published)
+        if status == -1:
+            raise unknown_job(job_id)
+        return bool(status)
 
     def record_unpublished(
         self,
@@ -117,23 +122,30 @@ class WorkerStore:
         now: float | None = None,
         summary: bytes | None = None,
     ) -> bool:
-        """Append an unpublished journal entry if the journal still has ``journal_length``."""
+        """Append an unpublished journal entry if the journal still has ``journal_length``.
+
+        Raises:
+            UnknownJobError: The job is gone.
+        """
         now = self.clock.now() if now is None else now
-        return bool(
-            self.scripts.record(
-                keys=[
-                    keys.job_journal(job_id),
-                    keys.JOBS_INDEX,
-                    keys.job_summaries(job_id),
-                ],
-                args=[journal_length, pack(entry), now, job_id, *_summary_args(entry, summary)],
-            )
+        appended = self.scripts.record(
+            keys=[
+                keys.job_journal(job_id),
+                keys.JOBS_INDEX,
+                keys.job_summaries(job_id),
+                keys.job_info(job_id),
+            ],
+            args=[journal_length, pack(entry), now, job_id, *_summary_args(entry, summary)],
         )
+        if appended == -1:
+            raise unknown_job(job_id)
+        return bool(appended)
 
     def save_artifacts(self, job_id: str, artifacts: dict[str, bytes]) -> None:
         """Store what a scheduler produced (same content on every replay, so idempotent)."""
         if artifacts:
-            self.conn.hset(keys.job_artifacts(job_id), mapping=artifacts)
+            flat = [x for item in artifacts.items() for x in item]
+            self.conn.eval(HSET_IF_JOB, 2, keys.job_info(job_id), keys.job_artifacts(job_id), *flat)
 
     def artifacts(self, job_id: str) -> dict[str, bytes]:
         """Every artifact of a job, by name."""

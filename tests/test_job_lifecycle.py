@@ -14,9 +14,9 @@ from coordinator.service import Coordinator
 from coordinator.status import format_snapshot, snapshot
 from coordinator.tasks import advance_job
 from protocol import keys
-from protocol.exceptions import WrongTokenError
+from protocol.exceptions import UnknownJobError, WrongTokenError
 from protocol.job_lifecycle import JobLifecycle
-from protocol.models import JobConfig, JobInfo, RankInfo
+from protocol.models import JobConfig, JobInfo, JournalEntry, RankInfo
 from protocol.store import JobStore
 from protocol.tokens import new_token
 from tests.helpers import (
@@ -194,3 +194,37 @@ def test_the_sweep_costs_the_same_with_300_or_600_finished_jobs(r, redis_url):
         cost[finished] = commands(r) - before
         coord.sweeper._page_at = 0
     assert cost[300] == cost[600], cost
+
+
+def test_writes_racing_a_jobs_deletion_leave_nothing_behind(r):
+    """A worker or coordinator that writes after the job was deleted revives none of it."""
+    store = JobStore(r)
+    new_job(store, "gone")
+    advance_job("gone", conn=r)  # version 1
+    latest = store.schedules("gone", 1)
+    assert store.delete_job("gone")
+    entry = JournalEntry(version=2, observed_version=1, controls_upto=0)
+    with pytest.raises(UnknownJobError):
+        store.publish("gone", latest, entry, journal_length=1)
+    with pytest.raises(UnknownJobError):
+        store.record_unpublished("gone", entry, journal_length=0)
+    assert not store.save_snapshot("gone", b"state", 0, range(1, 1))
+    store.set_fields("gone", enqueued_at="1.0", rq_job="task")
+    store.fail_job("gone", "RuntimeError: late")
+    store.save_artifacts("gone", {"plan.csv": b"late"})
+    with r.pipeline(transaction=True) as pipe:
+        store.set_fields("gone", pipeline=pipe, rq_job="task")
+        pipe.execute()
+    assert job_keys(r, "gone") == []
+    assert "gone" not in dict(store.list_jobs())
+    # While the job exists, the same calls write.
+    new_job(store, "kept")
+    store.set_fields("kept", rq_job="task")
+    store.fail_job("kept", "RuntimeError: boom")
+    store.save_artifacts("kept", {"plan.csv": b"x"})
+    assert store.job_fields("kept", "rq_job", "error") == {
+        "rq_job": "task",
+        "error": "RuntimeError: boom",
+    }
+    assert store.artifacts("kept") == {"plan.csv": b"x"}
+    assert r.xrange(keys.job_updates("kept"))[-1][1] == {b"error": b"RuntimeError: boom"}
