@@ -19,7 +19,7 @@ import uuid
 import redis
 
 from coordinator.dump import dump_version
-from coordinator.replay import LiveSchedulers, by_rank, rebuild, summarize
+from coordinator.replay import LiveScheduler, LiveSchedulers, by_rank, rebuild, summarize
 from protocol.exceptions import ProtocolError, UnknownJobError
 from protocol.models import FrequencySchedule, JournalEntry, RankInfo
 from protocol.scheduler import FrequencyScheduler
@@ -205,7 +205,7 @@ def advance_once(
                 return None
             live.journal_length += 1
             logger.info("job %s: observed version %d; schedule unchanged", job_id, version)
-            live.maybe_snapshot(store, job_id, snapshot_every)
+            _after_recording(live, store, record, None, snapshot_every)
             return None
         if not store.publish(
             job_id, schedules, entry, journal_length=state.journal_length, summary=summary
@@ -220,11 +220,39 @@ def advance_once(
     live.version = entry.version
     live.latest = by_rank(schedules)
     logger.info("job %s: published schedule version %d", job_id, entry.version)
-    live.save_artifacts(store, job_id)
-    if record.config.dump_dir:
-        dump_version(store, record, entry.version)
-    live.maybe_snapshot(store, job_id, snapshot_every)
+    _after_recording(live, store, record, entry.version, snapshot_every)
     return entry.version
+
+
+def _after_recording(
+    live: LiveScheduler,
+    store: JobStore,
+    record: JobRecord,
+    published: int | None,
+    snapshot_every: int,
+) -> None:
+    """Save what follows a journal entry: artifacts and dump of a published version, snapshot.
+
+    The entry is in Redis and clients may already run its version: an error here (a full disk
+    under ``dump_dir``, a scheduler whose ``artifacts`` or ``snapshot`` raises) is logged, and
+    does not fail the job. Redis errors still end the task (rq records it; the sweep retries).
+    """
+    job_id = record.job_id
+    try:
+        if published is not None:
+            live.save_artifacts(store, job_id)
+            if record.config.dump_dir:
+                dump_version(store, record, published)
+        live.maybe_snapshot(store, job_id, snapshot_every)
+    except (redis.RedisError, UnknownJobError):
+        raise
+    except Exception:
+        logger.exception(
+            "job %s: journal entry %d is recorded, but saving its artifacts, dump or snapshot "
+            "failed (the job goes on)",
+            job_id,
+            live.journal_length,
+        )
 
 
 def advance_job(

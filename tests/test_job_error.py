@@ -10,8 +10,21 @@ from collections.abc import Iterator
 import pytest
 
 from coordinator.service import Coordinator
+from coordinator.tasks import advance_job
 from protocol.exceptions import ConfigError, JobFailedError
-from tests.helpers import make_hook, make_settings, run_step, start_perseus, step_until, stop
+from protocol.models import JobConfig, JobInfo, RankInfo
+from protocol.store import JobStore
+from tests.helpers import (
+    FREQS,
+    TOY_SCHEDULER,
+    make_hook,
+    make_settings,
+    result,
+    run_step,
+    start_perseus,
+    step_until,
+    stop,
+)
 from worker_client.gpu.frequency import DryRunFrequencyController
 
 
@@ -120,3 +133,21 @@ def test_unusable_measurements_are_measured_again_not_raised_into_training(
         assert hook.reporter.sent >= 1
     finally:
         hook.close()
+
+
+def test_a_failure_after_publishing_is_logged_and_the_job_goes_on(r, tmp_path, caplog):
+    """A dump that cannot be written (a file where its folder should be) fails no job."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    store = JobStore(r)
+    job = JobInfo(job_id="dumps", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    config = JobConfig(scheduler=TOY_SCHEDULER, dump_dir=str(blocker / "dumps"))
+    store.create_job(job, config, "1-1")
+    info = RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+    store.add_rank(job, info)
+    with caplog.at_level(logging.ERROR, logger="coordinator.tasks"):
+        assert advance_job("dumps", conn=r) == [1]
+        store.add_result(job, result(0, 1))
+        assert advance_job("dumps", conn=r) == [2]
+    assert store.job_error("dumps") == ""
+    assert "saving its artifacts, dump or snapshot failed" in caplog.text
