@@ -23,7 +23,8 @@ def enqueue(
     Args:
         queue: The scheduler queue.
         store: The job store (``record`` writes to the job).
-        settings: Stall timeout (the task's lease), job timeout, snapshot interval.
+        settings: Stall timeout (the task's lease), job timeout, snapshot interval, and the
+            updates streams' cap (the worker publishes with the coordinator's).
         job_id: The job.
         pipeline: A transaction in explicit MULTI mode: the enqueue happens when the caller
             executes it (default: now, in a transaction of its own).
@@ -38,7 +39,7 @@ def enqueue(
     job = queue.enqueue_call(
         "coordinator.tasks.advance_job",
         args=(job_id, lease_ms),
-        kwargs={"snapshot_every": settings.snapshot_every},
+        kwargs={"snapshot_every": settings.snapshot_every, "stream_maxlen": settings.stream_maxlen},
         description=f"advance {job_id}",
         timeout=settings.job_timeout,
         result_ttl=600,

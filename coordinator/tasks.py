@@ -260,6 +260,7 @@ def advance_job(
     lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
     conn: redis.Redis | None = None,
     snapshot_every: int = SNAPSHOT_EVERY,
+    stream_maxlen: int | None = None,
 ) -> list[int]:
     """Rq entry point: publish every version that is due for ``job_id``.
 
@@ -272,11 +273,14 @@ def advance_job(
         lease_ttl_ms: Lease time-to-live, renewed while computing.
         conn: Redis client (default: the rq job's).
         snapshot_every: Journal entries between scheduler snapshots (0: none).
+        stream_maxlen: Cap of the job's updates stream (the enqueuing coordinator's
+            ``stream_maxlen``; default: :class:`JobStore`'s).
 
     Returns:
         The versions this call published.
     """
-    store = JobStore(conn if conn is not None else _connection())
+    conn = conn if conn is not None else _connection()
+    store = JobStore(conn) if stream_maxlen is None else JobStore(conn, stream_maxlen)
     token = uuid.uuid4().hex
     published: list[int] = []
     for _ in range(_MAX_ROUNDS):

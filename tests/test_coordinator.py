@@ -112,6 +112,13 @@ def test_two_jobs_registered_in_the_same_second_get_different_ids(service, redis
     assert len(ids) == 5
 
 
+def test_the_worker_publishes_with_the_coordinators_stream_cap(r, redis_url):
+    """PERSEUS_STREAM_MAXLEN reaches the rq task: workers cap the updates streams with it."""
+    coord = Coordinator(r, make_settings(redis_url, stream_maxlen=150, snapshot_every=3))
+    task = coord.enqueue_advance("some-job")
+    assert task.kwargs == {"snapshot_every": 3, "stream_maxlen": 150}
+
+
 def test_redelivered_entries_change_nothing_twice(r, redis_url):
     coord = Coordinator(r, make_settings(redis_url))
     job = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
