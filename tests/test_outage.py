@@ -430,3 +430,10 @@ def test_worker_and_coordinator_started_while_redis_is_full_wait_then_serve(tmp_
             stop(procs)
     for log in ("coordinator.log", "w.log"):
         assert "maxmemory" in (tmp_path / log).read_text()
+
+
+def test_waiting_for_a_schedule_without_redis_raises_the_projects_error(tmp_path):
+    """What PerseusOptimizer's start calls: a training script catches one error type."""
+    client = CoordinatorClient(f"unix://{tmp_path / 'nobody.sock'}", reply_timeout=1)
+    with pytest.raises(CoordinatorUnavailableError, match=r"redis at unix://.*nobody\.sock"):
+        client.wait_schedule("some-job", 0, timeout=1)

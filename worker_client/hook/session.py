@@ -86,7 +86,7 @@ class CoordinatorClient:
                 [keys.reply_key(message.request_id)], timeout=self.reply_timeout
             )
         except redis.RedisError as exc:
-            raise CoordinatorUnavailableError(f"redis at {self.where}: {exc}") from None
+            raise self.unavailable(exc) from None
         if answer is None:
             raise CoordinatorUnavailableError(
                 f"no coordinator answered {message.kind} within {self.reply_timeout:.0f} s; "
@@ -173,6 +173,10 @@ class CoordinatorClient:
         """The job's scheduling error, if the scheduler failed."""
         return self.store.job_error(job_id)
 
+    def unavailable(self, exc: redis.RedisError) -> CoordinatorUnavailableError:
+        """The error a training script gets for a Redis failure (the server, not redis-py's)."""
+        return CoordinatorUnavailableError(f"redis at {self.where}: {exc}")
+
     def fetch_schedule(self, job_id: str, version: int, rank: int) -> FrequencySchedule:
         """Read and check one rank's schedule of ``version``."""
         schedule = self.store.schedule(job_id, version, rank)
@@ -192,7 +196,20 @@ class CoordinatorClient:
     def wait_schedule(
         self, job_id: str, rank: int, newer_than: int = 0, timeout: float = 120.0
     ) -> FrequencySchedule:
-        """Block until a version newer than ``newer_than`` is published; return it."""
+        """Block until a version newer than ``newer_than`` is published; return it.
+
+        Raises:
+            CoordinatorUnavailableError: No version in ``timeout`` seconds, or Redis failed.
+            PerseusError: The job's scheduler failed.
+        """
+        try:
+            return self._wait_schedule(job_id, rank, newer_than, timeout)
+        except redis.RedisError as exc:
+            raise self.unavailable(exc) from None
+
+    def _wait_schedule(
+        self, job_id: str, rank: int, newer_than: int, timeout: float
+    ) -> FrequencySchedule:
         deadline = time.monotonic() + timeout
         last_id = "0"
         while True:
