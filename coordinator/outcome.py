@@ -81,6 +81,9 @@ class Outcome:
             deadletter.entry_fields(stream, entry_id, fields, reason, time.time(), oversize)
         )
         self.reasons.append(f"{stream} {entry_id}: {reason}")
-        reply_to = _request_reply_key(fields) if reply else None
+        # Only a registration's client waits for a reply; a request id in another stream's
+        # entry must not reach whoever waits on that key.
+        registration = stream == keys.REGISTRATIONS_STREAM
+        reply_to = _request_reply_key(fields) if reply and registration else None
         if reply_to is not None:
             self.replies[reply_to] = Reply(ok=False, error=reason)

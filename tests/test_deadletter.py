@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import time
 
+import msgpack
 import pytest
 from click.testing import CliRunner
 
 from coordinator.cli import main
+from coordinator.service import Coordinator
 from protocol import keys
 from protocol.deadletter import list_dead_letters
 from protocol.models import ReportResult, unpack
 from protocol.store import JobStore
-from tests.helpers import drain, register, result, wait_for
+from tests.helpers import drain, make_settings, register, result, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -98,3 +100,15 @@ def test_purge_by_id_by_age_and_all(r, redis_url):
     code, out = cli("deadletter", "purge", "--all", "--redis-url", redis_url)
     assert code == 0 and "deleted 2 dead letter(s)" in out
     assert not r.exists(keys.DEADLETTER_STREAM)
+
+
+def test_only_a_registration_gets_its_rejection_as_a_reply(r, redis_url):
+    """A bad result or control entry carrying someone's request id pushes nothing to them."""
+    coord = Coordinator(r, make_settings(redis_url))
+    data = msgpack.packb({"kind": "report_result", "request_id": "victim", "job_id": "x"})
+    for stream in (keys.RESULTS_STREAM, keys.CONTROL_STREAM):
+        coord.handle(stream, "1-1", {b"kind": b"report_result", b"data": data})
+    assert r.xlen(keys.DEADLETTER_STREAM) == 2
+    assert not r.exists(keys.reply_key("victim"))
+    coord.handle(keys.REGISTRATIONS_STREAM, "1-1", {b"kind": b"register_rank", b"data": data})
+    assert r.llen(keys.reply_key("victim")) == 1  # the rejected registration's client hears why
