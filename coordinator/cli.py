@@ -22,6 +22,7 @@ from typing import Any
 
 import click
 import redis
+from click.core import ParameterSource
 
 from coordinator.cli_common import connect_settings, load_settings
 from coordinator.cli_deadletter import deadletter_group
@@ -86,7 +87,8 @@ LOG_LEVEL_OPTION = setting_option(
 @setting_option(
     "--dump-dir",
     setting="dump_dir",
-    help="Also write each job's data to files under this folder (sets dump_data).",
+    help="Also write each job's data to files under this folder (the flag sets dump_data; "
+    "PERSEUS_DUMP_DIR alone does not).",
 )
 def coordinator(
     redis_url: str | None,
@@ -112,7 +114,7 @@ def coordinator(
         scheduler_args=args,
         log_level=log_level,
         dump_dir=dump_dir,
-        dump_data=True if dump_dir else None,
+        dump_data=True if _on_command_line("dump_dir") else None,
     )
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -134,6 +136,12 @@ def coordinator(
         pass
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _on_command_line(param: str) -> bool:
+    """Whether the current command's ``param`` was given as a flag (not from its variable)."""
+    source = click.get_current_context().get_parameter_source(param)
+    return source is ParameterSource.COMMANDLINE
 
 
 def _scheduler_hint(name: str) -> str:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import click
 import redis
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from coordinator.settings import PerseusSettings, unknown_variables
 from protocol.cli_options import connect_or_fail
@@ -31,6 +33,11 @@ def load_settings(**overrides: Any) -> PerseusSettings:
         return PerseusSettings(**given)
     except ValidationError as exc:
         raise click.UsageError(f"invalid settings:\n{exc}") from None
+    except SettingsError as exc:
+        # A variable pydantic-settings could not even parse (JSON of a dict field, say).
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = f"PERSEUS_{field.group(1).upper()}" if field else "a PERSEUS_* variable"
+        raise click.UsageError(f"{name} is not valid: {exc.__cause__ or exc}") from None
     except PerseusError as exc:
         raise click.UsageError(str(exc)) from None
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import redis
@@ -248,3 +249,44 @@ def test_perseus_worker_runs_tasks_with_its_startup_heap_frozen(r, redis_url):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert job.return_value(refresh=True) > 10_000  # the imports and preloaded schedulers
+
+
+class _Seen:
+    """Stands in for the coordinator's loop: records the settings a start built, runs nothing."""
+
+    settings: ClassVar[list] = []
+
+    def __init__(self, conn: redis.Redis, settings) -> None:
+        self.settings.append(settings)
+        self.stop_event = None
+
+    def run(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "dumps"),
+    [
+        (["--dump-dir", "/tmp/d"], {}, True),  # the flag asks for dumps
+        ([], {"PERSEUS_DUMP_DIR": "/tmp/d"}, False),  # compose sets the folder for every stack
+        ([], {"PERSEUS_DUMP_DIR": "/tmp/d", "PERSEUS_DUMP_DATA": "true"}, True),
+    ],
+)
+def test_only_the_dump_flag_or_dump_data_turn_dumps_on(redis_url, monkeypatch, flags, env, dumps):
+    monkeypatch.setattr("coordinator.cli.Coordinator", _Seen)
+    monkeypatch.setattr("coordinator.cli.signal.signal", lambda *_: None)
+    _Seen.settings = []
+    code, out = perseus("coordinator", "--redis-url", redis_url, *flags, env=env)
+    assert code == 0, out
+    (settings,) = _Seen.settings
+    assert (settings.dump_data, settings.dump_dir) == (dumps, "/tmp/d")
+
+
+@pytest.mark.parametrize("command", [["status"], ["jobs", "list"], ["deadletter", "list"]])
+def test_a_malformed_settings_variable_is_one_clear_line(redis_url, command):
+    result = CliRunner().invoke(
+        main, [*command, "--redis-url", redis_url], env={"PERSEUS_SCHEDULER_ARGS": "{bad"}
+    )
+    assert result.exit_code == 2, result.output
+    assert "PERSEUS_SCHEDULER_ARGS is not valid: Expecting property name" in result.output
+    assert isinstance(result.exception, SystemExit)  # click's exit, no traceback
