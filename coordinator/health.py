@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import socket
 import sys
 from typing import Any
@@ -15,6 +16,8 @@ from protocol import keys
 from protocol.connection import connect, redact_url
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.server_clock import ServerClock
+
+logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 """A coordinator records a heartbeat at most this often (after a loop round)."""
@@ -51,6 +54,21 @@ def forget_stale(
         target.hdel(keys.COORDINATORS, *stale)
         target.hdel(keys.COORDINATOR_SETTINGS, *stale)
     return stale
+
+
+def forget(conn: redis.Redis, consumer: str) -> None:
+    """Delete a cleanly stopped coordinator's heartbeat and settings (one transaction).
+
+    A restart with other settings is then not refused as if this one still ran. Never
+    raises: on a Redis error the heartbeat is left to age out (:data:`LIVE_S`).
+    """
+    try:
+        with conn.pipeline(transaction=True) as pipe:
+            pipe.hdel(keys.COORDINATORS, consumer)
+            pipe.hdel(keys.COORDINATOR_SETTINGS, consumer)
+            pipe.execute()
+    except redis.RedisError as exc:
+        logger.warning("coordinator %s: heartbeat not removed at stop: %s", consumer, exc)
 
 
 LIVE_S = 10.0

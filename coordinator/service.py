@@ -29,7 +29,7 @@ from rq.job import Job
 
 from coordinator.advance_queue import enqueue, record_enqueued
 from coordinator.completion import CompletionGuess
-from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat
+from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat, forget
 from coordinator.job_config import check_job_limits, job_config
 from coordinator.outcome import Outcome, log_lost
 from coordinator.read_ahead import InputReader
@@ -145,6 +145,7 @@ class Coordinator:
                 backoff.failed(exc)
         self._drain()
         GroupMembers(self.conn).leave_on_stop(self.consumer)
+        forget(self.conn, self.consumer)
 
     def _drain(self) -> None:
         """Handle what the read sent ahead with the last write brings (it is ours now)."""

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from coordinator.health import agree_settings, beat
 from coordinator.service import Coordinator
+from protocol import keys
 from protocol.exceptions import ConfigError
-from tests.helpers import make_settings
+from tests.helpers import make_settings, wait_for
 
 
 def test_a_second_coordinator_with_another_scheduler_refuses_to_start(r, redis_url):
@@ -37,3 +39,17 @@ def test_same_settings_or_a_stopped_coordinator_do_not_block_a_start(r, redis_ur
     beat(r, "host-a-1", time.time() - 60)
     other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
     agree_settings(r, "host-c-1", other.shared(), time.time())
+
+
+def test_a_coordinator_that_stopped_cleanly_does_not_block_a_restart(r, redis_url):
+    """Its heartbeat goes with it: a restart with other settings need not wait it out."""
+    first = Coordinator(r, make_settings(redis_url))
+    thread = threading.Thread(target=first.run, kwargs={"block_ms": 10})
+    thread.start()
+    wait_for(lambda: r.hexists(keys.COORDINATORS, first.consumer))
+    first.stop_event.set()
+    thread.join(10)
+    assert not r.hexists(keys.COORDINATORS, first.consumer)
+    assert not r.hexists(keys.COORDINATOR_SETTINGS, first.consumer)
+    other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
+    agree_settings(r, "host-c-1", other.shared(), time.time())  # no ConfigError

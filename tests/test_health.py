@@ -29,8 +29,12 @@ def test_running_coordinator_is_healthy_and_a_stopped_one_is_not(r, redis_url, s
     assert ok, message
     # Another host's coordinator does not count for this one.
     assert host_idle_s(r, host + "-elsewhere", time.time()) is None
+    # One that stopped cleanly took its heartbeat with it; a killed one leaves an old one.
     service.stop_event.set()
-    time.sleep(1.5)
+    wait_for(lambda: service.consumer not in last_beats(r), what="the heartbeat removed")
+    ok, message = check(redis_url, host, 1.2)
+    assert not ok and "no coordinator of host" in message
+    beat(r, service.consumer, time.time() - 3)
     ok, message = check(redis_url, host, 1.2)
     assert not ok and "last ran a round" in message
 
