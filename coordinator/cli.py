@@ -24,7 +24,7 @@ import click
 import redis
 from click.core import ParameterSource
 
-from coordinator.cli_common import connect_settings, load_settings
+from coordinator.cli_common import check_variables, connect_settings, load_settings
 from coordinator.cli_deadletter import deadletter_group
 from coordinator.cli_demo import demo_command
 from coordinator.cli_jobs import jobs_group
@@ -55,6 +55,9 @@ def main() -> None:
     validates them and enqueues scheduler work on rq; rq workers publish versioned frequency
     schedules that the ranks' training hook picks up between steps.
     """
+    # Every command, also those that read no settings (power-limit, optimize --enqueue): a
+    # mistyped PERSEUS_REDIS_URL must not quietly send them to localhost.
+    check_variables()
 
 
 LOG_LEVEL_OPTION = setting_option(

@@ -16,6 +16,17 @@ from protocol.cli_options import connect_or_fail
 from protocol.exceptions import PerseusError
 
 
+def check_variables() -> None:
+    """Refuse ``PERSEUS_*`` variables that nothing reads (a typo would go unnoticed).
+
+    Raises:
+        click.UsageError: Naming each, with the closest known name.
+    """
+    unknown = unknown_variables(os.environ)
+    if unknown:
+        raise click.UsageError("; ".join(unknown))
+
+
 def load_settings(**overrides: Any) -> PerseusSettings:
     """Settings from ``PERSEUS_*`` variables, with the flags given (not ``None``) on top.
 
@@ -25,9 +36,7 @@ def load_settings(**overrides: Any) -> PerseusSettings:
         click.UsageError: An unknown ``PERSEUS_*`` variable (a typo, say) or an invalid value;
             the message names it.
     """
-    unknown = unknown_variables(os.environ)
-    if unknown:
-        raise click.UsageError("; ".join(unknown))
+    check_variables()
     given = {k: v for k, v in overrides.items() if v is not None}
     try:
         return PerseusSettings(**given)

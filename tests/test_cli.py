@@ -290,3 +290,12 @@ def test_a_malformed_settings_variable_is_one_clear_line(redis_url, command):
     assert result.exit_code == 2, result.output
     assert "PERSEUS_SCHEDULER_ARGS is not valid: Expecting property name" in result.output
     assert isinstance(result.exception, SystemExit)  # click's exit, no traceback
+
+
+@pytest.mark.parametrize("command", [["power-limit", "show"], ["jobs", "list"]])
+def test_a_mistyped_variable_stops_every_command(redis_url, command):
+    """power-limit reads no settings: it used the default URL whatever the typo said."""
+    result = CliRunner().invoke(main, command, env={"PERSEUS_REDIS_ULR": redis_url})
+    assert result.exit_code == 2, result.output
+    assert "unknown environment variable PERSEUS_REDIS_ULR" in result.output
+    assert "did you mean PERSEUS_REDIS_URL?" in result.output
