@@ -175,3 +175,18 @@ def test_a_repeated_register_job_gets_the_same_job(conn, any_redis):
     assert len({r.job_id for r in replies}) == 1
     assert conn.zcard(keys.JOBS_INDEX) == 1
     assert 0 < conn.ttl(keys.request_job("retry-1")) <= 24 * 3600
+
+
+def test_a_stream_trimmed_empty_after_everything_was_read_is_caught_up(conn):
+    ids = add_results(conn, 3)
+
+    def results_stream() -> dict:
+        (info,) = [s for s in snapshot(conn)["streams"] if s["stream"] == keys.RESULTS_STREAM]
+        return info
+
+    assert results_stream()["caught_up"] is False  # three entries nobody read
+    conn.xreadgroup(GROUP, "c", {keys.RESULTS_STREAM: ">"}, count=10)
+    conn.xack(keys.RESULTS_STREAM, GROUP, *ids)
+    streams.trim_acknowledged(conn, keys.RESULTS_STREAM, GROUP, hard_cap=1000)
+    info = results_stream()
+    assert (info["length"], info["pending"], info["lag"], info["caught_up"]) == (0, 0, 0, True)
