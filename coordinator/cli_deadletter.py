@@ -90,6 +90,8 @@ def deadletter_purge(
         raise click.UsageError("give dead-letter ids, --older-than SECONDS, or --all")
     conn = connect_settings(redis_url)
     try:
+        for entry_id in entry_ids:
+            get_dead_letter(conn, entry_id)  # a wrong id fails as replay's does, before any
         removed = purge(conn, list(entry_ids) if entry_ids else None, older_than)
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None

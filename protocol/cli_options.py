@@ -74,12 +74,16 @@ def connect_or_fail(
         dedicated: One connection kept by the client (see :func:`protocol.connection.connect`).
 
     Raises:
-        click.ClickException: Redis does not answer; the password is not shown.
+        click.ClickException: Redis does not answer, or the URL is not one (an empty one
+            included); the password is not shown.
 
     """
     try:
         return connect(
-            url or DEFAULT_REDIS_URL, socket_timeout=socket_timeout, ping=True, dedicated=dedicated
+            DEFAULT_REDIS_URL if url is None else url,
+            socket_timeout=socket_timeout,
+            ping=True,
+            dedicated=dedicated,
         )
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None

@@ -15,9 +15,9 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
-from redis.sentinel import Sentinel
+from redis.sentinel import MasterNotFoundError, Sentinel
 
-from protocol.exceptions import CoordinatorUnavailableError
+from protocol.exceptions import ConfigError, CoordinatorUnavailableError
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 CONNECT_TIMEOUT_S = 5.0
@@ -55,6 +55,7 @@ def connect(
     Raises:
         CoordinatorUnavailableError: ``ping`` and the server does not answer; the message
             names the URL with its password hidden.
+        ConfigError: ``url`` is not a Redis URL.
 
     """
     try:
@@ -76,10 +77,23 @@ def connect(
             kept.auto_close_connection_pool = conn.auto_close_connection_pool
             conn.auto_close_connection_pool = False
             conn = kept
-    except (redis.RedisError, ValueError) as exc:
+    except MasterNotFoundError:
+        # redis-py's message ends with the repr of every sentinel client (kilobytes).
+        hosts = ", ".join(f"{h}:{p}" for h, p in parse_sentinel_url(url).hosts)
+        raise CoordinatorUnavailableError(
+            f"cannot reach Redis at {redact_url(url)}: no sentinel at {hosts} answered with "
+            f"a master for {parse_sentinel_url(url).service!r}"
+        ) from None
+    except redis.RedisError as exc:
         raise CoordinatorUnavailableError(
             f"cannot reach Redis at {redact_url(url)}: {exc}"
         ) from None
+    except ValueError as exc:
+        why = str(exc)
+        if "scheme" in why:  # redis-py's list leaves out the sentinel schemes
+            why = "it must start with redis://, rediss://, unix://, "
+            why += " or ".join(SENTINEL_SCHEMES)
+        raise ConfigError(f"invalid Redis URL {redact_url(url)!r}: {why}") from None
     return conn
 
 

@@ -456,6 +456,12 @@ def test_dump_and_status_commands(service, r, redis_url, tmp_path):
     assert job_id in result.output and "perseus:stream:results" in result.output
     result = runner.invoke(main, ["status", "--redis-url", "redis://127.0.0.1:1/0"])
     assert result.exit_code == 1 and "cannot reach Redis" in result.output
+    # Not a URL, or an empty one: said so (no fallback to localhost).
+    for url in ("localhost:6379", ""):
+        result = runner.invoke(main, ["status", "--redis-url", url])
+        assert result.exit_code == 1, result.output
+        assert f"invalid Redis URL {url!r}: it must start with redis://" in result.output
+        assert "redis+sentinel://" in result.output
 
 
 def test_dump_data_writes_each_version_as_it_is_published(r, redis_url, tmp_path):

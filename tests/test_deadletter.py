@@ -92,6 +92,12 @@ def test_purge_by_id_by_age_and_all(r, redis_url):
     new = [r.xadd(keys.DEADLETTER_STREAM, {"reason": "y"}) for _ in range(2)]
     code, out = cli("deadletter", "purge", "--redis-url", redis_url)
     assert code == 2 and "give dead-letter ids, --older-than SECONDS, or --all" in out
+    # A wrong id is an error, as replay's is, and nothing is deleted.
+    code, out = cli("deadletter", "purge", old[0].decode(), "999-0", "--redis-url", redis_url)
+    assert code == 1 and "no dead letter 999-0" in out
+    code, out = cli("deadletter", "purge", "abc", "--redis-url", redis_url)
+    assert code == 1 and "'abc' is not a stream entry id" in out
+    assert r.xlen(keys.DEADLETTER_STREAM) == 5
     code, out = cli("deadletter", "purge", old[0].decode(), "--redis-url", redis_url)
     assert code == 0 and "deleted 1 dead letter(s)" in out
     code, out = cli("deadletter", "purge", "--older-than", "600", "--redis-url", redis_url)

@@ -19,6 +19,7 @@ import redis
 
 from coordinator.embedded import EmbeddedRedis, redis_server_binary
 from protocol.connection import connect, parse_sentinel_url, redact_url
+from protocol.exceptions import CoordinatorUnavailableError
 from tests.helpers import (
     FAST_RECOVERY,
     TOY_SCHEDULER,
@@ -153,3 +154,12 @@ def test_training_rides_through_a_sentinel_failover(gloo, sentinel_cluster, tmp_
         if hook is not None:
             hook.close()
         stop_procs([coordinator, worker], timeout=10)
+
+
+def test_no_sentinel_answering_is_one_short_line():
+    """redis-py's own message appends the repr of every sentinel client (kilobytes)."""
+    with pytest.raises(CoordinatorUnavailableError) as caught:
+        connect("redis+sentinel://:secret@127.0.0.1:1/mymaster", ping=True, connect_timeout=1)
+    message = str(caught.value)
+    assert "no sentinel at 127.0.0.1:1 answered with a master for 'mymaster'" in message
+    assert len(message) < 200 and "secret" not in message
