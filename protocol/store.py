@@ -379,6 +379,7 @@ class JobStore(WorkerStore):
 
         Raises:
             UnknownJobError: The job does not exist.
+            ProtocolError: A newer control message of the job was applied already.
         """
         batch = self.batch()
         batch.add_control(message, entry_id, self.clock.now())

@@ -260,6 +260,12 @@ class StoreBatch:
         def finish(reply: Any) -> bool:
             if int(reply) == -1:
                 raise unknown_job(job_id)
+            if int(reply) == -2:
+                raise ProtocolError(
+                    f"control message {entry_id} of job {job_id} is older than one already "
+                    "applied (it was left pending and handled late); not applied: replay it "
+                    "if it should still win"
+                )
             return int(reply) == 1
 
         self._add(command, finish)

@@ -101,16 +101,19 @@ return out
 
 # KEYS[1] job info, KEYS[2] job control stream, KEYS[3] jobs index, KEYS[4] due set.
 # ARGV[1] source entry id, ARGV[2] msgpack SetTarget, ARGV[3] job id, ARGV[4] now.
-# Returns 1 appended, 0 already there (a redelivered entry: ids only grow), -1 unknown job.
+# Returns 1 appended, 0 already there (a redelivered entry), -1 unknown job, -2 older than a
+# message already applied (one left pending, then claimed after a newer one was handled): not
+# appended, since the job's control stream keeps its source ids in order.
 ADD_CONTROL = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-redis.call('ZADD', KEYS[3], ARGV[4], ARGV[3])
-redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
 local added = redis.pcall('XADD', KEYS[2], ARGV[1], 'data', ARGV[2])
 if type(added) == 'table' and added.err then
-  if string.find(added.err, 'equal or smaller') then return 0 end
-  return redis.error_reply(added.err)
+  if not string.find(added.err, 'equal or smaller') then return redis.error_reply(added.err) end
+  if #redis.call('XRANGE', KEYS[2], ARGV[1], ARGV[1]) == 0 then return -2 end
+  return 0
 end
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[3])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
 return 1
 """
 

@@ -14,7 +14,8 @@ from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
 from protocol import keys
 from protocol.constants import H100_GRAPHICS_CLOCKS
-from protocol.models import JobInfo, RankInfo
+from protocol.exceptions import ProtocolError
+from protocol.models import JobConfig, JobInfo, RankInfo, SetTarget
 from protocol.store import JobStore
 from schedulers.planning.choose import select_point
 from schedulers.planning.frontier_files import load_frontier
@@ -112,3 +113,15 @@ def test_target_for_unknown_job_and_bad_value(r, redis_url):
     finally:
         coord.stop_event.set()
         coord_thread.join(timeout=5)
+
+
+def test_a_control_message_handled_after_a_newer_one_is_dead_lettered_not_dropped(r):
+    """Left pending, then claimed after a newer target was applied: said so, nothing lost."""
+    store = JobStore(r)
+    job = JobInfo(job_id="late", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    store.create_job(job, JobConfig(scheduler="tests.toy_schedulers:StepDown"), "1-1")
+    assert store.add_control(SetTarget(job_id="late", iteration_time=2.0), "9-0")
+    assert not store.add_control(SetTarget(job_id="late", iteration_time=2.0), "9-0")  # again
+    with pytest.raises(ProtocolError, match="control message 5-0 of job late is older"):
+        store.add_control(SetTarget(job_id="late", iteration_time=1.0), "5-0")
+    assert [m.iteration_time for m in store.controls("late")] == [2.0]
