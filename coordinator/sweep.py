@@ -74,10 +74,31 @@ class Sweeper:
     def _delete_idle(self, now: float, idle_time: int) -> list[str]:
         deleted = []
         for job_id in self.store.idle_jobs(idle_time, now, SWEEP_LIMIT):
+            if self._stamp_set_back(job_id, now - idle_time):
+                continue
             if self.store.delete_job(job_id, idle_before=now - idle_time):
                 deleted.append(job_id)
                 logger.info("deleted job %s: idle for more than %d s", job_id, idle_time)
         return deleted
+
+    def _stamp_set_back(self, job_id: str, cutoff: float) -> bool:
+        """Whether the job looks idle only because its stamp in the jobs index was set back.
+
+        Every rank may write that index (its heartbeats refresh it), so it is a hint: a job
+        active after ``cutoff`` by what no rank can forge (:meth:`JobStore.verified_activity`)
+        gets its stamp back and stays.
+        """
+        last = self.store.verified_activity(job_id)
+        if last is None or last <= cutoff:
+            return False
+        self.store.conn.zadd(keys.JOBS_INDEX, {job_id: last}, xx=True, gt=True)
+        logger.warning(
+            "job %s: its activity stamp in %s was older than its last verified activity (set "
+            "back by someone else, a rank of another job?); stamp restored, job kept",
+            job_id,
+            keys.JOBS_INDEX,
+        )
+        return True
 
     def _forget_coordinators(self, now: float) -> None:
         """Heartbeats and group consumers of coordinators that are gone (none pending)."""
@@ -91,11 +112,22 @@ class Sweeper:
         deleted = []
         retention = settings.finished_retention
         for job_id in self.lifecycle.finished_before(now - retention, SWEEP_LIMIT):
+            if not self.lifecycle.finish_proven(job_id):
+                self.store.conn.zrem(keys.FINISHED_JOBS, job_id)
+                logger.warning(
+                    "job %s: marked finished in %s without the proof of each of its ranks "
+                    "(written by someone else, a rank of another job?); mark removed",
+                    job_id,
+                    keys.FINISHED_JOBS,
+                )
+                continue
             if self.store.delete_job(job_id):
                 deleted.append(job_id)
                 logger.info("deleted job %s: finished more than %g s ago", job_id, retention)
         cutoff = now - settings.start_retention
         for job_id in self.lifecycle.starting_before(cutoff, SWEEP_LIMIT):
+            # A stamp restored here keeps the job (collect_unstarted checks it atomically).
+            self._stamp_set_back(job_id, cutoff)
             if self.lifecycle.collect_unstarted(job_id, idle_before=cutoff):
                 deleted.append(job_id)
                 logger.info(

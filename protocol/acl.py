@@ -7,7 +7,10 @@ gets the commands and key patterns it needs and nothing else (README "Who may do
   reply, follows a job's updates stream, reads schedules, refreshes the job's activity, and
   keeps power-limit profiles. It cannot read results, journals, the results' token keys or
   rq's state, delete anything, write a job's state or reach the dead-letter stream; on Redis 7
-  it cannot read the input streams either.
+  it cannot read the input streams either. The activity and finish marks it writes for its
+  own job it could write for any job (key patterns cannot tell jobs apart): the sweep deletes
+  a job only on what ranks cannot forge (:meth:`protocol.store.JobStore.verified_activity`,
+  :meth:`protocol.job_lifecycle.JobLifecycle.finish_proven`).
 * ``perseus-service``: ``perseus coordinator`` and ``perseus worker`` (rq). Everything on the
   ``perseus:*`` and ``rq:*`` keys and rq's pubsub channels; no server administration.
 * ``perseus-operator``: ``perseus status``, ``dump``, ``profile``, ``deadletter list``,

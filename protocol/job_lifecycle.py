@@ -17,32 +17,41 @@ from dataclasses import dataclass
 from protocol import keys
 from protocol.exceptions import WrongTokenError
 from protocol.store import JobStore
+from protocol.tokens import alive_proof, proven_rank, result_key
 
 # Marks a rank (or, with ARGV[2] == '', the whole job) finished, on the server's clock.
 # Idempotent: a rank marked twice counts once, and a finished job keeps its first finish time.
 # A rank proves itself with its token, like a heartbeat: runs as the rank's ACL user, so it
-# compares SHA-1 digests (KEYS[4]); an operator finishing the whole job passes no token.
-# KEYS[1] job info, KEYS[2] job's finished ranks, KEYS[3] finished jobs, KEYS[4] job beatcheck.
+# compares SHA-1 digests (the beatcheck hash); its mark carries its alive proof, which the
+# sweep checks (every rank can write the finished sets directly). An operator finishing the
+# whole job passes no token and is recorded on the job info first: a rank's ACL user may not
+# write that, so a rank cannot take this path (nothing is written before the refusal).
+# The job info and beatcheck are named in ARGV, as in the heartbeat script (store_scripts):
+# Redis 7 lets a script declare (KEYS) only keys its user may write.
+# KEYS[1] job's finished ranks ('<rank>:<proof>'), KEYS[2] finished jobs.
 # ARGV[1] job id, ARGV[2] rank ('' finishes the job whatever its ranks did), ARGV[3] the rank's
-# token (ignored with ARGV[2] == '').
+# token, ARGV[4] its alive proof (both ignored with ARGV[2] == ''), ARGV[5] job info key,
+# ARGV[6] job beatcheck key.
 # Returns {status, ranks finished, world size}: 0 unknown job, -1 rank out of range, -2 wrong
 # token, 1 recorded, 2 recorded and the job is finished.
 FINISH = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, 0} end
-local world = tonumber(redis.call('HGET', KEYS[1], 'world_size'))
+if redis.call('EXISTS', ARGV[5]) == 0 then return {0, 0, 0} end
+local world = tonumber(redis.call('HGET', ARGV[5], 'world_size'))
 if ARGV[2] ~= '' then
   local rank = tonumber(ARGV[2])
   if not rank or rank < 0 or rank >= world or rank % 1 ~= 0 then return {-1, 0, world} end
-  local digest = redis.call('HGET', KEYS[4], ARGV[2])
+  local digest = redis.call('HGET', ARGV[6], ARGV[2])
   if not digest or digest ~= redis.sha1hex(ARGV[3]) then return {-2, 0, world} end
+else
+  redis.call('HSET', ARGV[5], 'finished_by', 'operator')
 end
 redis.replicate_commands()  -- Redis 6.2: TIME before writes needs effects replication
 local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
-if ARGV[2] ~= '' then redis.call('SADD', KEYS[2], ARGV[2]) end
-local count = redis.call('SCARD', KEYS[2])
+if ARGV[2] ~= '' then redis.call('SADD', KEYS[1], ARGV[2] .. ':' .. ARGV[4]) end
+local count = redis.call('SCARD', KEYS[1])
 if ARGV[2] == '' or count >= world then
-  redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
+  redis.call('ZADD', KEYS[2], 'NX', now, ARGV[1])
   return {2, count, world}
 end
 return {1, count, world}
@@ -74,13 +83,10 @@ class JobLifecycle:
         self._finish = store.conn.register_script(FINISH)
 
     def _call(self, job_id: str, rank: str, token: str = "") -> tuple[int, int, int]:
-        names = [
-            keys.job_info(job_id),
-            keys.job_finished(job_id),
-            keys.FINISHED_JOBS,
-            keys.job_beatcheck(job_id),
-        ]
-        status, count, world = self._finish(keys=names, args=[job_id, rank, token])
+        names = [keys.job_finished(job_id), keys.FINISHED_JOBS]
+        proof = alive_proof(result_key(token)) if rank else ""
+        args = [job_id, rank, token, proof, keys.job_info(job_id), keys.job_beatcheck(job_id)]
+        status, count, world = self._finish(keys=names, args=args)
         return int(status), int(count), int(world)
 
     def finish_rank(self, job_id: str, rank: int, token: str) -> bool | None:
@@ -118,6 +124,23 @@ class JobLifecycle:
             job_id: Ending(None if at is None else float(at), int(count))
             for job_id, at, count in zip(ids, replies[::2], replies[1::2], strict=True)
         }
+
+    def finish_proven(self, job_id: str) -> bool:
+        """Whether the job's finish holds: an operator's, or one proven by each of its ranks.
+
+        The finished sets are writable by every rank (ACL patterns cannot tell jobs apart):
+        the sweep asks this before deleting a finished job.
+        """
+        conn = self.store.conn
+        with conn.pipeline(transaction=False) as pipe:
+            pipe.hmget(keys.job_info(job_id), ["finished_by", "world_size"])
+            pipe.smembers(keys.job_finished(job_id))
+            pipe.hgetall(keys.job_tokens(job_id))
+            (by, world), marks, tokens = pipe.execute()
+        if by == b"operator":
+            return True
+        proven = {proven_rank(bytes(mark), tokens) for mark in marks} - {None}
+        return world is not None and len(proven) >= int(world)
 
     def finished_before(self, cutoff: float, limit: int) -> list[str]:
         """Jobs finished before server time ``cutoff`` (the ``limit`` oldest)."""

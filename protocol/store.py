@@ -35,7 +35,7 @@ from protocol.server_clock import ServerClock
 from protocol.store_batch import single
 from protocol.store_scripts import FAIL_JOB, HSET_IF_JOB, Scripts
 from protocol.store_worker import WorkerStore
-from protocol.tokens import credentials, new_token
+from protocol.tokens import alive_proof, credentials, new_token, proven_rank, result_key
 
 _GC_INDEXES = (keys.FINISHED_JOBS, keys.STARTING_JOBS)
 KEEP_SCHEDULES = 4
@@ -158,21 +158,46 @@ class JobStore(WorkerStore):
             WrongTokenError: ``token`` is not the one ``rank`` got when it registered
                 (nothing is refreshed).
         """
-        keys_ = [
-            keys.JOBS_INDEX,
-            keys.job_info(job_id),
-            keys.job_alive(job_id),
-            keys.job_beatcheck(job_id),
-        ]
-        status = int(self.scripts.heartbeat(keys=keys_, args=[job_id, rank, token]))
+        proof = alive_proof(result_key(token))
+        args = [job_id, rank, token, proof, keys.job_info(job_id), keys.job_beatcheck(job_id)]
+        names = [keys.JOBS_INDEX, keys.job_alive(job_id)]
+        status = int(self.scripts.heartbeat(keys=names, args=args))
         if status == -1:
             raise WrongTokenError(f"wrong token for rank {rank} of job {job_id}: heartbeat refused")
         return status == 1
 
     def ranks_heard(self, job_id: str) -> dict[int, float]:
-        """Rank -> server time of its last heartbeat (ranks never heard from are absent)."""
-        raw = self.conn.zrange(keys.job_alive(job_id), 0, -1, withscores=True)
-        return {int(rank): float(at) for rank, at in raw}
+        """Rank -> server time of its last heartbeat (ranks never heard from are absent).
+
+        Only heartbeats that carry the rank's proof count: the alive set is writable by every
+        rank (ACL patterns cannot tell jobs apart), so an entry another rank wrote is ignored.
+        """
+        with self.conn.pipeline(transaction=False) as pipe:
+            pipe.zrange(keys.job_alive(job_id), 0, -1, withscores=True)
+            pipe.hgetall(keys.job_tokens(job_id))
+            raw, tokens = pipe.execute()
+        heard: dict[int, float] = {}
+        for member, at in raw:
+            rank = proven_rank(bytes(member), tokens)
+            if rank is not None:
+                heard[rank] = max(float(at), heard.get(rank, float("-inf")))
+        return heard
+
+    def verified_activity(self, job_id: str) -> float | None:
+        """Server time of the job's last activity that no rank can set back (None: no job).
+
+        The jobs index, by which the sweep finds idle jobs, is writable by every rank: before
+        deleting a job as idle the sweep asks this instead. It is the newest of the stamps
+        only services write (``created_at``, ``active_at``, ``published_at`` of the job info)
+        and of the heartbeats that carry their rank's proof (:meth:`ranks_heard`).
+        """
+        names = ("created_at", "active_at", "published_at")
+        stamps = self.conn.hmget(keys.job_info(job_id), list(names))
+        if stamps[0] is None:  # every job has its creation time
+            return None
+        times = [float(t) for t in stamps if t]
+        times += self.ranks_heard(job_id).values()
+        return max(times, default=0.0)
 
     def server_time(self) -> float:
         """The Redis server's clock, in seconds (the one clock heartbeats are timed by).

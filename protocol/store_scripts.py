@@ -34,7 +34,8 @@ return {1, ARGV[3]}
 # source stream.
 # ARGV[1] job id, ARGV[2] now, ARGV[3] rank, ARGV[4] msgpack RankInfo, ARGV[5] world size,
 # ARGV[6] SHA-256 of the rank's new token (64 hex), ARGV[7] its SHA-1, ARGV[8] request id,
-# ARGV[9] '1' to stamp the job's activity in the jobs index ('0': it was, a moment ago);
+# ARGV[9] '1' to stamp the job's activity (jobs index, and 'active_at' of the job info, which
+# only services write) ('0': it was, a moment ago);
 # with KEYS[7..8]: ARGV[10] msgpack reply (carries the token), ARGV[11] reply TTL, ARGV[12]
 # consumer group, ARGV[13] source entry id: on success the reply is pushed and the entry
 # acknowledged too, so a registration is answered in the same round trip.
@@ -55,7 +56,10 @@ end
 redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
 redis.call('HSET', KEYS[5], ARGV[3], ARGV[6] .. ARGV[8])
 redis.call('HSET', KEYS[6], ARGV[3], ARGV[7])
-if ARGV[9] == '1' then redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1]) end
+if ARGV[9] == '1' then
+  redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+  redis.call('HSET', KEYS[1], 'active_at', ARGV[2])
+end
 local count = redis.call('HLEN', KEYS[2])
 if count >= tonumber(ARGV[5]) then redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1]) end
 if KEYS[8] then
@@ -71,6 +75,7 @@ return {1, count}
 # KEYS[5] jobs index, KEYS[6] due set.
 # ARGV[1] job id, ARGV[2] now, ARGV[3] the version, ARGV[4] world size, ARGV[5..] rank,
 # msgpack ProfilingResult pairs.
+# Stamps the job's activity (jobs index, 'active_at' of the job info).
 # Returns {status, latest version, results of the version, then per pair: 1 added, 0 already
 # there, -3 rank not registered}; status 1 ok, -1 unknown job, -4 version not published,
 # -5 version already consumed (its results expired after a snapshot).
@@ -90,6 +95,7 @@ for i = 5, #ARGV, 2 do
   end
 end
 redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
+redis.call('HSET', KEYS[1], 'active_at', ARGV[2])
 local count = redis.call('HLEN', KEYS[4])
 out[3] = count
 if version == latest and count >= tonumber(ARGV[4]) then
@@ -101,6 +107,7 @@ return out
 
 # KEYS[1] job info, KEYS[2] job control stream, KEYS[3] jobs index, KEYS[4] due set.
 # ARGV[1] source entry id, ARGV[2] msgpack SetTarget, ARGV[3] job id, ARGV[4] now.
+# Appended: the job's activity stamped (jobs index, 'active_at' of the job info), due marked.
 # Returns 1 appended, 0 already there (a redelivered entry), -1 unknown job, -2 older than a
 # message already applied (one left pending, then claimed after a newer one was handled): not
 # appended, since the job's control stream keeps its source ids in order.
@@ -114,6 +121,7 @@ if type(added) == 'table' and added.err then
 end
 redis.call('ZADD', KEYS[3], ARGV[4], ARGV[3])
 redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
+redis.call('HSET', KEYS[1], 'active_at', ARGV[4])
 return 1
 """
 
@@ -242,20 +250,24 @@ return 0
 
 # A rank's heartbeat, timed by the Redis server's clock, so that ranks and coordinators whose
 # clocks disagree still agree on how long ago a rank was heard from. Run by the ranks' ACL user,
-# so it can read the token digests of KEYS[4] only (never the results' HMAC keys).
-# KEYS[1] jobs index, KEYS[2] job info, KEYS[3] job alive set (rank -> time), KEYS[4] job
-# beatcheck. ARGV[1] job id, ARGV[2] rank, ARGV[3] the rank's token.
+# so it can read the token digests of the beatcheck hash only (never the results' HMAC keys).
+# The job info and beatcheck are only read, and named in ARGV: Redis 7 lets a script declare a
+# key (KEYS) only to a user who may write it, and ranks may only read these two.
+# KEYS[1] jobs index, KEYS[2] job alive set ('<rank>:<proof>' -> time).
+# ARGV[1] job id, ARGV[2] rank, ARGV[3] the rank's token, ARGV[4] its alive proof
+# (protocol.tokens.alive_proof; the sweep checks it, this script cannot), ARGV[5] job info key,
+# ARGV[6] job beatcheck key.
 # Returns 1 if the job exists (refreshed only then: a deleted job is never revived), 0 if not,
 # -1 if the token is not the rank's (nothing refreshed: it does not count as liveness).
 HEARTBEAT = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
-local digest = redis.call('HGET', KEYS[4], ARGV[2])
+if redis.call('EXISTS', ARGV[5]) == 0 then return 0 end
+local digest = redis.call('HGET', ARGV[6], ARGV[2])
 if not digest or digest ~= redis.sha1hex(ARGV[3]) then return -1 end
 redis.replicate_commands()  -- Redis 6.2: TIME before writes needs effects replication
 local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
 redis.call('ZADD', KEYS[1], 'XX', 'GT', now, ARGV[1])
-redis.call('ZADD', KEYS[3], now, ARGV[2])
+redis.call('ZADD', KEYS[2], now, ARGV[2] .. ':' .. ARGV[4])
 return 1
 """
 

@@ -48,6 +48,34 @@ class Credentials(NamedTuple):
         return f"Credentials(token=<hidden>, result_key={self.result_key[:8]}...)"
 
 
+def alive_proof(key: str) -> str:
+    """What a rank's heartbeats and its finish carry besides its rank number.
+
+    Derived from the rank's result key (``sha256(token)``), which only the rank itself and
+    the services can compute or read: another rank can neither name the entry to lower a
+    rank's last heartbeat nor fake its finish, and the sweep, which deletes jobs on those
+    marks, checks each one against the stored key (:meth:`JobStore.verified_activity`).
+
+    Args:
+        key: The rank's :func:`result_key`.
+    """
+    return hashlib.sha256(f"{key}:alive".encode()).hexdigest()[:32]
+
+
+def proven_rank(mark: bytes, stored_keys: dict[bytes, bytes]) -> int | None:
+    """The rank of a ``<rank>:<alive proof>`` mark, if its proof is right (None: forged).
+
+    Args:
+        mark: A member of a job's alive or finished set.
+        stored_keys: The job's tokens hash as read (rank -> result key, then request id).
+    """
+    rank, _, proof = mark.partition(b":")
+    stored = stored_keys.get(rank)
+    if not proof or stored is None:
+        return None
+    return int(rank) if alive_proof(stored[:64].decode()).encode() == proof else None
+
+
 def credentials(token: str) -> Credentials:
     """``token`` with its digests.
 

@@ -181,6 +181,22 @@ def drain(conn: Any) -> None:
     SimpleWorker([Queue(keys.RQ_QUEUE, connection=conn)], connection=conn).work(burst=True)
 
 
+def age_job(conn: Any, job_id: str, seconds: float) -> None:
+    """Move every activity stamp of a job ``seconds`` back, as if it had been idle since.
+
+    The jobs index alone is not enough: the sweep checks the stamps no rank can write (the
+    job info's, its ranks' proven heartbeats) before deleting a job as idle.
+    """
+    then = f"{time.time() - seconds:.3f}"
+    info = keys.job_info(job_id)
+    stamps = {n: then for n in ("created_at", "active_at", "published_at") if conn.hexists(info, n)}
+    conn.hset(info, mapping=stamps)
+    conn.zadd(keys.JOBS_INDEX, {job_id: float(then)}, xx=True)
+    beats = conn.zrange(keys.job_alive(job_id), 0, -1)
+    if beats:
+        conn.zadd(keys.job_alive(job_id), dict.fromkeys(beats, float(then)))
+
+
 def register(client: CoordinatorClient, pp: int = 2) -> str:
     """Register a ``pp``-stage job and all its ranks; return the job id."""
     job_id = client.register_job(JobInfo(pp_degree=pp, dp_degree=1, tp_degree=1, world_size=pp))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -13,13 +14,19 @@ from click.testing import CliRunner
 
 from coordinator.cli import main
 from coordinator.embedded import EmbeddedRedis
+from coordinator.sweep import Sweeper
 from protocol import keys
 from protocol.acl import ROLES, role_user
+from protocol.job_lifecycle import JobLifecycle
+from protocol.models import JobConfig, JobInfo, RankInfo
 from protocol.store import JobStore
+from protocol.tokens import new_token
 from tests.helpers import (
+    FREQS,
     TOY_SCHEDULER,
     free_ports,
     make_hook,
+    make_settings,
     start_perseus,
     step_until,
     stop,
@@ -191,3 +198,60 @@ def _answers(conn: redis.Redis) -> bool:
         return bool(conn.ping())
     except redis.RedisError:
         return False
+
+
+@pytest.mark.skipif(_system_major() < 7, reason="needs a Redis 7 redis-server on PATH")
+def test_on_redis_7_a_rank_of_another_job_cannot_get_a_job_deleted(tmp_path, caplog):
+    """A rank may write the jobs index and the finished sets (its own heartbeats and finish
+    do), so it can forge those marks for any job: the sweep deletes on proof alone."""
+    acl = tmp_path / "users.acl"
+    write_acl(acl, 7)
+    port = free_ports()[0]
+    assert SYSTEM_REDIS is not None
+    proc = subprocess.Popen(
+        [SYSTEM_REDIS, "--port", str(port), "--aclfile", str(acl), "--dir", str(tmp_path), *ARGS],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        svc = redis.Redis.from_url(url_of(port, "service"))
+        wait_for(lambda: _answers(svc), 10, "redis 7 to start")
+        store = JobStore(svc)
+        job = JobInfo(job_id="victim", pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
+        store.create_job(job, JobConfig(scheduler=TOY_SCHEDULER), "1-1")
+        tokens = [new_token(), new_token()]
+        for rank, token in enumerate(tokens):
+            info = RankInfo(
+                rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS
+            )
+            store.add_rank(job, info, token=token)
+        rank_conn = redis.Redis.from_url(url_of(port, "rank"))
+        assert JobStore(rank_conn).touch("victim", 0, tokens[0])  # the victim's rank 0 beats
+
+        # A rank of another job, with the rank user's permissions:
+        rank_conn.zadd(keys.JOBS_INDEX, {"victim": 0})  # looks idle for decades
+        rank_conn.zadd(keys.job_alive("victim"), {"0": 0, "1:forged": 0})
+        rank_conn.zadd(keys.FINISHED_JOBS, {"victim": 0})  # looks finished long ago
+        rank_conn.sadd(keys.job_finished("victim"), "0:forged", "1:forged")
+        lifecycle = JobLifecycle(JobStore(rank_conn))
+        with pytest.raises(redis.ResponseError, match="can't run this command"):
+            lifecycle.finish_job("victim")  # the operator's way: refused to a rank
+        assert svc.hget(keys.job_info("victim"), "finished_by") is None
+
+        settings = make_settings(
+            url_of(port, "service"), max_job_idle_time=60, finished_retention=0
+        )
+        with caplog.at_level(logging.WARNING, logger="coordinator.sweep"):
+            assert Sweeper(store).run(settings, lambda job_id: None) == []
+        assert store.get_job("victim")
+        assert svc.zscore(keys.JOBS_INDEX, "victim") > 1e9  # its stamp restored
+        assert svc.zscore(keys.FINISHED_JOBS, "victim") is None  # the forged mark removed
+        assert "stamp restored, job kept" in caplog.text and "mark removed" in caplog.text
+        assert set(store.ranks_heard("victim")) == {0}  # forged beats do not count
+
+        # The ranks' own finish, with their tokens, does delete it.
+        for rank, token in enumerate(tokens):
+            lifecycle.finish_rank("victim", rank, token)
+        assert Sweeper(store).run(settings, lambda job_id: None) == ["victim"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

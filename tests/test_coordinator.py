@@ -34,7 +34,7 @@ from protocol.models import (
 from protocol.store import JobStore
 from protocol.store_scripts import ADD_RANK
 from protocol.tokens import credentials, new_token
-from tests.helpers import FREQS, drain, make_settings, register, result, wait_for
+from tests.helpers import FREQS, age_job, drain, make_settings, register, result, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -297,7 +297,7 @@ def test_idle_jobs_are_deleted_with_all_their_keys(service, r, redis_url):
     client.report(job_id, result(0, 1))
     wait_for(lambda: JobStore(r).result_count(job_id, 1) == 1)
     assert list(r.scan_iter(match=f"perseus:job:{job_id}:*"))
-    r.zadd(keys.JOBS_INDEX, {job_id: time.time() - 10})
+    age_job(r, job_id, 10)
     service.settings = service.settings.model_copy(update={"max_job_idle_time": 5})
     service.sweep()
     assert list(r.scan_iter(match=f"perseus:job:{job_id}:*")) == []

@@ -79,7 +79,10 @@ def test_ranks_that_close_finish_their_job_which_is_deleted_after_retention(
         (job_id,) = {rec["job_id"] for rec in records}
         finished_at = r.zscore(keys.FINISHED_JOBS, job_id)
         assert finished_at is not None  # both hooks closed: the job finished (server clock)
-        assert r.smembers(keys.job_finished(job_id)) == {b"0", b"1"}
+        # Each mark carries its rank's proof (the sweep checks it before deleting the job).
+        marks = r.smembers(keys.job_finished(job_id))
+        assert {m.partition(b":")[0] for m in marks} == {b"0", b"1"}
+        assert JobLifecycle(JobStore(r)).finish_proven(job_id)
         (job,) = snapshot(r)["jobs"]
         assert job["state"] == "finished" and job["ranks_finished"] == 2
         assert "finished:" in format_snapshot(snapshot(r))
