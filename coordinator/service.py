@@ -259,14 +259,14 @@ class Coordinator:
         decoded: dict[tuple[str, str], Message | Exception] | None = None,
         read_ahead: int | None = None,
     ) -> int:
-        """Process entries read together, in three round trips whatever their number.
+        """Process entries read together, in at most four round trips whatever their number.
 
-        Job metadata for all of them in one pipeline (cached: degrees never change), every
-        store write in one pipeline, then replies, dead letters, rq enqueues and one XACK per
-        stream in one transaction. An entry that cannot be processed is dead-lettered with
-        the reason; a Redis error leaves every entry pending, to be retried (all writes are
-        idempotent). Entries trimmed away while pending (no fields) are acknowledged, counted
-        in :data:`protocol.keys.STREAM_LOSSES` and logged.
+        Job records and results' keys of jobs not cached yet (degrees and keys never change),
+        each in one pipeline; every store write in one pipeline; then replies, dead letters, rq
+        enqueues and one XACK per stream in one transaction. An entry that cannot be processed
+        is dead-lettered with the reason; a Redis error leaves every entry pending, to be
+        retried (all writes are idempotent). Entries trimmed away while pending (no fields)
+        are acknowledged, counted in :data:`protocol.keys.STREAM_LOSSES` and logged.
 
         Args:
             entries: (stream, entry id, fields) as read.
