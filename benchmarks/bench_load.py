@@ -73,7 +73,7 @@ def _report(args: tuple[str, str, int, int]) -> tuple[str, float]:
 
 def _warm() -> None:
     """Pool initializer: import what the ranks use."""
-    import worker_client.hook.session  # noqa: F401
+    import worker_client.hook.watchers  # noqa: F401  (imports the session too)
 
 
 def _warm_up(_: int) -> None:

@@ -12,7 +12,8 @@ from protocol import keys
 from protocol.models import JobInfo, ProfilingResult, RankInfo
 from protocol.store import JobStore
 from tests.helpers import FAST_RECOVERY, start_perseus, wait_for
-from worker_client.hook.session import CoordinatorClient, ScheduleWatcher
+from worker_client.hook.session import CoordinatorClient
+from worker_client.hook.watchers import ScheduleWatcher
 
 FREQS = [1980, 1965, 1950, 1935, 1920]
 

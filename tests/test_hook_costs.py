@@ -14,7 +14,8 @@ from worker_client.hook.energy_source import (
     MonitorEnergySource,
     default_energy_source,
 )
-from worker_client.hook.session import CoordinatorClient, ScheduleWatcher
+from worker_client.hook.session import CoordinatorClient
+from worker_client.hook.watchers import ScheduleWatcher
 
 INSTRUCTIONS = 4  # run_step's forward, backward, forward, backward
 

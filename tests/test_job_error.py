@@ -55,7 +55,7 @@ def test_a_scheduler_failure_is_logged_once_and_training_goes_on(serve, redis_ur
     serve("tests.toy_schedulers:FailsAfterFirst")
     hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
     try:
-        with caplog.at_level(logging.ERROR, logger="worker_client.hook.session"):
+        with caplog.at_level(logging.ERROR, logger="worker_client.hook.watchers"):
             step_until(hook, lambda: hook.job_error, 30, "the job error to reach the hook")
             for _ in range(5):
                 run_step(hook)  # Training goes on at version 1's clocks.

@@ -41,12 +41,8 @@ from tests.helpers import (
     wait_for,
 )
 from worker_client.gpu.frequency import DryRunFrequencyController
-from worker_client.hook.session import (
-    MAX_BLOCK_S,
-    CoordinatorClient,
-    ResultReporter,
-    ScheduleWatcher,
-)
+from worker_client.hook.session import CoordinatorClient
+from worker_client.hook.watchers import MAX_BLOCK_S, ResultReporter, ScheduleWatcher
 
 Cluster = Callable[..., EmbeddedRedis]
 

@@ -23,7 +23,8 @@ from protocol.models import (
 from protocol.store import JobStore
 from protocol.tokens import sign
 from tests.helpers import FREQS, drain, make_settings, register, result, wait_for
-from worker_client.hook.session import CoordinatorClient, ScheduleWatcher
+from worker_client.hook.session import CoordinatorClient
+from worker_client.hook.watchers import ScheduleWatcher
 
 
 def _reasons(r) -> list[str]:

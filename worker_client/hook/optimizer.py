@@ -35,7 +35,8 @@ from worker_client.gpu.nvml import NVML
 from worker_client.hook.callback import Callback
 from worker_client.hook.clock_requests import ClockRequester, FrequencySetter, Marker, cuda_marker
 from worker_client.hook.energy_source import EnergySource, default_energy_source
-from worker_client.hook.session import CoordinatorClient, ResultReporter, ScheduleWatcher
+from worker_client.hook.session import CoordinatorClient
+from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,341 @@
+"""The hook's background threads: a schedule watcher and a result reporter, riding out outages.
+
+:class:`ScheduleWatcher` and :class:`ResultReporter` run so that the training thread never
+waits on Redis: it only picks up what they left at step boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import redis
+
+from protocol import keys
+from protocol.connection import connect
+from protocol.exceptions import CoordinatorUnavailableError, WrongTokenError
+from protocol.models import FrequencySchedule, ProfilingResult
+from worker_client.hook.session import CoordinatorClient
+
+logger = logging.getLogger(__name__)
+
+MAX_BLOCK_S = 20.0
+"""Longest blocking read of an idle schedule watcher (below the socket time-out)."""
+# Every Redis error is an outage to ride through: a restart, a failover, but also a full
+# Redis (OOM under noeviction) or a replica in the middle of a failover (READONLY).
+TRANSIENT_ERRORS = (redis.RedisError,)
+
+
+_FIRST_RETRY_S, _LAST_RETRY_S = 0.5, 5.0
+
+
+class _Outage:
+    """One background thread's view of a Redis outage: when it began, and when to give up.
+
+    Args:
+        what: Names the thread in log messages.
+        redis_url: Names the server in log messages and errors.
+        timeout: Seconds of continuous outage after which :meth:`failed` returns an error;
+            ``None`` never gives up.
+    """
+
+    def __init__(self, what: str, redis_url: str, timeout: float | None) -> None:
+        self.what, self.redis_url, self.timeout = what, redis_url, timeout
+        self.since: float | None = None
+        self.count = 0  # outages seen so far
+        self._delay = _FIRST_RETRY_S
+
+    def failed(self, exc: BaseException) -> CoordinatorUnavailableError | None:
+        """Note a failed call; returns the error to raise once the outage lasted too long."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            self.count += 1
+            logger.warning(
+                "%s: redis at %s unavailable (%s); training goes on with the current "
+                "schedule while this retries",
+                self.what,
+                self.redis_url,
+                exc,
+            )
+        if self.timeout is not None and now - self.since > self.timeout:
+            return CoordinatorUnavailableError(
+                f"{self.what}: redis at {self.redis_url} unreachable for "
+                f"{now - self.since:.1f} s (outage_timeout={self.timeout:g} s): {exc}"
+            )
+        return None
+
+    def backoff(self) -> float:
+        """Seconds to wait before the next try: doubling from 0.5 s up to 5 s."""
+        delay, self._delay = self._delay, min(self._delay * 2, _LAST_RETRY_S)
+        return delay
+
+    def recovered(self) -> bool:
+        """Note a successful call; True if it ended an outage."""
+        self._delay = _FIRST_RETRY_S
+        if self.since is None:
+            return False
+        logger.warning(
+            "%s: redis at %s is back after %.1f s",
+            self.what,
+            self.redis_url,
+            time.monotonic() - self.since,
+        )
+        self.since = None
+        return True
+
+
+class ScheduleWatcher(threading.Thread):
+    """Follows a job's published versions and keeps the newest schedule for one rank.
+
+    The training thread calls :meth:`take` at step boundaries; it never blocks. A Redis
+    outage does not stop training: the watcher retries. Every ``heartbeat_interval`` seconds,
+    and right after an outage, it marks the job active, so that a long run on a converged
+    schedule (which reports nothing new) is not deleted as idle, and checks that Redis still
+    has the job (one restarted without persistence has forgotten it: see :attr:`job_lost`).
+
+    Args:
+        client: Reads schedules.
+        job_id: The job.
+        rank: Whose schedule to keep.
+        version: The version the rank runs now.
+        outage_timeout: Seconds of Redis outage after which :attr:`error` is set (and the hook
+            raises it); ``None`` retries forever.
+        heartbeat_interval: Seconds between heartbeats.
+    """
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        job_id: str,
+        rank: int,
+        version: int,
+        outage_timeout: float | None = None,
+        heartbeat_interval: float = 60.0,
+    ) -> None:
+        super().__init__(daemon=True, name=f"perseus-watch-{rank}")
+        self.client, self.job_id, self.rank = client, job_id, rank
+        self._version = version
+        self._lock = threading.Lock()
+        self._pending: FrequencySchedule | None = None
+        self._seen: set[int] = set()  # versions announced on the updates stream so far
+        self._republished: int | None = None
+        self.error: BaseException | None = None
+        self.outage = _Outage(f"rank {rank} schedule watcher", client.where, outage_timeout)
+        self.job_lost = False
+        self.token_refused = False  # a heartbeat was refused: this client did not register
+        self.job_error = ""  # the scheduler's failure, once announced (logged once)
+        self.heartbeat_interval = heartbeat_interval
+        self._next_beat = time.monotonic()  # the first heartbeat at once: the rank is alive
+        self._stop_event = threading.Event()
+        # A dedicated connection: blocking reads must not hold up other callers' commands.
+        self._conn = connect(client.redis_url)
+
+    def run(self) -> None:
+        """Follow the updates stream until stopped (thread body)."""
+        last_id = "0"
+        while not self._stop_event.is_set():
+            try:
+                # Block until the next heartbeat is due: an idle watcher costs one command
+                # per MAX_BLOCK_S, and stop() interrupts the read by closing the connection.
+                wait = min(MAX_BLOCK_S, max(0.001, self._next_beat - time.monotonic()))
+                updates = {keys.job_updates(self.job_id): last_id}
+                reply = self._conn.xread(updates, block=max(1, int(wait * 1000)))
+                # After an outage (or when due) a heartbeat; the outage ends once it went
+                # through: a full Redis (OOM) still serves reads, but refuses the heartbeat.
+                if self.outage.since is not None or time.monotonic() >= self._next_beat:
+                    self._beat()
+                self.outage.recovered()
+                for _stream, entries in reply or []:
+                    last_id = entries[-1][0].decode()
+                    versions = [int(f[b"version"]) for _, f in entries if b"version" in f]
+                    for _, fields in entries:
+                        if b"error" in fields:
+                            self._note_error(fields[b"error"].decode(errors="replace"))
+                    if not versions:
+                        continue
+                    self._note_announcements(versions)
+                    newest = max(versions)
+                    if newest > self._version:
+                        self._take_newest(newest)
+            except TRANSIENT_ERRORS as exc:
+                if self._stop_event.is_set():
+                    return
+                self.error = self.outage.failed(exc)
+                if self.error is not None:
+                    return
+                self._stop_event.wait(self.outage.backoff())
+            except Exception as exc:  # Surfaced to the training thread at the next step end.
+                if not self._stop_event.is_set():
+                    self.error = exc
+                return
+
+    def _take_newest(self, announced: int) -> None:
+        # Only the newest few versions are kept in Redis: a watcher that fell behind fetches
+        # the latest one rather than one that may be gone.
+        newest = max(announced, self.client.latest_version(self.job_id))
+        schedule = self.client.fetch_schedule(self.job_id, newest, self.rank)
+        with self._lock:
+            self._pending = schedule
+            self._version = newest
+
+    def _beat(self) -> None:
+        self._next_beat = time.monotonic() + self.heartbeat_interval
+        try:
+            exists = self.client.heartbeat(self.job_id, self.rank)
+        except WrongTokenError as exc:
+            # Training goes on (as for a lost job); said once, loudly.
+            if not self.token_refused:
+                self.token_refused = True
+                logger.error("%s; this rank does not count as alive in `perseus status`", exc)
+            return
+        if exists or self.job_lost:
+            return
+        self.job_lost = True
+        logger.error(
+            "job %s is gone from redis at %s (restarted without persistence, or deleted): "
+            "rank %d keeps running schedule version %d, and its results go to %s. Restart "
+            "training to register a new job.",
+            self.job_id,
+            self.client.where,
+            self.rank,
+            self._version,
+            keys.DEADLETTER_STREAM,
+        )
+
+    def _note_error(self, error: str) -> None:
+        if error == self.job_error:
+            return
+        self.job_error = error
+        logger.error(
+            "job %s: its scheduler failed: %s. Rank %d keeps running schedule version %d; no "
+            "new version will come. Fix the cause and restart training (pass "
+            "raise_on_job_error=True to PerseusOptimizer to stop training here instead).",
+            self.job_id,
+            error,
+            self.rank,
+            self._version,
+        )
+
+    def _note_announcements(self, versions: list[int]) -> None:
+        # A version is announced once, unless Redis lost it (a crash within its fsync window)
+        # and a worker published it again: results sent for it in between were refused.
+        for version in versions:
+            if version in self._seen and version == self._version:
+                with self._lock:
+                    self._republished = version
+            self._seen.add(version)
+
+    def take_republished(self) -> int | None:
+        """The version this rank runs, if it was announced again since the last call."""
+        with self._lock:
+            republished, self._republished = self._republished, None
+        return republished
+
+    def take(self) -> FrequencySchedule | None:
+        """The newest schedule published since the last call, if any."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return pending
+
+    def stop(self) -> None:
+        """Stop following (interrupts a blocked read)."""
+        self._stop_event.set()
+        deadline = time.monotonic() + 2
+        while self.is_alive() and time.monotonic() < deadline:
+            self._conn.connection_pool.disconnect()  # wakes the blocked XREAD with an error
+            self.join(timeout=0.1)
+        self._conn.close()
+
+
+class ResultReporter(threading.Thread):
+    """Publishes profiling results from a queue; rides through Redis outages.
+
+    Results wait in the queue while Redis is unreachable (one result per schedule version,
+    so the queue stays short) and are sent once it is back, oldest first.
+
+    Args:
+        client: Sends the results.
+        job_id: The job.
+        outage_timeout: Seconds of Redis outage after which :attr:`error` is set (and the hook
+            raises it); ``None`` retries forever.
+        flush_timeout: At :meth:`stop`, seconds to keep trying to send what is queued.
+    """
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        job_id: str,
+        outage_timeout: float | None = None,
+        flush_timeout: float = 10.0,
+    ) -> None:
+        super().__init__(daemon=True, name="perseus-report")
+        self.client, self.job_id = client, job_id
+        self.flush_timeout = flush_timeout
+        self._queue: queue.Queue[ProfilingResult | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self.outage = _Outage("result reporter", client.where, outage_timeout)
+        self.sent = 0
+        self.unsent = 0  # results given up on at stop (Redis still unreachable)
+        self._stopping = threading.Event()
+        self._flush_deadline = float("inf")
+
+    def submit(self, result: ProfilingResult) -> None:
+        """Queue a result; returns at once."""
+        self._queue.put(result)
+
+    def run(self) -> None:
+        """Send queued results until stopped (thread body)."""
+        while (result := self._queue.get()) is not None:
+            if not self._deliver(result):
+                return
+
+    def _deliver(self, result: ProfilingResult) -> bool:
+        """Send one result, retrying with backoff; False when this thread must end."""
+        delay = 0.2
+        while True:
+            try:
+                self.client.report(self.job_id, result)
+            except TRANSIENT_ERRORS as exc:
+                self.error = self.outage.failed(exc)
+                if self.error is not None:
+                    return False
+                remaining = self._flush_deadline - time.monotonic()
+                if remaining <= 0:
+                    self._give_up(1)
+                    return False
+                # Back off up to 5 s; stop() cuts a wait short, then the flush deadline rules.
+                if not self._stopping.wait(delay):
+                    delay = min(delay * 2, 5.0)
+                else:
+                    time.sleep(min(delay, remaining))
+                continue
+            self.sent += 1
+            self.outage.recovered()
+            return True
+
+    def _give_up(self, count: int) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            count += item is not None
+        self.unsent = count
+        logger.error(
+            "result reporter: %d profiling result(s) of job %s not sent: redis at %s still "
+            "unreachable %.0f s after close",
+            count,
+            self.job_id,
+            self.client.where,
+            self.flush_timeout,
+        )
+
+    def stop(self) -> None:
+        """Send what is queued (for up to ``flush_timeout`` seconds), then stop."""
+        self._flush_deadline = time.monotonic() + self.flush_timeout
+        self._stopping.set()
+        self._queue.put(None)
+        self.join(timeout=self.flush_timeout + 5)
