@@ -186,10 +186,6 @@ class WorkerStore:
         return bytes(raw) if raw is not None else None
 
     # --- worker lease ----------------------------------------------------------------------
-    def acquire_lease(self, job_id: str, token: str, ttl_ms: int) -> bool:
-        """Try to become the one worker advancing ``job_id`` for ``ttl_ms``."""
-        return bool(self.conn.set(keys.job_lease(job_id), token, nx=True, px=ttl_ms))
-
     def renew_lease(self, job_id: str, token: str, ttl_ms: int) -> bool:
         """Extend a held lease; False if it was lost."""
         return bool(self.scripts.renew(keys=[keys.job_lease(job_id)], args=[token, ttl_ms]))
