@@ -41,7 +41,7 @@ def load_settings(**overrides: Any) -> PerseusSettings:
     try:
         return PerseusSettings(**given)
     except ValidationError as exc:
-        raise click.UsageError(f"invalid settings:\n{exc}") from None
+        raise click.UsageError(_settings_errors(exc, given)) from None
     except SettingsError as exc:
         # A variable pydantic-settings could not even parse (JSON of a dict field, say).
         field = re.search(r'field "(\w+)"', str(exc))
@@ -49,6 +49,21 @@ def load_settings(**overrides: Any) -> PerseusSettings:
         raise click.UsageError(f"{name} is not valid: {exc.__cause__ or exc}") from None
     except PerseusError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _settings_errors(exc: ValidationError, flags: dict[str, Any]) -> str:
+    """One line per invalid setting, naming the flag's or variable's name and the value."""
+    lines = ["invalid settings:"]
+    for err in exc.errors():
+        if not err["loc"]:  # a check of several settings together
+            lines.append(f"  {err['msg']}")
+            continue
+        field = str(err["loc"][0])
+        where = f"PERSEUS_{field.upper()}"
+        if field in flags:  # given as a flag, or read from the variable by click
+            where += f" / --{field.replace('_', '-')}"
+        lines.append(f"  {where} = {err.get('input')!r}: {err['msg']}")
+    return "\n".join(lines)
 
 
 def connect_settings(redis_url: str | None) -> redis.Redis:

@@ -299,3 +299,14 @@ def test_a_mistyped_variable_stops_every_command(redis_url, command):
     assert result.exit_code == 2, result.output
     assert "unknown environment variable PERSEUS_REDIS_ULR" in result.output
     assert "did you mean PERSEUS_REDIS_URL?" in result.output
+
+
+def test_an_invalid_setting_is_named_with_its_value_on_one_line(redis_url):
+    env = {"PERSEUS_MAX_JOB_IDLE_TIME": "abc", "PERSEUS_STREAM_MAXLEN": "5"}
+    result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
+    assert result.exit_code == 2, result.output
+    assert "PERSEUS_MAX_JOB_IDLE_TIME = 'abc': Input should be a valid integer" in result.output
+    assert "PERSEUS_STREAM_MAXLEN = '5': Input should be greater than or equal to 100" in (
+        result.output
+    )
+    assert "errors.pydantic.dev" not in result.output
