@@ -160,8 +160,11 @@ def _system_major() -> int:
     return int(out.split("v=")[1].split(".")[0])
 
 
-@pytest.mark.skipif(_system_major() < 7, reason="needs a Redis 7 redis-server on PATH")
-def test_on_redis_7_ranks_cannot_write_what_they_read(tmp_path):
+@pytest.fixture
+def redis7_port(tmp_path) -> Iterator[int]:
+    """A Redis 7 server from the PATH with `perseus acl --redis-major 7` users; its port."""
+    if _system_major() < 7:
+        pytest.skip("needs a Redis 7 redis-server on PATH")
     acl = tmp_path / "users.acl"
     write_acl(acl, 7)
     port = free_ports()[0]
@@ -173,24 +176,30 @@ def test_on_redis_7_ranks_cannot_write_what_they_read(tmp_path):
     try:
         svc = redis.Redis.from_url(url_of(port, "service"))
         wait_for(lambda: _answers(svc), 10, "redis 7 to start")
-        svc.set(keys.job_version("j"), 3)
-        svc.hset(keys.job_schedule("j", 3), "0", b"x")
-        rank = redis.Redis.from_url(url_of(port, "rank"))
-        assert rank.get(keys.job_version("j")) == b"3"
-        assert rank.hget(keys.job_schedule("j", 3), "0") == b"x"
-        assert refused(rank, "SET", keys.job_version("j"), "999")
-        assert refused(rank, "XADD", keys.job_updates("j"), "*", "version", "999")
-        assert rank.xadd(keys.RESULTS_STREAM, {"x": "1"})
-        # Appends only: other ranks' request ids (whose replies carry tokens) stay unseen.
-        for stream in keys.INPUT_STREAMS:
-            assert refused(rank, "XREAD", "STREAMS", stream, "0")
-        svc.hset(keys.job_beatcheck("j"), "0", "digest")
-        assert rank.hget(keys.job_beatcheck("j"), "0") == b"digest"
-        assert refused(rank, "SET", keys.job_beatcheck("j"), "x")
-        assert refused(rank, "HGET", keys.job_tokens("j"), "0")
+        yield port
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_on_redis_7_ranks_cannot_write_what_they_read(redis7_port):
+    port = redis7_port
+    svc = redis.Redis.from_url(url_of(port, "service"))
+    svc.set(keys.job_version("j"), 3)
+    svc.hset(keys.job_schedule("j", 3), "0", b"x")
+    rank = redis.Redis.from_url(url_of(port, "rank"))
+    assert rank.get(keys.job_version("j")) == b"3"
+    assert rank.hget(keys.job_schedule("j", 3), "0") == b"x"
+    assert refused(rank, "SET", keys.job_version("j"), "999")
+    assert refused(rank, "XADD", keys.job_updates("j"), "*", "version", "999")
+    assert rank.xadd(keys.RESULTS_STREAM, {"x": "1"})
+    # Appends only: other ranks' request ids (whose replies carry tokens) stay unseen.
+    for stream in keys.INPUT_STREAMS:
+        assert refused(rank, "XREAD", "STREAMS", stream, "0")
+    svc.hset(keys.job_beatcheck("j"), "0", "digest")
+    assert rank.hget(keys.job_beatcheck("j"), "0") == b"digest"
+    assert refused(rank, "SET", keys.job_beatcheck("j"), "x")
+    assert refused(rank, "HGET", keys.job_tokens("j"), "0")
 
 
 def _answers(conn: redis.Redis) -> bool:
@@ -200,58 +209,41 @@ def _answers(conn: redis.Redis) -> bool:
         return False
 
 
-@pytest.mark.skipif(_system_major() < 7, reason="needs a Redis 7 redis-server on PATH")
-def test_on_redis_7_a_rank_of_another_job_cannot_get_a_job_deleted(tmp_path, caplog):
+def test_on_redis_7_a_rank_of_another_job_cannot_get_a_job_deleted(redis7_port, caplog):
     """A rank may write the jobs index and the finished sets (its own heartbeats and finish
     do), so it can forge those marks for any job: the sweep deletes on proof alone."""
-    acl = tmp_path / "users.acl"
-    write_acl(acl, 7)
-    port = free_ports()[0]
-    assert SYSTEM_REDIS is not None
-    proc = subprocess.Popen(
-        [SYSTEM_REDIS, "--port", str(port), "--aclfile", str(acl), "--dir", str(tmp_path), *ARGS],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        svc = redis.Redis.from_url(url_of(port, "service"))
-        wait_for(lambda: _answers(svc), 10, "redis 7 to start")
-        store = JobStore(svc)
-        job = JobInfo(job_id="victim", pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
-        store.create_job(job, JobConfig(scheduler=TOY_SCHEDULER), "1-1")
-        tokens = [new_token(), new_token()]
-        for rank, token in enumerate(tokens):
-            info = RankInfo(
-                rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS
-            )
-            store.add_rank(job, info, token=token)
-        rank_conn = redis.Redis.from_url(url_of(port, "rank"))
-        assert JobStore(rank_conn).touch("victim", 0, tokens[0])  # the victim's rank 0 beats
+    port = redis7_port
+    svc = redis.Redis.from_url(url_of(port, "service"))
+    store = JobStore(svc)
+    job = JobInfo(job_id="victim", pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
+    store.create_job(job, JobConfig(scheduler=TOY_SCHEDULER), "1-1")
+    tokens = [new_token(), new_token()]
+    for rank, token in enumerate(tokens):
+        info = RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS)
+        store.add_rank(job, info, token=token)
+    rank_conn = redis.Redis.from_url(url_of(port, "rank"))
+    assert JobStore(rank_conn).touch("victim", 0, tokens[0])  # the victim's rank 0 beats
 
-        # A rank of another job, with the rank user's permissions:
-        rank_conn.zadd(keys.JOBS_INDEX, {"victim": 0})  # looks idle for decades
-        rank_conn.zadd(keys.job_alive("victim"), {"0": 0, "1:forged": 0})
-        rank_conn.zadd(keys.FINISHED_JOBS, {"victim": 0})  # looks finished long ago
-        rank_conn.sadd(keys.job_finished("victim"), "0:forged", "1:forged")
-        lifecycle = JobLifecycle(JobStore(rank_conn))
-        with pytest.raises(redis.ResponseError, match="can't run this command"):
-            lifecycle.finish_job("victim")  # the operator's way: refused to a rank
-        assert svc.hget(keys.job_info("victim"), "finished_by") is None
+    # A rank of another job, with the rank user's permissions:
+    rank_conn.zadd(keys.JOBS_INDEX, {"victim": 0})  # looks idle for decades
+    rank_conn.zadd(keys.job_alive("victim"), {"0": 0, "1:forged": 0})
+    rank_conn.zadd(keys.FINISHED_JOBS, {"victim": 0})  # looks finished long ago
+    rank_conn.sadd(keys.job_finished("victim"), "0:forged", "1:forged")
+    lifecycle = JobLifecycle(JobStore(rank_conn))
+    with pytest.raises(redis.ResponseError, match="can't run this command"):
+        lifecycle.finish_job("victim")  # the operator's way: refused to a rank
+    assert svc.hget(keys.job_info("victim"), "finished_by") is None
 
-        settings = make_settings(
-            url_of(port, "service"), max_job_idle_time=60, finished_retention=0
-        )
-        with caplog.at_level(logging.WARNING, logger="coordinator.sweep"):
-            assert Sweeper(store).run(settings, lambda job_id: None) == []
-        assert store.get_job("victim")
-        assert svc.zscore(keys.JOBS_INDEX, "victim") > 1e9  # its stamp restored
-        assert svc.zscore(keys.FINISHED_JOBS, "victim") is None  # the forged mark removed
-        assert "stamp restored, job kept" in caplog.text and "mark removed" in caplog.text
-        assert set(store.ranks_heard("victim")) == {0}  # forged beats do not count
+    settings = make_settings(url_of(port, "service"), max_job_idle_time=60, finished_retention=0)
+    with caplog.at_level(logging.WARNING, logger="coordinator.sweep"):
+        assert Sweeper(store).run(settings, lambda job_id: None) == []
+    assert store.get_job("victim")
+    assert svc.zscore(keys.JOBS_INDEX, "victim") > 1e9  # its stamp restored
+    assert svc.zscore(keys.FINISHED_JOBS, "victim") is None  # the forged mark removed
+    assert "stamp restored, job kept" in caplog.text and "mark removed" in caplog.text
+    assert set(store.ranks_heard("victim")) == {0}  # forged beats do not count
 
-        # The ranks' own finish, with their tokens, does delete it.
-        for rank, token in enumerate(tokens):
-            lifecycle.finish_rank("victim", rank, token)
-        assert Sweeper(store).run(settings, lambda job_id: None) == ["victim"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    # The ranks' own finish, with their tokens, does delete it.
+    for rank, token in enumerate(tokens):
+        lifecycle.finish_rank("victim", rank, token)
+    assert Sweeper(store).run(settings, lambda job_id: None) == ["victim"]
