@@ -114,6 +114,10 @@ class Sweeper:
         for job_id in self.lifecycle.finished_before(now - retention, SWEEP_LIMIT):
             if not self.lifecycle.finish_proven(job_id):
                 self.store.conn.zrem(keys.FINISHED_JOBS, job_id)
+                if self.lifecycle.finish_proven(job_id):
+                    # Its last rank finished meanwhile (its mark found ours in place): put back.
+                    self.store.conn.zadd(keys.FINISHED_JOBS, {job_id: now}, nx=True)
+                    continue
                 logger.warning(
                     "job %s: marked finished in %s without the proof of each of its ranks "
                     "(written by someone else, a rank of another job?); mark removed",
@@ -126,8 +130,11 @@ class Sweeper:
                 logger.info("deleted job %s: finished more than %g s ago", job_id, retention)
         cutoff = now - settings.start_retention
         for job_id in self.lifecycle.starting_before(cutoff, SWEEP_LIMIT):
-            # A stamp restored here keeps the job (collect_unstarted checks it atomically).
-            self._stamp_set_back(job_id, cutoff)
+            if self._stamp_set_back(job_id, cutoff):
+                # Looked at again start_retention after its verified activity.
+                last = self.store.verified_activity(job_id) or now
+                self.store.conn.zadd(keys.STARTING_JOBS, {job_id: last}, xx=True)
+                continue
             if self.lifecycle.collect_unstarted(job_id, idle_before=cutoff):
                 deleted.append(job_id)
                 logger.info(

@@ -64,8 +64,12 @@ _RANK_COMMANDS = (
     "+get +hget +hgetall +hlen +exists",  # version, schedules, info (error), liveness
     "+evalsha +script|load +time +zadd",  # heartbeats: one script, the server's clock
     "+sadd +scard",  # marking its rank finished at close (one script)
-    "+set +multi +exec",  # saving a power-limit profile (SET + ZADD in MULTI)
+    "+multi +exec",  # saving a power-limit profile (SET + ZADD in MULTI)
 )
+# SET replaces a key of any type: on Redis 7 a selector grants it for power-limit profiles
+# only (a rank could otherwise wipe another job's heartbeats, or turn them into a string).
+# Redis 6.2 has no selectors: there SET reaches every key a rank may write.
+_RANK_SET_7 = f"(~{keys.power_limit_profile('*')} +set)"
 
 _SERVICE = "~perseus:* ~rq:* &rq:* +@all -@admin -@dangerous +info +time"
 _OPERATOR = "~perseus:* ~rq:* +@read -@dangerous +info +time"
@@ -93,7 +97,8 @@ def role_rules(role: str, redis_major: int = 7) -> str:
         read, append = ("%R~", "%W~") if redis_major >= 7 else ("~", "~")
         patterns = [f"{read}{p}" for p in _RANK_READS]
         patterns += [f"{append}{p}" for p in _RANK_APPENDS] + [f"~{p}" for p in _RANK_WRITES]
-        return f"{' '.join(patterns)} {_BASE} {' '.join(_RANK_COMMANDS)}"
+        rules = f"{' '.join(patterns)} {_BASE} {' '.join(_RANK_COMMANDS)}"
+        return f"{rules} {_RANK_SET_7}" if redis_major >= 7 else f"{rules} +set"
     if role == "service":
         return f"{_SERVICE} {_BASE}"
     if role == "operator":

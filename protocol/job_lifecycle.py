@@ -14,10 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import redis
+
 from protocol import keys
 from protocol.exceptions import WrongTokenError
 from protocol.store import JobStore
-from protocol.tokens import alive_proof, proven_rank, result_key
+from protocol.tokens import alive_proof, proof_marks, result_key
 
 # Marks a rank (or, with ARGV[2] == '', the whole job) finished, on the server's clock.
 # Idempotent: a rank marked twice counts once, and a finished job keeps its first finish time.
@@ -132,15 +134,17 @@ class JobLifecycle:
         the sweep asks this before deleting a finished job.
         """
         conn = self.store.conn
-        with conn.pipeline(transaction=False) as pipe:
-            pipe.hmget(keys.job_info(job_id), ["finished_by", "world_size"])
-            pipe.smembers(keys.job_finished(job_id))
-            pipe.hgetall(keys.job_tokens(job_id))
-            (by, world), marks, tokens = pipe.execute()
+        by, world = conn.hmget(keys.job_info(job_id), ["finished_by", "world_size"])
         if by == b"operator":
             return True
-        proven = {proven_rank(bytes(mark), tokens) for mark in marks} - {None}
-        return world is not None and len(proven) >= int(world)
+        marks = list(proof_marks(conn.hgetall(keys.job_tokens(job_id))).values())
+        if world is None or len(marks) < int(world):
+            return False
+        try:
+            found = conn.smismember(keys.job_finished(job_id), marks)
+        except redis.ResponseError:  # WRONGTYPE: a rank replaced the set
+            return False
+        return sum(found) >= int(world)
 
     def finished_before(self, cutoff: float, limit: int) -> list[str]:
         """Jobs finished before server time ``cutoff`` (the ``limit`` oldest)."""

@@ -11,6 +11,7 @@ snapshot lets the results it has consumed be deleted; per-version summaries of t
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -35,7 +36,9 @@ from protocol.server_clock import ServerClock
 from protocol.store_batch import single
 from protocol.store_scripts import FAIL_JOB, HSET_IF_JOB, Scripts
 from protocol.store_worker import WorkerStore
-from protocol.tokens import alive_proof, credentials, new_token, proven_rank, result_key
+from protocol.tokens import alive_proof, credentials, new_token, proof_marks, result_key
+
+logger = logging.getLogger(__name__)
 
 _GC_INDEXES = (keys.FINISHED_JOBS, keys.STARTING_JOBS)
 KEEP_SCHEDULES = 4
@@ -172,16 +175,16 @@ class JobStore(WorkerStore):
         Only heartbeats that carry the rank's proof count: the alive set is writable by every
         rank (ACL patterns cannot tell jobs apart), so an entry another rank wrote is ignored.
         """
-        with self.conn.pipeline(transaction=False) as pipe:
-            pipe.zrange(keys.job_alive(job_id), 0, -1, withscores=True)
-            pipe.hgetall(keys.job_tokens(job_id))
-            raw, tokens = pipe.execute()
-        heard: dict[int, float] = {}
-        for member, at in raw:
-            rank = proven_rank(bytes(member), tokens)
-            if rank is not None:
-                heard[rank] = max(float(at), heard.get(rank, float("-inf")))
-        return heard
+        marks = proof_marks(self.conn.hgetall(keys.job_tokens(job_id)))
+        if not marks:
+            return {}
+        ranks = sorted(marks)
+        try:
+            at = self.conn.zmscore(keys.job_alive(job_id), [marks[r] for r in ranks])
+        except redis.ResponseError as exc:  # WRONGTYPE: a rank replaced the set
+            logger.warning("job %s: its alive set is unreadable (%s); no rank counts", job_id, exc)
+            return {}
+        return {rank: float(t) for rank, t in zip(ranks, at, strict=True) if t is not None}
 
     def verified_activity(self, job_id: str) -> float | None:
         """Server time of the job's last activity that no rank can set back (None: no job).

@@ -62,18 +62,19 @@ def alive_proof(key: str) -> str:
     return hashlib.sha256(f"{key}:alive".encode()).hexdigest()[:32]
 
 
-def proven_rank(mark: bytes, stored_keys: dict[bytes, bytes]) -> int | None:
-    """The rank of a ``<rank>:<alive proof>`` mark, if its proof is right (None: forged).
+def proof_marks(stored_keys: dict[bytes, bytes]) -> dict[int, str]:
+    """Each rank's ``<rank>:<alive proof>``: the one mark of it that counts in its job's sets.
+
+    The sweep asks for these members (ZMSCORE, SMISMEMBER): whatever else another rank wrote
+    into those sets costs it nothing.
 
     Args:
-        mark: A member of a job's alive or finished set.
         stored_keys: The job's tokens hash as read (rank -> result key, then request id).
     """
-    rank, _, proof = mark.partition(b":")
-    stored = stored_keys.get(rank)
-    if not proof or stored is None:
-        return None
-    return int(rank) if alive_proof(stored[:64].decode()).encode() == proof else None
+    return {
+        int(rank): f"{int(rank)}:{alive_proof(value[:64].decode())}"
+        for rank, value in stored_keys.items()
+    }
 
 
 def credentials(token: str) -> Credentials:

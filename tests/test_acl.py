@@ -200,6 +200,10 @@ def test_on_redis_7_ranks_cannot_write_what_they_read(redis7_port):
     assert rank.hget(keys.job_beatcheck("j"), "0") == b"digest"
     assert refused(rank, "SET", keys.job_beatcheck("j"), "x")
     assert refused(rank, "HGET", keys.job_tokens("j"), "0")
+    # SET (which replaces a key of any type) only for power-limit profiles.
+    assert rank.set(keys.power_limit_profile("w"), b"profile")
+    for key in (keys.job_alive("j"), keys.job_finished("j"), keys.JOBS_INDEX, keys.FINISHED_JOBS):
+        assert refused(rank, "SET", key, "x")
 
 
 def _answers(conn: redis.Redis) -> bool:
@@ -226,19 +230,33 @@ def test_on_redis_7_a_rank_of_another_job_cannot_get_a_job_deleted(redis7_port, 
 
     # A rank of another job, with the rank user's permissions:
     rank_conn.zadd(keys.JOBS_INDEX, {"victim": 0})  # looks idle for decades
-    rank_conn.zadd(keys.job_alive("victim"), {"0": 0, "1:forged": 0})
+    junk = {f"{i % 2}:forged-{i}": 0 for i in range(2000)}  # costs the sweep nothing
+    rank_conn.zadd(keys.job_alive("victim"), {"0": 0, **junk})
     rank_conn.zadd(keys.FINISHED_JOBS, {"victim": 0})  # looks finished long ago
-    rank_conn.sadd(keys.job_finished("victim"), "0:forged", "1:forged")
+    rank_conn.sadd(keys.job_finished("victim"), "0:forged", "1:forged", *junk)
+    # Another job's alive set squatted with the wrong type before its first heartbeat.
+    squatted = job.model_copy(update={"job_id": "squatted"})
+    store.create_job(squatted, JobConfig(scheduler=TOY_SCHEDULER), "1-2")
+    first = RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+    store.add_rank(squatted, first, token=new_token())
+    rank_conn.sadd(keys.job_alive("squatted"), "x")
+    rank_conn.zadd(keys.JOBS_INDEX, {"squatted": 0})
     lifecycle = JobLifecycle(JobStore(rank_conn))
     with pytest.raises(redis.ResponseError, match="can't run this command"):
         lifecycle.finish_job("victim")  # the operator's way: refused to a rank
     assert svc.hget(keys.job_info("victim"), "finished_by") is None
 
-    settings = make_settings(url_of(port, "service"), max_job_idle_time=60, finished_retention=0)
-    with caplog.at_level(logging.WARNING, logger="coordinator.sweep"):
+    svc.zadd(keys.STARTING_JOBS, {"victim": 0})  # as if registered long ago, never started
+    settings = make_settings(
+        url_of(port, "service"), max_job_idle_time=60, finished_retention=0, start_retention=5
+    )
+    with caplog.at_level(logging.WARNING):
+        # The squatted job's own stamps are fresh (created now): kept, and the sweep goes on.
         assert Sweeper(store).run(settings, lambda job_id: None) == []
-    assert store.get_job("victim")
+    assert store.get_job("victim") and store.get_job("squatted")
     assert svc.zscore(keys.JOBS_INDEX, "victim") > 1e9  # its stamp restored
+    assert svc.zscore(keys.STARTING_JOBS, "victim") > 1e9  # looked at again later
+    assert "alive set is unreadable" in caplog.text
     assert svc.zscore(keys.FINISHED_JOBS, "victim") is None  # the forged mark removed
     assert "stamp restored, job kept" in caplog.text and "mark removed" in caplog.text
     assert set(store.ranks_heard("victim")) == {0}  # forged beats do not count
