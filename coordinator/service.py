@@ -456,12 +456,8 @@ class Coordinator:
                 pipe.lpush(reply_key, pack(reply))
                 pipe.expire(reply_key, ttl)
             for entry in outcome.dead_letters:
-                pipe.xadd(
-                    keys.DEADLETTER_STREAM,
-                    entry,
-                    maxlen=self.settings.stream_maxlen,
-                    approximate=True,
-                )
+                # Kept until replayed or purged; the sweep caps the stream, counting what it cuts.
+                pipe.xadd(keys.DEADLETTER_STREAM, entry)
             for job_id in sorted(outcome.advance):
                 if job_id in outcome.enqueued:
                     record_enqueued(self.store, job_id, outcome.enqueued[job_id], pipe)

@@ -39,11 +39,12 @@ class PerseusSettings(BaseSettings):
         start_retention: Seconds without activity after which a job that never got its first
             schedule version (a rank failed before registering, or its scheduler failed at
             once) is deleted.
-        stream_maxlen: Approximate cap (XADD MAXLEN ~) of the streams the coordinator and
-            workers write: the dead-letter stream and each job's updates stream. The input
-            streams are trimmed by acknowledgement instead (see ``stream_hard_cap``).
-        stream_hard_cap: Most entries an input stream keeps. Coordinators trim what their
-            group acknowledged at each sweep; only past this cap do they remove unread entries
+        stream_maxlen: Approximate cap (XADD MAXLEN ~) of each job's updates stream (a
+            version's announcement: a client that missed it reads the version key). The
+            input streams are trimmed by acknowledgement instead (see ``stream_hard_cap``).
+        stream_hard_cap: Most entries an input stream, or the dead-letter stream, keeps.
+            Coordinators trim what their group acknowledged at each sweep (dead letters go
+            when replayed or purged); only past this cap do they remove unread entries
             (oldest first), each counted as lost, logged and shown by ``perseus status``.
         reconcile_interval: Seconds between the coordinator's sweeps for stalled jobs and GC.
         stall_timeout: Seconds a due schedule computation may go unclaimed before it is

@@ -184,7 +184,8 @@ class Sweeper:
 def trim_inputs(conn: redis.Redis, hard_cap: int) -> int:
     """Trim each input stream by acknowledgement and enforce ``hard_cap``; return entries lost.
 
-    Logs a warning for each entry the cap removes unread, and for each gap found.
+    Logs a warning for each entry the cap removes unread, and for each gap found. The
+    dead-letter stream is capped too (its entries go when replayed or purged).
     """
     lost = 0
     for stream in keys.INPUT_STREAMS:
@@ -210,4 +211,14 @@ def trim_inputs(conn: redis.Redis, hard_cap: int) -> int:
                 keys.STREAM_LOSSES,
             )
         lost += len(done.cut) + done.gap
-    return lost
+    cut, newest = streams.cap_dead_letters(conn, hard_cap)
+    if cut:
+        logger.warning(
+            "LOST %d dead letters, the oldest (up to %s): over stream_hard_cap=%d "
+            "(PERSEUS_STREAM_HARD_CAP); counted in %s",
+            cut,
+            newest,
+            hard_cap,
+            keys.STREAM_LOSSES,
+        )
+    return lost + cut

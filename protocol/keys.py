@@ -21,6 +21,7 @@ COORDINATOR_GROUP = "perseus-coordinators"
 
 # Hash: input stream name -> entries lost from it unread (removed before the coordinators
 # acknowledged them: trimmed while pending, cut by the hard cap, or a gap Redis 7 reports);
+# the dead-letter stream -> dead letters cut by the hard cap before anyone handled them;
 # ``gapmark:<stream>`` -> the part of the group's lag already counted (coordinator-internal).
 STREAM_LOSSES = f"{PREFIX}:streams:lost"
 

@@ -202,6 +202,28 @@ def count_lost(
 
 
 def lost_counts(conn: redis.Redis) -> dict[str, int]:
-    """Entries lost so far, per input stream (0 for a stream that lost none)."""
-    raw = conn.hmget(keys.STREAM_LOSSES, list(keys.INPUT_STREAMS))
-    return {s: int(v or 0) for s, v in zip(keys.INPUT_STREAMS, raw, strict=True)}
+    """Entries lost so far, per input stream and for dead letters (0 for none lost)."""
+    names = [*keys.INPUT_STREAMS, keys.DEADLETTER_STREAM]
+    raw = conn.hmget(keys.STREAM_LOSSES, names)
+    return {s: int(v or 0) for s, v in zip(names, raw, strict=True)}
+
+
+def cap_dead_letters(conn: redis.Redis, hard_cap: int) -> tuple[int, str]:
+    """Remove the oldest dead letters beyond ``hard_cap``; count them as lost.
+
+    Dead letters wait for a person (replay or purge): nothing else ever removes one, so this
+    cap is all that bounds the stream when bad entries keep coming.
+
+    Returns:
+        How many were removed, and the id of the newest removed ('' if none).
+    """
+    excess = int(conn.xlen(keys.DEADLETTER_STREAM)) - hard_cap
+    if excess <= 0:
+        return 0, ""
+    doomed = conn.xrange(keys.DEADLETTER_STREAM, count=excess)
+    ids = [entry_id for entry_id, _ in doomed]
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.xdel(keys.DEADLETTER_STREAM, *ids)
+        count_lost(conn, keys.DEADLETTER_STREAM, len(ids), pipeline=pipe)
+        pipe.execute()
+    return len(ids), ids[-1].decode()

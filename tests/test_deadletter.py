@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import msgpack
@@ -11,10 +12,12 @@ from click.testing import CliRunner
 
 from coordinator.cli import main
 from coordinator.service import Coordinator
+from coordinator.sweep import trim_inputs
 from protocol import keys
 from protocol.deadletter import list_dead_letters
 from protocol.models import ReportResult, unpack
 from protocol.store import JobStore
+from protocol.streams import lost_counts
 from tests.helpers import drain, make_settings, register, result, wait_for
 from worker_client.hook.session import CoordinatorClient
 
@@ -118,3 +121,18 @@ def test_only_a_registration_gets_its_rejection_as_a_reply(r, redis_url):
     assert not r.exists(keys.reply_key("victim"))
     coord.handle(keys.REGISTRATIONS_STREAM, "1-1", {b"kind": b"register_rank", b"data": data})
     assert r.llen(keys.reply_key("victim")) == 1  # the rejected registration's client hears why
+
+
+def test_dead_letters_stay_until_handled_and_the_hard_cap_counts_what_it_cuts(r, redis_url, caplog):
+    """No MAXLEN on dead letters (nobody may have read them); past the cap, each cut counts."""
+    coord = Coordinator(r, make_settings(redis_url, stream_maxlen=100, stream_hard_cap=220))
+    for i in range(250):
+        coord.handle(keys.RESULTS_STREAM, f"1-{i + 1}", {b"kind": b"x", b"data": b"\xc1"})
+    assert r.xlen(keys.DEADLETTER_STREAM) == 250
+    newest_cut = r.xrange(keys.DEADLETTER_STREAM, count=30)[-1][0].decode()
+    with caplog.at_level(logging.WARNING, logger="coordinator.sweep"):
+        assert trim_inputs(r, 220) == 30
+    assert r.xlen(keys.DEADLETTER_STREAM) == 220
+    assert lost_counts(r)[keys.DEADLETTER_STREAM] == 30
+    assert f"LOST 30 dead letters, the oldest (up to {newest_cut})" in caplog.text
+    assert trim_inputs(r, 220) == 0  # nothing more to cut
