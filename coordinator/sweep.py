@@ -74,23 +74,23 @@ class Sweeper:
     def _delete_idle(self, now: float, idle_time: int) -> list[str]:
         deleted = []
         for job_id in self.store.idle_jobs(idle_time, now, SWEEP_LIMIT):
-            if self._stamp_set_back(job_id, now - idle_time):
+            if self._stamp_set_back(job_id, now - idle_time) is not None:
                 continue
             if self.store.delete_job(job_id, idle_before=now - idle_time):
                 deleted.append(job_id)
                 logger.info("deleted job %s: idle for more than %d s", job_id, idle_time)
         return deleted
 
-    def _stamp_set_back(self, job_id: str, cutoff: float) -> bool:
-        """Whether the job looks idle only because its stamp in the jobs index was set back.
+    def _stamp_set_back(self, job_id: str, cutoff: float) -> float | None:
+        """The job's verified activity if it looks idle only because its stamp was set back.
 
-        Every rank may write that index (its heartbeats refresh it), so it is a hint: a job
-        active after ``cutoff`` by what no rank can forge (:meth:`JobStore.verified_activity`)
-        gets its stamp back and stays.
+        Every rank may write the jobs index (its heartbeats refresh it), so it is a hint: a
+        job active after ``cutoff`` by what no rank can forge
+        (:meth:`JobStore.verified_activity`) gets its stamp back and stays (None: it does not).
         """
         last = self.store.verified_activity(job_id)
         if last is None or last <= cutoff:
-            return False
+            return None
         self.store.conn.zadd(keys.JOBS_INDEX, {job_id: last}, xx=True, gt=True)
         logger.warning(
             "job %s: its activity stamp in %s was older than its last verified activity (set "
@@ -98,7 +98,7 @@ class Sweeper:
             job_id,
             keys.JOBS_INDEX,
         )
-        return True
+        return last
 
     def _forget_coordinators(self, now: float) -> None:
         """Heartbeats and group consumers of coordinators that are gone (none pending)."""
@@ -130,9 +130,9 @@ class Sweeper:
                 logger.info("deleted job %s: finished more than %g s ago", job_id, retention)
         cutoff = now - settings.start_retention
         for job_id in self.lifecycle.starting_before(cutoff, SWEEP_LIMIT):
-            if self._stamp_set_back(job_id, cutoff):
+            last = self._stamp_set_back(job_id, cutoff)
+            if last is not None:
                 # Looked at again start_retention after its verified activity.
-                last = self.store.verified_activity(job_id) or now
                 self.store.conn.zadd(keys.STARTING_JOBS, {job_id: last}, xx=True)
                 continue
             if self.lifecycle.collect_unstarted(job_id, idle_before=cutoff):
