@@ -332,7 +332,7 @@ def _counter_read_ms(nvml_module: str, reads: int = 50) -> float:
 
 def _plan(nvml_module: str, folder: Path) -> tuple[str, int, int]:
     """A one-stage plan: forwards at the highest clock, backwards a few steps lower."""
-    from schedulers.planning.pipeline_schedules import stage_order
+    from protocol.pipeline_schedules import stage_order
     from schedulers.planning.plan_file import write_plan_file
     from worker_client.gpu.nvml import NVML
 
@@ -385,7 +385,7 @@ def main() -> None:
             [torch.randn(shape, device=device, dtype=dtype) for _ in range(MICROBATCHES)],
             [torch.randn(shape, device=device, dtype=dtype) for _ in range(MICROBATCHES)],
         )
-        from schedulers.planning.pipeline_schedules import stage_actions
+        from protocol.pipeline_schedules import stage_actions
 
         actions = stage_actions("1f1b", STAGES, MICROBATCHES, 0)
         hooks = {v: _hook(v, url, plan, nvml_module, gpu) for v in VARIANTS[2:]}

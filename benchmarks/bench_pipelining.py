@@ -38,7 +38,7 @@ MICROBATCHES = 8
 
 def _plan_text(schedule: str, stages: int, folder: Path) -> str:
     """An all-max plan in the schedule's order."""
-    from schedulers.planning.pipeline_schedules import stage_order
+    from protocol.pipeline_schedules import stage_order
     from schedulers.planning.plan_file import write_plan_file
 
     lines = [

@@ -8,7 +8,7 @@ import click
 
 from protocol.cli_options import redis_url_option
 from protocol.exceptions import PerseusError
-from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
+from protocol.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
 
 
 @click.command("demo")

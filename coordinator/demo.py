@@ -33,9 +33,9 @@ from coordinator.settings import PerseusSettings
 from protocol import keys
 from protocol.connection import connect
 from protocol.exceptions import PerseusError
+from protocol.pipeline_schedules import DEFAULT_SCHEDULE, stage_order
 from protocol.store import JobStore
 from schedulers.planning.choose import choose_plan
-from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, stage_order
 from schedulers.planning.plan_file import write_plan_file
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.plots import plot_frontier, plot_plan_timeline

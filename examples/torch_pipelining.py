@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from coordinator.demo import services
-from schedulers.planning.pipeline_schedules import stage_order
+from protocol.pipeline_schedules import stage_order
 from schedulers.planning.plan_file import write_plan_file
 
 STAGES, MICROBATCHES, WIDTH = 4, 8, 16

@@ -33,13 +33,13 @@ from typing import Any
 
 from protocol.exceptions import ConfigError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from protocol.pipeline_schedules import DEFAULT_SCHEDULE
 from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos, make_3d_parallel
 from schedulers.planning.choose import parse_policy, select_point
 from schedulers.planning.frontier_compute import ComputedFrontier, compute_frontier
 from schedulers.planning.frontier_files import Frontier, FrontierPoint, load_frontier
 from schedulers.planning.frontier_plans import plan_from_log
-from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE
 from schedulers.planning.plan_file import PlanFile, read_plan_file
 from schedulers.planning.profile_csv import read_profile_csv
 from schedulers.point_solution import check_plan_fits

@@ -52,11 +52,11 @@ from protocol.models import (
     ProfilingResult,
     RankInfo,
 )
+from protocol.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule, stage_order
 from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos
 from schedulers.planning.choose import ChosenPlan, choose_plan, parse_policy
 from schedulers.planning.frontier_files import FRONTIER_CSV
-from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule, stage_order
 from schedulers.planning.plan_file import read_plan_file
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.profile_csv import read_profile_csv, write_profile_csv

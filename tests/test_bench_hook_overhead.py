@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from schedulers.planning.pipeline_schedules import stage_order
+from protocol.pipeline_schedules import stage_order
 from tests.helpers import ROOT, subprocess_env
 
 

@@ -48,7 +48,6 @@ ALLOWED: dict[str, set[str]] = {
     },
     "worker_client.integrations": {
         "protocol",
-        "schedulers.planning",
         "worker_client.gpu",
         "worker_client.hook",
     },

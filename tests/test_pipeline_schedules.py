@@ -12,11 +12,7 @@ from click.testing import CliRunner
 
 from protocol.exceptions import ConfigError
 from protocol.models import JobInfo, RankInfo
-from schedulers.instruction_profiler import InstructionProfiler
-from schedulers.planning.cli import optimize_command
-from schedulers.planning.frontier_files import load_frontier
-from schedulers.planning.pipeline_dag import PipelineShape
-from schedulers.planning.pipeline_schedules import (
+from protocol.pipeline_schedules import (
     PIPELINE_SCHEDULES,
     gpipe_order,
     one_f_one_b_order,
@@ -24,6 +20,10 @@ from schedulers.planning.pipeline_schedules import (
     stage_actions,
     stage_order,
 )
+from schedulers.instruction_profiler import InstructionProfiler
+from schedulers.planning.cli import optimize_command
+from schedulers.planning.frontier_files import load_frontier
+from schedulers.planning.pipeline_dag import PipelineShape
 from schedulers.planning.plan_file import parse_plan_text, read_plan_file, write_plan_file
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.profile_csv import ProfileRow, build_profile

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from protocol.exceptions import ConfigError
-from schedulers.planning.pipeline_schedules import one_f_one_b_order
+from protocol.pipeline_schedules import one_f_one_b_order
 from schedulers.planning.plan_file import (
     PlanFile,
     parse_plan_text,

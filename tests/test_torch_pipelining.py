@@ -17,8 +17,8 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, Sche
 from coordinator.service import Coordinator
 from protocol.constants import H100_GRAPHICS_CLOCKS
 from protocol.exceptions import ConfigError, ScheduleError
+from protocol.pipeline_schedules import stage_actions
 from protocol.store import JobStore
-from schedulers.planning.pipeline_schedules import stage_actions
 from schedulers.planning.plan_file import write_plan_file
 from tests.helpers import make_hook, make_settings, start_perseus, stop, wait_for
 from tests.pipelining_ranks import run_rank

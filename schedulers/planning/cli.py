@@ -20,11 +20,11 @@ from protocol import keys
 from protocol.cli_options import connect_or_fail, redact_url, redis_url_option
 from protocol.connection import DEFAULT_REDIS_URL
 from protocol.exceptions import PerseusError
+from protocol.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
 from schedulers.planning.choose import choose_plan
 from schedulers.planning.frontier_files import FRONTIER_PNG, load_frontier, timeline_png_name
 from schedulers.planning.frontier_plans import ensure_plan_file
 from schedulers.planning.job import enqueue_planning
-from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
 from schedulers.planning.planner import PLAN_FILES, SOLVERS, plan_frontier
 from schedulers.planning.profile_csv import read_profile_csv
 

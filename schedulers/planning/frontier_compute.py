@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.exceptions import ConfigError
+from protocol.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULE_HEADER
 from schedulers.planning import native, pd_core
 from schedulers.planning.core_problem import CoreProblem, CoreResult, build_problem
 from schedulers.planning.frontier_files import (
@@ -33,7 +34,6 @@ from schedulers.planning.frontier_files import (
 )
 from schedulers.planning.frontier_plans import PlanWriter, plan_header, plan_note
 from schedulers.planning.pipeline_dag import PipelineShape
-from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULE_HEADER
 from schedulers.planning.plan_file import PlanFile
 from schedulers.planning.profile_csv import InstructionProfile
 

@@ -29,9 +29,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from protocol.exceptions import ConfigError
+from protocol.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULE_HEADER
 from schedulers.planning.frontier_files import Frontier, FrontierPoint
 from schedulers.planning.pipeline_dag import PipelineShape
-from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULE_HEADER
 from schedulers.planning.plan_file import PlanFile
 
 PLAN_LOG = "plans.delta"

@@ -16,8 +16,8 @@ from typing import Any
 from protocol import keys
 from protocol.connection import connect
 from protocol.exceptions import ConfigError
+from protocol.pipeline_schedules import DEFAULT_SCHEDULE
 from schedulers.planning.pipeline_dag import PipelineShape
-from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE
 from schedulers.planning.planner import PLAN_FILES, SOLVERS, plan_frontier
 from schedulers.planning.profile_csv import InstructionProfile, ProfileRow, build_profile
 

@@ -1,7 +1,7 @@
 """A synchronous pipeline (1F1B or GPipe) as a DAG: a lowtime-free shape, and the lowtime graph.
 
 :class:`PipelineShape` knows the instruction order of every stage (from
-:mod:`schedulers.planning.pipeline_schedules`) and the dependencies between instructions,
+:mod:`protocol.pipeline_schedules`) and the dependencies between instructions,
 and computes start/finish times for given durations. It needs no
 lowtime (whose import costs close to a second), so the chooser, the plots and the tests use it.
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from protocol.constants import INSTRUCTIONS
 from protocol.exceptions import ConfigError
-from schedulers.planning.pipeline_schedules import (
+from protocol.pipeline_schedules import (
     DEFAULT_SCHEDULE,
     check_schedule,
     one_f_one_b_order,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from protocol.constants import INSTRUCTIONS
 from protocol.exceptions import ConfigError
-from schedulers.planning.pipeline_schedules import (
+from protocol.pipeline_schedules import (
     DEFAULT_SCHEDULE,
     PIPELINE_SCHEDULES,
     SCHEDULE_HEADER,

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.exceptions import ConfigError
+from protocol.pipeline_schedules import DEFAULT_SCHEDULE
 from schedulers.planning.choose import select_point
 from schedulers.planning.core_problem import pareto_frequencies as pareto_frequencies
 from schedulers.planning.cost_model import LinearCost
@@ -66,7 +67,6 @@ from schedulers.planning.frontier_plans import (
     plan_note,
     write_plan_log,
 )
-from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE
 from schedulers.planning.profile_csv import InstructionProfile, write_profile_rows
 
 #: Which plan files :func:`plan_frontier` writes.
@@ -106,7 +106,7 @@ def plan_frontier(
         plans: ``all`` plan files, or only the ``chosen`` ones (the rest stay in
             ``plans.delta``).
         schedule: The pipeline schedule the training runs, ``"1f1b"`` or ``"gpipe"``
-            (:mod:`schedulers.planning.pipeline_schedules`); recorded in every plan's
+            (:mod:`protocol.pipeline_schedules`); recorded in every plan's
             ``pipeline_schedule`` header and in ``frontier.json``.
 
     Returns:

@@ -17,6 +17,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
 from protocol.exceptions import ConfigError
+from protocol.pipeline_schedules import PIPELINE_SCHEDULES, schedules_matching
 from schedulers.planning.choose import choose_plan
 from schedulers.planning.frontier_files import (
     FRONTIER_PNG,
@@ -27,7 +28,6 @@ from schedulers.planning.frontier_files import (
 )
 from schedulers.planning.frontier_plans import ensure_plan_file
 from schedulers.planning.pipeline_dag import PipelineShape
-from schedulers.planning.pipeline_schedules import PIPELINE_SCHEDULES, schedules_matching
 from schedulers.planning.plan_file import read_plan_file
 from schedulers.planning.profile_csv import ProfileTable, read_profile_csv
 

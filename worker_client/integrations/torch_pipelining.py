@@ -12,7 +12,7 @@ nothing else:
   stage the forward's window also covers the loss the schedule computes right after it.
 
 Each action is checked against the planner's order for that schedule
-(:mod:`schedulers.planning.pipeline_schedules`), microbatch index included; a torch whose
+(:mod:`protocol.pipeline_schedules`), microbatch index included; a torch whose
 schedule runs another order fails at the first differing action with a
 :class:`~protocol.exceptions.ScheduleError`, never with a wrong plan. The schedule the
 coordinator serves is checked at wrap time and at every new version: a plan made for the
@@ -40,7 +40,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from protocol.exceptions import ConfigError, ScheduleError
-from schedulers.planning.pipeline_schedules import (
+from protocol.pipeline_schedules import (
     PIPELINE_SCHEDULES,
     schedules_matching,
     stage_actions,

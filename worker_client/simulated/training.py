@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from schedulers.planning.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule, stage_order
+from protocol.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule, stage_order
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import SIMULATED_NVML
 from worker_client.simulated.gpu import SimulatedGPU
