@@ -246,6 +246,45 @@ class JournalEntry(_Model):
 
 
 # ---------------------------------------------------------------------------------------------
+# The power-limit optimizer's profile of a workload: a JSON file in Zeus's format, or msgpack in
+# Redis (``keys.power_limit_profile``). Unknown keys are ignored, as Zeus ignores them.
+
+
+class PowerLimitMeasurement(BaseModel):
+    """Time and energy of ``profile_steps`` training steps at one power limit.
+
+    Attributes:
+        power_limit: The power limit, whole Watts (a limit in milliwatts, truncated).
+        energy: Energy of all measured GPUs (of all ranks), Joules.
+        time: Wall time of the profiled steps (slowest rank), seconds.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    power_limit: int = Field(ge=1)
+    energy: float = Field(ge=0, allow_inf_nan=False)
+    time: float = Field(ge=0, allow_inf_nan=False)
+
+
+class PowerLimitProfile(BaseModel):
+    """A workload's power-limit profile.
+
+    Attributes:
+        measurements: One entry per profiled power limit, in profiling order (highest first).
+        optimal_power_limit: The limit the selector chose, W (None in a file Zeus wrote).
+        selector: Description of the selector that chose it (informative).
+        updated_at: Unix time the profile was produced or stored (0: unknown).
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    measurements: list[PowerLimitMeasurement] = Field(min_length=1)
+    optimal_power_limit: int | None = Field(default=None, ge=1)
+    selector: str = ""
+    updated_at: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
 # Messages on the input streams. Each has a ``kind`` so one decoder handles every stream.
 
 

@@ -221,3 +221,36 @@ def test_tests_share_helpers_not_other_test_modules():
         if bad:
             offenders[path.name] = bad
     assert not offenders, f"test modules importing other test modules: {offenders}"
+
+
+# The one pydantic models module, and the settings (pydantic-settings) built by the CLI.
+MODEL_HOMES = {"protocol.models": "BaseModel", "coordinator.settings": "BaseSettings"}
+
+
+def pydantic_classes(path: Path) -> list[tuple[str, str, int]]:
+    """``(class, pydantic base, line)`` of each class that derives from BaseModel/BaseSettings."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ClassDef):
+            for base in node.bases:
+                name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+                if name in ("BaseModel", "BaseSettings"):
+                    found.append((node.name, name, node.lineno))
+    return found
+
+
+def test_pydantic_models_live_in_one_module():
+    """The hook and the services share one models module (protocol/models.py)."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: class {cls}({base})"
+        for module, path in project_modules().items()
+        for cls, base, line in pydantic_classes(path)
+        if MODEL_HOMES.get(module) != base
+    ]
+    assert not offenders, "pydantic models outside protocol/models.py:\n" + "\n".join(offenders)
+
+
+def test_the_model_check_sees_a_model(tmp_path):
+    stray = tmp_path / "stray.py"
+    stray.write_text("import pydantic\nclass Stray(pydantic.BaseModel):\n    x: int\n")
+    assert pydantic_classes(stray) == [("Stray", "BaseModel", 2)]

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, PositiveFloat, PositiveInt
 
+from protocol.models import PowerLimitMeasurement
 from tests import fake_nvml_power as fake
 from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, limits_now, limits_set, run_steps
 from worker_client.power_limit.hf import HFGlobalPowerLimitOptimizer
@@ -22,7 +23,6 @@ from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer
 from worker_client.power_limit.selectors import (
     Energy,
     MaxSlowdownConstraint,
-    PowerLimitMeasurement,
     Time,
     ZeusCost,
 )

@@ -16,7 +16,7 @@ from coordinator.cli import main
 from coordinator.embedded import EmbeddedRedis
 from protocol import keys
 from protocol.exceptions import CoordinatorUnavailableError
-from protocol.models import JobInfo
+from protocol.models import JobInfo, PowerLimitMeasurement, PowerLimitProfile
 from schedulers.planning.synthetic_profile import write_synthetic_profile
 from tests.helpers import (
     ROOT,
@@ -31,8 +31,7 @@ from tests.helpers import (
 )
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.hook.session import CoordinatorClient
-from worker_client.power_limit.profile import PowerLimitProfile, save_profile_file
-from worker_client.power_limit.selectors import PowerLimitMeasurement
+from worker_client.power_limit.profile import save_profile_file
 
 PASSWORD = "pw-5ecret-4711"
 WRONG = "pw-wrong-0815"

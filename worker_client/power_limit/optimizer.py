@@ -47,17 +47,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, GPUError
+from protocol.models import PowerLimitMeasurement, PowerLimitProfile
 from worker_client.gpu.nvml import NVML
-from worker_client.power_limit.profile import (
-    PowerLimitProfile,
-    load_profile_file,
-    save_profile_file,
-)
+from worker_client.power_limit.profile import load_profile_file, save_profile_file
 from worker_client.power_limit.selectors import (
     Energy,
     MaxSlowdownConstraint,
     OptimumSelector,
-    PowerLimitMeasurement,
     Time,
     ZeusCost,
 )

@@ -1,10 +1,11 @@
-"""A workload's power-limit profile: the model, Zeus's JSON profile file, and its text table.
+"""A workload's power-limit profile as Zeus's JSON profile file, and as a text table.
 
 The file is Zeus's format, ``{"measurements": [{"power_limit": W, "energy": J, "time": s},
 ...]}``; perseus-mq adds ``optimal_power_limit``, ``selector`` and ``updated_at`` beside
 ``measurements``. Zeus ignores keys it does not know and so reads these files; this module
 reads Zeus's (the added keys are optional, unknown keys are ignored like Zeus does). The Redis
-store (:mod:`worker_client.power_limit.store`) keeps the same model, msgpack-encoded.
+store (:mod:`worker_client.power_limit.store`) keeps the same model
+(:class:`protocol.models.PowerLimitProfile`), msgpack-encoded.
 """
 
 from __future__ import annotations
@@ -15,29 +16,10 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from protocol.exceptions import ConfigError
-from worker_client.power_limit.selectors import PowerLimitMeasurement
-
-
-class PowerLimitProfile(BaseModel):
-    """A workload's profiling result.
-
-    Attributes:
-        measurements: One entry per profiled power limit, in profiling order (highest first).
-        optimal_power_limit: The limit the selector chose, W (None in a file Zeus wrote).
-        selector: Description of the selector that chose it (informative).
-        updated_at: Unix time the profile was produced or stored (0: unknown).
-
-    """
-
-    model_config = ConfigDict(extra="ignore")
-
-    measurements: list[PowerLimitMeasurement] = Field(min_length=1)
-    optimal_power_limit: int | None = Field(default=None, ge=1)
-    selector: str = ""
-    updated_at: float = 0.0
+from protocol.models import PowerLimitProfile
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -1,6 +1,6 @@
 """What the power-limit optimizer measures per limit and how a selector picks the limit to keep.
 
-:class:`PowerLimitMeasurement` is one profiled limit; an :class:`OptimumSelector`
+:class:`~protocol.models.PowerLimitMeasurement` is one profiled limit; an :class:`OptimumSelector`
 (:class:`Energy`, :class:`Time`, :class:`ZeusCost`, :class:`MaxSlowdownConstraint`) picks the
 limit that :class:`~worker_client.power_limit.optimizer.GlobalPowerLimitOptimizer` keeps.
 Each selector decides exactly as Zeus's selector of the same name does, ties included: the
@@ -12,28 +12,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from protocol.exceptions import ConfigError
-
-
-class PowerLimitMeasurement(BaseModel):
-    """Time and energy of ``profile_steps`` training steps at one power limit.
-
-    Keys other than these three are ignored, as Zeus ignores them.
-
-    Attributes:
-        power_limit: The power limit, whole Watts (a limit in milliwatts, truncated).
-        energy: Energy of all measured GPUs (of all ranks), Joules.
-        time: Wall time of the profiled steps (slowest rank), seconds.
-
-    """
-
-    model_config = ConfigDict(extra="ignore")
-
-    power_limit: int = Field(ge=1)
-    energy: float = Field(ge=0, allow_inf_nan=False)
-    time: float = Field(ge=0, allow_inf_nan=False)
+from protocol.models import PowerLimitMeasurement
 
 
 def _require(measurements: Sequence[PowerLimitMeasurement]) -> None:

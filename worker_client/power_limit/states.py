@@ -1,34 +1,40 @@
 """The power-limit optimizer's states (limits in milliwatts, as Zeus's states hold them).
 
-Transitions: :mod:`worker_client.power_limit.optimizer`'s module docstring.
+Transitions: :mod:`worker_client.power_limit.optimizer`'s module docstring. Plain dataclasses:
+they never cross Redis or a file (the profile does, :class:`protocol.models.PowerLimitProfile`),
+and the optimizer counts steps in them in place. Built with keywords, as Zeus's are.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from dataclasses import dataclass
 
 
-class Ready(BaseModel):
+@dataclass(kw_only=True)
+class Ready:
     """Waiting for the next step to start warming up ``next_power_limit`` (mW)."""
 
     next_power_limit: int
 
 
-class Warmup(BaseModel):
+@dataclass(kw_only=True)
+class Warmup:
     """Running warm-up steps at ``current_power_limit`` (mW); ``steps`` begun so far."""
 
     current_power_limit: int
     steps: int = 1
 
 
-class Profiling(BaseModel):
+@dataclass(kw_only=True)
+class Profiling:
     """Measuring ``current_power_limit`` (mW); ``steps`` measured so far, this one included."""
 
     current_power_limit: int
     steps: int = 1
 
 
-class Paused(BaseModel):
+@dataclass(kw_only=True)
+class Paused:
     """An epoch ended (or ``close()`` ran) mid-limit with ``carry_across_epochs``.
 
     Attributes:
@@ -43,7 +49,8 @@ class Paused(BaseModel):
     profile_steps: int
 
 
-class Done(BaseModel):
+@dataclass(kw_only=True)
+class Done:
     """Profiling finished (or skipped); training runs at ``optimal_power_limit`` (mW)."""
 
     optimal_power_limit: int
