@@ -1,11 +1,11 @@
 """PerseusOptimizer: the training hook that runs each instruction at its planned frequency.
 
 Rank 0 registers the job, the job id is broadcast with ``torch.distributed``, and every rank
-registers with its GPU's available frequencies. Each rank then follows its frequency schedule
-instruction by instruction, checks the instruction order against it, reports profiling results
-every ``report_every`` steps, and swaps in a newer schedule version only between steps. Clock
-changes go to a frequency controller in a side process; Redis I/O happens in background
-threads, so neither blocks a step.
+registers with its GPU's available frequencies (:mod:`worker_client.hook.joining`). Each rank
+then follows its frequency schedule instruction by instruction, checks the instruction order
+against it, reports profiling results every ``report_every`` steps, and swaps in a newer
+schedule version only between steps. Clock changes go to a frequency controller in a side
+process; Redis I/O happens in background threads, so neither blocks a step.
 
 Energy: the training thread only takes *marks* of an :class:`EnergySource` (at step
 boundaries, and at instruction boundaries with ``instruction_energy=True``); a result-building
@@ -29,12 +29,13 @@ from pydantic import ValidationError
 
 from protocol.exceptions import ConfigError, JobFailedError, PerseusError, ScheduleError
 from protocol.job_lifecycle import JobLifecycle
-from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from protocol.models import FrequencySchedule, ProfilingResult, RankInfo
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import NVML
 from worker_client.hook.callback import Callback
 from worker_client.hook.clock_requests import ClockRequester, FrequencySetter, Marker, cuda_marker
 from worker_client.hook.energy_source import EnergySource, default_energy_source
+from worker_client.hook.joining import agree_on_job, join_job
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
 
@@ -164,46 +165,24 @@ class PerseusOptimizer(Callback):
         self.raise_on_job_error = raise_on_job_error
 
         # Rank 0 registers the job; validation errors surface here, before any broadcast.
-        job_id: str | None = None
-        error: str | None = None
-        if rank == 0:
-            try:
-                info = JobInfo(
-                    pp_degree=pp_degree,
-                    dp_degree=dp_degree,
-                    tp_degree=tp_degree,
-                    world_size=world_size,
-                    job_metadata=job_metadata,
-                )
-                job_id = self.client.register_job(info, scheduler, scheduler_args)
-            except (PerseusError, ValueError) as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        box: list[Any] = [(job_id, error)]
-        dist.broadcast_object_list(box, src=0)
-        job_id, error = box[0]
-        if error is not None or job_id is None:
-            raise PerseusError(f"rank 0 could not register the job: {error}")
-        self.job_id: str = job_id
-
+        info = {
+            "pp_degree": pp_degree,
+            "dp_degree": dp_degree,
+            "tp_degree": tp_degree,
+            "world_size": world_size,
+            "job_metadata": job_metadata,
+        }
+        self.job_id: str = agree_on_job(self.client, rank, info, scheduler, scheduler_args)
         self.nvml = NVML(nvml_module)
-        frequencies = self.nvml.graphics_clocks(device_id)
-        reply = self.client.register_rank(
-            self.job_id,
-            RankInfo(
-                rank=rank,
-                dp_rank=dp_rank,
-                pp_rank=pp_rank,
-                tp_rank=tp_rank,
-                available_frequencies=frequencies,
-            ),
+        rank_info = RankInfo(
+            rank=rank,
+            dp_rank=dp_rank,
+            pp_rank=pp_rank,
+            tp_rank=tp_rank,
+            available_frequencies=self.nvml.graphics_clocks(device_id),
         )
-        if instruction_energy is False and reply.instruction_energy:
-            raise ConfigError(
-                f"job {self.job_id}: its scheduler needs per-instruction energy; leave "
-                "instruction_energy unset (or True) to measure it"
-            )
         # Unset: measure per-instruction energy exactly when the job's scheduler needs it.
-        self.instruction_energy = bool(reply.instruction_energy or instruction_energy)
+        self.instruction_energy = join_job(self.client, self.job_id, rank_info, instruction_energy)
         self._owned_source = energy_source is None
         if energy_source is None:
             energy_source = default_energy_source(self.nvml, device_id)
