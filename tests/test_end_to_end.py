@@ -120,3 +120,17 @@ def test_two_jobs_end_to_end(services, tmp_path, redis_url, r):
     )
     snap = json.loads(status.stdout)
     assert {j["job_id"]: j["ranks"] for j in snap["jobs"]} == {job_a_id: 8, job_b_id: 4}
+
+
+def test_when_rank_0_cannot_register_the_job_every_rank_fails_with_its_reason(redis_url, tmp_path):
+    # A metadata tag with a space is refused by JobInfo on rank 0, before any Redis traffic: the
+    # other rank must get that reason through the broadcast, not hang or fail on its own.
+    meta = "bad meta"
+    procs = spawn_ranks(2, 2, redis_url, tmp_path, meta, steps=1, microbatches=2)
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    for rank in range(2):
+        record = json.loads((tmp_path / f"{meta}-rank{rank}.json").read_text())
+        assert "rank 0 could not register the job" in record["error"]
+        assert "job_metadata" in record["error"]
