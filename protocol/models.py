@@ -1,8 +1,9 @@
-"""Pydantic models shared by the training hook, the coordinator and the schedulers.
+"""Pydantic models shared by the training hook, the coordinator, the schedulers and the power limit.
 
 Everything that crosses Redis is one of these models, encoded with msgpack by :func:`pack`
-and decoded (and validated) by :func:`unpack`. Validators raise ``ValueError`` so that
-pydantic reports the field that is wrong.
+and decoded (and validated) by :func:`unpack`; the power-limit profile is also a JSON file in
+Zeus's format (:mod:`worker_client.power_limit.profile`). Validators raise ``ValueError`` so
+that pydantic reports the field that is wrong.
 """
 
 from __future__ import annotations

@@ -302,14 +302,29 @@ def spawn_ranks(
     return procs
 
 
+def join_ranks(procs: list[mp.process.BaseProcess], timeout: float = 240) -> None:
+    """Wait for the rank processes; fail if one did not end cleanly.
+
+    A rank still running at the deadline (stuck in a collective, say) is killed, so that it
+    fails this test instead of hanging pytest at exit.
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        for rank, p in enumerate(procs):
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            assert p.exitcode == 0, f"rank {rank} did not end cleanly (exit code {p.exitcode})"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
 def collect_ranks(
     procs: list[mp.process.BaseProcess], out: Path, meta: str, timeout: float = 240
 ) -> list[dict[str, Any]]:
     """Wait for the rank processes and return their records; fail on a rank's error."""
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    join_ranks(procs, timeout)
     records = [json.loads((out / f"{meta}-rank{r}.json").read_text()) for r in range(len(procs))]
     # Every rank's error: the first rank to fail is often not rank 0 (its peers then fail in a
     # collective with "connection closed by peer").

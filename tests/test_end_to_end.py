@@ -1,4 +1,4 @@
-"""End to end with real processes: coordinator and rq worker via the CLI, 8 + 4 ranks on gloo."""
+"""End to end with real processes: coordinator and rq worker via the CLI, ranks on gloo."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from protocol.store import JobStore
 from tests.helpers import (
     ROOT,
     collect_ranks,
+    join_ranks,
     spawn_ranks,
     start_perseus,
     subprocess_env,
@@ -126,10 +127,7 @@ def test_when_rank_0_cannot_register_the_job_every_rank_fails_with_its_reason(re
     # A metadata tag with a space is refused by JobInfo on rank 0, before any Redis traffic: the
     # other rank must get that reason through the broadcast, not hang or fail on its own.
     meta = "bad meta"
-    procs = spawn_ranks(2, 2, redis_url, tmp_path, meta, steps=1, microbatches=2)
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
+    join_ranks(spawn_ranks(2, 2, redis_url, tmp_path, meta, steps=1, microbatches=2), 120)
     for rank in range(2):
         record = json.loads((tmp_path / f"{meta}-rank{rank}.json").read_text())
         assert "rank 0 could not register the job" in record["error"]

@@ -14,7 +14,12 @@ from worker_client.hook.session import CoordinatorClient
 def agree_on_job(
     client: CoordinatorClient,
     rank: int,
-    info: dict[str, Any],
+    *,
+    dp_degree: int,
+    pp_degree: int,
+    tp_degree: int,
+    world_size: int,
+    job_metadata: str | None,
     scheduler: str | None,
     scheduler_args: dict[str, Any] | None,
 ) -> str:
@@ -27,7 +32,11 @@ def agree_on_job(
     Args:
         client: This rank's coordinator client.
         rank: Global rank.
-        info: :class:`~protocol.models.JobInfo` fields (degrees, world size, metadata).
+        dp_degree: Data parallel degree.
+        pp_degree: Pipeline parallel degree.
+        tp_degree: Tensor parallel degree.
+        world_size: Number of ranks.
+        job_metadata: Optional tag appended to the job id.
         scheduler: A built-in scheduler for this job instead of the coordinator's default.
         scheduler_args: Arguments of ``scheduler``.
 
@@ -41,8 +50,15 @@ def agree_on_job(
     error: str | None = None
     if rank == 0:
         try:
-            job_id = client.register_job(JobInfo(**info), scheduler, scheduler_args)
-        except (PerseusError, ValueError) as exc:
+            info = JobInfo(
+                dp_degree=dp_degree,
+                pp_degree=pp_degree,
+                tp_degree=tp_degree,
+                world_size=world_size,
+                job_metadata=job_metadata,
+            )
+            job_id = client.register_job(info, scheduler, scheduler_args)
+        except Exception as exc:  # whatever it is, the other ranks must hear of it
             error = f"{type(exc).__name__}: {exc}"
     box: list[Any] = [(job_id, error)]
     dist.broadcast_object_list(box, src=0)
@@ -67,6 +83,9 @@ def join_job(
     Raises:
         ConfigError: The scheduler needs per-instruction energy and ``instruction_energy`` is
             False.
+
+    Returns:
+        Whether this rank measures per-instruction energy.
     """
     reply = client.register_rank(job_id, rank_info)
     if instruction_energy is False and reply.instruction_energy:

@@ -165,14 +165,17 @@ class PerseusOptimizer(Callback):
         self.raise_on_job_error = raise_on_job_error
 
         # Rank 0 registers the job; validation errors surface here, before any broadcast.
-        info = {
-            "pp_degree": pp_degree,
-            "dp_degree": dp_degree,
-            "tp_degree": tp_degree,
-            "world_size": world_size,
-            "job_metadata": job_metadata,
-        }
-        self.job_id: str = agree_on_job(self.client, rank, info, scheduler, scheduler_args)
+        self.job_id: str = agree_on_job(
+            self.client,
+            rank,
+            dp_degree=dp_degree,
+            pp_degree=pp_degree,
+            tp_degree=tp_degree,
+            world_size=world_size,
+            job_metadata=job_metadata,
+            scheduler=scheduler,
+            scheduler_args=scheduler_args,
+        )
         self.nvml = NVML(nvml_module)
         rank_info = RankInfo(
             rank=rank,

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = [  # selectors, measurements and profile files live in their own modules
+__all__ = [  # re-exported: the selectors (selectors.py) and models (protocol.models)
     "Done",
     "Energy",
     "GlobalPowerLimitOptimizer",

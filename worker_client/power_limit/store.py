@@ -1,7 +1,7 @@
 """Power-limit profiles in Redis, shared by every run (and rank) of the same workload.
 
 Layout: ``keys.power_limit_profile(workload)`` holds the msgpack-encoded
-:class:`~worker_client.power_limit.profile.PowerLimitProfile`; the sorted set
+:class:`~protocol.models.PowerLimitProfile`; the sorted set
 ``keys.POWER_LIMIT_INDEX`` maps each stored workload name to the unix time it was last
 written. Both change in one MULTI/EXEC, so the index never names a profile that is not there
 (or the other way round).
@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from protocol import keys
 from protocol.connection import connect, redact_url
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
-from protocol.models import PowerLimitProfile
+from protocol.models import PowerLimitProfile, pack
 
 # Workload names become part of a key name (perseus:powerlimit:profile:<workload>): no ':'.
 _WORKLOAD_RE = re.compile(r"^[A-Za-z0-9._+/-]{1,128}$")
@@ -108,7 +108,7 @@ class PowerLimitProfileStore:
         check_workload(workload)
         if not profile.updated_at:
             profile = profile.model_copy(update={"updated_at": time.time()})
-        packed = msgpack.packb(profile.model_dump(mode="json"), use_bin_type=True)
+        packed = pack(profile)
         pipe = pipeline if pipeline is not None else self.client.pipeline(transaction=True)
         pipe.set(keys.power_limit_profile(workload), packed)
         pipe.zadd(keys.POWER_LIMIT_INDEX, {workload: profile.updated_at})
