@@ -15,6 +15,7 @@ against any coordinator and workers sharing the Redis (e.g. the docker compose s
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from typing import Any
 import redis
 
 from coordinator.embedded import EmbeddedRedis
+from coordinator.health import LIVE_S, last_beats
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
 from protocol import keys
@@ -124,18 +126,30 @@ class DemoReport:
 
 @contextmanager
 def services(redis_url: str | None, progress: Progress) -> Iterator[str]:
-    """A Redis (private unless given), a coordinator thread and an rq worker process."""
+    """A Redis (private unless given), a coordinator thread and an rq worker process.
+
+    On a given Redis where a coordinator runs already (the compose stack's, say), that one
+    serves the demo's jobs: each names its own scheduler, and a second coordinator with other
+    settings would be refused.
+    """
     server = None
     if redis_url is None:
         server = EmbeddedRedis()
         redis_url = server.url
         progress(f"started a private Redis at {redis_url}")
     conn = connect(redis_url, ping=True)
-    # No default scheduler: every demo job chooses its own.
-    settings = PerseusSettings(redis_url=redis_url, scheduler="", log_level="WARNING")
-    coordinator = Coordinator(conn, settings)
-    thread = threading.Thread(target=coordinator.run, kwargs={"block_ms": 200}, daemon=True)
-    thread.start()
+    seconds, micros = conn.time()
+    now = seconds + micros / 1e6
+    running = sorted(n for n, at in last_beats(conn).items() if now - at <= LIVE_S)
+    coordinator, thread = None, None
+    if running:
+        progress(f"using the coordinator already running on this Redis ({', '.join(running)})")
+    else:
+        # No default scheduler: every demo job chooses its own.
+        settings = PerseusSettings(redis_url=redis_url, scheduler="", log_level="WARNING")
+        coordinator = Coordinator(conn, settings)
+        thread = threading.Thread(target=coordinator.run, kwargs={"block_ms": 200}, daemon=True)
+        thread.start()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     worker = subprocess.Popen(
         [
@@ -153,8 +167,9 @@ def services(redis_url: str | None, progress: Progress) -> Iterator[str]:
         stderr=subprocess.DEVNULL,
         start_new_session=True,  # Stopped below, after the ranks, not by Ctrl-C.
     )
-    progress("coordinator and rq worker running")
     try:
+        # Inside the try: output cut short (``| head``) must still stop the worker.
+        progress("rq worker running" if running else "coordinator and rq worker running")
         yield redis_url
     finally:
         worker.terminate()
@@ -162,8 +177,9 @@ def services(redis_url: str | None, progress: Progress) -> Iterator[str]:
             worker.wait(timeout=10)
         if worker.poll() is None:
             worker.kill()
-        coordinator.stop_event.set()
-        thread.join(timeout=5)
+        if coordinator is not None and thread is not None:
+            coordinator.stop_event.set()
+            thread.join(timeout=5)
         conn.close()
         if server is not None:
             server.stop()
@@ -223,7 +239,9 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
             "warmup_iters": 1,
             "schedule": cfg.schedule,
         }
-        watcher = _ProfileWatcher(store, stop_file, progress, len(clocks))
+        # A tag of this run's own: a Redis may keep an earlier demo's profile job for a day.
+        tag = f"demo-profile-{secrets.token_hex(4)}"
+        watcher = _ProfileWatcher(store, stop_file, progress, f"+{tag}")
         watcher.start()
         records = launch_simulated_job(
             cfg.stages,
@@ -237,7 +255,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
             report_every=3,
             instruction_energy=True,
             stop_file=str(stop_file),
-            job_metadata="demo-profile",
+            job_metadata=tag,
             **common,
         )
         watcher.stop()
@@ -331,9 +349,9 @@ def _planner_progress(progress: Progress) -> Callable[[float, str], None]:
 class _ProfileWatcher(threading.Thread):
     """Shows profiling progress and drops the stop file once the profile is in Redis."""
 
-    def __init__(self, store: JobStore, stop_file: Path, progress: Progress, clocks: int) -> None:
+    def __init__(self, store: JobStore, stop_file: Path, progress: Progress, suffix: str) -> None:
         super().__init__(daemon=True, name="perseus-demo-watch")
-        self.store, self.stop_file, self.progress, self.clocks = store, stop_file, progress, clocks
+        self.store, self.stop_file, self.progress, self.suffix = store, stop_file, progress, suffix
         self.error = ""
         self._stop_event = threading.Event()
 
@@ -346,7 +364,7 @@ class _ProfileWatcher(threading.Thread):
     def _watch(self) -> None:
         shown = 0
         while not self._stop_event.wait(0.2):
-            jobs = [j for j, _ in self.store.list_jobs() if j.endswith("+demo-profile")]
+            jobs = [j for j, _ in self.store.list_jobs() if j.endswith(self.suffix)]
             if not jobs:
                 continue
             job_id = jobs[0]

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 from click.testing import CliRunner
 
 from coordinator.cli import main
 from coordinator.demo import DemoConfig, format_report, run_demo
+from coordinator.health import last_beats
+from protocol.connection import connect
+from tests.helpers import TOY_SCHEDULER, start_perseus, stop, wait_for
 
 
 def test_small_demo_saves_what_the_planner_predicts(tmp_path, redis_url, monkeypatch):
@@ -32,7 +37,37 @@ def test_small_demo_saves_what_the_planner_predicts(tmp_path, redis_url, monkeyp
     assert (tmp_path / "out" / "profile.csv").exists()
     assert any("[4/4]" in line for line in lines)
     assert set(report.job_ids) == {"profile", "allmax", "plan"}
-    assert report.job_ids["profile"].endswith("+InstructionProfiler+demo-profile")
+    assert re.search(r"\+InstructionProfiler\+demo-profile-[0-9a-f]{8}$", report.job_ids["profile"])
+
+
+def test_a_second_demo_on_a_served_redis_follows_its_own_job(tmp_path, redis_url, monkeypatch):
+    """Run again on a Redis that keeps the first run's jobs and has a coordinator of its own
+    (another default scheduler, as the compose stack's): the demo uses that coordinator and
+    watches its own profiling job, not the earlier one."""
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "gpus"))
+    config = DemoConfig(
+        stages=2,
+        microbatches=4,
+        redis_url=redis_url,
+        out_dir=tmp_path / "out",
+        clock_stride=16,
+        train_steps=2,
+    )
+    first = run_demo(config, progress=lambda _line: None)
+    served = start_perseus(
+        ["coordinator", "--redis-url", redis_url, "--scheduler", TOY_SCHEDULER],
+        tmp_path,
+        "coordinator.log",
+    )
+    try:
+        lines: list[str] = []
+        wait_for(lambda: last_beats(connect(redis_url)), timeout=30, what="the coordinator's beat")
+        second = run_demo(config, progress=lines.append)
+    finally:
+        stop([served])
+    assert second.job_ids["profile"] != first.job_ids["profile"]
+    assert second.plan is not None
+    assert any("using the coordinator already running" in line for line in lines), lines
 
 
 def test_demo_rejects_bad_arguments():
