@@ -113,6 +113,12 @@ def test_each_role_works_within_its_permissions_and_is_refused_outside(
             assert result.exit_code == 0, (args, result.output)
         result = CliRunner().invoke(main, ["target", job_id, "1.0", "--redis-url", operator])
         assert result.exit_code == 1  # A job whose scheduler takes targets, but no permission.
+        # Changing state as the operator: one line naming the user to use, no traceback.
+        for args in (["jobs", "delete", job_id], ["deadletter", "purge", "--all"]):
+            result = CliRunner().invoke(main, [*args, "--redis-url", operator])
+            assert result.exit_code == 1, (args, result.output)
+            assert "NOPERM" in result.output and "perseus-service" in result.output, result.output
+            assert result.exception is None or isinstance(result.exception, SystemExit)
     finally:
         stop(services)
     for log in ("coordinator.log", "worker.log"):
