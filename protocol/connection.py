@@ -84,6 +84,12 @@ def connect(
             f"cannot reach Redis at {redact_url(url)}: no sentinel at {hosts} answered with "
             f"a master for {parse_sentinel_url(url).service!r}"
         ) from None
+    except redis.AuthenticationError as exc:
+        # Redis answered: the user name or password is what is wrong, not the address.
+        raise CoordinatorUnavailableError(
+            f"Redis at {redact_url(url)} refused the login: {exc} (check the user name and "
+            "password in the URL)"
+        ) from None
     except redis.RedisError as exc:
         raise CoordinatorUnavailableError(
             f"cannot reach Redis at {redact_url(url)}: {exc}"

@@ -160,7 +160,7 @@ def get_dead_letter(conn: redis.Redis, entry_id: str) -> DeadLetter:
     if not rows:
         raise ConfigError(
             f"no dead letter {entry_id} in {keys.DEADLETTER_STREAM} "
-            "(already replayed, or trimmed by MAXLEN?)"
+            "(already replayed or purged, or cut at the stream cap, PERSEUS_STREAM_HARD_CAP?)"
         )
     return _parse(*rows[0])
 

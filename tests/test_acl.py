@@ -17,6 +17,8 @@ from coordinator.embedded import EmbeddedRedis
 from coordinator.sweep import Sweeper
 from protocol import keys
 from protocol.acl import ROLES, role_user
+from protocol.connection import connect
+from protocol.exceptions import CoordinatorUnavailableError
 from protocol.job_lifecycle import JobLifecycle
 from protocol.models import JobConfig, JobInfo, RankInfo
 from protocol.store import JobStore
@@ -271,3 +273,11 @@ def test_on_redis_7_a_rank_of_another_job_cannot_get_a_job_deleted(redis7_port, 
     for rank, token in enumerate(tokens):
         lifecycle.finish_rank("victim", rank, token)
     assert Sweeper(store).run(settings, lambda job_id: None) == ["victim"]
+
+
+def test_a_wrong_password_is_named_as_the_problem_not_the_address(acl_server):
+    _server, port = acl_server
+    wrong = f"redis://{role_user('operator')}:not-the-password@127.0.0.1:{port}/0"
+    with pytest.raises(CoordinatorUnavailableError, match="refused the login") as caught:
+        connect(wrong, ping=True)
+    assert "cannot reach" not in str(caught.value) and "not-the-password" not in str(caught.value)
