@@ -57,7 +57,7 @@ class _PerseusGroup(click.Group):
                 f"Redis refused this command to the connected user (NOPERM: {exc}). "
                 f"{role_user('operator')} may only read (status, dump, profile, deadletter "
                 f"list, power-limit show); commands that change state need "
-                f"{role_user('service')} (README \"Who may do what\"; `perseus acl`)."
+                f'{role_user("service")} (README "Who may do what"; `perseus acl`).'
             ) from None
 
 

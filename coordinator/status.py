@@ -176,6 +176,8 @@ def _savings(job: dict[str, Any]) -> str:
     first, latest = job.get("first"), job.get("latest")
     if first is None:
         return "-"
+    if first["energy_j"] <= 0:  # Dry-run or simulated clocks without an energy source.
+        return f"{first['time_s']:.4f} s/it, no energy measured (v1)"
     if latest is None or not (first["energy_j"] > 0 and first["time_s"] > 0):
         return f"{first['energy_j']:.1f} J/it (v1)"
     energy = latest["energy_j"] / first["energy_j"] - 1
@@ -216,10 +218,10 @@ def format_snapshot(snap: dict[str, Any]) -> str:
             if job["state"] == "stalled":
                 waiting = ", ".join(map(str, job["waiting_on"]))
                 detail = f"stalled: waiting on silent ranks {waiting}"
-            elif job["state"] == "finished":
-                detail = f"finished: {_savings(job)}"
-            else:
-                detail = job["error"] or _savings(job)
+            elif job["state"] == "failed":
+                detail = f"failed: {job['error']}"
+            else:  # The state word first: the same as `perseus jobs list` and --json.
+                detail = f"{job['state']}: {_savings(job)}"
             lines.append(
                 f"  {job['job_id']:<58} {job['ranks']:>3}/{job['world_size']:<3} "
                 f"{job['alive']:>3}/{job['world_size']:<3} "

@@ -54,3 +54,26 @@ def test_heartbeats_use_the_servers_clock_not_the_ranks(service, r, redis_url, m
     assert store.delete_job(job_id)
     assert not client.heartbeat(job_id, 0)
     assert not r.exists(keys.job_alive(job_id))
+
+
+def test_status_names_each_job_state_in_its_table():
+    from coordinator.status import format_snapshot
+
+    def job(state: str, **kw):
+        base = {"job_id": f"j-{state}", "ranks": 1, "alive": 1, "world_size": 1, "version": 1}
+        base.update(results_for_version=0, idle_s=0, error="", waiting_on=[], state=state)
+        return {**base, **kw}
+
+    first = {"version": 1, "time_s": 0.5, "energy_j": 0.0}
+    snap = {
+        "jobs": [
+            job("starting", version=0),
+            job("failed", error="boom"),
+            job("running", first=first, latest=first),
+        ],
+        "streams": [],
+        "rq": {"queue": "perseus", "queued": 0, "workers": 0, "failed": 0},
+    }
+    text = format_snapshot(snap)
+    assert "starting: -" in text and "failed: boom" in text
+    assert "running: 0.5000 s/it, no energy measured (v1)" in text
