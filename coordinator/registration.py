@@ -5,12 +5,39 @@ from __future__ import annotations
 from coordinator.job_config import check_rank_limits
 from coordinator.settings import PerseusSettings
 from protocol import keys
+from protocol.exceptions import ProtocolError
 from protocol.job_record import JobRecord
-from protocol.models import RegisterRank, pack_rank_reply
+from protocol.models import RegisterJob, RegisterRank, pack_rank_reply
 from protocol.store_batch import Answer, StoreBatch
 from protocol.tokens import TokenSupply
 
 _STAMPS_KEPT = 10_000  # jobs whose last activity stamp a coordinator remembers
+
+
+def check_still_awaited(message: RegisterJob | RegisterRank, entry_id: str, now: float) -> None:
+    """Refuse a registration its requester no longer waits for (it timed out and gave up).
+
+    Read after no coordinator ran for longer than the requester's ``wait_s``, it would create a
+    job nobody trains, or a rank that never reports: dead-lettered instead (kept, with the
+    reason, for ``perseus deadletter``).
+
+    Args:
+        message: The registration.
+        entry_id: Its stream entry id; its first part is the Redis server's time of XADD, ms.
+        now: The Redis server's time now, seconds (the same clock).
+
+    Raises:
+        ProtocolError: The request is older than ``wait_s``.
+    """
+    if message.wait_s is None:
+        return
+    age = now - int(entry_id.partition("-")[0]) / 1000
+    if age > message.wait_s:
+        raise ProtocolError(
+            f"{message.kind} request {message.request_id} is {age:.0f} s old: its requester "
+            f"stopped waiting for the reply after {message.wait_s:.0f} s (no coordinator was "
+            "running then), so nobody would use it"
+        )
 
 
 class RankRegistrar:

@@ -34,7 +34,7 @@ from coordinator.job_config import check_job_limits, job_config
 from coordinator.outcome import Outcome, log_lost
 from coordinator.read_ahead import InputReader
 from coordinator.records import RecordCache
-from coordinator.registration import RankRegistrar
+from coordinator.registration import RankRegistrar, check_still_awaited
 from coordinator.resilience import Backoff, check_redis_version, ensure_groups
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
@@ -374,6 +374,8 @@ class Coordinator:
         jobs: dict[str, JobRecord | None],
         now: float,
     ) -> None:
+        if isinstance(message, RegisterJob | RegisterRank):
+            check_still_awaited(message, entry_id, now)
         if isinstance(message, RegisterJob):
             job = message.job
             check_job_limits(self.settings, job)

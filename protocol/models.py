@@ -294,6 +294,9 @@ class RegisterJob(_Model):
 
     ``scheduler`` optionally picks a built-in scheduler for this job instead of the
     coordinator's default (``scheduler_args`` then replace the default arguments).
+    ``wait_s``: how long the requester waits for the reply; a coordinator that reads the
+    request later (none ran meanwhile) dead-letters it instead of creating a job nobody
+    trains (None: no deadline).
     """
 
     kind: Literal["register_job"] = "register_job"
@@ -301,15 +304,17 @@ class RegisterJob(_Model):
     job: JobInfo
     scheduler: str | None = None
     scheduler_args: dict[str, Any] = Field(default_factory=dict)
+    wait_s: float | None = Field(default=None, gt=0)
 
 
 class RegisterRank(_Model):
-    """A rank joins a registered job."""
+    """A rank joins a registered job (``wait_s``: as :class:`RegisterJob`'s)."""
 
     kind: Literal["register_rank"] = "register_rank"
     request_id: str = Field(min_length=1, max_length=128)
     job_id: str = Field(min_length=1)
     rank_info: RankInfo
+    wait_s: float | None = Field(default=None, gt=0)
 
 
 class ReportResult(_Model):

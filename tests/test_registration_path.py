@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import os
+import time
 import uuid
 
 import msgpack
@@ -11,6 +12,7 @@ import pytest
 
 from coordinator.service import Coordinator
 from protocol import keys
+from protocol.exceptions import CoordinatorUnavailableError
 from protocol.models import (
     JobConfig,
     JobInfo,
@@ -26,6 +28,7 @@ from protocol.models import (
 from protocol.store import JobStore
 from protocol.tokens import TOKEN_BYTES, TokenSupply, beat_digest, result_key
 from tests.helpers import TOY_SCHEDULER, job_through, make_settings, rank_request
+from worker_client.hook.session import CoordinatorClient
 
 RANK = RankInfo(rank=3, dp_rank=1, pp_rank=1, tp_rank=0, available_frequencies=[1980, 1500, 210])
 
@@ -185,3 +188,42 @@ def test_the_coordinator_that_created_a_job_reads_no_record_for_its_ranks(
     assert loads == []  # cached when it stored the job
     _register(other, r, job_id, 1)
     assert loads == [("other", [job_id])]  # one that did not create it reads it once
+
+
+def test_registrations_nobody_waits_for_any_more_are_dead_lettered_not_served(r, redis_url):
+    # No coordinator runs: the requests time out and their senders give up.
+    client = CoordinatorClient(redis_url, reply_timeout=0.5)
+    with pytest.raises(CoordinatorUnavailableError, match="no coordinator answered"):
+        client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+    with pytest.raises(CoordinatorUnavailableError, match="no coordinator answered"):
+        client.register_rank("some-job", rank_request("some-job", 0).rank_info)
+    time.sleep(0.6)  # the requests are now older than their senders waited
+    coord = Coordinator(r, make_settings(redis_url))
+    coord._start()  # a coordinator starting now: its group reads the streams from the start
+    coord.step(block_ms=None)
+    assert JobStore(r).list_jobs() == []  # no job that nobody trains
+    letters = [fields for _id, fields in r.xrange(keys.DEADLETTER_STREAM)]
+    reasons = sorted(f[b"reason"].decode() for f in letters)
+    assert len(reasons) == 2 and all("stopped waiting for the reply" in x for x in reasons)
+    assert reasons[0].startswith("register_job request") and "register_rank" in reasons[1]
+    # A requester that still waits is served as before.
+    client = CoordinatorClient(redis_url, reply_timeout=30)
+    assert client_registers(coord, client)
+    client.close()
+
+
+def client_registers(coord: Coordinator, client: CoordinatorClient) -> str:
+    """Register a one-rank job while ``coord`` serves it from this thread's steps."""
+    import threading
+
+    box: list[str] = []
+    thread = threading.Thread(
+        target=lambda: box.append(
+            client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+        )
+    )
+    thread.start()
+    while thread.is_alive():
+        coord.step(block_ms=20)
+    thread.join()
+    return box[0]

@@ -107,6 +107,7 @@ class CoordinatorClient:
             job=job,
             scheduler=scheduler,
             scheduler_args=scheduler_args or {},
+            wait_s=self.reply_timeout,
         )
         return self._request(request).job_id
 
@@ -117,7 +118,12 @@ class CoordinatorClient:
         carry the proof of it.
         """
         reply = self._request(
-            RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=rank)
+            RegisterRank(
+                request_id=uuid.uuid4().hex,
+                job_id=job_id,
+                rank_info=rank,
+                wait_s=self.reply_timeout,
+            )
         )
         self._tokens[(job_id, rank.rank)] = reply.token
         return reply
