@@ -28,6 +28,7 @@ jobs use it, which holds for planner output (written once).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ from schedulers.planning.frontier_plans import plan_from_log
 from schedulers.planning.plan_file import PlanFile, read_plan_file
 from schedulers.planning.profile_csv import read_profile_csv
 from schedulers.point_solution import check_plan_fits
+
+logger = logging.getLogger(__name__)
 
 
 def _read_plan(frontier: Frontier, point: FrontierPoint) -> PlanFile:
@@ -165,14 +168,16 @@ class FrontierScheduler(FrequencyScheduler):
     def set_target(self, iteration_time: float) -> None:
         """Switch to the least-energy plan that meets ``iteration_time`` seconds.
 
-        If no plan is that fast, the fastest plan is used.
+        If no plan is that fast, the fastest plan is used, with a warning in the worker's log.
 
         Raises:
             ConfigError: ``iteration_time`` is not positive, or the new plan does not fit
                 the job.
 
         """
-        point, _, _ = select_point(self.frontier, "straggler", iteration_time)
+        point, _, note = select_point(self.frontier, "straggler", iteration_time)
+        if note:  # Only when no plan meets the target.
+            logger.warning("job %s: %s (plan %s)", self.job_info.job_id, note, point.plan)
         self._load(point)
         self.current = point
         self.target = iteration_time

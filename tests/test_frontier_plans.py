@@ -8,6 +8,7 @@ serve the same plans from a profile (planned in memory) as from a planner folder
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,18 @@ def test_frontier_scheduler_from_profile_serves_the_folders_plans(folders) -> No
         FrontierScheduler(job, ranks, profile=str(profile))
     FrontierScheduler.check_files({"frontier_dir": str(chosen), "policy": "min-energy"})
     FrontierScheduler.check_files({"profile": str(profile), "microbatches": MICRO})
+
+
+def test_a_target_no_plan_meets_gets_the_fastest_plan_and_a_warning(folders, caplog) -> None:
+    _profile, full, _chosen = folders
+    job, ranks = _job(STAGES)
+    sched = FrontierScheduler(job, ranks, frontier_dir=str(full))
+    fastest = min(load_frontier(full).pareto, key=lambda p: p.iteration_time)
+    with caplog.at_level(logging.WARNING, logger="schedulers.frontier"):
+        sched.set_target(fastest.iteration_time / 10)
+    assert sched.current.plan == fastest.plan
+    assert "faster than every plan" in caplog.text and fastest.plan in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="schedulers.frontier"):
+        sched.set_target(fastest.iteration_time * 10)  # one that some plan meets: no warning
+    assert caplog.text == ""
