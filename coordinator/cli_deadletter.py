@@ -29,7 +29,7 @@ def deadletter_group() -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
 def deadletter_list(redis_url: str | None, count: int, as_json: bool) -> None:
-    """Show the oldest COUNT dead letters: id, time, kind, job and reason."""
+    """Show the oldest COUNT dead letters: id, time, source stream, kind, job and reason."""
     letters = list_dead_letters(connect_settings(redis_url), count)
     if as_json:
         click.echo(json.dumps([d.summary() for d in letters], indent=1))
@@ -39,7 +39,8 @@ def deadletter_list(redis_url: str | None, count: int, as_json: bool) -> None:
     for d in letters:
         when = datetime.fromtimestamp(d.dead_at, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
         mark = "" if d.replayable else "  (not replayable)"
-        click.echo(f"{d.entry_id}  {when}  {d.kind or '?'}  {d.job_id or '-'}{mark}")
+        source = f"{d.source_stream or '?'} {d.source_id or '?'}"
+        click.echo(f"{d.entry_id}  {when}  {source}  {d.kind or '?'}  {d.job_id or '-'}{mark}")
         click.echo(f"    {d.reason}")
 
 

@@ -39,6 +39,7 @@ def test_a_result_that_became_valid_is_replayed_and_counted(r, redis_url):
     assert code == 0, out
     [letter] = list_dead_letters(r)
     assert letter.entry_id in out and "report_result" in out and job_id in out
+    assert f"{keys.RESULTS_STREAM} {letter.source_id}" in out  # where it came from
     assert "version 2" in out  # the reason, on its own line
     code, out = cli("deadletter", "list", "--json", "--redis-url", redis_url)
     [row] = json.loads(out)
