@@ -85,13 +85,14 @@ def jobs_list(redis_url: str | None, as_json: bool) -> None:
     if not rows:
         click.echo("no jobs")
         return
+    width = max(len("JOB ID"), *(len(row["job_id"]) for row in rows))  # ids with metadata grow
     click.echo(
-        f"{'JOB ID':<58} {'STATE':<9} {'WORLD':>5} {'VER':>4} {'AGE':>7} {'IDLE':>7} FINISHED"
+        f"{'JOB ID':<{width}} {'STATE':<9} {'WORLD':>5} {'VER':>4} {'AGE':>7} {'IDLE':>7} FINISHED"
     )
     for row in rows:
         click.echo(
-            f"{row['job_id']:<58} {row['state']:<9} {row['world_size']:>5} {row['version']:>4} "
-            f"{_duration(row['age_s']):>7} {_duration(row['idle_s']):>7} "
+            f"{row['job_id']:<{width}} {row['state']:<9} {row['world_size']:>5} "
+            f"{row['version']:>4} {_duration(row['age_s']):>7} {_duration(row['idle_s']):>7} "
             f"{row['ranks_finished']}/{row['world_size']}"
         )
 

@@ -210,8 +210,9 @@ def format_snapshot(snap: dict[str, Any]) -> str:
     """Human-readable tables of :func:`snapshot`."""
     lines = [f"jobs: {len(snap['jobs'])}"]
     if snap["jobs"]:
+        width = max(len("JOB ID"), *(len(job["job_id"]) for job in snap["jobs"]))
         lines.append(
-            f"  {'JOB ID':<58} {'RANKS':>7} {'ALIVE':>7} {'VER':>4} {'RESULTS':>8} "
+            f"  {'JOB ID':<{width}} {'RANKS':>7} {'ALIVE':>7} {'VER':>4} {'RESULTS':>8} "
             f"{'IDLE s':>8}  STATE / ENERGY PER ITERATION / ERROR"
         )
         for job in snap["jobs"]:
@@ -223,7 +224,7 @@ def format_snapshot(snap: dict[str, Any]) -> str:
             else:  # The state word first: the same as `perseus jobs list` and --json.
                 detail = f"{job['state']}: {_savings(job)}"
             lines.append(
-                f"  {job['job_id']:<58} {job['ranks']:>3}/{job['world_size']:<3} "
+                f"  {job['job_id']:<{width}} {job['ranks']:>3}/{job['world_size']:<3} "
                 f"{job['alive']:>3}/{job['world_size']:<3} "
                 f"{job['version']:>4} {job['results_for_version']:>4}/{job['world_size']:<3} "
                 f"{job['idle_s']:>8}  {detail}"

@@ -77,3 +77,30 @@ def test_status_names_each_job_state_in_its_table():
     text = format_snapshot(snap)
     assert "starting: -" in text and "failed: boom" in text
     assert "running: 0.5000 s/it, no energy measured (v1)" in text
+
+
+def test_status_columns_stay_in_line_with_long_job_ids():
+    from coordinator.status import format_snapshot
+
+    def job(job_id: str):
+        return {
+            "job_id": job_id,
+            "ranks": 1,
+            "alive": 1,
+            "world_size": 1,
+            "version": 1,
+            "results_for_version": 0,
+            "idle_s": 0,
+            "error": "",
+            "waiting_on": [],
+            "state": "starting",
+        }
+
+    long_id = "2026-11-26-12-24-59.035+dp1+pp2+tp1+InstructionProfiler+demo-profile-0123abcd"
+    snap = {
+        "jobs": [job("short"), job(long_id)],
+        "streams": [],
+        "rq": {"queue": "perseus", "queued": 0, "workers": 0, "failed": 0},
+    }
+    lines = [line for line in format_snapshot(snap).splitlines() if "starting" in line]
+    assert len({line.index(" 1/1") for line in lines}) == 1, lines
