@@ -1,16 +1,12 @@
 """The coordinator: consumes the input streams, keeps job state, enqueues scheduler work.
 
-It reads registrations, profiling results and control messages through one consumer group,
-so several coordinators can share the load and a restarted one claims what a dead one left
-pending. Each entry is validated, applied to Redis idempotently, answered (registrations get a
-reply) and acknowledged; an entry that cannot be processed goes to the dead-letter stream with
-the reason and every original field, and the loop goes on. Redis errors (out of memory
-included) are not acknowledged: the entry is retried, after a backoff. An entry removed from
-its stream before it was processed is counted and logged (:mod:`protocol.streams`). A periodic
-sweep re-enqueues stalled work, deletes idle jobs and trims the input streams.
-A rank's registration reply carries its secret token; a result counts only with the MAC of
-its rank's token (:mod:`coordinator.trust`). A batch whose writes are one script call sends
-the loop's next blocking read with it (:mod:`coordinator.read_ahead`).
+One consumer group, so coordinators share the load and a restarted one claims what a dead one
+left pending. Each entry is validated, applied idempotently, answered (registrations) and
+acknowledged; one that cannot be processed is dead-lettered with the reason and its fields, and
+the loop goes on. Redis errors are not acknowledged: the entry is retried after a backoff. A
+periodic sweep re-enqueues stalled work, deletes idle jobs and trims the input streams. Results
+count only with their rank's MAC (:mod:`coordinator.trust`); a batch whose writes are one
+script call sends the next blocking read with it (:mod:`coordinator.read_ahead`).
 """
 
 from __future__ import annotations
@@ -40,8 +36,9 @@ from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
 from coordinator.trust import ResultKeys
 from protocol import deadletter, keys, streams
+from protocol.acl import role_user
 from protocol.consumers import GroupMembers
-from protocol.exceptions import DuplicateEntryError, PerseusError, UnknownJobError
+from protocol.exceptions import ConfigError, DuplicateEntryError, PerseusError, UnknownJobError
 from protocol.models import (
     RegisterJob,
     RegisterRank,
@@ -110,14 +107,19 @@ class Coordinator:
         """Process entries until :attr:`stop_event` is set.
 
         Raises:
-            ConfigError: The Redis server is too old, or a running coordinator has other
-                shared settings (see :func:`coordinator.health.agree_settings`).
+            ConfigError: The Redis server is too old, a running coordinator has other
+                shared settings (see :func:`coordinator.health.agree_settings`), or the Redis
+                user may not do what a coordinator does (not the service role's user).
         """
         backoff = Backoff(self.stop_event, f"coordinator {self.consumer}")
         while not self.stop_event.is_set():
             try:
                 self._start()
                 break
+            except redis.exceptions.NoPermissionError as exc:  # Waiting cannot fix that.
+                who = f"coordinator {self.consumer}: Redis refused a command to this user"
+                use = f"a coordinator runs as {role_user('service')} (`perseus acl`)"
+                raise ConfigError(f"{who} (NOPERM: {exc}); {use}") from None
             except redis.RedisError as exc:  # Down, out of memory, read-only replica...
                 backoff.failed(exc)
         while not self.stop_event.is_set():

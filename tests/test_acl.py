@@ -281,3 +281,12 @@ def test_a_wrong_password_is_named_as_the_problem_not_the_address(acl_server):
     with pytest.raises(CoordinatorUnavailableError, match="refused the login") as caught:
         connect(wrong, ping=True)
     assert "cannot reach" not in str(caught.value) and "not-the-password" not in str(caught.value)
+
+
+def test_a_coordinator_started_as_the_operator_stops_at_once_naming_the_user(acl_server):
+    _server, port = acl_server
+    result = CliRunner().invoke(
+        main, ["coordinator", "--redis-url", url_of(port, "operator"), "--scheduler", ""]
+    )
+    assert result.exit_code == 1, result.output
+    assert "NOPERM" in result.output and "perseus-service" in result.output, result.output
