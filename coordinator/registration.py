@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from coordinator.job_config import check_rank_limits
 from coordinator.settings import PerseusSettings
 from protocol import keys
@@ -14,29 +16,40 @@ from protocol.tokens import TokenSupply
 _STAMPS_KEPT = 10_000  # jobs whose last activity stamp a coordinator remembers
 
 
-def check_still_awaited(message: RegisterJob | RegisterRank, entry_id: str, now: float) -> None:
-    """Refuse a registration its requester no longer waits for (it timed out and gave up).
+def check_still_awaited(
+    message: RegisterJob | RegisterRank, fields: dict[bytes, bytes], entry_id: str, now: float
+) -> None:
+    """Refuse a registration its sender no longer waits for (it timed out and gave up).
 
-    Read after no coordinator ran for longer than the requester's ``wait_s``, it would create a
-    job nobody trains, or a rank that never reports: dead-lettered instead (kept, with the
-    reason, for ``perseus deadletter``).
+    Read later than its sender's ``wait_s`` field (no coordinator ran, or they lagged), it
+    would create a job nobody trains, or a rank that never reports: dead-lettered instead,
+    kept with the reason for ``perseus deadletter``. A request without the field (a client
+    that predates it) has no deadline.
 
     Args:
         message: The registration.
+        fields: Its stream entry's fields.
         entry_id: Its stream entry id; its first part is the Redis server's time of XADD, ms.
         now: The Redis server's time now, seconds (the same clock).
 
     Raises:
-        ProtocolError: The request is older than ``wait_s``.
+        ProtocolError: ``wait_s`` is not a positive number, or the request is older.
     """
-    if message.wait_s is None:
+    raw = fields.get(b"wait_s")
+    if raw is None:
         return
+    try:
+        wait_s = float(raw)
+    except ValueError:
+        wait_s = math.nan
+    if not wait_s > 0 or math.isinf(wait_s):
+        raise ProtocolError(f"wait_s must be a positive number of seconds, got {raw!r}")
     age = now - int(entry_id.partition("-")[0]) / 1000
-    if age > message.wait_s:
+    if age > wait_s:
         raise ProtocolError(
-            f"{message.kind} request {message.request_id} is {age:.0f} s old: its requester "
-            f"stopped waiting for the reply after {message.wait_s:.0f} s (no coordinator was "
-            "running then), so nobody would use it"
+            f"{message.kind} request {message.request_id} is {age:.3g} s old, but its sender "
+            f"waited for the reply for wait_s={wait_s:g} s only: not read in time, and nobody "
+            "would use it"
         )
 
 

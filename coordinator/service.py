@@ -377,7 +377,7 @@ class Coordinator:
         now: float,
     ) -> None:
         if isinstance(message, RegisterJob | RegisterRank):
-            check_still_awaited(message, entry_id, now)
+            check_still_awaited(message, fields, entry_id, now)
         if isinstance(message, RegisterJob):
             job = message.job
             check_job_limits(self.settings, job)

@@ -294,9 +294,6 @@ class RegisterJob(_Model):
 
     ``scheduler`` optionally picks a built-in scheduler for this job instead of the
     coordinator's default (``scheduler_args`` then replace the default arguments).
-    ``wait_s``: how long the requester waits for the reply; a coordinator that reads the
-    request later (none ran meanwhile) dead-letters it instead of creating a job nobody
-    trains (None: no deadline).
     """
 
     kind: Literal["register_job"] = "register_job"
@@ -304,17 +301,15 @@ class RegisterJob(_Model):
     job: JobInfo
     scheduler: str | None = None
     scheduler_args: dict[str, Any] = Field(default_factory=dict)
-    wait_s: float | None = Field(default=None, gt=0)
 
 
 class RegisterRank(_Model):
-    """A rank joins a registered job (``wait_s``: as :class:`RegisterJob`'s)."""
+    """A rank joins a registered job."""
 
     kind: Literal["register_rank"] = "register_rank"
     request_id: str = Field(min_length=1, max_length=128)
     job_id: str = Field(min_length=1)
     rank_info: RankInfo
-    wait_s: float | None = Field(default=None, gt=0)
 
 
 class ReportResult(_Model):
@@ -435,6 +430,7 @@ def validate(cls: type[M], raw: Any) -> M:
 def encode_message(
     message: RegisterJob | RegisterRank | ReportResult | SetTarget,
     token: str | None = None,
+    wait_s: float | None = None,
 ) -> dict[str, Any]:
     """Stream-entry fields for a message (``kind`` and ``job_id`` stay readable in redis-cli).
 
@@ -442,6 +438,10 @@ def encode_message(
         message: The message.
         token: The reporting rank's token: a ``report_result`` entry then carries the MAC of
             its data (``mac``), which the coordinator checks (the token itself is not sent).
+        wait_s: A registration's sender waits this long for the reply (field ``wait_s``):
+            a coordinator that reads it later dead-letters it (see
+            :func:`coordinator.registration.check_still_awaited`). A field of its own, not
+            in ``data``: coordinators that predate it ignore it.
     """
     if isinstance(message, RegisterRank):
         # The rank waits for its reply: its fields are plain, so no model_dump (same bytes).
@@ -455,6 +455,8 @@ def encode_message(
         fields["job_id"] = job_id
     if token is not None:
         fields["mac"] = sign(token, fields["data"])
+    if wait_s is not None:
+        fields["wait_s"] = repr(float(wait_s))
     return fields
 
 

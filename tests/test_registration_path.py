@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import base64
 import os
+import threading
 import time
 import uuid
 
 import msgpack
 import pytest
 
+from coordinator.resilience import ensure_groups
 from coordinator.service import Coordinator
 from protocol import keys
 from protocol.exceptions import CoordinatorUnavailableError
@@ -17,6 +19,7 @@ from protocol.models import (
     JobConfig,
     JobInfo,
     RankInfo,
+    RegisterJob,
     RegisterRank,
     Reply,
     encode_message,
@@ -191,39 +194,49 @@ def test_the_coordinator_that_created_a_job_reads_no_record_for_its_ranks(
 
 
 def test_registrations_nobody_waits_for_any_more_are_dead_lettered_not_served(r, redis_url):
-    # No coordinator runs: the requests time out and their senders give up.
-    client = CoordinatorClient(redis_url, reply_timeout=0.5)
+    ensure_groups(r)  # as a coordinator that ran before: what is sent now is new to the group
+    # No coordinator runs now: the requests time out and their senders give up.
+    gone = CoordinatorClient(redis_url, reply_timeout=0.5)
     with pytest.raises(CoordinatorUnavailableError, match="no coordinator answered"):
-        client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+        gone.register_job(ONE_RANK_JOB)
     with pytest.raises(CoordinatorUnavailableError, match="no coordinator answered"):
-        client.register_rank("some-job", rank_request("some-job", 0).rank_info)
-    time.sleep(0.6)  # the requests are now older than their senders waited
+        gone.register_rank("some-job", rank_request("some-job", 0).rank_info)
+    gone.close()
+    # A client that predates wait_s (no such field) and one whose field is junk.
+    old = RegisterJob(request_id="old-client", job=ONE_RANK_JOB)
+    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(old))
+    junk = RegisterJob(request_id="junk-wait", job=ONE_RANK_JOB)
+    r.xadd(keys.REGISTRATIONS_STREAM, {**encode_message(junk), "wait_s": "soon"})
+    time.sleep(0.6)  # the first two requests are now older than their senders waited
     coord = Coordinator(r, make_settings(redis_url))
-    coord._start()  # a coordinator starting now: its group reads the streams from the start
     coord.step(block_ms=None)
-    assert JobStore(r).list_jobs() == []  # no job that nobody trains
-    letters = [fields for _id, fields in r.xrange(keys.DEADLETTER_STREAM)]
-    reasons = sorted(f[b"reason"].decode() for f in letters)
-    assert len(reasons) == 2 and all("stopped waiting for the reply" in x for x in reasons)
-    assert reasons[0].startswith("register_job request") and "register_rank" in reasons[1]
-    # A requester that still waits is served as before.
-    client = CoordinatorClient(redis_url, reply_timeout=30)
-    assert client_registers(coord, client)
-    client.close()
+    # Only the request without a deadline made a job: none that nobody trains.
+    assert len(JobStore(r).list_jobs()) == 1
+    reasons = sorted(f[b"reason"].decode() for _id, f in r.xrange(keys.DEADLETTER_STREAM))
+    assert len(reasons) == 3, reasons
+    assert reasons[0].startswith("register_job request") and "wait_s=0.5 s only" in reasons[0]
+    assert reasons[1].startswith("register_rank request") and "wait_s=0.5 s only" in reasons[1]
+    assert "wait_s must be a positive number" in reasons[2] and "soon" in reasons[2]
+    # A sender that still waits is served as before.
+    waiting = CoordinatorClient(redis_url, reply_timeout=30)
+    assert registered_while_serving(coord, waiting) in {j for j, _ in JobStore(r).list_jobs()}
+    waiting.close()
 
 
-def client_registers(coord: Coordinator, client: CoordinatorClient) -> str:
-    """Register a one-rank job while ``coord`` serves it from this thread's steps."""
-    import threading
+ONE_RANK_JOB = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
 
+
+def registered_while_serving(coord: Coordinator, client: CoordinatorClient) -> str:
+    """The job id ``client`` registers while ``coord`` serves it from this thread's steps."""
     box: list[str] = []
-    thread = threading.Thread(
-        target=lambda: box.append(
-            client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
-        )
-    )
+    thread = threading.Thread(target=lambda: box.append(client.register_job(ONE_RANK_JOB)))
     thread.start()
     while thread.is_alive():
         coord.step(block_ms=20)
     thread.join()
     return box[0]
+
+
+def test_a_reply_timeout_that_is_not_positive_is_refused_naming_it(redis_url):
+    with pytest.raises(ValueError, match="reply_timeout must be > 0"):
+        CoordinatorClient(redis_url, reply_timeout=0)

@@ -56,6 +56,8 @@ class CoordinatorClient:
         reply_timeout: float = 60.0,
         tokens: dict[tuple[str, int], str] | None = None,
     ) -> None:
+        if not reply_timeout > 0:
+            raise ValueError(f"reply_timeout must be > 0 seconds, got {reply_timeout}")
         self.redis_url = redis_url
         self.where = redact_url(redis_url)  # for messages: never the password
         self.reply_timeout = reply_timeout
@@ -70,7 +72,7 @@ class CoordinatorClient:
         try:
             self.conn.xadd(
                 keys.REGISTRATIONS_STREAM,
-                encode_message(message),
+                encode_message(message, wait_s=self.reply_timeout),
             )
             answer = self.conn.blpop(
                 [keys.reply_key(message.request_id)], timeout=self.reply_timeout
@@ -107,7 +109,6 @@ class CoordinatorClient:
             job=job,
             scheduler=scheduler,
             scheduler_args=scheduler_args or {},
-            wait_s=self.reply_timeout,
         )
         return self._request(request).job_id
 
@@ -118,12 +119,7 @@ class CoordinatorClient:
         carry the proof of it.
         """
         reply = self._request(
-            RegisterRank(
-                request_id=uuid.uuid4().hex,
-                job_id=job_id,
-                rank_info=rank,
-                wait_s=self.reply_timeout,
-            )
+            RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=rank)
         )
         self._tokens[(job_id, rank.rank)] = reply.token
         return reply
