@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -29,12 +30,12 @@ from typing import Any
 import redis
 
 from coordinator.embedded import EmbeddedRedis
-from coordinator.health import LIVE_S, last_beats
+from coordinator.health import LIVE_S, agree_settings, last_beats
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
 from protocol import keys
 from protocol.connection import connect
-from protocol.exceptions import PerseusError
+from protocol.exceptions import ConfigError, PerseusError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, stage_order
 from protocol.store import JobStore
 from schedulers.planning.choose import choose_plan
@@ -124,63 +125,107 @@ class DemoReport:
         return 100.0 * (self.plan.iteration_time / self.allmax.iteration_time - 1.0)
 
 
+def _server_now(conn: redis.Redis) -> float:
+    seconds, micros = conn.time()
+    return float(seconds) + micros / 1e6
+
+
+def _live_coordinators(conn: redis.Redis) -> list[str]:
+    """Coordinators that beat within :data:`~coordinator.health.LIVE_S` (server time)."""
+    now = _server_now(conn)
+    return sorted(name for name, at in last_beats(conn).items() if now - at <= LIVE_S)
+
+
+def _own_coordinator(
+    conn: redis.Redis, redis_url: str, progress: Progress
+) -> tuple[Coordinator, threading.Thread] | None:
+    """Start the demo's coordinator thread; None where a running one has other settings.
+
+    Such a coordinator (the compose stack's, say, with a default scheduler) serves the demo's
+    jobs as well: each names its own scheduler. Otherwise the demo waits until its own has
+    started, so that a coordinator that cannot start fails the demo at once.
+    """
+    # No default scheduler: every demo job chooses its own.
+    settings = PerseusSettings(redis_url=redis_url, scheduler="", log_level="WARNING")
+    coordinator = Coordinator(conn, settings)
+    try:
+        agree_settings(conn, coordinator.consumer, settings.shared(), _server_now(conn))
+    except ConfigError as exc:
+        progress(f"using the coordinator already running on this Redis ({exc})")
+        return None
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            coordinator.run(block_ms=200)
+        except BaseException as exc:  # reported below, or by the profiling watcher
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True, name="perseus-demo-coordinator")
+    thread.start()
+    deadline = time.monotonic() + 30
+    while coordinator.consumer not in last_beats(conn) and not failed:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if failed or not thread.is_alive():
+        coordinator.stop_event.set()
+        raise PerseusError(f"the demo's coordinator did not start: {failed[0] if failed else '?'}")
+    return coordinator, thread
+
+
 @contextmanager
 def services(redis_url: str | None, progress: Progress) -> Iterator[str]:
     """A Redis (private unless given), a coordinator thread and an rq worker process.
 
-    On a given Redis where a coordinator runs already (the compose stack's, say), that one
-    serves the demo's jobs: each names its own scheduler, and a second coordinator with other
-    settings would be refused.
+    On a given Redis where a coordinator with other settings runs already, that one serves
+    the demo's jobs (see :func:`_own_coordinator`); the profiling watcher stops the demo if no
+    coordinator is left running.
     """
-    server = None
-    if redis_url is None:
-        server = EmbeddedRedis()
-        redis_url = server.url
-        progress(f"started a private Redis at {redis_url}")
-    conn = connect(redis_url, ping=True)
-    seconds, micros = conn.time()
-    now = seconds + micros / 1e6
-    running = sorted(n for n, at in last_beats(conn).items() if now - at <= LIVE_S)
-    coordinator, thread = None, None
-    if running:
-        progress(f"using the coordinator already running on this Redis ({', '.join(running)})")
-    else:
-        # No default scheduler: every demo job chooses its own.
-        settings = PerseusSettings(redis_url=redis_url, scheduler="", log_level="WARNING")
-        coordinator = Coordinator(conn, settings)
-        thread = threading.Thread(target=coordinator.run, kwargs={"block_ms": 200}, daemon=True)
-        thread.start()
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "coordinator.cli",
-            "worker",
-            "--redis-url",
-            redis_url,
-            "--log-level",
-            "WARNING",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # Stopped below, after the ranks, not by Ctrl-C.
-    )
+    server = conn = own = worker = None
+    # Everything inside the try: an error, Ctrl-C or output cut short (``| head``) stops
+    # whatever was started.
     try:
-        # Inside the try: output cut short (``| head``) must still stop the worker.
-        progress("rq worker running" if running else "coordinator and rq worker running")
+        if redis_url is None:
+            server = EmbeddedRedis()
+            redis_url = server.url
+            progress(f"started a private Redis at {redis_url}")
+        conn = connect(redis_url, ping=True)
+        own = _own_coordinator(conn, redis_url, progress)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        }
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "coordinator.cli",
+                "worker",
+                "--redis-url",
+                redis_url,
+                "--log-level",
+                "WARNING",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # Stopped below, after the ranks, not by Ctrl-C.
+        )
+        progress("coordinator and rq worker running" if own else "rq worker running")
         yield redis_url
     finally:
-        worker.terminate()
-        with suppress(subprocess.TimeoutExpired):
-            worker.wait(timeout=10)
-        if worker.poll() is None:
-            worker.kill()
-        if coordinator is not None and thread is not None:
-            coordinator.stop_event.set()
-            thread.join(timeout=5)
-        conn.close()
+        if worker is not None:
+            worker.terminate()
+            with suppress(subprocess.TimeoutExpired):
+                worker.wait(timeout=10)
+            if worker.poll() is None:
+                worker.kill()
+        if own is not None:
+            own[0].stop_event.set()
+            own[1].join(timeout=5)
+        if conn is not None:
+            conn.close()
         if server is not None:
             server.stop()
 
@@ -241,7 +286,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         }
         # A tag of this run's own: a Redis may keep an earlier demo's profile job for a day.
         tag = f"demo-profile-{secrets.token_hex(4)}"
-        watcher = _ProfileWatcher(store, stop_file, progress, f"+{tag}")
+        watcher = ProfileWatcher(store, stop_file, progress, f"+{tag}")
         watcher.start()
         records = launch_simulated_job(
             cfg.stages,
@@ -346,7 +391,7 @@ def _planner_progress(progress: Progress) -> Callable[[float, str], None]:
     return show
 
 
-class _ProfileWatcher(threading.Thread):
+class ProfileWatcher(threading.Thread):
     """Shows profiling progress and drops the stop file once the profile is in Redis."""
 
     def __init__(self, store: JobStore, stop_file: Path, progress: Progress, suffix: str) -> None:
@@ -372,6 +417,10 @@ class _ProfileWatcher(threading.Thread):
             if version >= shown + 5:  # A line every five sweep steps is enough to show life.
                 shown = version
                 self.progress(f"      sweep step {version} (schedule version {version})")
+            if not _live_coordinators(self.store.conn):
+                self.error = "no coordinator is running on this Redis any more"
+                self.stop_file.touch()
+                return
             record_error = self.store.get_job(job_id).error
             if record_error or self.store.conn.hexists(keys.job_artifacts(job_id), "profile.csv"):
                 self.error = record_error

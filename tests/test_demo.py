@@ -7,10 +7,11 @@ import re
 from click.testing import CliRunner
 
 from coordinator.cli import main
-from coordinator.demo import DemoConfig, format_report, run_demo
+from coordinator.demo import DemoConfig, ProfileWatcher, format_report, run_demo
 from coordinator.health import last_beats
 from protocol.connection import connect
-from tests.helpers import TOY_SCHEDULER, start_perseus, stop, wait_for
+from protocol.store import JobStore
+from tests.helpers import TOY_SCHEDULER, new_job, start_perseus, stop, wait_for
 
 
 def test_small_demo_saves_what_the_planner_predicts(tmp_path, redis_url, monkeypatch):
@@ -150,3 +151,15 @@ def test_ctrl_c_shuts_everything_down(tmp_path):
         time.sleep(0.2)
     assert leftovers() == []  # Redis, the rq worker and every rank are gone
     assert not Path(redis_dir).exists()
+
+
+def test_the_profiling_watcher_stops_the_demo_when_no_coordinator_is_left(r, tmp_path):
+    # A borrowed coordinator that went away would leave the profiling job running for minutes.
+    store = JobStore(r)
+    new_job(store, "2026-11-26-00-00-00.000+dp1+pp2+tp1+InstructionProfiler+demo-profile-ab", "x")
+    stop_file = tmp_path / "profiled"
+    watcher = ProfileWatcher(store, stop_file, lambda _line: None, "+demo-profile-ab")
+    watcher.start()
+    wait_for(stop_file.exists, timeout=10, what="the stop file")
+    watcher.stop()
+    assert watcher.error == "no coordinator is running on this Redis any more"
