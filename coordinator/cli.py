@@ -24,7 +24,7 @@ import click
 import redis
 from click.core import ParameterSource
 
-from coordinator.cli_common import check_variables, connect_settings, load_settings
+from coordinator.cli_common import PerseusGroup, check_variables, connect_settings, load_settings
 from coordinator.cli_deadletter import deadletter_group
 from coordinator.cli_demo import demo_command
 from coordinator.cli_jobs import jobs_group
@@ -46,22 +46,7 @@ from worker_client.hook.session import CoordinatorClient
 from worker_client.power_limit.cli import power_limit_group
 
 
-class _PerseusGroup(click.Group):
-    """The ``perseus`` group: a Redis ACL refusal is one line saying which user to use."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except redis.exceptions.NoPermissionError as exc:
-            raise click.ClickException(
-                f"Redis refused this command to the connected user (NOPERM: {exc}). "
-                f"{role_user('operator')} may only read (status, dump, profile, deadletter "
-                f"list, power-limit show); commands that change state need "
-                f'{role_user("service")} (README "Who may do what"; `perseus acl`).'
-            ) from None
-
-
-@click.group(cls=_PerseusGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=PerseusGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="perseus-mq", prog_name="perseus")
 def main() -> None:
     """perseus-mq: remove energy bloat from pipeline-parallel training through Redis.

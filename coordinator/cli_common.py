@@ -12,8 +12,27 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from coordinator.settings import PerseusSettings, unknown_variables
+from protocol.acl import role_user
 from protocol.cli_options import connect_or_fail
 from protocol.exceptions import PerseusError
+
+
+class PerseusGroup(click.Group):
+    """The ``perseus`` group: a Redis ACL refusal is one line saying which user a command needs."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command; turn a ``NOPERM`` from Redis into a one-line error."""
+        try:
+            return super().invoke(ctx)
+        except redis.exceptions.NoPermissionError as exc:
+            raise click.ClickException(
+                f"Redis refused this command to the connected user (NOPERM: {exc}). Reading "
+                f"commands (status, dump, profile, deadletter list, power-limit show) need "
+                f"{role_user('operator')} or {role_user('service')}; commands that change "
+                f"state need {role_user('service')}. Connected as the right user already? "
+                "Its rules may be out of date: write the ACL file again with `perseus acl` "
+                '(README "Who may do what").'
+            ) from None
 
 
 def check_variables() -> None:

@@ -401,6 +401,7 @@ class ProfileWatcher(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
+        """Watch until the profile is in Redis, the job failed, or no coordinator is left."""
         try:
             self._watch()
         except redis.RedisError as exc:  # Redis went away: the demo is shutting down.
@@ -428,6 +429,7 @@ class ProfileWatcher(threading.Thread):
                 return
 
     def stop(self) -> None:
+        """Stop watching (the demo goes on without it)."""
         self._stop_event.set()
         self.join(timeout=2)
 

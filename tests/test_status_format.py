@@ -1,0 +1,40 @@
+"""How `perseus status` prints its snapshot: one line per job, its state first, in columns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.status import format_snapshot
+
+
+def job(job_id: str, state: str, **kw: Any) -> dict[str, Any]:
+    """A job row of :func:`coordinator.status.snapshot`."""
+    row = {"job_id": job_id, "ranks": 1, "alive": 1, "world_size": 1, "version": 1}
+    row.update(results_for_version=0, idle_s=0, error="", waiting_on=[], state=state)
+    return {**row, **kw}
+
+
+def snap(*jobs: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot with these jobs and nothing else."""
+    rq = {"queue": "perseus", "queued": 0, "workers": 0, "failed": 0}
+    return {"jobs": list(jobs), "streams": [], "rq": rq}
+
+
+def test_status_names_each_job_state_in_its_table():
+    first = {"version": 1, "time_s": 0.5, "energy_j": 0.0}
+    text = format_snapshot(
+        snap(
+            job("a", "starting", version=0),
+            job("b", "failed", error="boom"),
+            job("c", "running", first=first, latest=first),
+        )
+    )
+    assert "starting: -" in text and "failed: boom" in text
+    assert "running: 0.5000 s/it, no energy measured (v1)" in text
+
+
+def test_status_columns_stay_in_line_with_long_job_ids():
+    long_id = "2026-11-26-12-24-59.035+dp1+pp2+tp1+InstructionProfiler+demo-profile-0123abcd"
+    text = format_snapshot(snap(job("short", "starting"), job(long_id, "starting")))
+    lines = [line for line in text.splitlines() if "starting" in line]
+    assert len(lines) == 2 and len({line.index(" 1/1") for line in lines}) == 1, lines
