@@ -290,3 +290,45 @@ def test_a_coordinator_started_as_the_operator_stops_at_once_naming_the_user(acl
     )
     assert result.exit_code == 1, result.output
     assert "NOPERM" in result.output and "perseus-service" in result.output, result.output
+
+
+def test_on_redis_7_an_append_only_restart_keeps_transactions_of_the_acl_users(tmp_path):
+    # Redis 7.0 replays the append-only file as the default user: with no permissions, it
+    # refused every MULTI/EXEC on reload, and a restart lost the jobs (seen on 7.0.15).
+    if _system_major() < 7:
+        pytest.skip("needs a Redis 7 redis-server on PATH")
+    assert SYSTEM_REDIS is not None
+    acl = tmp_path / "users.acl"
+    write_acl(acl, 7)
+    port = free_ports()[0]
+    command = [SYSTEM_REDIS, "--port", str(port), "--aclfile", str(acl), "--dir", str(tmp_path)]
+    command += ["--bind", "127.0.0.1", "--save", "", "--appendonly", "yes"]
+
+    def serve() -> subprocess.Popen:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        svc = redis.Redis.from_url(url_of(port, "service"))
+        wait_for(lambda: _answers(svc), timeout=10, what="redis-server")
+        return proc
+
+    proc = serve()
+    try:
+        svc = redis.Redis.from_url(url_of(port, "service"))
+        with svc.pipeline(transaction=True) as pipe:
+            pipe.set(keys.job_version("kept"), 3).hset(keys.job_info("kept"), "x", "1")
+            pipe.execute()
+        svc.close()
+    finally:
+        proc.terminate()  # SIGTERM: Redis flushes the append-only file and exits
+        proc.wait(timeout=10)
+    proc = serve()
+    try:
+        svc = redis.Redis.from_url(url_of(port, "service"))
+        assert svc.get(keys.job_version("kept")) == b"3"
+        assert svc.hget(keys.job_info("kept"), "x") == b"1"
+        svc.close()
+        # The default user stays off: a client without a user name gets nothing.
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
