@@ -224,11 +224,10 @@ def worker(
 ) -> None:
     """Run an rq worker for scheduler jobs, with the scheduler modules preloaded.
 
-    Start as many as you like (docker compose up --scale worker=N). Workers need no scheduler
-    settings: each job carries its own. By default jobs run in this long-lived process (rq's
-    SimpleWorker), which keeps each job's scheduler between versions and feeds it only the
-    new results; --fork runs each job in a forked process instead. A Redis outage does not
-    end the command: when rq's loop quits on one, a fresh worker starts once Redis answers.
+    Start as many as you like (docker compose up --scale worker=N). By default jobs run in this
+    long-lived process (rq's SimpleWorker), which keeps each job's scheduler between versions;
+    --fork forks a process per job. A Redis outage does not end the command (a fresh worker
+    starts once Redis answers); a user without permission does.
     """
     if fork and simple:
         raise click.UsageError("--fork and --simple exclude each other")
@@ -245,11 +244,14 @@ def worker(
     click.echo(
         f"perseus worker: queue={keys.RQ_QUEUE} {kind} redis={redact_url(settings.redis_url)}"
     )
-    run_workers(
-        lambda: cls([keys.RQ_QUEUE], connection=conn, name=name),
-        burst=burst,
-        logging_level=settings.log_level,
-    )
+    try:
+        run_workers(
+            lambda: cls([keys.RQ_QUEUE], connection=conn, name=name),
+            burst=burst,
+            logging_level=settings.log_level,
+        )
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @main.command()

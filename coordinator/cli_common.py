@@ -24,7 +24,12 @@ class PerseusGroup(click.Group):
         """Run the command; turn a ``NOPERM`` from Redis into a one-line error."""
         try:
             return super().invoke(ctx)
-        except redis.exceptions.NoPermissionError as exc:
+        except redis.ResponseError as exc:
+            # NOPERM, or its form inside a script ("The user executing the script can't run").
+            if not isinstance(exc, redis.exceptions.NoPermissionError) and not any(
+                mark in str(exc) for mark in ("NOPERM", "no permissions", "can't run this")
+            ):
+                raise
             raise click.ClickException(
                 f"Redis refused this command to the connected user (NOPERM: {exc}). Reading "
                 f"commands (status, dump, profile, deadletter list, power-limit show) need "

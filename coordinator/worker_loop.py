@@ -32,6 +32,9 @@ from rq.utils import now
 from rq.version import VERSION as RQ_VERSION
 from rq.worker import WorkerStatus
 
+from protocol.acl import role_user
+from protocol.exceptions import ConfigError
+
 logger = logging.getLogger(__name__)
 
 TEARDOWN_WAIT_S = 3.0
@@ -192,6 +195,9 @@ def run_workers(
         make_worker: Builds a fresh worker (same queues, connection and name each time).
         burst: rq's burst mode: return when the queue is empty (no restart either).
         logging_level: Passed to rq.
+
+    Raises:
+        ConfigError: The first worker was refused a command (NOPERM): not the service user.
     """
     restarts = 0
     pause = 0.0
@@ -205,6 +211,12 @@ def run_workers(
         started = time.monotonic()
         try:
             worker.work(burst=burst, logging_level=logging_level)
+        except redis.exceptions.NoPermissionError as exc:
+            if restarts == 0:  # Never ran: the user is wrong, and waiting cannot fix that.
+                who = f"rq worker {worker.name}: Redis refused a command to this user"
+                use = f"a worker runs as {role_user('service')} (`perseus acl`)"
+                raise ConfigError(f"{who} (NOPERM: {exc}); {use}") from None
+            logger.warning("rq worker %s quit on a redis error: %s", worker.name, exc)
         except redis.RedisError as exc:
             # rq's teardown (recording the worker's death) needs Redis as well; or Redis is
             # full (OOM) or read-only: wait and start again.

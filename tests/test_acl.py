@@ -332,3 +332,25 @@ def test_on_redis_7_an_append_only_restart_keeps_transactions_of_the_acl_users(t
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_wrong_users_get_one_line_from_the_worker_and_from_jobs_finish(acl_server):
+    _server, port = acl_server
+    result = CliRunner().invoke(main, ["worker", "--redis-url", url_of(port, "operator")])
+    assert result.exit_code == 1, result.output
+    assert "NOPERM" in result.output and "perseus-service" in result.output, result.output
+    svc = redis.Redis.from_url(url_of(port, "service"))
+    JobStore(svc).create_job(
+        JobInfo(job_id="j", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1),
+        JobConfig(scheduler=TOY_SCHEDULER),
+        "1-1",
+    )
+    for role in ("rank", "operator"):
+        result = CliRunner().invoke(
+            main, ["jobs", "finish", "j", "--redis-url", url_of(port, role)]
+        )
+        assert result.exit_code == 1, (role, result.output)
+        assert "perseus-service" in result.output and "Traceback" not in result.output, (
+            result.output
+        )
+        assert result.exception is None or isinstance(result.exception, SystemExit), role
