@@ -86,11 +86,15 @@ class _StopAware:
         must not outlive ``docker stop``'s grace period for a record that is best effort anyway:
         rq's registry cleanup drops a worker whose key has expired.
         """
-        thread = threading.Thread(
-            target=super().teardown,  # type: ignore[misc]
-            name="rq-teardown",
-            daemon=True,
-        )
+        rq_teardown = super().teardown  # type: ignore[misc]
+
+        def record() -> None:
+            try:
+                rq_teardown()
+            except redis.RedisError as exc:  # Redis is down: one line, not a thread's traceback
+                logger.warning("rq worker %s: exit not recorded in Redis (%s)", self.name, exc)  # type: ignore[attr-defined]
+
+        thread = threading.Thread(target=record, name="rq-teardown", daemon=True)
         thread.start()
         thread.join(TEARDOWN_WAIT_S)
         if thread.is_alive():

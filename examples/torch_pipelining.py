@@ -4,7 +4,7 @@ Runs on a machine without a GPU (simulated GPU, dry-run clocks):
 
     python examples/torch_pipelining.py                      # starts its own Redis and services
     python examples/torch_pipelining.py --schedule gpipe     # ScheduleGPipe instead
-    python examples/torch_pipelining.py --redis-url URL      # joins a running coordinator + worker
+    python examples/torch_pipelining.py --redis-url URL      # on that Redis (the service user)
 
 The job names its scheduler (PointSolution) and sends a plan made for the schedule it runs.
 In real training you run `perseus coordinator` and `perseus worker` as services, plan with
@@ -50,7 +50,11 @@ def make_plan(folder: Path, schedule: str) -> str:
 def main() -> None:
     """Start services (unless --redis-url), then spawn one process per pipeline stage."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--redis-url", help="join the coordinator and worker serving this Redis")
+    parser.add_argument(
+        "--redis-url",
+        help="run on this Redis: a coordinator and an rq worker are started there beside any "
+        "running ones, so with ACL users give the service user's URL",
+    )
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, services(args.redis_url, print) as url:

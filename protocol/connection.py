@@ -25,6 +25,16 @@ SOCKET_TIMEOUT_S = 30.0
 """Default socket timeout; a blocking command must block for less (see :func:`connect`)."""
 
 
+def _tls_hint(url: str, exc: Exception) -> str:
+    """A hint where a TLS mismatch looks like another fault (a timeout, a reset connection)."""
+    text = str(exc).lower()
+    if url.startswith("rediss://") and "timeout" in text:
+        return " (does this port speak TLS? rediss:// needs a TLS port; redis:// is plain text)"
+    if url.startswith("redis://") and ("reset by peer" in text or "closed by server" in text):
+        return " (a TLS port? use rediss:// for TLS)"
+    return ""
+
+
 def connect(
     url: str,
     *,
@@ -92,7 +102,7 @@ def connect(
         ) from None
     except redis.RedisError as exc:
         raise CoordinatorUnavailableError(
-            f"cannot reach Redis at {redact_url(url)}: {exc}"
+            f"cannot reach Redis at {redact_url(url)}: {exc}{_tls_hint(url, exc)}"
         ) from None
     except ValueError as exc:
         why = str(exc)

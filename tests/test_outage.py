@@ -8,6 +8,7 @@ run as ``perseus`` CLI processes; the hook runs in this process (gloo, world siz
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -16,11 +17,13 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from rq import Queue
 
 from coordinator.embedded import EmbeddedRedis
 from coordinator.service import Coordinator
-from coordinator.worker_loop import wait_for_redis
+from coordinator.worker_loop import PerseusSimpleWorker, wait_for_redis
 from protocol import keys
 from protocol.connection import connect
 from protocol.exceptions import CoordinatorUnavailableError
@@ -29,6 +32,7 @@ from protocol.store import JobStore
 from tests.helpers import (
     FAST_RECOVERY,
     ROOT,
+    free_ports,
     make_hook,
     make_settings,
     register,
@@ -433,3 +437,19 @@ def test_waiting_for_a_schedule_without_redis_raises_the_projects_error(tmp_path
     client = CoordinatorClient(f"unix://{tmp_path / 'nobody.sock'}", reply_timeout=1)
     with pytest.raises(CoordinatorUnavailableError, match=r"redis at unix://.*nobody\.sock"):
         client.wait_schedule("some-job", 0, timeout=1)
+
+
+def test_a_worker_stopping_while_redis_is_down_logs_one_line_not_a_traceback(r, caplog):
+    worker = PerseusSimpleWorker([keys.RQ_QUEUE], connection=r, name="w-down")
+    # Redis goes away before the worker stops: nothing listens at this port.
+    down = redis.Redis(port=free_ports()[0], retry=Retry(NoBackoff(), 0))  # fails at once
+    worker.connection = down
+    uncaught: list[BaseException | None] = []
+    previous, threading.excepthook = threading.excepthook, lambda a: uncaught.append(a.exc_value)
+    try:
+        with caplog.at_level(logging.WARNING, logger="coordinator.worker_loop"):
+            worker.teardown()
+    finally:
+        threading.excepthook = previous
+    assert uncaught == []
+    assert "rq worker w-down: exit not recorded in Redis" in caplog.text

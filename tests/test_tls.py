@@ -73,3 +73,10 @@ def test_an_untrusted_certificate_is_refused_with_a_clear_error(tls_url):
     result = CliRunner().invoke(main, ["status", "--redis-url", untrusted])
     assert result.exit_code == 1 and "certificate verify failed" in result.output
     assert PASSWORD not in result.output
+
+
+def test_plain_text_to_a_tls_port_hints_at_rediss(tls_url):
+    trusted, _ = tls_url
+    plain = trusted.split("?")[0].replace("rediss://", "redis://", 1)
+    with pytest.raises(CoordinatorUnavailableError, match="use rediss:// for TLS"):
+        connect(plain, ping=True)

@@ -82,7 +82,7 @@ class CoordinatorClient:
         if answer is None:
             raise CoordinatorUnavailableError(
                 f"no coordinator answered {message.kind} within {self.reply_timeout:.0f} s; "
-                f"is `perseus coordinator --redis-url {self.where}` running?"
+                f"is a `perseus coordinator` running on this Redis ({self.where})?"
             )
         reply = unpack(Reply, answer[1])
         if not reply.ok:
