@@ -34,7 +34,7 @@ from coordinator.health import LIVE_S, agree_settings, last_beats
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
 from protocol import keys
-from protocol.acl import role_user
+from protocol.acl import wrong_user
 from protocol.connection import connect
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, stage_order
@@ -152,10 +152,7 @@ def _own_coordinator(
     try:
         agree_settings(conn, coordinator.consumer, settings.shared(), _server_now(conn))
     except redis.exceptions.NoPermissionError as exc:
-        raise PerseusError(
-            f"this Redis user may not run a coordinator (NOPERM: {exc}): starting one and an rq "
-            f"worker needs {role_user('service')}'s URL"
-        ) from None
+        raise wrong_user("the demo's coordinator and rq worker", exc) from None
     except ConfigError as exc:
         progress(f"using the coordinator already running on this Redis ({exc})")
         return None

@@ -36,9 +36,9 @@ from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
 from coordinator.trust import ResultKeys
 from protocol import deadletter, keys, streams
-from protocol.acl import role_user
+from protocol.acl import wrong_user
 from protocol.consumers import GroupMembers
-from protocol.exceptions import ConfigError, DuplicateEntryError, PerseusError, UnknownJobError
+from protocol.exceptions import DuplicateEntryError, PerseusError, UnknownJobError
 from protocol.models import (
     RegisterJob,
     RegisterRank,
@@ -116,10 +116,8 @@ class Coordinator:
             try:
                 self._start()
                 break
-            except redis.exceptions.NoPermissionError as exc:  # Waiting cannot fix that.
-                who = f"coordinator {self.consumer}: Redis refused a command to this user"
-                use = f"a coordinator runs as {role_user('service')} (`perseus acl`)"
-                raise ConfigError(f"{who} (NOPERM: {exc}); {use}") from None
+            except redis.exceptions.NoPermissionError as exc:
+                raise wrong_user(f"coordinator {self.consumer}", exc) from None
             except redis.RedisError as exc:  # Down, out of memory, read-only replica...
                 backoff.failed(exc)
         while not self.stop_event.is_set():

@@ -32,8 +32,7 @@ from rq.utils import now
 from rq.version import VERSION as RQ_VERSION
 from rq.worker import WorkerStatus
 
-from protocol.acl import role_user
-from protocol.exceptions import ConfigError
+from protocol.acl import wrong_user
 
 logger = logging.getLogger(__name__)
 
@@ -216,10 +215,8 @@ def run_workers(
         try:
             worker.work(burst=burst, logging_level=logging_level)
         except redis.exceptions.NoPermissionError as exc:
-            if restarts == 0:  # Never ran: the user is wrong, and waiting cannot fix that.
-                who = f"rq worker {worker.name}: Redis refused a command to this user"
-                use = f"a worker runs as {role_user('service')} (`perseus acl`)"
-                raise ConfigError(f"{who} (NOPERM: {exc}); {use}") from None
+            if restarts == 0:  # Never ran: not an outage that ended it.
+                raise wrong_user(f"rq worker {worker.name}", exc) from None
             logger.warning("rq worker %s quit on a redis error: %s", worker.name, exc)
         except redis.RedisError as exc:
             # rq's teardown (recording the worker's death) needs Redis as well; or Redis is

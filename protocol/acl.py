@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 
 from protocol import keys
+from protocol.exceptions import ConfigError
 
 ROLES = ("rank", "service", "operator")
 
@@ -129,3 +130,19 @@ def acl_file(passwords: dict[str, str], redis_major: int = 7) -> str:
         rules = role_rules(role, redis_major)
         lines.append(f"user {role_user(role)} on #{digest} resetchannels {rules}")
     return "\n".join(lines) + "\n"
+
+
+def wrong_user(who: str, exc: Exception, role: str = "service") -> ConfigError:
+    """The error of a process Redis refused a command (NOPERM) at its start: the wrong user.
+
+    Waiting cannot fix that, unlike an outage: the process stops with this one line.
+
+    Args:
+        who: The process, e.g. ``"coordinator host-12"``.
+        exc: Redis's refusal.
+        role: The role whose user the process needs.
+    """
+    return ConfigError(
+        f"{who}: Redis refused a command to this user (NOPERM: {exc}); it needs "
+        f"{role_user(role)} (`perseus acl`)"
+    )
