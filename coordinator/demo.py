@@ -38,6 +38,7 @@ from protocol.acl import wrong_user
 from protocol.connection import connect
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, stage_order
+from protocol.server_clock import ServerClock
 from protocol.store import JobStore
 from schedulers.planning.choose import choose_plan
 from schedulers.planning.plan_file import write_plan_file
@@ -126,14 +127,9 @@ class DemoReport:
         return 100.0 * (self.plan.iteration_time / self.allmax.iteration_time - 1.0)
 
 
-def _server_now(conn: redis.Redis) -> float:
-    seconds, micros = conn.time()
-    return float(seconds) + micros / 1e6
-
-
 def _live_coordinators(conn: redis.Redis) -> list[str]:
     """Coordinators that beat within :data:`~coordinator.health.LIVE_S` (server time)."""
-    now = _server_now(conn)
+    now = ServerClock.of(conn).now()
     return sorted(name for name, at in last_beats(conn).items() if now - at <= LIVE_S)
 
 
@@ -150,7 +146,7 @@ def _own_coordinator(
     settings = PerseusSettings(redis_url=redis_url, scheduler="", log_level="WARNING")
     coordinator = Coordinator(conn, settings)
     try:
-        agree_settings(conn, coordinator.consumer, settings.shared(), _server_now(conn))
+        agree_settings(conn, coordinator.consumer, settings.shared(), ServerClock.of(conn).now())
     except redis.exceptions.NoPermissionError as exc:
         raise wrong_user("the demo's coordinator and rq worker", exc) from None
     except ConfigError as exc:
@@ -169,7 +165,7 @@ def _own_coordinator(
     deadline = time.monotonic() + 30
     while coordinator.consumer not in last_beats(conn) and not failed:
         if time.monotonic() > deadline:
-            break
+            break  # Slow, not failed: the profiling watcher sees a coordinator that never ran.
         time.sleep(0.05)
     if failed or not thread.is_alive():
         coordinator.stop_event.set()
