@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-from rq import Queue, SimpleWorker, Worker
+from rq import Queue, SimpleWorker, Worker, worker_registration
 from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job
@@ -52,13 +52,36 @@ class _StopAware:
         """Send rq's heartbeat (worker hash and TTLs): its three commands in one round trip.
 
         rq sends them one by one when given no pipeline, twice around every task: on the
-        path from dequeuing a task to running it, that is two round trips for nothing.
+        path from dequeuing a task to running it, that is two round trips for nothing. The
+        same round trip checks that Redis still has the worker's record (see
+        :meth:`_register_again`).
         """
         if pipeline is not None:
             super().heartbeat(timeout, pipeline=pipeline)  # type: ignore[misc]
             return
         with self.connection.pipeline(transaction=False) as pipe:  # type: ignore[attr-defined]
+            pipe.hexists(self.key, "birth")  # type: ignore[attr-defined]
             super().heartbeat(timeout, pipeline=pipe)  # type: ignore[misc]
+            registered = pipe.execute()[0]
+        if not registered:
+            self._register_again()
+
+    def _register_again(self) -> None:
+        """Write the worker's record and registry entries again: Redis lost them.
+
+        After Redis comes back without its data (no persistence, a failover to an empty
+        replica), rq's heartbeat only recreates a partial worker hash: ``rq info`` and
+        ``perseus status`` would count no worker while this one serves.
+        """
+        logger.warning(
+            "rq worker %s: its record was gone from Redis (restarted without its data?); "
+            "registering it again",
+            self.name,  # type: ignore[attr-defined]
+        )
+        with self.connection.pipeline() as pipe:  # type: ignore[attr-defined]
+            pipe.hset(self.key, mapping=self.serialize())  # type: ignore[attr-defined]
+            worker_registration.register(self, pipe)
+            pipe.expire(self.key, self.worker_ttl + 60)  # type: ignore[attr-defined]
             pipe.execute()
 
     def handle_warm_shutdown_request(self) -> None:

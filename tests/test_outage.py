@@ -19,7 +19,7 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from rq import Queue
+from rq import Queue, Worker, worker_registration
 
 from coordinator.embedded import EmbeddedRedis
 from coordinator.service import Coordinator
@@ -177,6 +177,25 @@ def test_redis_restarted_empty_loses_the_job_not_the_training(gloo, cluster):
         client.close()
     finally:
         hook.close()
+
+
+def test_a_worker_registers_again_with_rq_after_redis_lost_its_data(cluster):
+    server = cluster(False)
+    conn = redis.Redis.from_url(server.url)
+    queue = Queue(keys.RQ_QUEUE, connection=conn)
+    wait_for(lambda: worker_registration.get_keys(queue=queue), timeout=20, what="the worker")
+    server.restart(downtime=1.0)  # Comes back with nothing: rq's registry is gone too.
+    assert not worker_registration.get_keys(queue=queue)
+    # The worker's next heartbeat, after its next task (a new job's first version), finds
+    # its record gone and writes it again.
+    client = CoordinatorClient(server.url, reply_timeout=20)
+    job_id = register(client, pp=1)
+    assert client.wait_schedule(job_id, rank=0, timeout=30).version == 1
+    wait_for(lambda: worker_registration.get_keys(queue=queue), timeout=20, what="the registration")
+    [worker_key] = worker_registration.get_keys(queue=queue)
+    assert conn.hexists(worker_key, "birth") and conn.ttl(worker_key) > 0
+    assert len(Worker.all(queue=queue)) == 1
+    client.close()
 
 
 def test_redis_restart_while_a_worker_computes_a_version(cluster):
