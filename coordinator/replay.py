@@ -119,8 +119,12 @@ class LiveScheduler:
         published = [i for i, e in enumerate(entries) if e.published]
         newest = published[-1] if published else -1
         for i, entry in enumerate(entries):
-            self.apply_inputs(store, job_id, entry)
-            replayed = self.scheduler.next_schedule()
+            self.scheduler.replaying = True
+            try:
+                self.apply_inputs(store, job_id, entry)
+                replayed = self.scheduler.next_schedule()
+            finally:
+                self.scheduler.replaying = False
             self.journal_length += 1
             if not entry.published:
                 continue

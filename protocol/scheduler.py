@@ -46,6 +46,11 @@ class FrequencyScheduler:
         self._pending_results: list[ProfilingResult] | None = None
         self._finished = False
 
+    replaying: bool = False
+    """True while the worker feeds inputs that some worker fed before (rebuilding the scheduler
+    from the journal, or catching up on versions another worker computed). Messages about an
+    input (a warning on a target, say) belong in the log once: log them only when False."""
+
     needs_instruction_energy: bool = False
     """Whether results must carry ``energy_breakdown`` (the hook then measures it itself)."""
 

@@ -168,7 +168,8 @@ class FrontierScheduler(FrequencyScheduler):
     def set_target(self, iteration_time: float) -> None:
         """Switch to the least-energy plan that meets ``iteration_time`` seconds.
 
-        If no plan is that fast, the fastest plan is used, with a warning in the worker's log.
+        If no plan is that fast, the fastest plan is used, with a warning in the worker's log
+        (not again when a worker replays the target).
 
         Raises:
             ConfigError: ``iteration_time`` is not positive, or the new plan does not fit
@@ -176,7 +177,7 @@ class FrontierScheduler(FrequencyScheduler):
 
         """
         point, _, note = select_point(self.frontier, "straggler", iteration_time)
-        if note:  # Only when no plan meets the target.
+        if note and not self.replaying:  # Only when no plan meets the target; once.
             logger.warning("job %s: %s (plan %s)", self.job_info.job_id, note, point.plan)
         self._load(point)
         self.current = point

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -10,8 +11,10 @@ from click.testing import CliRunner
 from rq import Queue, SimpleWorker
 
 from coordinator.cli import main
+from coordinator.replay import LiveSchedulers
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
+from coordinator.tasks import advance_once
 from protocol import keys
 from protocol.constants import H100_GRAPHICS_CLOCKS
 from protocol.exceptions import ProtocolError
@@ -125,3 +128,41 @@ def test_a_control_message_handled_after_a_newer_one_is_dead_lettered_not_droppe
     with pytest.raises(ProtocolError, match="control message 5-0 of job late is older"):
         store.add_control(SetTarget(job_id="late", iteration_time=1.0), "5-0")
     assert [m.iteration_time for m in store.controls("late")] == [2.0]
+
+
+def test_a_replayed_target_that_no_plan_meets_is_not_warned_about_again(r, frontier_dir, caplog):
+    store = JobStore(r)
+    job = JobInfo(job_id="fast", pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
+    config = JobConfig(
+        scheduler="FrontierScheduler", scheduler_args={"frontier_dir": str(frontier_dir)}
+    )
+    store.create_job(job, config, "1-1")
+    for rank in range(2):
+        store.add_rank(
+            job,
+            RankInfo(
+                rank=rank,
+                dp_rank=0,
+                pp_rank=rank,
+                tp_rank=0,
+                available_frequencies=list(H100_GRAPHICS_CLOCKS),
+            ),
+        )
+    cache = LiveSchedulers()
+    assert advance_once(store, "fast", cache) == 1
+    fastest = min(load_frontier(frontier_dir).pareto, key=lambda p: p.iteration_time)
+    slower = fastest.iteration_time * 1.3  # some plan meets it: another plan, version 2
+    store.add_control(SetTarget(job_id="fast", iteration_time=slower), "8-0")
+    assert advance_once(store, "fast", cache) == 2
+    store.add_control(SetTarget(job_id="fast", iteration_time=fastest.iteration_time / 10), "9-0")
+    with caplog.at_level(logging.WARNING, logger="schedulers.frontier"):
+        assert advance_once(store, "fast", cache) == 3
+    assert caplog.text.count("faster than every plan") == 1
+    caplog.clear()
+    # A worker without the scheduler (a restart, or --fork) replays the target: no warning,
+    # the same plan.
+    fresh = LiveSchedulers()
+    with caplog.at_level(logging.WARNING, logger="schedulers.frontier"):
+        live = fresh.get(store, store.job_state("fast"))
+    assert caplog.text == "" and live.scheduler.current.plan == fastest.plan
+    assert live.scheduler.replaying is False
