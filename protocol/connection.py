@@ -35,6 +35,21 @@ def _tls_hint(url: str, exc: Exception) -> str:
     return ""
 
 
+class _TLSConnection(redis.SSLConnection):
+    """redis-py's TLS connection, its handshake bounded by the connect timeout.
+
+    redis-py runs the handshake under the socket timeout (30 s here): a ``rediss://`` URL that
+    names a plain-text Redis waits that long, as Redis keeps reading the client's hello as
+    the start of a command and never answers.
+    """
+
+    def _wrap_socket_with_ssl(self, sock: Any) -> Any:
+        sock.settimeout(self.socket_connect_timeout)
+        wrapped = super()._wrap_socket_with_ssl(sock)
+        wrapped.settimeout(self.socket_timeout)
+        return wrapped
+
+
 def connect(
     url: str,
     *,
@@ -78,6 +93,8 @@ def connect(
                 socket_connect_timeout=connect_timeout,
                 health_check_interval=30,
             )
+            if conn.connection_pool.connection_class is redis.SSLConnection:
+                conn.connection_pool.connection_class = _TLSConnection  # nothing connected yet
         if ping:
             conn.ping()
         if dedicated and not url.startswith(SENTINEL_SCHEMES):

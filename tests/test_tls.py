@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -80,3 +81,13 @@ def test_plain_text_to_a_tls_port_hints_at_rediss(tls_url):
     plain = trusted.split("?")[0].replace("rediss://", "redis://", 1)
     with pytest.raises(CoordinatorUnavailableError, match="use rediss:// for TLS"):
         connect(plain, ping=True)
+
+
+def test_rediss_to_a_plain_text_port_fails_within_the_connect_timeout():
+    port = free_ports()[0]
+    with EmbeddedRedis(port=port):
+        started = time.monotonic()
+        with pytest.raises(CoordinatorUnavailableError, match="does this port speak TLS"):
+            connect(f"rediss://127.0.0.1:{port}/0", ping=True, connect_timeout=1.0)
+        # redis-py alone waits for the handshake as long as for any reply (30 s here).
+        assert time.monotonic() - started < 10
