@@ -44,8 +44,13 @@ def _request_reply_key(fields: dict[bytes, bytes]) -> str | None:
 
 @dataclass
 class Outcome:
-    """What a batch of entries sends back: replies, dead letters, scheduler work and acks."""
+    """What a batch of entries sends back: replies, dead letters, scheduler work and acks.
 
+    ``now`` stamps its dead letters (``dead_at``): the coordinator gives the server's clock,
+    as for every other stamp.
+    """
+
+    now: float = field(default_factory=time.time)
     replies: dict[str, Reply] = field(default_factory=dict)  # reply key -> reply
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
@@ -78,7 +83,7 @@ class Outcome:
         ``reply=False``: a request answered before (its client must get that first reply).
         """
         self.dead_letters.append(
-            deadletter.entry_fields(stream, entry_id, fields, reason, time.time(), oversize)
+            deadletter.entry_fields(stream, entry_id, fields, reason, self.now, oversize)
         )
         self.reasons.append(f"{stream} {entry_id}: {reason}")
         # Only a registration's client waits for a reply; a request id in another stream's

@@ -282,7 +282,8 @@ class Coordinator:
         """
         if not entries:
             return 0
-        outcome = Outcome()
+        # Activity stamps and dead letters: the server's clock, like heartbeats.
+        outcome = Outcome(now=self.store.clock.now())
         pending: list[tuple[str, str, dict[bytes, bytes], Message]] = []
         for stream, entry_id, fields in entries:
             outcome.acks.setdefault(stream, []).append(entry_id)
@@ -312,7 +313,7 @@ class Coordinator:
         )
         batch = self.store.batch()
         queued: list[tuple[str, str, dict[bytes, bytes], Message]] = []
-        now = self.store.clock.now()  # activity stamps: the server's clock, like heartbeats
+        now = outcome.now
         for stream, entry_id, fields, message in pending:
             try:
                 self._dispatch(batch, message, stream, entry_id, fields, jobs, now)

@@ -12,7 +12,7 @@ from protocol.deadletter import purge
 from protocol.models import JobConfig, JobInfo, RankInfo
 from protocol.store import JobStore
 from protocol.tokens import new_token
-from tests.helpers import FREQS, TOY_SCHEDULER, make_settings, register, wait_for
+from tests.helpers import FREQS, TOY_SCHEDULER, make_settings, register, result, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 EIGHT_DAYS = 8 * 86400
@@ -61,6 +61,11 @@ def test_a_coordinator_8_days_ahead_keeps_live_jobs_and_stamps_the_servers_time(
         assert abs(activity(store, fresh) - server) < 5
         enqueued = wait_for(lambda: store.job_fields(fresh, "enqueued_at")["enqueued_at"], 5)
         assert abs(float(enqueued) - server) < 5
+        # A dead letter's dead_at as well (``perseus deadletter list`` prints it).
+        client.report("no-such-job", result(0, 1))
+        wait_for(lambda: r.xlen(keys.DEADLETTER_STREAM), 5, "the dead letter")
+        [(_id, letter)] = r.xrange(keys.DEADLETTER_STREAM)
+        assert abs(float(letter[b"dead_at"]) - store.server_time()) < 5
         coord.sweep()
         # The coordinator's heartbeat (read by the healthcheck and the consumer cleanup) too
         # (while it runs: a clean stop removes it).
