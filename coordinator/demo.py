@@ -30,7 +30,7 @@ from typing import Any
 import redis
 
 from coordinator.embedded import EmbeddedRedis
-from coordinator.health import LIVE_S, agree_settings, last_beats
+from coordinator.health import agree_settings, last_beats, live_coordinators
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
 from protocol import keys
@@ -125,12 +125,6 @@ class DemoReport:
         """Measured iteration-time change of the plan against all-max clocks."""
         assert self.allmax and self.plan
         return 100.0 * (self.plan.iteration_time / self.allmax.iteration_time - 1.0)
-
-
-def _live_coordinators(conn: redis.Redis) -> list[str]:
-    """Coordinators that beat within :data:`~coordinator.health.LIVE_S` (server time)."""
-    now = ServerClock.of(conn).now()
-    return sorted(name for name, at in last_beats(conn).items() if now - at <= LIVE_S)
 
 
 def _own_coordinator(
@@ -417,7 +411,7 @@ class ProfileWatcher(threading.Thread):
             if version >= shown + 5:  # A line every five sweep steps is enough to show life.
                 shown = version
                 self.progress(f"      sweep step {version} (schedule version {version})")
-            if not _live_coordinators(self.store.conn):
+            if not live_coordinators(self.store.conn, ServerClock.of(self.store.conn).now()):
                 self.error = "no coordinator is running on this Redis any more"
                 self.stop_file.touch()
                 return

@@ -75,6 +75,17 @@ LIVE_S = 10.0
 """A coordinator that beat within this many seconds is running (its settings must match)."""
 
 
+def live_coordinators(conn: redis.Redis, now: float, live_s: float = LIVE_S) -> dict[str, float]:
+    """Consumer name -> last heartbeat of every coordinator that beat within ``live_s``.
+
+    Args:
+        conn: The Redis.
+        now: The Redis server's time (heartbeats are stamped with it).
+        live_s: Seconds since the last beat that still count as running.
+    """
+    return {name: at for name, at in last_beats(conn).items() if now - at <= live_s}
+
+
 def agree_settings(
     conn: redis.Redis, consumer: str, shared: dict[str, Any], now: float, live_s: float = LIVE_S
 ) -> None:
@@ -88,8 +99,8 @@ def agree_settings(
             the message names each setting that differs and both values.
     """
     recorded = {name.decode(): raw for name, raw in conn.hgetall(keys.COORDINATOR_SETTINGS).items()}
-    for name, at in last_beats(conn).items():
-        if name == consumer or now - at > live_s or name not in recorded:
+    for name, at in live_coordinators(conn, now, live_s).items():
+        if name == consumer or name not in recorded:
             continue
         theirs = json.loads(recorded[name])
         differ = [k for k in shared if theirs.get(k) != shared[k]]

@@ -41,8 +41,8 @@ def check_still_awaited(
     try:
         wait_s = float(raw)
     except ValueError:
-        wait_s = math.nan
-    if not wait_s > 0 or math.isinf(wait_s):
+        wait_s = 0.0  # refused below, like any number that is not positive and finite
+    if not (math.isfinite(wait_s) and wait_s > 0):
         raise ProtocolError(f"wait_s must be a positive number of seconds, got {raw!r}")
     age = now - int(entry_id.partition("-")[0]) / 1000
     if age > wait_s:
