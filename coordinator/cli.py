@@ -6,8 +6,6 @@ point; command-line flags override them.
 
 from __future__ import annotations
 
-import gc
-import importlib
 import inspect
 import json
 import logging
@@ -31,6 +29,7 @@ from coordinator.cli_jobs import jobs_group
 from coordinator.dump import dump_job
 from coordinator.embedded import EmbeddedRedis, redis_server_binary
 from coordinator.service import Coordinator
+from coordinator.service_process import preload_schedulers, tune_gc
 from coordinator.status import SILENT_AFTER_S, format_snapshot, snapshot
 from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_workers
 from protocol import keys
@@ -129,7 +128,7 @@ def coordinator(
     # The coordinator's loop is one thread: its client keeps one connection (no pool checkout).
     service = Coordinator(connect_or_fail(settings.redis_url, dedicated=True), settings)
     signal.signal(signal.SIGTERM, lambda *_: service.stop_event.set())
-    freeze_startup_heap()
+    tune_gc()
     where = redact_url(settings.redis_url)
     chosen = settings.scheduler or "none (each job names its own; --scheduler sets a default)"
     click.echo(f"perseus coordinator: scheduler={chosen} redis={where}")
@@ -168,34 +167,6 @@ def _scheduler_hint(name: str) -> str:
         lines.append(f"  ({name} takes: {', '.join(params)}; see `perseus schedulers`)")
     lines.append("  perseus coordinator --scheduler ''   (no default: each job names one)")
     return "\n".join(lines)
-
-
-# Imported by `perseus worker` before it forks: scipy.optimize (the planner's cost-model fit)
-# costs ~0.5-1 s per forked job otherwise (the planner runs inside InstructionProfiler's and
-# FrontierScheduler's rq tasks). lowtime is imported only for `--solver lowtime`.
-PRELOAD_MODULES = ("coordinator.tasks", "schedulers.planning.planner", "scipy.optimize")
-
-
-def freeze_startup_heap() -> None:
-    """Take what a service allocated at start out of the cyclic garbage collector's rounds.
-
-    A service imports much (rq, redis, pydantic; a worker preloads the schedulers and scipy)
-    and then keeps little new for long. Each full collection walked that heap again: pauses
-    of 35-60 ms in 1-2% of versions (`benchmarks/bench_coordinator.py`'s p99; about 15 ms
-    with the collector off). ``gc.freeze`` is Python's remedy (also before a fork).
-    """
-    gc.collect()
-    gc.freeze()
-
-
-def preload_schedulers() -> None:
-    """Import scheduler modules (and scipy.optimize) once, before rq forks a job's process."""
-    targets = [t.partition(":")[0] for t in BUILTIN.values()] + list(PRELOAD_MODULES)
-    for module in targets:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:  # A missing optional module must not stop the worker.
-            logging.getLogger(__name__).warning("not preloaded: %s (%s)", module, exc)
 
 
 @main.command()
@@ -237,7 +208,7 @@ def worker(
     )
     if not no_preload:
         preload_schedulers()
-    freeze_startup_heap()
+    tune_gc()
     cls = PerseusWorker if fork else PerseusSimpleWorker
     conn = connect_or_fail(settings.redis_url)
     kind = "forking" if fork else "long-lived"
