@@ -13,7 +13,9 @@ import time
 
 import pytest
 import redis
+from rq import Queue, SimpleWorker
 
+from coordinator.advance_queue import RESULT_TTL_S, enqueue
 from coordinator.dump import dump_job
 from coordinator.replay import LiveSchedulers
 from coordinator.service import Coordinator
@@ -224,3 +226,16 @@ def test_the_lease_is_renewed_while_a_scheduler_computes(r):
     thread.join()
     assert done == [[1]] and holders == {token}
     assert store.lease_holder("slow") is None  # released at the end
+
+
+def test_a_finished_advance_task_leaves_rq_state_for_a_minute_only(r, redis_url):
+    # rq's default keeps a finished task (hash and result stream, ~6.5 kB) for 10 minutes:
+    # a job publishing a version a second would hold 4 MB of them.
+    store = JobStore(r)
+    new_job(store, "brief", STEPDOWN)
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    task = enqueue(queue, store, make_settings(redis_url), "brief")
+    SimpleWorker([queue], connection=r).work(burst=True)
+    assert store.version("brief") == 1 and task.get_status(refresh=True) == "finished"
+    for key in (task.key, f"rq:results:{task.id}"):
+        assert r.exists(key) and 0 < r.ttl(key) <= RESULT_TTL_S == 60, key
