@@ -26,6 +26,7 @@ def run_rank(
     step_sleep: float = 0.0,
     heartbeat_interval: float = 60.0,
     barrier: bool = True,
+    visible_devices: str | None = None,
 ) -> None:
     """Run ``steps`` 1F1B iterations under PerseusOptimizer and write what happened to JSON.
 
@@ -33,6 +34,7 @@ def run_rank(
     coordinator's); ``step_sleep`` seconds pass in every step, so a job lasts long enough for
     faults injected while it runs. ``barrier=False`` leaves out the barrier after each step,
     so that a rank trains on when another one dies (as one stuck elsewhere would beat on).
+    ``visible_devices`` is every rank's ``CUDA_VISIBLE_DEVICES`` (rank r drives CUDA device r).
     """
     import time
 
@@ -46,6 +48,8 @@ def run_rank(
 
     pp_rank, dp_rank = rank % pp, rank // pp
     record: dict[str, Any] = {"rank": rank, "pp_rank": pp_rank, "dp_rank": dp_rank}
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     try:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
         controller = DryRunFrequencyController(rank)
@@ -70,6 +74,7 @@ def run_rank(
             scheduler_args=scheduler_args,
         )
         record["job_id"] = hook.job_id
+        record["gpu_index"] = hook.gpu_index
         record["first_version"] = hook.schedule.version
         x = torch.ones(64, 64)
         for _ in range(steps):

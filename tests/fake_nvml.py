@@ -89,6 +89,11 @@ def nvmlDeviceGetHandleByIndex(index: int) -> Handle:
     return Handle(index)
 
 
+def nvmlDeviceGetUUID(handle: Handle) -> str:
+    _log("nvmlDeviceGetUUID", handle)
+    return f"GPU-{handle.index:08x}-fake-{handle.index}"
+
+
 def nvmlDeviceGetSupportedMemoryClocks(handle: Handle) -> list[int]:
     _log("nvmlDeviceGetSupportedMemoryClocks", handle)
     return list(MEMORY_CLOCKS)

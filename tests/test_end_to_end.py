@@ -132,3 +132,28 @@ def test_when_rank_0_cannot_register_the_job_every_rank_fails_with_its_reason(re
         record = json.loads((tmp_path / f"{meta}-rank{rank}.json").read_text())
         assert "rank 0 could not register the job" in record["error"]
         assert "job_metadata" in record["error"]
+
+
+def test_a_rank_that_cannot_open_its_gpu_fails_every_rank_before_a_job_exists(
+    r, redis_url, tmp_path
+):
+    # CUDA device 1 is hidden from both ranks: rank 1 cannot drive it. No job may be
+    # registered (one that nobody trains would sit as `starting`), and rank 0 says why.
+    meta = "hidden-gpu"
+    procs = spawn_ranks(2, 2, redis_url, tmp_path, meta, 1, 2, visible_devices="0")
+    join_ranks(procs, 120)
+    records = [json.loads((tmp_path / f"{meta}-rank{k}.json").read_text()) for k in range(2)]
+    assert "device_id 1 is not a visible CUDA device" in records[1]["error"]
+    assert "CUDA_VISIBLE_DEVICES='0'" in records[1]["error"]
+    assert "no job registered; rank 1: ConfigError: device_id 1" in records[0]["error"]
+    assert r.zcard(keys.JOBS_INDEX) == 0
+
+
+def test_each_rank_drives_the_nvml_device_its_cuda_device_is(services, redis_url, tmp_path):
+    # Rank r drives CUDA device r; CUDA_VISIBLE_DEVICES names NVML indices (or UUIDs).
+    meta = "visible"
+    procs = spawn_ranks(
+        PP, PP, redis_url, tmp_path, meta, 1, MICROBATCHES, visible_devices="3,1,0,2"
+    )
+    records = collect_ranks(procs, tmp_path, meta, 120)
+    assert [rec["gpu_index"] for rec in records] == [3, 1, 0, 2]

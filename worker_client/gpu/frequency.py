@@ -388,18 +388,20 @@ def make_controller(
     *,
     log_path: str | Path | None = None,
     start_timeout: float = 60.0,
+    nvml_module: str = REAL_NVML,
 ) -> FrequencyController | DryRunFrequencyController:
-    """Build a controller: real NVML, dry run (records only), or the simulated GPU.
+    """Build a controller: NVML, dry run (records only), or the simulated GPU.
 
     Args:
-        kind: ``"nvml"`` (real clocks), ``"dry-run"`` or ``"simulated"``.
+        kind: ``"nvml"`` (clocks through ``nvml_module``), ``"dry-run"`` or ``"simulated"``.
         device_index: NVML index of the GPU.
         log_path: JSONL request log of the dry-run controller.
         start_timeout: Start timeout of the side process (``"nvml"``/``"simulated"``).
+        nvml_module: The NVML module of ``"nvml"`` (the hook passes its own).
 
     """
     if kind == "nvml":
-        return FrequencyController(device_index, REAL_NVML, start_timeout=start_timeout)
+        return FrequencyController(device_index, nvml_module, start_timeout=start_timeout)
     if kind == "simulated":
         return FrequencyController(device_index, SIMULATED_NVML, start_timeout=start_timeout)
     if kind == "dry-run":

@@ -11,10 +11,11 @@ Modules are chosen by import name (``"pynvml"``) so that a side process can load
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 from typing import Any
 
-from protocol.exceptions import GPUError
+from protocol.exceptions import ConfigError, GPUError
 
 REAL_NVML = "pynvml"
 # The simulated GPU is loaded by name like NVML, so the GPU layer never imports it.
@@ -74,6 +75,58 @@ class NVML:
     def device_count(self) -> int:
         """Number of visible GPUs."""
         return int(self._call("nvmlDeviceGetCount"))
+
+    def uuid(self, index: int) -> str:
+        """The GPU's UUID (``GPU-...``), by which ``CUDA_VISIBLE_DEVICES`` may name it."""
+        value = self._dev("nvmlDeviceGetUUID", index)
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    def cuda_to_nvml(self, ordinal: int, visible: str | None = None) -> int:
+        """The NVML index of this process's CUDA device ``ordinal``.
+
+        CUDA numbers only the GPUs that ``CUDA_VISIBLE_DEVICES`` lists, in its order (NVML
+        indices, or UUIDs and unique ``GPU-`` prefixes of them), and ignores the list from its
+        first entry it cannot read; NVML numbers every GPU of the machine. Without the
+        variable both number alike (unless ``CUDA_DEVICE_ORDER`` is left at FASTEST_FIRST on
+        a machine of mixed GPUs: set it to PCI_BUS_ID there).
+
+        Args:
+            ordinal: CUDA device index (what ``torch.cuda.set_device`` takes).
+            visible: ``CUDA_VISIBLE_DEVICES`` (default: this process's environment).
+
+        Raises:
+            ConfigError: ``ordinal`` is not a visible device, a UUID matches no GPU or
+                several, or the entry is a MIG instance (its clocks are its GPU's).
+        """
+        if visible is None:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None:
+            return ordinal
+        entries: list[str] = []
+        for raw in visible.split(","):
+            entry = raw.strip()
+            if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+                break  # CUDA stops reading here
+            entries.append(entry)
+        where = f"CUDA_VISIBLE_DEVICES={visible!r}"
+        if not 0 <= ordinal < len(entries):
+            raise ConfigError(
+                f"device_id {ordinal} is not a visible CUDA device: {where} makes "
+                f"{len(entries)} visible (device_id is CUDA's index, as for torch.cuda)"
+            )
+        entry = entries[ordinal]
+        if entry.isdigit():
+            return int(entry)
+        if entry.startswith("MIG-"):
+            raise ConfigError(
+                f"device_id {ordinal} is MIG instance {entry} ({where}): clocks and power "
+                "limits belong to the whole GPU, which perseus-mq does not split"
+            )
+        found = [i for i in range(self.device_count()) if self.uuid(i).startswith(entry)]
+        if len(found) != 1:
+            what = "no GPU" if not found else f"GPUs {found}"
+            raise ConfigError(f"device_id {ordinal} is {entry} ({where}), which matches {what}")
+        return found[0]
 
     def memory_clocks(self, index: int) -> list[int]:
         """Supported memory clocks (MHz), highest first."""

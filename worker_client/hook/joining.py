@@ -2,13 +2,49 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.models import JobInfo, RankInfo
+from worker_client.gpu.frequency import make_controller
+from worker_client.gpu.nvml import NVML
+from worker_client.hook.clock_requests import FrequencySetter
 from worker_client.hook.session import CoordinatorClient
+
+
+@dataclass
+class RankGPU:
+    """The GPU a rank drives, opened before the rank joins its job."""
+
+    nvml: NVML
+    index: int  # NVML's index (device_id is CUDA's)
+    clocks: list[int]
+    controller: FrequencySetter
+    owns_controller: bool
+
+    @classmethod
+    def open(cls, nvml_module: str, device_id: int, controller: FrequencySetter | str) -> RankGPU:
+        """Open NVML, find CUDA device ``device_id``'s NVML index and clocks, make the controller.
+
+        Raises:
+            GPUError: NVML cannot be opened or read, or the controller cannot start.
+            ConfigError: ``device_id`` is not a visible CUDA device.
+        """
+        nvml = NVML(nvml_module)
+        index = nvml.cuda_to_nvml(device_id)
+        clocks = nvml.graphics_clocks(index)
+        owns = isinstance(controller, str)
+        if isinstance(controller, str):
+            controller = make_controller(controller, index, nvml_module=nvml_module)  # type: ignore[arg-type]
+        return cls(nvml, index, clocks, controller, owns)
+
+    def close(self) -> None:
+        """Stop a controller this made (the rank is not joining after all)."""
+        if self.owns_controller:
+            self.controller.stop()
 
 
 def agree_on_job(
@@ -22,12 +58,14 @@ def agree_on_job(
     job_metadata: str | None,
     scheduler: str | None,
     scheduler_args: dict[str, Any] | None,
+    local_error: Exception | None = None,
 ) -> str:
     """Rank 0 registers the job and broadcasts its id (or its error) to every rank.
 
     Every rank calls this (it is a collective). Rank 0's failure, a bad ``JobInfo`` field
     included, reaches every rank as the same error instead of leaving the others waiting in
-    the broadcast.
+    the broadcast. So does a rank's ``local_error`` (it could not open its GPU, say), and
+    then no job is registered.
 
     Args:
         client: This rank's coordinator client.
@@ -39,13 +77,24 @@ def agree_on_job(
         job_metadata: Optional tag appended to the job id.
         scheduler: A built-in scheduler for this job instead of the coordinator's default.
         scheduler_args: Arguments of ``scheduler``.
+        local_error: What stops this rank from training, if anything.
 
     Returns:
         The job id.
 
     Raises:
-        PerseusError: Rank 0 could not register the job (the message says why).
+        Exception: ``local_error`` itself, on its rank.
+        PerseusError: Another rank had a ``local_error``, or rank 0 could not register the
+            job (the message says which and why).
     """
+    reasons: list[Any] = [None] * dist.get_world_size()
+    mine = f"{type(local_error).__name__}: {local_error}" if local_error is not None else None
+    dist.all_gather_object(reasons, mine)
+    if local_error is not None:
+        raise local_error
+    failed = [f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None]
+    if failed:
+        raise PerseusError(f"no job registered; {'; '.join(failed)}")
     job_id: str | None = None
     error: str | None = None
     if rank == 0:

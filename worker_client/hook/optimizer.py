@@ -30,12 +30,10 @@ from pydantic import ValidationError
 from protocol.exceptions import ConfigError, JobFailedError, PerseusError, ScheduleError
 from protocol.job_lifecycle import JobLifecycle
 from protocol.models import FrequencySchedule, ProfilingResult, RankInfo
-from worker_client.gpu.frequency import make_controller
-from worker_client.gpu.nvml import NVML
 from worker_client.hook.callback import Callback
 from worker_client.hook.clock_requests import ClockRequester, FrequencySetter, Marker, cuda_marker
 from worker_client.hook.energy_source import EnergySource, default_energy_source
-from worker_client.hook.joining import agree_on_job, join_job
+from worker_client.hook.joining import RankGPU, agree_on_job, join_job
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
 
@@ -61,7 +59,9 @@ class PerseusOptimizer(Callback):
         dp_rank: Data parallel rank.
         pp_rank: Pipeline parallel rank (stage).
         tp_rank: Tensor parallel rank.
-        device_id: Index of the GPU this rank drives.
+        device_id: CUDA index of the GPU this rank drives, as Zeus and ``torch.cuda`` take it;
+            clocks and energy go to its NVML index, read from ``CUDA_VISIBLE_DEVICES`` (see
+            :meth:`~worker_client.gpu.nvml.NVML.cuda_to_nvml`).
         dp_degree: Data parallel degree.
         pp_degree: Pipeline parallel degree.
         tp_degree: Tensor parallel degree.
@@ -70,8 +70,9 @@ class PerseusOptimizer(Callback):
         job_metadata: Optional tag appended to the job id.
         nvml_module: NVML module to read clocks and energy from: ``"pynvml"`` (real GPU)
             or ``"worker_client.simulated.gpu"``.
-        controller: Frequency controller, or one of ``"nvml"``, ``"dry-run"``,
-            ``"simulated"`` (see :func:`worker_client.gpu.frequency.make_controller`).
+        controller: Frequency controller, or one of ``"nvml"`` (through ``nvml_module``),
+            ``"dry-run"``, ``"simulated"`` (see
+            :func:`worker_client.gpu.frequency.make_controller`).
         report_every: Steps per profiling window; one result is reported per schedule version.
         schedule_timeout: Seconds to wait for the first schedule.
         energy_source: Where energy comes from (see :mod:`worker_client.hook.energy_source`).
@@ -164,41 +165,52 @@ class PerseusOptimizer(Callback):
         self._clock = clock or time.perf_counter
         self.raise_on_job_error = raise_on_job_error
 
-        # Rank 0 registers the job; validation errors surface here, before any broadcast.
-        self.job_id: str = agree_on_job(
-            self.client,
-            rank,
-            dp_degree=dp_degree,
-            pp_degree=pp_degree,
-            tp_degree=tp_degree,
-            world_size=world_size,
-            job_metadata=job_metadata,
-            scheduler=scheduler,
-            scheduler_args=scheduler_args,
-        )
-        self.nvml = NVML(nvml_module)
+        # This rank's GPU first: a rank that cannot drive it fails every rank before rank 0
+        # registers the job (a job that nobody trains would sit as `starting`).
+        gpu: RankGPU | Exception
+        try:
+            gpu = RankGPU.open(nvml_module, device_id, controller)
+        except Exception as exc:
+            gpu = exc
+        try:
+            self.job_id: str = agree_on_job(
+                self.client,
+                rank,
+                dp_degree=dp_degree,
+                pp_degree=pp_degree,
+                tp_degree=tp_degree,
+                world_size=world_size,
+                job_metadata=job_metadata,
+                scheduler=scheduler,
+                scheduler_args=scheduler_args,
+                local_error=gpu if isinstance(gpu, Exception) else None,
+            )
+        except BaseException:
+            if isinstance(gpu, RankGPU):
+                gpu.close()
+            raise
+        assert isinstance(gpu, RankGPU)  # or agree_on_job raised this rank's error
+        self.nvml, self.gpu_index = gpu.nvml, gpu.index  # NVML's index, for clocks and energy
         rank_info = RankInfo(
             rank=rank,
             dp_rank=dp_rank,
             pp_rank=pp_rank,
             tp_rank=tp_rank,
-            available_frequencies=self.nvml.graphics_clocks(device_id),
+            available_frequencies=gpu.clocks,
         )
         # Unset: measure per-instruction energy exactly when the job's scheduler needs it.
         self.instruction_energy = join_job(self.client, self.job_id, rank_info, instruction_energy)
         self._owned_source = energy_source is None
         if energy_source is None:
-            energy_source = default_energy_source(self.nvml, device_id)
+            energy_source = default_energy_source(self.nvml, self.gpu_index)
         self.energy_source: EnergySource = energy_source
-        if isinstance(controller, str):
-            controller = make_controller(controller, device_id)  # type: ignore[arg-type]
-        self.controller: FrequencySetter = controller
+        self.controller: FrequencySetter = gpu.controller
         self._marker_fn = marker_fn
 
         self.schedule = self.client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
         self._clocks: ClockRequester | None = None
         if clock_sync == "events":
-            self._clocks = ClockRequester(controller)
+            self._clocks = ClockRequester(self.controller)
             self._clocks.start()
         self._iter: Iterator[tuple[str, int]] = iter(self.schedule.frequencies)
         self.watcher = ScheduleWatcher(

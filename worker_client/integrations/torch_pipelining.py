@@ -102,8 +102,8 @@ class PerseusPipeline:
         dp_degree: Data parallel degree.
         tp_rank: Tensor parallel rank.
         tp_degree: Tensor parallel degree.
-        device_id: NVML index of this rank's GPU (default: the stage's CUDA device index,
-            which is the NVML index unless ``CUDA_VISIBLE_DEVICES`` reorders devices).
+        device_id: CUDA index of this rank's GPU (default: the stage's device); the hook
+            finds its NVML index through ``CUDA_VISIBLE_DEVICES``.
         **hook_options: :class:`~worker_client.hook.optimizer.PerseusOptimizer` keywords:
             ``redis_url`` (required), ``job_metadata``, ``controller``, ``report_every``, ...
 

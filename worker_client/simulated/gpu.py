@@ -192,6 +192,12 @@ def nvmlDeviceGetHandleByIndex(index: int) -> _Handle:
     return _Handle(index)
 
 
+def nvmlDeviceGetUUID(handle: _Handle) -> str:
+    """UUID, as ``CUDA_VISIBLE_DEVICES`` may name the device."""
+    _require_init()
+    return f"GPU-5e000000-0000-4000-8000-{handle.index:012d}"
+
+
 def nvmlDeviceGetName(handle: _Handle) -> str:
     """Product name."""
     _require_init()
