@@ -211,3 +211,24 @@ def test_deferred_end_does_not_block(monitors: list[EnergyMonitor]) -> None:
     for m in results:
         assert_within_bound(m)
     assert pending[0].result() is results[0]
+
+
+def test_gpu_indices_are_cuda_indices_as_for_zeus(monitors, monkeypatch) -> None:
+    # CUDA device 0 is NVML's GPU 2 (drawing 200 W), CUDA device 1 is NVML's GPU 0 (100 W).
+    fake.reset(num_gpus=3, watts=[100.0, 300.0, 200.0])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    monitor = make(monitors, sample_interval=0.01)
+    assert monitor.gpu_indices == [0, 1] and monitor.nvml_indices == [2, 0]
+    assert set(monitor.modes) == {0, 1}
+    monitor.begin_window("w")
+    time.sleep(0.6)
+    m = monitor.end_window("w")
+    assert m.gpu_energy[0] / m.time == pytest.approx(200.0, rel=0.25)
+    assert m.gpu_energy[1] / m.time == pytest.approx(100.0, rel=0.25)
+    with pytest.raises(ConfigError, match="distinct CUDA indices < 2"):
+        EnergyMonitor(gpu_indices=[2], nvml=nvml())
+    # Zeus cancels a window with end_window(cancel=True): zeros, nothing left open.
+    monitor.begin_window("c")
+    cancelled = monitor.end_window("c", cancel=True)
+    assert cancelled.time == 0.0 and cancelled.gpu_energy == {0: 0.0, 1: 0.0}
+    assert monitor.open_windows == []

@@ -28,6 +28,7 @@ from tests.fake_nvml_power import (
     run_steps,
 )
 from tests.fake_nvml_power import describe_state as describe
+from worker_client.gpu.nvml import NVML
 from worker_client.power_limit.cli import power_limit_group
 from worker_client.power_limit.hf import HFGlobalPowerLimitOptimizer
 from worker_client.power_limit.optimizer import (
@@ -496,3 +497,47 @@ def test_cli_import_export_zeus_files(r: redis.Redis, redis_url: str, tmp_path: 
     result = runner.invoke(power_limit_group, ["export", "nope", str(out), *url])
     assert result.exit_code == 1
     assert "no power-limit profile stored for 'nope'" in result.output
+
+
+class ZeusLikeMonitor:
+    """A monitor shaped like Zeus's ZeusMonitor: CUDA indices, ``end_window(cancel=True)``."""
+
+    def __init__(self, training: ReplayTraining, cuda_to_nvml: dict[int, int]) -> None:
+        self.training, self.nvml_of = training, cuda_to_nvml
+        self.gpu_indices = list(cuda_to_nvml)
+        self.open: dict[str, tuple[float, dict[int, float]]] = {}
+        self.cancelled: list[str] = []
+
+    def begin_window(self, name: str) -> None:
+        self.open[name] = (self.training.now, dict(self.training.energy))
+
+    def end_window(self, name: str, sync_execution: bool = True, cancel: bool = False) -> Any:
+        t0, e0 = self.open.pop(name)
+        if cancel:
+            self.cancelled.append(name)
+        energy = {c: self.training.energy[n] - e0[n] for c, n in self.nvml_of.items()}
+        return fake.WindowResult(time=self.training.now - t0, gpu_energy=energy)
+
+
+def test_a_zeus_monitor_under_cuda_visible_devices_limits_the_gpus_it_names(monkeypatch):
+    # CUDA devices 0 and 1 are NVML's GPUs 2 and 3: only those get a power limit, and a
+    # window an epoch end interrupts is cancelled the way Zeus's monitor takes it.
+    fake.reset(num_gpus=4, min_limit_mw=160_000, max_limit_mw=300_000)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    training = ReplayTraining(TABLE, [2, 3])
+    monitor = ZeusLikeMonitor(training, {0: 2, 1: 3})
+    opt = GlobalPowerLimitOptimizer(
+        monitor,
+        nvml=NVML(fake.__name__),
+        wait_steps=1,
+        warmup_steps=2,
+        profile_steps=PROFILE,
+        pl_step=50,
+        restore_on_exit=False,
+    )
+    run_steps(opt, training, 10)
+    assert describe(opt.state) == "Profiling(250,2)"
+    opt.on_epoch_end()
+    assert monitor.cancelled == [window(250)] and not monitor.open
+    assert limits_set(2) == limits_set(3) == [250, 300]
+    assert limits_set(0) == limits_set(1) == []

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from protocol.exceptions import ConfigError, GPUError
 from worker_client.gpu.energy_sampler import COUNTER, POWER, Pin, PowerSampler, window_energy
@@ -93,8 +94,8 @@ class PendingMeasurement:
             starts, ends = (sampler.wait(p, timeout) for p in self._pins)
             energy: dict[int, float] = {}
             bound: dict[int, float] = {}
-            for i in self._monitor.gpu_indices:
-                energy[i], bound[i] = window_energy(starts[i], ends[i])
+            for i, n in self._monitor._nvml_of.items():
+                energy[i], bound[i] = window_energy(starts[n], ends[n])
             self._result = Measurement(self._t1 - self._t0, energy, bound, self._t0, self._t1)
         return self._result
 
@@ -107,7 +108,8 @@ class EnergyMonitor:
     docstring for the estimate and its error bound).
 
     Args:
-        gpu_indices: NVML indices of the GPUs to measure (default: all visible).
+        gpu_indices: The GPUs to measure, by CUDA index as for Zeus's ``ZeusMonitor``
+            (default: every visible one); measurements are keyed by them.
         nvml: NVML facade (default: the real ``pynvml``).
         sample_interval: Seconds between two sampler reads of every GPU.
         approx_instant_energy: Interpolate the cumulative energy curve (True), so that windows
@@ -119,6 +121,8 @@ class EnergyMonitor:
         start_timeout: At most this many seconds the constructor waits for first samples.
         sync_cuda: Call ``torch.cuda.synchronize()`` (if torch and CUDA are in use) before
             taking the begin and end timestamps.
+        index_space: ``"cuda"`` (default), or ``"nvml"``: ``gpu_indices`` are NVML's indices
+            (:attr:`nvml_indices` always are; they differ where ``CUDA_VISIBLE_DEVICES`` is set).
 
     """
 
@@ -132,22 +136,28 @@ class EnergyMonitor:
         end_timeout: float = 2.0,
         start_timeout: float = 2.0,
         sync_cuda: bool = True,
+        index_space: Literal["cuda", "nvml"] = "cuda",
     ) -> None:
         self.nvml = nvml if nvml is not None else NVML()
-        count = self.nvml.device_count()
+        cuda = index_space == "cuda"
+        count = self.nvml.visible_count() if cuda else self.nvml.device_count()
         indices = list(range(count)) if gpu_indices is None else list(gpu_indices)
         if not indices:
             raise ConfigError("EnergyMonitor needs at least one GPU")
         bad = [i for i in indices if not 0 <= i < count]
         if bad or len(set(indices)) != len(indices):
-            raise ConfigError(f"gpu_indices {indices} must be distinct NVML indices < {count}")
+            raise ConfigError(
+                f"gpu_indices {indices} must be distinct {index_space.upper()} indices < {count}"
+            )
         self.gpu_indices = indices
+        self.nvml_indices = [self.nvml.cuda_to_nvml(i) for i in indices] if cuda else indices
+        self._nvml_of = dict(zip(indices, self.nvml_indices, strict=True))
         self.end_timeout = end_timeout
         self.sync_cuda = sync_cuda
         self._windows: dict[str, tuple[float, Pin]] = {}
         self._lock = threading.Lock()
         self.sampler = PowerSampler(
-            self.nvml, indices, sample_interval, history_seconds, approx_instant_energy
+            self.nvml, self.nvml_indices, sample_interval, history_seconds, approx_instant_energy
         )
         self.sampler.start()
         if not self.sampler.wait_ready(start_timeout):
@@ -158,7 +168,8 @@ class EnergyMonitor:
     @property
     def modes(self) -> dict[int, str | None]:
         """GPU index -> how its energy is measured: ``"counter"`` or ``"power"`` (polling)."""
-        return self.sampler.modes()
+        modes = self.sampler.modes()
+        return {i: modes.get(n) for i, n in self._nvml_of.items()}
 
     @property
     def open_windows(self) -> list[str]:
@@ -176,18 +187,26 @@ class EnergyMonitor:
                 raise ValueError(f"measurement window {name!r} is already open")
             self._windows[name] = (t0, self.sampler.pin(t0))
 
-    def end_window(self, name: str, sync_execution: bool = True) -> Measurement:
+    def end_window(
+        self, name: str, sync_execution: bool = True, cancel: bool = False
+    ) -> Measurement:
         """End the window ``name`` and return its time and energy.
 
         Blocks until the sampler has data past the window's end: with the counter, until its
         next update (up to one update period plus ``sample_interval``, at most
-        ``end_timeout``). Use :meth:`end_window_deferred` to not block.
+        ``end_timeout``). Use :meth:`end_window_deferred` to not block. ``cancel=True``
+        discards it as :meth:`cancel_window` does and returns zeros (Zeus's way).
 
         Raises:
             ValueError: No open window is called ``name``.
             GPUError: The sampler thread failed.
 
         """
+        if cancel:
+            self.cancel_window(name)
+            zeros = dict.fromkeys(self.gpu_indices, 0.0)
+            now = time.perf_counter()
+            return Measurement(0.0, zeros, dict(zeros), now, now)
         return self.end_window_deferred(name, sync_execution).result()
 
     def end_window_deferred(self, name: str, sync_execution: bool = True) -> PendingMeasurement:

@@ -27,6 +27,17 @@ def _is_nvml_error(module: ModuleType, exc: BaseException) -> bool:
     return isinstance(error_cls, type) and isinstance(exc, error_cls)
 
 
+def _visible_entries(visible: str) -> list[str]:
+    """The entries of ``CUDA_VISIBLE_DEVICES`` that CUDA reads: up to the first it cannot."""
+    entries: list[str] = []
+    for raw in visible.split(","):
+        entry = raw.strip()
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        entries.append(entry)
+    return entries
+
+
 class NVML:
     """Thin, error-converting facade over an NVML-like module.
 
@@ -76,6 +87,12 @@ class NVML:
         """Number of visible GPUs."""
         return int(self._call("nvmlDeviceGetCount"))
 
+    def visible_count(self, visible: str | None = None) -> int:
+        """How many GPUs CUDA numbers (``CUDA_VISIBLE_DEVICES``, default: the environment's)."""
+        if visible is None:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return self.device_count() if visible is None else len(_visible_entries(visible))
+
     def uuid(self, index: int) -> str:
         """The GPU's UUID (``GPU-...``), by which ``CUDA_VISIBLE_DEVICES`` may name it."""
         value = self._dev("nvmlDeviceGetUUID", index)
@@ -102,12 +119,7 @@ class NVML:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible is None:
             return ordinal
-        entries: list[str] = []
-        for raw in visible.split(","):
-            entry = raw.strip()
-            if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
-                break  # CUDA stops reading here
-            entries.append(entry)
+        entries = _visible_entries(visible)
         where = f"CUDA_VISIBLE_DEVICES={visible!r}"
         if not 0 <= ordinal < len(entries):
             raise ConfigError(

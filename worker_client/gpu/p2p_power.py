@@ -248,7 +248,9 @@ def _receiver(cfg: _RankConfig, dist: Any, torch: Any) -> dict[str, Any]:
         steady_power = importlib.import_module(SIMULATED_NVML).SimulatedSteadyPower
         sim = steady_power(device, cfg.sim_blocking_power_w, SIM_TICK_S)
         sim.start()
-    monitor = EnergyMonitor([device], nvml=nvml, sample_interval=cfg.sample_interval)
+    monitor = EnergyMonitor(
+        [device], nvml=nvml, sample_interval=cfg.sample_interval, index_space="nvml"
+    )
     try:
         buf = torch.zeros(1024)
         pending = []

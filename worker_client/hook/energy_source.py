@@ -87,7 +87,8 @@ class MonitorEnergySource:
     Args:
         monitor: A running monitor that samples ``gpu`` (the caller owns and closes it, unless
             ``owned``).
-        gpu: NVML index of the GPU to report.
+        gpu: The GPU to report, by the monitor's index (CUDA's, unless it was built with
+            ``index_space="nvml"``).
         owned: :meth:`close` closes the monitor.
 
     Raises:
@@ -140,7 +141,7 @@ def default_energy_source(nvml: NVML, device: int) -> CounterEnergySource | Moni
         took.append(time.perf_counter() - start)
     if min(took) < SLOW_READ_S:
         return CounterEnergySource(nvml, device)
-    monitor = EnergyMonitor(gpu_indices=[device], nvml=nvml, sync_cuda=False)
+    monitor = EnergyMonitor([device], nvml=nvml, sync_cuda=False, index_space="nvml")
     return MonitorEnergySource(monitor, device, owned=True)
 
 

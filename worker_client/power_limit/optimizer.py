@@ -109,10 +109,11 @@ class WindowMonitor(Protocol):
         """Start a named window."""
 
     def end_window(self, name: str) -> _WindowResult:
-        """End a named window; return its time and energy."""
+        """End a named window; return its time and energy.
 
-    def cancel_window(self, name: str) -> None:
-        """Discard a named window."""
+        A monitor without ``cancel_window`` (Zeus's ``ZeusMonitor``) also takes
+        ``cancel=True``, which discards the window.
+        """
 
 
 def torch_distributed_reducer(time_s: float, energy_j: float) -> tuple[float, float]:
@@ -213,6 +214,12 @@ class GlobalPowerLimitOptimizer:
         if not self.gpu_indices:
             raise ConfigError("the monitor has no GPUs")
         self.nvml: NVML = nvml or getattr(monitor, "nvml", None) or NVML()
+        # Limits go to NVML's indices: an EnergyMonitor knows them; a ZeusMonitor's CUDA
+        # indices are mapped through CUDA_VISIBLE_DEVICES.
+        nvml_indices = getattr(monitor, "nvml_indices", None)
+        if nvml_indices is None:
+            nvml_indices = [self.nvml.cuda_to_nvml(i) for i in self.gpu_indices]
+        self._nvml_of = dict(zip(self.gpu_indices, nvml_indices, strict=True))
         self.optimum_selector = optimum_selector or ZeusCost(
             eta_knob=0.5, world_size=len(self.gpu_indices)
         )
@@ -345,6 +352,13 @@ class GlobalPowerLimitOptimizer:
     def _window(power_limit_mw: int) -> str:
         return f"__perseus_power_limit_{power_limit_mw // 1000}"
 
+    def _cancel_window(self, name: str) -> None:
+        cancel = getattr(self.monitor, "cancel_window", None)
+        if cancel is not None:
+            cancel(name)
+        else:
+            self.monitor.end_window(name, cancel=True)  # type: ignore[call-arg]
+
     def _reopen(self) -> None:
         self._closed = False
         if self._restore_on_exit:
@@ -366,7 +380,7 @@ class GlobalPowerLimitOptimizer:
         limit = state.current_power_limit
         if not self.carry_across_epochs:
             if isinstance(state, Profiling):
-                self.monitor.cancel_window(self._window(limit))
+                self._cancel_window(self._window(limit))
             self._reset_carried()
             self.state = Ready(next_power_limit=limit)
             return
@@ -405,7 +419,7 @@ class GlobalPowerLimitOptimizer:
         self._save_profile()
 
     def _limit_range(self) -> tuple[int, int]:
-        ranges = {i: self.nvml.power_limit_constraints_mw(i) for i in self.gpu_indices}
+        ranges = {i: self.nvml.power_limit_constraints_mw(n) for i, n in self._nvml_of.items()}
         if len(set(ranges.values())) > 1:
             listed = ", ".join(f"GPU {i}: {lo}-{hi} mW" for i, (lo, hi) in ranges.items())
             raise ConfigError(
@@ -415,13 +429,13 @@ class GlobalPowerLimitOptimizer:
         return ranges[self.gpu_indices[0]]
 
     def _set_power_limit(self, milliwatts: int) -> None:
-        for i in self.gpu_indices:
+        for i, n in self._nvml_of.items():
             # Reading needs no privilege: write (root or CAP_SYS_ADMIN) only what changes, so
             # a job whose optimum is the current limit never needs the privilege at all.
-            if self.nvml.power_limit_mw(i) == milliwatts:
+            if self.nvml.power_limit_mw(n) == milliwatts:
                 continue
             try:
-                self.nvml.set_power_limit_mw(i, milliwatts)
+                self.nvml.set_power_limit_mw(n, milliwatts)
             except GPUError as exc:
                 if not _is_permission_error(exc):
                     raise
