@@ -269,7 +269,9 @@ def measure_workload(
     report["workload"] = {"batch": batch, "parameters": params, "dtype": args.dtype}
     report["workload"].update({f"{k}_time_s": stats(v) for k, v in times.items()})
 
-    monitor = EnergyMonitor([idx], nvml=nvml, sample_interval=args.sample_interval)
+    monitor = EnergyMonitor(
+        [idx], nvml=nvml, sample_interval=args.sample_interval, index_space="nvml"
+    )
     poller = PowerPoller(nvml, idx, max(args.sample_interval, 0.01))
     try:
         mode = monitor.modes[idx]
@@ -281,7 +283,11 @@ def measure_workload(
     finally:
         monitor.close()
     raw = EnergyMonitor(  # the raw counter staircase, as a naive reader sees it
-        [idx], nvml=nvml, sample_interval=args.sample_interval, approx_instant_energy=False
+        [idx],
+        nvml=nvml,
+        sample_interval=args.sample_interval,
+        approx_instant_energy=False,
+        index_space="nvml",
     )
     try:
         raw_singles = single_windows(raw, idx, forward, args.singles)

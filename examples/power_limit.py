@@ -76,7 +76,7 @@ def make_selector(args: argparse.Namespace, gpus: int) -> OptimumSelector:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", default="simulated", help="'simulated' or a CUDA/NVML index")
+    parser.add_argument("--gpu", default="simulated", help="'simulated' or a CUDA index")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--pl-step", type=int, default=50, help="watts between two limits")
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     simulated = args.gpu == "simulated"
     index = 0 if simulated else int(args.gpu)
     nvml = NVML(SIMULATED_NVML) if simulated else NVML()
-    low, high = nvml.power_limit_constraints_mw(index)
+    low, high = nvml.power_limit_constraints_mw(nvml.cuda_to_nvml(index))
     name = f"GPU {index}" + (" (simulated)" if simulated else "")
     print(
         f"{name}: power limits {low // 1000}-{high // 1000} W; {args.warmup_steps} warm-up "
