@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from protocol.exceptions import ConfigError
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
 
 
@@ -125,6 +126,14 @@ class PerseusSettings(BaseSettings):
         the inspection commands share these settings but never construct a scheduler.
         """
         if not self.scheduler:
+            if self.scheduler_args:
+                # Zeus's server takes a solution_path alone (PointSolution was its default):
+                # silently dropped, the arguments would leave every job refused.
+                raise ConfigError(
+                    f"scheduler_args {sorted(self.scheduler_args)} are set but no scheduler "
+                    "(PERSEUS_SCHEDULER / --scheduler is empty): name the scheduler they are "
+                    "for, e.g. --scheduler PointSolution"
+                )
             return  # No default: every job must name its scheduler when it registers.
         check_scheduler_args(self.scheduler, self.scheduler_args)
         resolve_scheduler(self.scheduler).check_files(self.scheduler_args)

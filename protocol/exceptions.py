@@ -30,8 +30,11 @@ class WrongTokenError(ProtocolError):
     """A result or heartbeat does not carry the token its rank got when it registered."""
 
 
-class ScheduleError(PerseusError):
-    """The schedule and the training loop disagree (wrong instruction, too few or many)."""
+class ScheduleError(PerseusError, RuntimeError):
+    """The schedule and the training loop disagree (wrong instruction, too few or many).
+
+    A ``RuntimeError`` too, as Zeus raises: a loop written against Zeus still catches it.
+    """
 
 
 class JobFailedError(PerseusError):

@@ -224,6 +224,12 @@ def resolve_scheduler(name: str) -> type[FrequencyScheduler]:
 def check_scheduler_args(name: str, args: dict[str, Any]) -> None:
     """Check that ``args`` fit the scheduler's constructor, with a clear error if not."""
     cls = resolve_scheduler(name)
+    if "pfo_settings" in inspect.signature(cls).parameters:
+        raise ConfigError(
+            f"scheduler {name} takes Zeus's pfo_settings: perseus-mq builds a scheduler as "
+            "cls(job_info, rank_infos, **scheduler_args); drop that parameter and take what "
+            "you read from it as keyword arguments (see README, Differences from Zeus)"
+        )
     try:
         inspect.signature(cls).bind(job_info=None, rank_infos=None, **args)
     except TypeError as exc:

@@ -140,6 +140,11 @@ def test_coordinator_without_scheduler_settings_starts(redis_url, tmp_path):
             "/no/d: no such folder",
         ),
         (["--scheduler", "NoSuchScheduler"], "unknown scheduler 'NoSuchScheduler'"),
+        # Zeus's server took a solution_path alone (PointSolution was its default).
+        (
+            ["--scheduler-args", '{"solution_path": "plan.py"}'],
+            "scheduler_args ['solution_path'] are set but no scheduler",
+        ),
     ],
 )
 def test_coordinator_refuses_bad_scheduler_settings_with_the_option_to_add(

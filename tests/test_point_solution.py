@@ -173,3 +173,8 @@ def test_build_scheduler(plan4: tuple[Path, list[list[tuple[str, int]]]]) -> Non
     by_rank = {s.rank: s.frequencies for s in sched.next_schedule()}
     assert by_rank[0] == by_rank[1] == stages[0]
     assert by_rank[6] == by_rank[7] == stages[3]
+
+
+def test_a_scheduler_written_for_zeus_is_told_to_drop_pfo_settings() -> None:
+    with pytest.raises(ConfigError, match=r"takes Zeus's pfo_settings.*drop that parameter"):
+        check_scheduler_args("tests.toy_schedulers:ZeusStyle", {"pfo_settings": {}})

@@ -137,3 +137,10 @@ class PlanSequence(FrequencyScheduler):
                 FrequencySchedule(rank=rank, frequencies=list(stage))
                 for rank, stage in enumerate(plan.stages)
             ]
+
+
+class ZeusStyle(StepDown):
+    """A scheduler written for Zeus's server: its constructor takes ``pfo_settings``."""
+
+    def __init__(self, job_info: JobInfo, rank_infos: list[RankInfo], pfo_settings: object) -> None:
+        super().__init__(job_info, rank_infos)
