@@ -4,7 +4,8 @@ Import it by name (``NVML("tests.fake_nvml")``) so that a spawned side process l
 Each call is appended as one JSON line ``{"call": name, "args": [...], "pid": pid}`` to the
 file named by ``FAKE_NVML_LOG`` (handles are written as their device index), so calls made in
 another process are visible to the test. ``FAKE_NVML_DENY=1`` makes every setter and reset
-fail with NO_PERMISSION; ``FAKE_NVML_COUNT`` sets the number of devices (default 4).
+fail with NO_PERMISSION; ``FAKE_NVML_COUNT`` sets the number of devices (default 4);
+``FAKE_NVML_NO_DRIVER=1`` makes ``nvmlInit`` fail as on a machine without the NVIDIA driver.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
 
 GRAPHICS_CLOCKS = list(range(1980, 344, -15))
 MEMORY_CLOCKS = [2619, 1593]
@@ -29,6 +31,7 @@ _TEXT = {
     NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
     NVML_ERROR_NOT_SUPPORTED: "Not Supported",
     NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
+    NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
 }
 
 
@@ -72,6 +75,8 @@ def read_log(path: str | Path) -> list[tuple[str, list[Any]]]:
 
 def nvmlInit() -> None:
     _log("nvmlInit")
+    if os.environ.get("FAKE_NVML_NO_DRIVER") == "1":
+        raise NVMLError(NVML_ERROR_LIBRARY_NOT_FOUND)
 
 
 def nvmlShutdown() -> None:

@@ -384,3 +384,11 @@ def test_synthetic_energy_minimum_inside_range() -> None:
     assert table[(0, "forward", 990)][0] > t
     with pytest.raises(ValueError):
         sim.synthetic_instruction_table(2, imbalance=[1.0])
+
+
+def test_no_nvidia_driver_says_what_to_use_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_NVML_NO_DRIVER", "1")
+    with pytest.raises(GPUError, match="NVML nvmlInit failed: NVML Shared Library Not Found") as e:
+        NVML("tests.fake_nvml")
+    assert "controller='dry-run'" in str(e.value)
+    assert "nvml_module='worker_client.simulated.gpu'" in str(e.value)

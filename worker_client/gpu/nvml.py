@@ -64,6 +64,13 @@ class NVML:
             hint = ""
             if code == getattr(self._nvml, "NVML_ERROR_NO_PERMISSION", None):
                 hint = " (no permission: run as root or grant CAP_SYS_ADMIN, see README)"
+            no_driver = ("NVML_ERROR_LIBRARY_NOT_FOUND", "NVML_ERROR_DRIVER_NOT_LOADED")
+            if code is not None and code in {getattr(self._nvml, n, None) for n in no_driver}:
+                hint = (
+                    f" (NVML module {self.module_name!r} finds no NVIDIA driver here; on a "
+                    "machine without a GPU, use controller='dry-run' or 'simulated' and "
+                    f"nvml_module={SIMULATED_NVML!r})"
+                )
             where = f" on GPU {device}" if device is not None else ""
             extra = f" {args[1:]}" if len(args) > 1 else ""
             raise GPUError(f"NVML {name}{extra}{where} failed: {exc}{hint}", code) from None
