@@ -232,3 +232,11 @@ def test_gpu_indices_are_cuda_indices_as_for_zeus(monitors, monkeypatch) -> None
     cancelled = monitor.end_window("c", cancel=True)
     assert cancelled.time == 0.0 and cancelled.gpu_energy == {0: 0.0, 1: 0.0}
     assert monitor.open_windows == []
+
+
+def test_a_counter_that_never_moves_is_named_as_such(monitors) -> None:
+    fake.reset(watts=0.0)  # a GPU that runs nothing: its counter stays where it was
+    monitor = make(monitors, sample_interval=0.01, start_timeout=0.3, end_timeout=0.3)
+    monitor.begin_window("idle")
+    with pytest.raises(GPUError, match="energy counter has not changed since sampling started"):
+        monitor.end_window("idle")

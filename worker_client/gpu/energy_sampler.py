@@ -304,9 +304,14 @@ class PowerSampler:
     def _anchor(self, track: _Track, t: float, force: bool) -> Anchor | None:
         knots = track.knots
         if not knots:
-            if force:
-                raise GPUError(f"GPU {track.index}: no energy samples yet (is NVML responding?)")
-            return None
+            if not force:
+                return None
+            if track.mode == COUNTER:  # read, but a knot comes only when the counter moves
+                raise GPUError(
+                    f"GPU {track.index}: its energy counter has not changed since sampling "
+                    "started (a GPU that runs nothing, such as an idle simulated one?)"
+                )
+            raise GPUError(f"GPU {track.index}: no energy samples yet (is NVML responding?)")
         last = knots[-1]
         if t >= last.t:
             if not force:
