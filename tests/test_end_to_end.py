@@ -131,7 +131,8 @@ def test_when_rank_0_cannot_register_the_job_every_rank_fails_with_its_reason(re
     for rank in range(2):
         record = json.loads((tmp_path / f"{meta}-rank{rank}.json").read_text())
         assert "rank 0 could not register the job" in record["error"]
-        assert "job_metadata" in record["error"]
+        assert "job_metadata='bad meta' must be 1-64 characters" in record["error"]
+        assert "errors.pydantic.dev" not in record["error"]
 
 
 def test_a_rank_that_cannot_open_its_gpu_fails_every_rank_before_a_job_exists(

@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 from protocol.exceptions import ConfigError, PerseusError
-from protocol.models import JobInfo, RankInfo
+from protocol.models import JobInfo, RankInfo, validate
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import NVML
 from worker_client.hook.clock_requests import FrequencySetter
@@ -99,12 +99,16 @@ def agree_on_job(
     error: str | None = None
     if rank == 0:
         try:
-            info = JobInfo(
-                dp_degree=dp_degree,
-                pp_degree=pp_degree,
-                tp_degree=tp_degree,
-                world_size=world_size,
-                job_metadata=job_metadata,
+            # Errors name the field in one line (not pydantic's several, with a web link).
+            info = validate(
+                JobInfo,
+                {
+                    "dp_degree": dp_degree,
+                    "pp_degree": pp_degree,
+                    "tp_degree": tp_degree,
+                    "world_size": world_size,
+                    "job_metadata": job_metadata,
+                },
             )
             job_id = client.register_job(info, scheduler, scheduler_args)
         except Exception as exc:  # whatever it is, the other ranks must hear of it
