@@ -119,10 +119,13 @@ def _liveness(
     """
     job_id, world = record.job_id, record.info.world_size
     heard = store.ranks_heard(job_id)
-    silent = [r for r in range(world) if now - heard.get(r, float("-inf")) > silent_after]
+    # A rank never heard from (it died before its hook's first heartbeat, inside the hook's
+    # constructor, say) counts from its job's creation: silent, not alive for ever.
+    created = float(record.fields.get("created_at") or 0)
+    silent = [r for r in range(world) if now - heard.get(r, created) > silent_after]
     reported = set(store.reported_ranks(job_id, version)) if version else set()
     waiting = [r for r in silent if r not in reported]
-    stalled = bool(version and waiting and heard)
+    stalled = bool(version and waiting)
     if ending.finished:
         state, stalled = "finished", False
     elif record.error:

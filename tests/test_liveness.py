@@ -54,3 +54,17 @@ def test_heartbeats_use_the_servers_clock_not_the_ranks(service, r, redis_url, m
     assert store.delete_job(job_id)
     assert not client.heartbeat(job_id, 0)
     assert not r.exists(keys.job_alive(job_id))
+
+
+def test_a_rank_never_heard_from_goes_silent_and_stalls_its_job(service, r, redis_url):
+    # Registered, then gone before its hook's first heartbeat (it died in the constructor).
+    client = CoordinatorClient(redis_url)
+    job_id = register(client, pp=1)
+    drain(r)
+    store = JobStore(r)
+    wait_for(lambda: store.version(job_id) >= 1, 10, "version 1")
+    (job,) = snapshot(r, silent_after=60)["jobs"]
+    assert job["alive"] == 1 and job["state"] == "running"  # within its first minute
+    time.sleep(1.2)
+    (job,) = snapshot(r, silent_after=1.0)["jobs"]
+    assert job["alive"] == 0 and job["state"] == "stalled" and job["waiting_on"] == [0]
