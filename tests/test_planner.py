@@ -435,6 +435,19 @@ def test_cli_optimize_and_choose(tmp_path: Path) -> None:
     assert res.exit_code == 1 and "no rows for stage 2" in res.output
 
 
+def test_optimize_warns_about_a_profile_that_can_plan_nothing(tmp_path: Path) -> None:
+    # All energies 0 J (nothing measured) and 0.1 ms instructions at the default 1 ms unit.
+    rows = ["stage,instruction,frequency,time,energy"]
+    rows += [f"0,{i},{f},0.0001,0.0" for i in ("forward", "backward") for f in (1980, 1500)]
+    profile = tmp_path / "zero.csv"
+    profile.write_text("\n".join(rows) + "\n")
+    res = CliRunner().invoke(
+        _cli(), ["optimize", str(profile), "-s", "1", "-m", "2", "--out", str(tmp_path / "o")]
+    )
+    assert "warning: every energy in" in res.output and "is 0 J" in res.output
+    assert "4 of 4 instruction times are under unit_time (0.001 s)" in res.output
+
+
 def test_enqueue_runs_on_rq_worker(tmp_path: Path, redis_url: str) -> None:
     from rq import Queue, SimpleWorker
 

@@ -26,7 +26,7 @@ from schedulers.planning.frontier_files import FRONTIER_PNG, load_frontier, time
 from schedulers.planning.frontier_plans import ensure_plan_file
 from schedulers.planning.job import enqueue_planning
 from schedulers.planning.planner import PLAN_FILES, SOLVERS, plan_frontier
-from schedulers.planning.profile_csv import read_profile_csv
+from schedulers.planning.profile_csv import profile_warnings, read_profile_csv
 
 
 class _ProgressLine:
@@ -155,6 +155,8 @@ def optimize_command(
         prof = read_profile_csv(profile, num_stages=stages)
     except PerseusError as exc:
         raise _fail(exc) from None
+    for note in profile_warnings(prof, unit_time):
+        click.echo(f"warning: {note}", err=True)
     if enqueue:
         _enqueue(
             prof,

@@ -225,6 +225,29 @@ def _check_header(path: str, header: list[str]) -> tuple[str, ...]:
     return tuple(names)
 
 
+def profile_warnings(prof: InstructionProfile, unit_time: float) -> list[str]:
+    """What makes a profile plan nothing useful, though it is valid (``perseus optimize``).
+
+    Args:
+        prof: The profile.
+        unit_time: The planner's time unit, seconds: shorter times round down to 0.
+    """
+    values = [v for row in prof.table.values() for v in row.values()]
+    notes = []
+    if values and all(energy == 0 for _, energy in values):
+        notes.append(
+            f"every energy in {prof.path or 'the profile'} is 0 J: a plan can save nothing "
+            "(was energy measured? a simulated GPU's counter moves only with the work it runs)"
+        )
+    short = sum(1 for time, _ in values if time < unit_time)
+    if short:
+        notes.append(
+            f"{short} of {len(values)} instruction times are under unit_time ({unit_time:g} s) "
+            "and round down to 0 units: pass a smaller --unit-time"
+        )
+    return notes
+
+
 def read_profile_csv(path: str | Path, num_stages: int | None = None) -> InstructionProfile:
     """Read a profile CSV in the short or the full form.
 
