@@ -6,6 +6,7 @@ from typing import Any
 
 import redis
 from rq import Queue, worker_registration
+from rq.suspension import is_suspended
 
 from protocol import keys, streams
 from protocol.exceptions import PerseusError
@@ -98,6 +99,8 @@ def snapshot(conn: redis.Redis, silent_after: float = SILENT_AFTER_S) -> dict[st
             "queued": queue.count,
             "workers": len(worker_registration.get_keys(queue=queue)),
             "failed": queue.failed_job_registry.get_job_count(cleanup=False),
+            # `rq suspend`: workers take no task, so no job gets a new version meanwhile.
+            "suspended": bool(is_suspended(conn)),
         },
     }
 
@@ -248,8 +251,9 @@ def format_snapshot(snap: dict[str, Any]) -> str:
             extra += f" LOST={s['lost']} (removed unread: see the coordinator's log)"
         lines.append(f"  {s['stream']:<32} length={s['length']}{extra}")
     rq = snap["rq"]
+    held = "  SUSPENDED (`rq suspend`): no new versions until `rq resume`"
     lines.append(
         f"rq queue '{rq['queue']}': queued={rq['queued']} workers={rq['workers']} "
-        f"failed={rq['failed']}"
+        f"failed={rq['failed']}" + (held if rq.get("suspended") else "")
     )
     return "\n".join(lines)

@@ -319,3 +319,16 @@ def test_an_invalid_setting_is_named_with_its_value_on_one_line(redis_url):
         result.output
     )
     assert "errors.pydantic.dev" not in result.output
+
+
+def test_status_shows_rq_suspended_until_resumed(r, redis_url):
+    from rq.suspension import resume, suspend
+
+    suspend(r)
+    try:
+        code, out = perseus("status", "--redis-url", redis_url)
+        assert code == 0 and "SUSPENDED (`rq suspend`)" in out
+    finally:
+        resume(r)
+    code, out = perseus("status", "--redis-url", redis_url)
+    assert code == 0 and "SUSPENDED" not in out

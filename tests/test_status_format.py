@@ -38,3 +38,10 @@ def test_status_columns_stay_in_line_with_long_job_ids():
     text = format_snapshot(snap(job("short", "starting"), job(long_id, "starting")))
     lines = [line for line in text.splitlines() if "starting" in line]
     assert len(lines) == 2 and len({line.index(" 1/1") for line in lines}) == 1, lines
+
+
+def test_status_says_when_rq_is_suspended():
+    held = snap()
+    held["rq"]["suspended"] = True
+    assert "SUSPENDED (`rq suspend`): no new versions until `rq resume`" in format_snapshot(held)
+    assert "SUSPENDED" not in format_snapshot(snap())
