@@ -6,7 +6,7 @@ from typing import Any
 
 import redis
 from rq import Queue, worker_registration
-from rq.suspension import is_suspended
+from rq.suspension import WORKERS_SUSPENDED
 
 from protocol import keys, streams
 from protocol.exceptions import PerseusError
@@ -100,7 +100,8 @@ def snapshot(conn: redis.Redis, silent_after: float = SILENT_AFTER_S) -> dict[st
             "workers": len(worker_registration.get_keys(queue=queue)),
             "failed": queue.failed_job_registry.get_job_count(cleanup=False),
             # `rq suspend`: workers take no task, so no job gets a new version meanwhile.
-            "suspended": bool(is_suspended(conn)),
+            # rq's is_suspended sends a MULTI, which a read-only operator may not.
+            "suspended": bool(conn.exists(WORKERS_SUSPENDED)),
         },
     }
 
