@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 from worker_client.gpu.energy import EnergyMonitor
 from worker_client.gpu.nvml import NVML, SIMULATED_NVML
@@ -97,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
     simulated = args.gpu == "simulated"
     index = 0 if simulated else int(args.gpu)
     nvml = NVML(SIMULATED_NVML) if simulated else NVML()
-    low, high = nvml.power_limit_constraints_mw(nvml.cuda_to_nvml(index))
+    # The simulated GPU 0 is NVML's index; a real --gpu is CUDA's, as EnergyMonitor takes it.
+    space: Literal["cuda", "nvml"] = "nvml" if simulated else "cuda"
+    low, high = nvml.power_limit_constraints_mw(index if simulated else nvml.cuda_to_nvml(index))
     name = f"GPU {index}" + (" (simulated)" if simulated else "")
     print(
         f"{name}: power limits {low // 1000}-{high // 1000} W; {args.warmup_steps} warm-up "
@@ -106,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     steps = simulated_steps(index) if simulated else cuda_steps(index)
     # Simulated NVML reads are cheap: sample often so that short windows are measured well.
     interval = 0.01 if simulated else 0.1
-    with steps as step, EnergyMonitor([index], nvml=nvml, sample_interval=interval) as mon:
+    monitor = EnergyMonitor([index], nvml=nvml, sample_interval=interval, index_space=space)
+    with steps as step, monitor as mon:
         optimizer = GlobalPowerLimitOptimizer(
             mon,
             make_selector(args, gpus=1),

@@ -42,6 +42,8 @@ def model_window(limit_w: int) -> tuple[float, float]:
 def test_example_profiles_the_simulated_gpu(tmp_path: Path) -> None:
     profile_path = tmp_path / "profile.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), PERSEUS_SIM_GPU_DIR=str(tmp_path / "gpus"))
+    # The simulated GPU is not a CUDA device: a host's CUDA_VISIBLE_DEVICES must not remap it.
+    env["CUDA_VISIBLE_DEVICES"] = "1"
     args = [
         "--gpu=simulated",
         f"--pl-step={PL_STEP}",

@@ -31,8 +31,11 @@ def mixed_plan(tmp_path, schedule: str, stages: int, micro: int) -> tuple[str, P
 
 @pytest.mark.parametrize(("schedule", "dp"), [("1f1b", 1), ("gpipe", 1), ("gpipe", 2)])
 def test_torch_schedule_on_simulated_gpus_follows_the_dag(
-    schedule, dp, hook_service, redis_url, r, tmp_path
+    schedule, dp, hook_service, redis_url, r, tmp_path, monkeypatch
 ):
+    # As on a host that lends this process one GPU: simulated ranks drive simulated GPUs
+    # 0..N-1 whatever CUDA_VISIBLE_DEVICES says (the rank processes inherit it).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     _coord, start_worker = hook_service
     start_worker()
     stages, micro = (4, 8) if dp == 1 else (2, 4)

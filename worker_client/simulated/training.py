@@ -197,6 +197,9 @@ def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
         os.environ["PERSEUS_SIM_GPU_DIR"] = cfg.sim_gpu_dir
     if cfg.sim_gpu_count is not None:
         os.environ["PERSEUS_SIM_GPU_COUNT"] = str(cfg.sim_gpu_count)
+    # The hook maps device_id through CUDA_VISIBLE_DEVICES; a simulated rank's device is the
+    # simulated GPU it drives, whatever GPUs the host lends this process (it runs on the CPU).
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     # torch (the hook imports it too) loads only in the rank processes, not in the launcher.
     import torch.distributed as dist
 
