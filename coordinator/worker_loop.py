@@ -61,9 +61,11 @@ class _StopAware:
             return
         with self.connection.pipeline(transaction=False) as pipe:  # type: ignore[attr-defined]
             pipe.hexists(self.key, "birth")  # type: ignore[attr-defined]
+            # rq's heartbeats of a forked task rebuild the whole hash, but not the registry.
+            pipe.sismember(worker_registration.REDIS_WORKER_KEYS, self.key)  # type: ignore[attr-defined]
             super().heartbeat(timeout, pipeline=pipe)  # type: ignore[misc]
-            registered = pipe.execute()[0]
-        if not registered:
+            born, listed = pipe.execute()[:2]
+        if not (born and listed):
             self._register_again()
 
     def _register_again(self) -> None:

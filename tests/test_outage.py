@@ -179,15 +179,14 @@ def test_redis_restarted_empty_loses_the_job_not_the_training(gloo, cluster):
         hook.close()
 
 
-def test_a_worker_registers_again_with_rq_after_redis_lost_its_data(cluster):
+def test_a_worker_registers_again_with_rq_after_redis_lost_its_data(cluster, tmp_path):
     server = cluster(False)
     conn = redis.Redis.from_url(server.url)
     queue = Queue(keys.RQ_QUEUE, connection=conn)
     wait_for(lambda: worker_registration.get_keys(queue=queue), timeout=20, what="the worker")
     server.restart(downtime=1.0)  # Comes back with nothing: rq's registry is gone too.
-    assert not worker_registration.get_keys(queue=queue)
-    # The worker's next heartbeat, after its next task (a new job's first version), finds
-    # its record gone and writes it again.
+    # The worker's next heartbeat (after its next task, a new job's first version, at the
+    # latest) finds its record gone and writes it again.
     client = CoordinatorClient(server.url, reply_timeout=20)
     job_id = register(client, pp=1)
     assert client.wait_schedule(job_id, rank=0, timeout=30).version == 1
@@ -196,6 +195,9 @@ def test_a_worker_registers_again_with_rq_after_redis_lost_its_data(cluster):
     assert conn.hexists(worker_key, "birth") and conn.ttl(worker_key) > 0
     assert len(Worker.all(queue=queue)) == 1
     client.close()
+    # The same rq worker did it (run_workers did not start a fresh one, which registers anew).
+    log = (tmp_path / "w.log").read_text()
+    assert "registering it again" in log and "starting a new rq worker" not in log
 
 
 def test_redis_restart_while_a_worker_computes_a_version(cluster):
@@ -472,3 +474,19 @@ def test_a_worker_stopping_while_redis_is_down_logs_one_line_not_a_traceback(r, 
         threading.excepthook = previous
     assert uncaught == []
     assert "rq worker w-down: exit not recorded in Redis" in caplog.text
+
+
+def test_a_heartbeat_lists_the_worker_again_when_only_rqs_registry_lost_it(r):
+    # What rq's heartbeats during a forked task leave after Redis restarted empty: the worker's
+    # hash rebuilt whole (birth included), the registry sets not.
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    worker = PerseusSimpleWorker([queue], connection=r)
+    worker.register_birth()
+    try:
+        r.srem(worker_registration.REDIS_WORKER_KEYS, worker.key)
+        r.srem(worker_registration.WORKERS_BY_QUEUE_KEY % keys.RQ_QUEUE, worker.key)
+        assert r.hexists(worker.key, "birth") and not worker_registration.get_keys(queue=queue)
+        worker.heartbeat()
+        assert worker_registration.get_keys(queue=queue) == {worker.key}
+    finally:
+        worker.register_death()
