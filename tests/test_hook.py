@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 
 import pytest
@@ -148,3 +149,11 @@ def test_result_is_sent_again_when_redis_lost_its_version(gloo, hook_service, r,
         assert [e.observed_version for e in JobStore(r).journal(job)] == [None, 1, 2]
     finally:
         hook.close()
+
+
+def test_a_rank_that_fails_to_start_leaves_no_controller_process(gloo, hook_service, redis_url):
+    # No worker: the first schedule never comes. The controller's side process (spawned
+    # before the job was joined) must not outlive the failed constructor.
+    with pytest.raises(CoordinatorUnavailableError, match="schedule"):
+        make_hook(redis_url, "simulated", schedule_timeout=1.0)
+    assert multiprocessing.active_children() == []

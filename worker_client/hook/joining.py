@@ -41,6 +41,16 @@ class RankGPU:
             controller = make_controller(controller, index, nvml_module=nvml_module)  # type: ignore[arg-type]
         return cls(nvml, index, clocks, controller, owns)
 
+    def rank_info(self, rank: int, dp_rank: int, pp_rank: int, tp_rank: int) -> RankInfo:
+        """What the rank registers: its coordinates and this GPU's clocks."""
+        return RankInfo(
+            rank=rank,
+            dp_rank=dp_rank,
+            pp_rank=pp_rank,
+            tp_rank=tp_rank,
+            available_frequencies=self.clocks,
+        )
+
     def close(self) -> None:
         """Stop a controller this made (the rank is not joining after all)."""
         if self.owns_controller:

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from protocol.exceptions import ConfigError, JobFailedError, PerseusError, ScheduleError
 from protocol.job_lifecycle import JobLifecycle
-from protocol.models import FrequencySchedule, ProfilingResult, RankInfo
+from protocol.models import FrequencySchedule, ProfilingResult
 from worker_client.hook.callback import Callback
 from worker_client.hook.clock_requests import ClockRequester, FrequencySetter, Marker, cuda_marker
 from worker_client.hook.energy_source import EnergySource, default_energy_source
@@ -172,6 +172,7 @@ class PerseusOptimizer(Callback):
             gpu = RankGPU.open(nvml_module, device_id, controller)
         except Exception as exc:
             gpu = exc
+        owned_source: EnergySource | None = None
         try:
             self.job_id: str = agree_on_job(
                 self.client,
@@ -185,29 +186,28 @@ class PerseusOptimizer(Callback):
                 scheduler_args=scheduler_args,
                 local_error=gpu if isinstance(gpu, Exception) else None,
             )
+            assert isinstance(gpu, RankGPU)  # or agree_on_job raised this rank's error
+            self.nvml, self.gpu_index = gpu.nvml, gpu.index  # NVML's index: clocks, energy
+            rank_info = gpu.rank_info(rank, dp_rank, pp_rank, tp_rank)
+            # Unset: measure per-instruction energy exactly when the job's scheduler needs it.
+            self.instruction_energy = join_job(
+                self.client, self.job_id, rank_info, instruction_energy
+            )
+            if energy_source is None:
+                energy_source = owned_source = default_energy_source(self.nvml, self.gpu_index)
+            self.schedule = self.client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
         except BaseException:
+            # A rank that failed to start leaves no controller process, sampler or connection.
             if isinstance(gpu, RankGPU):
                 gpu.close()
+            if owned_source is not None and hasattr(owned_source, "close"):
+                owned_source.close()
+            self.client.close()
             raise
-        assert isinstance(gpu, RankGPU)  # or agree_on_job raised this rank's error
-        self.nvml, self.gpu_index = gpu.nvml, gpu.index  # NVML's index, for clocks and energy
-        rank_info = RankInfo(
-            rank=rank,
-            dp_rank=dp_rank,
-            pp_rank=pp_rank,
-            tp_rank=tp_rank,
-            available_frequencies=gpu.clocks,
-        )
-        # Unset: measure per-instruction energy exactly when the job's scheduler needs it.
-        self.instruction_energy = join_job(self.client, self.job_id, rank_info, instruction_energy)
-        self._owned_source = energy_source is None
-        if energy_source is None:
-            energy_source = default_energy_source(self.nvml, self.gpu_index)
+        self._owned_source = owned_source is not None
         self.energy_source: EnergySource = energy_source
         self.controller: FrequencySetter = gpu.controller
         self._marker_fn = marker_fn
-
-        self.schedule = self.client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
         self._clocks: ClockRequester | None = None
         if clock_sync == "events":
             self._clocks = ClockRequester(self.controller)
