@@ -125,7 +125,7 @@ def _liveness(
     heard = store.ranks_heard(job_id)
     # A rank never heard from (it died before its hook's first heartbeat, inside the hook's
     # constructor, say) counts from its job's creation: silent, not alive for ever.
-    created = float(record.fields.get("created_at") or 0)
+    created = float(record.fields.get("created_at") or record.fields.get("active_at") or now)
     silent = [r for r in range(world) if now - heard.get(r, created) > silent_after]
     reported = set(store.reported_ranks(job_id, version)) if version else set()
     waiting = [r for r in silent if r not in reported]

@@ -35,9 +35,12 @@ def test_a_device_cuda_cannot_see_is_refused_naming_the_variable(nvml):
         nvml.cuda_to_nvml(1, "3")
     with pytest.raises(ConfigError, match="makes 0 visible"):
         nvml.cuda_to_nvml(0, "")
-    # CUDA ignores the list from the first entry it cannot read.
+    # CUDA ignores the list from the first entry it cannot read, or that names no GPU.
     with pytest.raises(ConfigError, match="makes 1 visible"):
         nvml.cuda_to_nvml(1, "0,-1,2")
+    with pytest.raises(ConfigError, match="makes 1 visible"):
+        nvml.cuda_to_nvml(1, "0,7,2")  # four GPUs: there is no 7
+    assert nvml.visible_count("3,7,1") == 1 and nvml.visible_count("2,0") == 2
 
 
 def test_a_uuid_that_names_no_gpu_or_several_and_a_mig_instance_are_refused(nvml):

@@ -27,11 +27,18 @@ def _is_nvml_error(module: ModuleType, exc: BaseException) -> bool:
     return isinstance(error_cls, type) and isinstance(exc, error_cls)
 
 
-def _visible_entries(visible: str) -> list[str]:
-    """The entries of ``CUDA_VISIBLE_DEVICES`` that CUDA reads: up to the first it cannot."""
+def _visible_entries(visible: str, count: int) -> list[str]:
+    """The entries of ``CUDA_VISIBLE_DEVICES`` that CUDA reads: up to the first it cannot.
+
+    Args:
+        visible: The variable's value.
+        count: GPUs of the machine (an index past them ends the list too).
+    """
     entries: list[str] = []
     for raw in visible.split(","):
         entry = raw.strip()
+        if entry.isdigit() and int(entry) >= count:
+            break
         if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
             break
         entries.append(entry)
@@ -98,7 +105,8 @@ class NVML:
         """How many GPUs CUDA numbers (``CUDA_VISIBLE_DEVICES``, default: the environment's)."""
         if visible is None:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return self.device_count() if visible is None else len(_visible_entries(visible))
+        count = self.device_count()
+        return count if visible is None else len(_visible_entries(visible, count))
 
     def uuid(self, index: int) -> str:
         """The GPU's UUID (``GPU-...``), by which ``CUDA_VISIBLE_DEVICES`` may name it."""
@@ -110,9 +118,10 @@ class NVML:
 
         CUDA numbers only the GPUs that ``CUDA_VISIBLE_DEVICES`` lists, in its order (NVML
         indices, or UUIDs and unique ``GPU-`` prefixes of them), and ignores the list from its
-        first entry it cannot read; NVML numbers every GPU of the machine. Without the
-        variable both number alike (unless ``CUDA_DEVICE_ORDER`` is left at FASTEST_FIRST on
-        a machine of mixed GPUs: set it to PCI_BUS_ID there).
+        first entry it cannot read or that names no GPU; NVML numbers every GPU of the
+        machine. Without the variable both number alike. Indices in the variable follow
+        ``CUDA_DEVICE_ORDER``, whose default (FASTEST_FIRST) can differ from NVML's PCI order
+        on a machine of mixed GPUs: set it to PCI_BUS_ID there.
 
         Args:
             ordinal: CUDA device index (what ``torch.cuda.set_device`` takes).
@@ -126,7 +135,7 @@ class NVML:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible is None:
             return ordinal
-        entries = _visible_entries(visible)
+        entries = _visible_entries(visible, self.device_count())
         where = f"CUDA_VISIBLE_DEVICES={visible!r}"
         if not 0 <= ordinal < len(entries):
             raise ConfigError(
