@@ -24,8 +24,8 @@ def tune_gc() -> None:
     of 35-60 ms in 1-2% of versions (`benchmarks/bench_coordinator.py`'s p99; about 15 ms
     with the collector off). ``gc.freeze`` is Python's remedy (also before a fork). Decoding
     a batch of results allocates thousands of containers that reference counting frees: a
-    young-generation round every 700 (Python's default) cost about 1 ms of a 64-rank
-    version's 14 ms; every 20,000 leaves little to collect.
+    young-generation round every 700 (Python's default) cost 0.6-0.8 ms of a 64-rank
+    version's 14 ms (`benchmarks/bench_gc.py`); every 20,000 leaves little to collect.
     """
     gc.collect()
     gc.freeze()
