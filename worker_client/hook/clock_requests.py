@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -31,6 +32,13 @@ class FrequencySetter(ClockSetter, Protocol):
 
     def stop(self) -> None:
         """Stop controlling and restore the default clocks."""
+
+
+def cuda_sync(device_id: int) -> Callable[[], None]:
+    """Waits for CUDA device ``device_id``'s queued work (does nothing without CUDA)."""
+    if torch.cuda.is_available():
+        return lambda: torch.cuda.synchronize(device_id)
+    return lambda: None
 
 
 def cuda_marker() -> Marker:

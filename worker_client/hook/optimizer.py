@@ -31,7 +31,13 @@ from protocol.exceptions import ConfigError, JobFailedError, PerseusError, Sched
 from protocol.job_lifecycle import JobLifecycle
 from protocol.models import FrequencySchedule, ProfilingResult
 from worker_client.hook.callback import Callback
-from worker_client.hook.clock_requests import ClockRequester, FrequencySetter, Marker, cuda_marker
+from worker_client.hook.clock_requests import (
+    ClockRequester,
+    FrequencySetter,
+    Marker,
+    cuda_marker,
+    cuda_sync,
+)
 from worker_client.hook.energy_source import EnergySource, default_energy_source
 from worker_client.hook.joining import RankGPU, agree_on_job, join_job
 from worker_client.hook.session import CoordinatorClient
@@ -40,12 +46,6 @@ from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
 logger = logging.getLogger(__name__)
 
 Mark = tuple[float, float]  # (start mark, end mark) of an energy source
-
-
-def _default_sync(device_id: int) -> Callable[[], None]:
-    if torch.cuda.is_available():
-        return lambda: torch.cuda.synchronize(device_id)
-    return lambda: None
 
 
 class PerseusOptimizer(Callback):
@@ -161,12 +161,11 @@ class PerseusOptimizer(Callback):
         self.device_id = device_id
         self.report_every = report_every
         self.client = CoordinatorClient(redis_url)
-        self._sync = sync_fn or _default_sync(device_id)
+        self._sync = sync_fn or cuda_sync(device_id)
         self._clock = clock or time.perf_counter
         self.raise_on_job_error = raise_on_job_error
 
-        # This rank's GPU first: a rank that cannot drive it fails every rank before rank 0
-        # registers the job (a job that nobody trains would sit as `starting`).
+        # This rank's GPU first: if one rank cannot drive its GPU, no job is registered.
         gpu: RankGPU | Exception
         try:
             gpu = RankGPU.open(nvml_module, device_id, controller)
@@ -188,11 +187,9 @@ class PerseusOptimizer(Callback):
             )
             assert isinstance(gpu, RankGPU)  # or agree_on_job raised this rank's error
             self.nvml, self.gpu_index = gpu.nvml, gpu.index  # NVML's index: clocks, energy
-            rank_info = gpu.rank_info(rank, dp_rank, pp_rank, tp_rank)
+            joined = gpu.rank_info(rank, dp_rank, pp_rank, tp_rank)
             # Unset: measure per-instruction energy exactly when the job's scheduler needs it.
-            self.instruction_energy = join_job(
-                self.client, self.job_id, rank_info, instruction_energy
-            )
+            self.instruction_energy = join_job(self.client, self.job_id, joined, instruction_energy)
             if energy_source is None:
                 energy_source = owned_source = default_energy_source(self.nvml, self.gpu_index)
             self.schedule = self.client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
