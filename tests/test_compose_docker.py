@@ -39,7 +39,9 @@ STAGE_CLOCKS = [(1980, 1950), (1905, 1890), (1830, 1815), (1755, 1740)]  # (forw
 PLAN_STEPS = 6
 # The fault job: the InstructionProfiler sweeps these clocks, one version per clock, and never
 # stops early, so versions keep coming while the faults happen.
-SWEEP = [1980 - 15 * i for i in range(16)]
+# Long enough (about a version per 0.5 s) that the sweep outlasts catching a busy worker (up
+# to 20 s), the kill and the Redis restart: with 16 clocks it could end before the kill.
+SWEEP = [1980 - 15 * i for i in range(80)]
 FAULT_STEPS, STEP_SLEEP = 300, 0.2
 
 
