@@ -411,7 +411,7 @@ class ProfileWatcher(threading.Thread):
             if version >= shown + 5:  # A line every five sweep steps is enough to show life.
                 shown = version
                 self.progress(f"      sweep step {version} (schedule version {version})")
-            if not live_coordinators(self.store.conn, ServerClock.of(self.store.conn).now()):
+            if not live_coordinators(self.store.conn, self.store.clock.now()):
                 self.error = "no coordinator is running on this Redis any more"
                 self.stop_file.touch()
                 return
