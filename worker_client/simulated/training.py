@@ -190,7 +190,7 @@ def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
         ``iter_energy``, ``compute_time``, ``compute_energy``, ``idle_energy`` and
         ``version`` (the schedule version the step ran), ``schedules`` (version as a string ->
         the rank's ``(instruction, MHz)`` pairs), ``swaps``, ``final_version``,
-        ``reports_sent``.
+        ``reports_sent`` (once the hook closed).
 
     """
     if cfg.sim_gpu_dir is not None:
@@ -249,6 +249,9 @@ def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
                 steps = _train(cfg, hook, gpu, controller, clock)
         finally:
             hook.close()  # Also stops the controller, which resets the clocks.
+        # Counted after close, which sends what the reporter still held (on a loaded machine,
+        # a short run's only result may still be queued at its last step end).
+        steps["reports_sent"] = hook.reporter.sent
         record = {"rank": cfg.rank, "pp_rank": cfg.pp_rank, "dp_rank": cfg.dp_rank}
         return {**record, "job_id": hook.job_id, **steps}
     finally:
