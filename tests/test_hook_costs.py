@@ -77,6 +77,30 @@ class _SlowCounterNVML(NVML):
         return super().total_energy_mj(index)
 
 
+class _PreemptedNVML(NVML):
+    """The simulated GPU, whose first counter reads are slow: a busy machine preempted them."""
+
+    slow_reads = 3
+
+    def total_energy_mj(self, index: int) -> int | None:
+        if self.slow_reads > 0:
+            self.slow_reads -= 1
+            time.sleep(0.003)
+        return super().total_energy_mj(index)
+
+
+def test_a_counter_read_slowly_only_while_the_machine_was_busy_is_read_on_the_thread(
+    tmp_path, monkeypatch
+):
+    # The simulated counter moves only with simulated work: given a monitor, a rank doing
+    # real work failed its first window ("its energy counter has not changed"), in a loaded
+    # test run whose first two timed reads were slow.
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path))
+    nvml = _PreemptedNVML(SIMULATED_NVML)
+    assert isinstance(default_energy_source(nvml, 0), CounterEnergySource)
+    assert nvml.slow_reads == 0
+
+
 def test_a_slow_energy_counter_is_read_off_the_training_thread(tmp_path, monkeypatch):
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path))
     fast = default_energy_source(NVML(SIMULATED_NVML), 0)
