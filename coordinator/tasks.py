@@ -10,13 +10,18 @@ what is new.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import redis
+from redis.client import Pipeline
+from rq.job import Job
 
 from coordinator.dump import dump_version
 from coordinator.replay import LiveScheduler, LiveSchedulers, by_rank, rebuild, summarize
@@ -34,6 +39,66 @@ SNAPSHOT_EVERY = 10
 
 LIVE = LiveSchedulers()
 """This process's schedulers: a long-lived worker keeps them from one task to the next."""
+
+ADVANCE_TASK = "coordinator.tasks.advance_job"
+"""The rq function name of :func:`advance_job`, as the coordinator enqueues it."""
+
+# rq task id -> (lease token, the job's state or the error reading it), for a task whose first
+# read went with the transaction that started it (queue_start); one task at a time.
+_STARTED: dict[str, tuple[str, JobState | Exception]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class StartRead:
+    """An advance task's first read, queued on the transaction that starts the task."""
+
+    count: int  # commands queued: their replies are the transaction's last
+    keep: Callable[[list[Any]], None]  # takes those replies, for the task to find
+
+
+def queue_start(task: Job, pipe: Pipeline) -> StartRead | None:
+    """Queue an advance task's first read (the lease and the job's state) on its start.
+
+    The long-lived worker records a task's start in one transaction; the task's own first
+    round trip (take the job's lease, read its state and the results its cached scheduler
+    expects) goes in it too. That round trip lies between the coordinator's enqueue and the
+    next version (measured side by side: ``benchmarks/bench_ab.py``).
+
+    Args:
+        task: The rq task about to start.
+        pipe: Its start transaction, not executed yet.
+
+    Returns:
+        None for a task that is not :func:`advance_job`.
+    """
+    if task.func_name != ADVANCE_TASK or len(task.args) < 2:
+        return None
+    job_id, lease_ms = str(task.args[0]), int(task.args[1])
+    token = uuid.uuid4().hex
+    lease, prefetch = (token, lease_ms), LIVE.expected_observation(job_id)
+    count = JobStore.queue_job_state(pipe, job_id, lease=lease, prefetch=prefetch)
+
+    def keep(replies: list[Any]) -> None:
+        _STARTED.clear()  # whatever is left belongs to no running task
+        try:
+            state = JobStore.read_job_state(replies, job_id, lease, prefetch)
+        except (redis.RedisError, UnknownJobError) as exc:
+            _STARTED[task.id] = (token, exc)  # advance_job meets it as its own read's
+        else:
+            _STARTED[task.id] = (token, state)
+
+    return StartRead(count, keep)
+
+
+def _read_at_start(job_id: str) -> tuple[str, JobState | Exception] | None:
+    """What the running rq task's start transaction read for ``job_id`` (None: nothing)."""
+    from rq import get_current_job
+
+    task = get_current_job()
+    if task is None:
+        return None
+    started = _STARTED.pop(task.id, None)
+    return started if started is not None and str(task.args[0]) == job_id else None
 
 
 def _connection() -> redis.Redis:
@@ -281,15 +346,23 @@ def advance_job(
     """
     conn = conn if conn is not None else _connection()
     store = JobStore(conn) if stream_maxlen is None else JobStore(conn, stream_maxlen)
-    token = uuid.uuid4().hex
+    started = _read_at_start(job_id)
+    token = started[0] if started is not None else uuid.uuid4().hex
     published: list[int] = []
     for _ in range(_MAX_ROUNDS):
         # Taking the lease and reading the job's state is one round trip, and so is reading
-        # the results a cached scheduler expects to observe with them.
+        # the results a cached scheduler expects to observe with them; the first round's
+        # may have gone with the rq task's start (queue_start).
         try:
-            state = store.job_state(
-                job_id, lease=(token, lease_ttl_ms), prefetch=LIVE.expected_observation(job_id)
-            )
+            if started is not None:
+                first, started = started[1], None
+                if isinstance(first, Exception):
+                    raise first
+                state = first
+            else:
+                state = store.job_state(
+                    job_id, lease=(token, lease_ttl_ms), prefetch=LIVE.expected_observation(job_id)
+                )
         except UnknownJobError:
             store.release_lease(job_id, token)
             logger.info("job %s is gone (deleted as idle?): nothing to advance", job_id)

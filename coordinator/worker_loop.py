@@ -10,7 +10,8 @@ rq's loop ends.
 
 The worker classes also trim rq's round trips around a task (the same writes, fewer waits):
 heartbeats in one pipeline, and for the long-lived worker none between taking a task and
-starting it, whose transaction also records the execution.
+starting it, whose transaction also records the execution and makes an advance task's first
+read.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from rq.utils import now
 from rq.version import VERSION as RQ_VERSION
 from rq.worker import WorkerStatus
 
+from coordinator.tasks import queue_start
 from protocol.acl import wrong_user
 
 logger = logging.getLogger(__name__)
@@ -141,7 +143,9 @@ class PerseusSimpleWorker(_StopAware, SimpleWorker):
     """rq's in-process worker that knows whether it was asked to stop.
 
     With rq 3 it also records a task's execution and its start in one transaction (rq sends
-    two, one after the other): the same writes, one round trip less before every task.
+    two, one after the other): the same writes, one round trip less before every task. An
+    advance task's first read (the job's lease and state) goes in that transaction too
+    (:func:`coordinator.tasks.queue_start`).
     """
 
     _prepared: Any = None  # the pipeline holding a task's execution record, not sent yet
@@ -193,7 +197,15 @@ class PerseusSimpleWorker(_StopAware, SimpleWorker):
             if remove_from_intermediate_queue:
                 queue = Queue(job.origin, connection=self.connection)
                 pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            pipe.execute()
+            read = queue_start(job, pipe)
+            replies = pipe.execute(raise_on_error=read is None)
+        if read is not None:
+            # An error in rq's writes fails the task as rq's own would; one in the task's
+            # read is the task's to meet (advance_job handles it as its own read's).
+            ours = len(replies) - read.count
+            if errors := [r for r in replies[:ours] if isinstance(r, Exception)]:
+                raise errors[0]
+            read.keep(replies[ours:])
 
 
 def wait_for_redis(

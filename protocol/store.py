@@ -113,19 +113,57 @@ class JobStore(WorkerStore):
             prefetch: Also read the stored results of this version (the one a caller
                 expects to observe next) into :attr:`JobState.prefetched`: the round trip
                 that :meth:`results` would take afterwards.
+
+        Raises:
+            UnknownJobError: The job does not exist.
         """
         with self.conn.pipeline(transaction=True) as pipe:
-            if prefetch is not None:
-                pipe.hvals(keys.job_results(job_id, prefetch))
-            if lease is not None:
-                pipe.set(keys.job_lease(job_id), lease[0], nx=True, px=lease[1])
-            pipe.hgetall(keys.job_info(job_id))
-            pipe.hlen(keys.job_ranks(job_id))
-            pipe.get(keys.job_version(job_id))
-            pipe.llen(keys.job_journal(job_id))
-            pipe.lindex(keys.job_journal(job_id), -1)
-            pipe.xlen(keys.job_control(job_id))
+            count = self.queue_job_state(pipe, job_id, lease, prefetch)
             replies = pipe.execute()
+        return self.read_job_state(replies[-count:], job_id, lease, prefetch)
+
+    @staticmethod
+    def queue_job_state(
+        pipe: Pipeline,
+        job_id: str,
+        lease: tuple[str, int] | None = None,
+        prefetch: int | None = None,
+    ) -> int:
+        """Queue :meth:`job_state`'s commands on a caller's transaction; return how many.
+
+        The caller hands their replies (the transaction's last that many) to
+        :meth:`read_job_state`.
+        """
+        if prefetch is not None:
+            pipe.hvals(keys.job_results(job_id, prefetch))
+        if lease is not None:
+            pipe.set(keys.job_lease(job_id), lease[0], nx=True, px=lease[1])
+        pipe.hgetall(keys.job_info(job_id))
+        pipe.hlen(keys.job_ranks(job_id))
+        pipe.get(keys.job_version(job_id))
+        pipe.llen(keys.job_journal(job_id))
+        pipe.lindex(keys.job_journal(job_id), -1)
+        pipe.xlen(keys.job_control(job_id))
+        return 6 + (lease is not None) + (prefetch is not None)
+
+    @staticmethod
+    def read_job_state(
+        replies: list[Any],
+        job_id: str,
+        lease: tuple[str, int] | None = None,
+        prefetch: int | None = None,
+    ) -> JobState:
+        """The :class:`JobState` in the replies of :meth:`queue_job_state`'s commands.
+
+        Raises:
+            UnknownJobError: The job does not exist.
+            redis.RedisError: A reply is an error (a caller's transaction that does not
+                raise on errors hands them over as they are).
+        """
+        replies = list(replies)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
         prefetched = (prefetch, replies.pop(0)) if prefetch is not None else None
         leased = bool(replies.pop(0)) if lease is not None else False
         raw, ranks, version, journal, tail, control = replies

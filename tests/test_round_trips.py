@@ -11,6 +11,8 @@ import redis
 from rq import Queue, SimpleWorker
 from rq.job import JobStatus
 
+from coordinator import tasks, worker_loop
+from coordinator.advance_queue import enqueue
 from coordinator.completion import CompletionGuess
 from coordinator.replay import LiveSchedulers
 from coordinator.resilience import ensure_groups
@@ -87,6 +89,57 @@ def test_the_long_lived_worker_starts_a_task_in_fewer_round_trips_than_rq(r, cou
     # in the task's start transaction (1 fewer).
     assert started <= rq_started - 6, (started, rq_started)
     assert total <= rq_total - 10, (total, rq_total)
+
+
+def _advance_in_worker(r: redis.Redis, redis_url: str, job_id: str) -> Any:
+    """Enqueue the job's advance task as the coordinator does; run it in a long-lived worker."""
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    task = enqueue(queue, JobStore(r), make_settings(redis_url), job_id, record=False)
+    SENT[0] = 0
+    PerseusSimpleWorker([queue], connection=r).work(burst=True)
+    assert task.get_status(refresh=True) == JobStatus.FINISHED, task.latest_result()
+    return task.return_value()
+
+
+def test_an_advance_task_reads_the_job_in_the_transaction_that_starts_it(
+    r, redis_url, count_round_trips, monkeypatch
+):
+    store = JobStore(r)
+    new_job(store, "start", SNAPSHOTTING)
+    LIVE.clear()
+    try:
+        assert _advance_in_worker(r, redis_url, "start") == [1]  # one-off costs out of the way
+        sent = {}
+        for name, start in (("own read", lambda *_: None), ("at start", tasks.queue_start)):
+            monkeypatch.setattr(worker_loop, "queue_start", start)
+            report_all(store, "start")
+            version = store.version("start") + 1
+            assert _advance_in_worker(r, redis_url, "start") == [version]
+            sent[name] = count_round_trips[0]
+        # The lease, the job's state and the results the cached scheduler observes came with
+        # rq's start records: the task's own first round trip is gone, nothing else changed.
+        assert sent["at start"] == sent["own read"] - 1, sent
+        assert not r.exists(keys.job_lease("start")) and tasks._STARTED == {}
+    finally:
+        LIVE.clear()
+    assert [s.frequencies[0][1] for s in store.schedules("start", 3)] == [1980 - 30] * RANKS
+
+
+def test_a_task_whose_start_finds_the_lease_taken_leaves_it_to_its_holder(r, redis_url):
+    store = JobStore(r)
+    new_job(store, "held", SNAPSHOTTING)
+    assert _advance_in_worker(r, redis_url, "held") == [1]
+    report_all(store, "held")
+    r.set(keys.job_lease("held"), "another-worker", px=60_000)
+    assert _advance_in_worker(r, redis_url, "held") == []  # the holder publishes, not this one
+    assert r.get(keys.job_lease("held")) == b"another-worker"
+    assert store.version("held") == 1
+
+
+def test_a_task_whose_start_finds_no_job_ends_without_a_lease_left(r, redis_url):
+    assert _advance_in_worker(r, redis_url, "never-registered") == []
+    assert not r.exists(keys.job_lease("never-registered"))
+    assert not r.exists(keys.job_info("never-registered"))  # nothing of it was written
 
 
 # --- the coordinator ---------------------------------------------------------------------------
