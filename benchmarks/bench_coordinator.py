@@ -8,7 +8,10 @@
    validation, no rq, no scheduler. The scheduler is `tests.toy_schedulers:SnapshotStepDown`,
    which lowers the clocks every round, so every round publishes a version.
    For the long-lived worker it also prints where a version's time goes, from the timestamps
-   rq and the job record already keep (read between rounds, outside the timed path).
+   rq and the job record already keep (read between rounds, outside the timed path). For
+   every row, the CPU per version of the client, the coordinator (or raw server), the worker
+   and Redis, until the version is visible and until the worker is idle again (from /proc,
+   read outside the timed path): against the wall time, how many cores the round kept busy.
 2. Redis memory of that job (every `perseus:job:<id>:*` key) at versions 20 and 200.
 3. Registrations per second from one client (request, then wait for the reply), against the
    raw request/reply limit: the same request and reply traffic (a rank's coordinates and
@@ -168,10 +171,31 @@ class Stack:
             self.job_id, self.stream = register(self.client, ranks), keys.RESULTS_STREAM
         self.updates = keys.job_updates(self.job_id)
         self.last_id = wait_version(self.conn, self.updates, b"0", 0)
+        # CPU seconds of (client, coordinator or raw server, worker, Redis) summed over the
+        # rounds: until the version is visible, and until the worker is idle again.
+        self.pids = (None, self.procs[0].pid, self.procs[-1].pid if kind != "raw" else 0)
+        self.cpu_visible, self.cpu_round = [0.0] * 4, [0.0] * 4
+        self.rounds_wall = [0.0, 0.0]  # the same two spans' wall time
+
+    def cpu(self) -> list[float]:
+        """CPU seconds so far of the client, coordinator (raw server), worker and Redis."""
+        client, service, worker = self.pids
+        return [
+            cpu_seconds(client),
+            cpu_seconds(service),
+            cpu_seconds(worker, children=True) if worker else 0.0,
+            cpu_seconds(self.server.pid),
+        ]
+
+    def add_cpu(self, total: list[float], before: list[float], wall: float, span: int) -> None:
+        for i, value in enumerate(self.cpu()):
+            total[i] += value - before[i]
+        self.rounds_wall[span] += wall
 
     def round(self, version: int) -> None:
         """All ranks report ``version``; record the time until the next version is visible."""
         batch = report_fields(self.job_id, self.ranks, version, self.client)
+        self.cpu_before = self.cpu()  # read before the clock starts: not in the timing
         wall, start = time.time(), time.perf_counter()
         with self.conn.pipeline(transaction=False) as pipe:
             for fields in batch:
@@ -180,6 +204,8 @@ class Stack:
         sent = time.perf_counter() - start
         self.last_id = wait_version(self.conn, self.updates, self.last_id, version)
         self.latencies[version + 1] = time.perf_counter() - start
+        self.add_cpu(self.cpu_visible, self.cpu_before, self.latencies[version + 1], 0)
+        self.round_start = start
         if self.kind == "long-lived":
             self.record_stages(wall, sent, self.latencies[version + 1])
         if self.kind != "raw" and version + 1 in (20, 200):
@@ -195,8 +221,13 @@ class Stack:
         bookkeeping (a forked child also exits): that work must not land in the next row's
         timed round.
         """
-        if self.kind == "raw":
-            return
+        if self.kind != "raw":
+            self._wait_idle(job_id)
+        if job_id is None:  # a timed round's: its whole CPU, until the worker is idle
+            wall = time.perf_counter() - self.round_start
+            self.add_cpu(self.cpu_round, self.cpu_before, wall, 1)
+
+    def _wait_idle(self, job_id: str | None) -> None:
         task = self.conn.hget(keys.job_info(job_id or self.job_id), "rq_job") or b""
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -350,14 +381,20 @@ def raw_request(conn: redis.Redis, job_id: str) -> Callable[[int], None]:
     return request
 
 
-def cpu_seconds(pid: int | None = None) -> float:
-    """CPU time (user + system) of process ``pid`` so far (default: this one); Linux only."""
+def cpu_seconds(pid: int | None = None, children: bool = False) -> float:
+    """CPU time (user + system) of process ``pid`` so far (default: this one); Linux only.
+
+    With ``children``, also that of its children it has waited for (a forking worker's tasks).
+    """
     if pid is None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[11]) + int(fields[12])
+    if children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class Turns:
@@ -451,6 +488,32 @@ def print_registrations(rounds: list[tuple[Turns, Turns]], ranks: int, jobs: int
     print(f"  the coordinator reaches {statistics.median(ratios):.2f} of the limit (median round)")
 
 
+def print_cpu(stacks: list[Stack], versions: int) -> None:
+    """CPU per version of each row's processes, and how many cores they kept busy."""
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    # Each round's figure is a difference of clock ticks, off by up to a tick either way
+    # (standard deviation 1/sqrt(6) of a tick); the rounds' errors add up.
+    error = (versions / 6) ** 0.5 * tick / versions * 1000
+    print(
+        f"\nCPU per version (ms; /proc clock ticks summed over {versions} rounds: about "
+        f"+-{error:.2f} ms per process):"
+    )
+    print(f"  {'':<40}  client   coord   worker   Redis    total    wall   cores busy")
+    spans = (
+        ("until the version is visible", "cpu_visible"),
+        ("whole round, until the worker is idle (the client polls for that)", "cpu_round"),
+    )
+    for span, (title, attr) in enumerate(spans):
+        print(f"  {title}:")
+        for stack in stacks:
+            if stack.kind == "fork" and span == 0:
+                continue  # a forked task's CPU is counted when it exits, after this span
+            cpu = [c / versions * 1000 for c in getattr(stack, attr)]
+            wall = stack.rounds_wall[span] / versions * 1000
+            cells = "".join(f"{c:8.2f}" for c in cpu) + f" {sum(cpu):8.2f} {wall:7.2f}"
+            print(f"    {stack.name:<38}{cells}   {sum(cpu) / wall:5.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", type=int, default=200)
@@ -492,6 +555,7 @@ def main() -> None:
                 cells += f"  {medians[-1]:10.1f} {percentile(values, 0.99):7.1f}"
             growth = f"{medians[-1] / medians[0]:.2f}x" if len(medians) > 1 else "-"
             print(f"  {stack.name:<40}{cells}   {growth}")
+        print_cpu(stacks, args.versions)
         stages = [row for row in stacks[1].stages[1:] if all(t == t for t in row)]
         print(f"\nwhere the time goes, long-lived worker, p50 of {len(stages)} versions (ms after")
         print("the first XADD; rq's and the job's own timestamps):")
