@@ -236,6 +236,19 @@ def test_simulated_nvml_reads(sim_dir: Path) -> None:
     nvml.shutdown()
 
 
+def test_simulated_nvml_creates_its_state_folder_only_when_written(sim_dir: Path) -> None:
+    # A dry-run hook on the simulated GPU only reads: it left an empty folder in /dev/shm.
+    nvml = NVML(SIM)
+    assert nvml.graphics_clocks(0)[0] == 1980 and nvml.total_energy_mj(0) == 0
+    assert nvml.power_limit_mw(0) == 700_000 and sim.SimulatedGPU(0).current_clock() == 1980
+    assert not sim_dir.exists()
+    nvml.set_power_limit_mw(0, 300_000)
+    assert (sim_dir / "gpu0.json").is_file()
+    sim.reset_state()
+    assert not sim_dir.exists() and nvml.power_limit_mw(0) == 700_000
+    nvml.shutdown()
+
+
 def test_simulated_invalid_clock(sim_dir: Path) -> None:
     nvml = NVML(SIM)
     with pytest.raises(GPUError, match="Invalid Argument"):

@@ -84,16 +84,18 @@ class NVMLError(Exception):
 
 # --- shared device state -------------------------------------------------------------------------
 def resolve_state_dir(explicit: str | Path | None = None) -> Path:
-    """Return the state directory in use (see module docs), creating it if missing."""
+    """Return the state directory in use (see module docs).
+
+    Only a write creates it (:func:`_update_state`): a run that only reads (a dry-run
+    controller, an energy monitor) leaves nothing behind in ``/dev/shm``.
+    """
     if explicit is None:
         # tmpfs when there is one: on a disk, creating and renaming a file costs ~0.5 ms.
         base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
         explicit = os.environ.get("PERSEUS_SIM_GPU_DIR") or (
             Path(base) / f"perseus-sim-gpu-{os.getpgrp()}"
         )
-    path = Path(explicit)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return Path(explicit)
 
 
 def reset_state(directory: str | Path | None = None) -> None:
@@ -130,7 +132,7 @@ def _update_state(
     """Apply ``change`` to one device's state under its lock; return the new state."""
     try:
         lock = open(directory / f"gpu{index}.lock", "a")
-    except FileNotFoundError:  # reset_state() removed the directory meanwhile
+    except FileNotFoundError:  # the first write, or reset_state() removed the directory
         directory.mkdir(parents=True, exist_ok=True)
         lock = open(directory / f"gpu{index}.lock", "a")
     with lock:
