@@ -184,7 +184,13 @@ def _savings(job: dict[str, Any]) -> str:
     if first is None:
         return "-"
     if first["energy_j"] <= 0:  # Dry-run or simulated clocks without an energy source.
-        return f"{first['time_s']:.4f} s/it, no energy measured (v1)"
+        if latest is None or latest["version"] == first["version"] or first["time_s"] <= 0:
+            return f"{first['time_s']:.4f} s/it, no energy measured (v1)"
+        slower = latest["time_s"] / first["time_s"] - 1
+        return (
+            f"{latest['time_s']:.4f} s/it v{latest['version']}: {slower:+.1%} time vs v1, "
+            "no energy measured"
+        )
     if latest is None or not (first["energy_j"] > 0 and first["time_s"] > 0):
         return f"{first['energy_j']:.1f} J/it (v1)"
     energy = latest["energy_j"] / first["energy_j"] - 1

@@ -33,6 +33,13 @@ def test_status_names_each_job_state_in_its_table():
     assert "running: 0.5000 s/it, no energy measured (v1)" in text
 
 
+def test_status_without_energy_shows_the_latest_versions_time_against_v1():
+    first = {"version": 1, "time_s": 0.5, "energy_j": 0.0}
+    latest = {"version": 3, "time_s": 0.55, "energy_j": 0.0}
+    text = format_snapshot(snap(job("c", "running", version=3, first=first, latest=latest)))
+    assert "running: 0.5500 s/it v3: +10.0% time vs v1, no energy measured" in text
+
+
 def test_status_columns_stay_in_line_with_long_job_ids():
     long_id = "2026-11-26-12-24-59.035+dp1+pp2+tp1+InstructionProfiler+demo-profile-0123abcd"
     text = format_snapshot(snap(job("short", "starting"), job(long_id, "starting")))
