@@ -170,7 +170,10 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     messages = []
     for name in sorted(environ):
         if name.startswith("PERSEUS_") and name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+            # Compared without the prefix, which every name shares: PERSEUS_FOO is not
+            # close to PERSEUS_PLAN.
+            prefix = len("PERSEUS_")
+            close = difflib.get_close_matches(name[prefix:], sorted(k[prefix:] for k in known), n=1)
+            hint = f" (did you mean PERSEUS_{close[0]}?)" if close else ""
             messages.append(f"unknown environment variable {name}{hint}")
     return messages

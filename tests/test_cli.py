@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from rq import Queue
 
 from coordinator.cli import main
+from coordinator.settings import unknown_variables
 from protocol import keys
 from protocol.models import JobInfo
 from schedulers.planning.plan_file import write_plan_file
@@ -308,6 +309,15 @@ def test_a_mistyped_variable_stops_every_command(redis_url, command):
     assert result.exit_code == 2, result.output
     assert "unknown environment variable PERSEUS_REDIS_ULR" in result.output
     assert "did you mean PERSEUS_REDIS_URL?" in result.output
+
+
+def test_a_hint_names_only_a_variable_close_to_the_unknown_one():
+    # Every name starts with PERSEUS_: that alone made PERSEUS_FOO "close" to PERSEUS_PLAN.
+    assert unknown_variables({"PERSEUS_FOO": "1"}) == ["unknown environment variable PERSEUS_FOO"]
+    hinted = unknown_variables({"PERSEUS_SCHEDULR": "x"})
+    assert hinted == [
+        "unknown environment variable PERSEUS_SCHEDULR (did you mean PERSEUS_SCHEDULER?)"
+    ]
 
 
 def test_an_invalid_setting_is_named_with_its_value_on_one_line(redis_url):
