@@ -11,6 +11,7 @@ from coordinator.cli_common import connect_settings
 from protocol import keys
 from protocol.cli_options import redis_url_option
 from protocol.job_lifecycle import JobLifecycle
+from protocol.job_record import unknown_job
 from protocol.store import JobStore
 
 
@@ -114,7 +115,7 @@ def jobs_delete(redis_url: str | None, job_ids: tuple[str, ...]) -> None:
         store.delete_job(job_id)
         click.echo(f"deleted job {job_id}")
     if missing:
-        raise click.ClickException(f"no such job: {', '.join(missing)}")
+        raise _unknown(missing)
 
 
 @jobs_group.command("finish")
@@ -128,4 +129,9 @@ def jobs_finish(redis_url: str | None, job_ids: tuple[str, ...]) -> None:
         if job_id not in missing:
             click.echo(f"job {job_id} is finished")
     if missing:
-        raise click.ClickException(f"no such job: {', '.join(missing)}")
+        raise _unknown(missing)
+
+
+def _unknown(job_ids: list[str]) -> click.ClickException:
+    """The error for job ids Redis does not have, worded as ``dump`` and ``target`` word it."""
+    return click.ClickException("; ".join(str(unknown_job(job_id)) for job_id in job_ids))

@@ -153,7 +153,8 @@ def test_jobs_finish_delete_and_list(r, redis_url):
 
     for command in ("delete", "finish"):
         missing = cli(redis_url, "jobs", command, "nope")
-        assert missing.exit_code == 1 and "no such job: nope" in missing.output
+        assert missing.exit_code == 1
+        assert "unknown job id 'nope' (never registered, or expired)" in missing.output
 
 
 def test_a_job_that_never_started_is_deleted_after_start_retention(r, redis_url):
