@@ -43,9 +43,10 @@ LIVE = LiveSchedulers()
 ADVANCE_TASK = "coordinator.tasks.advance_job"
 """The rq function name of :func:`advance_job`, as the coordinator enqueues it."""
 
-# rq task id -> (lease token, the job's state or the error reading it), for a task whose first
-# read went with the transaction that started it (queue_start); one task at a time.
-_STARTED: dict[str, tuple[str, JobState | Exception]] = {}
+# rq task id -> (job id, lease token, the job's state or the error reading it), for a task
+# whose first read went with the transaction that started it (queue_start). advance_job takes
+# its entry; the worker drops one left unused once the task ends (forget_start).
+_STARTED: dict[str, tuple[str, str, JobState | Exception]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,23 +72,40 @@ def queue_start(task: Job, pipe: Pipeline) -> StartRead | None:
     Returns:
         None for a task that is not :func:`advance_job`.
     """
-    if task.func_name != ADVANCE_TASK or len(task.args) < 2:
-        return None
-    job_id, lease_ms = str(task.args[0]), int(task.args[1])
+    try:
+        if task.func_name != ADVANCE_TASK or len(task.args) < 2:
+            return None
+        job_id, lease_ms = str(task.args[0]), int(task.args[1])
+    except Exception:  # An undecodable task: rq's own start writes must go on; rq fails
+        return None  # the task when it calls it, as it would without this read.
     token = uuid.uuid4().hex
     lease, prefetch = (token, lease_ms), LIVE.expected_observation(job_id)
     count = JobStore.queue_job_state(pipe, job_id, lease=lease, prefetch=prefetch)
 
     def keep(replies: list[Any]) -> None:
-        _STARTED.clear()  # whatever is left belongs to no running task
         try:
             state = JobStore.read_job_state(replies, job_id, lease, prefetch)
         except (redis.RedisError, UnknownJobError) as exc:
-            _STARTED[task.id] = (token, exc)  # advance_job meets it as its own read's
+            _STARTED[task.id] = (job_id, token, exc)  # advance_job meets it as its own read's
         else:
-            _STARTED[task.id] = (token, state)
+            _STARTED[task.id] = (job_id, token, state)
 
     return StartRead(count, keep)
+
+
+def forget_start(conn: redis.Redis, task: Job) -> None:
+    """Once ``task`` has ended: release a lease its start took that advance_job never used.
+
+    A task can fail between its start and :func:`advance_job`'s first line (arguments its
+    function does not take, a shutdown, an error in rq's own start writes). Without this its
+    lease would hold the job for the lease's time to live (10 s by default) before the sweep
+    could enqueue the job again.
+    """
+    left = _STARTED.pop(task.id, None)
+    if left is not None:
+        job_id, token, _ = left
+        with contextlib.suppress(redis.RedisError):  # the lease then expires by itself
+            JobStore(conn).release_lease(job_id, token)
 
 
 def _read_at_start(job_id: str) -> tuple[str, JobState | Exception] | None:
@@ -95,10 +113,10 @@ def _read_at_start(job_id: str) -> tuple[str, JobState | Exception] | None:
     from rq import get_current_job
 
     task = get_current_job()
-    if task is None:
+    if task is None or task.id not in _STARTED or _STARTED[task.id][0] != job_id:
         return None
-    started = _STARTED.pop(task.id, None)
-    return started if started is not None and str(task.args[0]) == job_id else None
+    _, token, read = _STARTED.pop(task.id)
+    return token, read
 
 
 def _connection() -> redis.Redis:
@@ -331,7 +349,9 @@ def advance_job(
 
     Holds a lease so that only one worker computes a job at a time. A worker that finds the
     lease taken returns at once: the holder re-checks for due work after releasing it. A job
-    with nothing left due leaves the due set that the coordinator's sweep watches.
+    with nothing left due leaves the due set that the coordinator's sweep watches. In the
+    long-lived worker the first lease and state come from the transaction that started the
+    task (:func:`queue_start`), not from a read of its own.
 
     Args:
         job_id: The job.

@@ -33,7 +33,7 @@ from rq.utils import now
 from rq.version import VERSION as RQ_VERSION
 from rq.worker import WorkerStatus
 
-from coordinator.tasks import queue_start
+from coordinator.tasks import forget_start, queue_start
 from protocol.acl import wrong_user
 
 logger = logging.getLogger(__name__)
@@ -200,12 +200,20 @@ class PerseusSimpleWorker(_StopAware, SimpleWorker):
             read = queue_start(job, pipe)
             replies = pipe.execute(raise_on_error=read is None)
         if read is not None:
-            # An error in rq's writes fails the task as rq's own would; one in the task's
-            # read is the task's to meet (advance_job handles it as its own read's).
+            # An error in rq's writes fails the task as rq's own would (perform_job then
+            # releases the lease the read took); one in the task's read is the task's to meet
+            # (advance_job handles it as its own read's).
             ours = len(replies) - read.count
+            read.keep(replies[ours:])
             if errors := [r for r in replies[:ours] if isinstance(r, Exception)]:
                 raise errors[0]
-            read.keep(replies[ours:])
+
+    def perform_job(self, job: Job, queue: Queue, execution: Execution) -> bool:
+        """Run the task as rq does, then release a lease its start took and left unused."""
+        try:
+            return bool(super().perform_job(job, queue, execution))
+        finally:
+            forget_start(self.connection, job)
 
 
 def wait_for_redis(

@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
-from rq.job import JobStatus
+from rq.job import Job, JobStatus
 
 from coordinator import tasks, worker_loop
 from coordinator.advance_queue import enqueue
@@ -140,6 +140,61 @@ def test_a_task_whose_start_finds_no_job_ends_without_a_lease_left(r, redis_url)
     assert _advance_in_worker(r, redis_url, "never-registered") == []
     assert not r.exists(keys.job_lease("never-registered"))
     assert not r.exists(keys.job_info("never-registered"))  # nothing of it was written
+
+
+def _run_worker(r: redis.Redis) -> None:
+    PerseusSimpleWorker([Queue(keys.RQ_QUEUE, connection=r)], connection=r).work(burst=True)
+
+
+def test_a_task_that_fails_before_advancing_leaves_no_lease_from_its_start(r, redis_url):
+    """Its start took the lease; the call failed (a newer coordinator's argument, say)."""
+    store = JobStore(r)
+    new_job(store, "kw", SNAPSHOTTING)
+    assert _advance_in_worker(r, redis_url, "kw") == [1]
+    report_all(store, "kw")
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    bad = queue.enqueue_call(
+        tasks.ADVANCE_TASK, args=("kw", 10_000), kwargs={"new_option": 1}, result_ttl=600
+    )
+    _run_worker(r)
+    assert bad.get_status(refresh=True) == JobStatus.FAILED
+    assert not r.exists(keys.job_lease("kw")) and tasks._STARTED == {}
+    assert _advance_in_worker(r, redis_url, "kw") == [2]  # not held off for the lease's TTL
+
+
+def test_an_error_in_rqs_start_writes_fails_the_task_and_releases_the_lease(
+    r, redis_url, monkeypatch
+):
+    store = JobStore(r)
+    new_job(store, "wr", SNAPSHOTTING)
+    assert _advance_in_worker(r, redis_url, "wr") == [1]
+    report_all(store, "wr")
+    r.set("not-a-list", "x")
+    prepare = Job.prepare_for_execution
+
+    def failing(self: Job, worker_name: str, pipeline: Any) -> None:
+        prepare(self, worker_name, pipeline)
+        pipeline.lpush("not-a-list", "y")  # an rq write that fails inside EXEC
+
+    monkeypatch.setattr(Job, "prepare_for_execution", failing)
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    task = enqueue(queue, store, make_settings(redis_url), "wr", record=False)
+    _run_worker(r)
+    assert task.get_status(refresh=True) == JobStatus.FAILED
+    assert "WRONGTYPE" in (task.latest_result().exc_string or "")
+    assert not r.exists(keys.job_lease("wr")) and store.version("wr") == 1
+    monkeypatch.setattr(Job, "prepare_for_execution", prepare)
+    assert _advance_in_worker(r, redis_url, "wr") == [2]
+
+
+def test_a_task_whose_data_cannot_be_read_still_gets_rqs_start_writes(r):
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    task = queue.enqueue_call(tasks.ADVANCE_TASK, args=("x", 1000), result_ttl=600)
+    r.hset(task.key, "data", b"garbage")
+    _run_worker(r)
+    assert task.get_status(refresh=True) == JobStatus.FAILED
+    assert r.lrange(queue.intermediate_queue_key, 0, -1) == []  # rq's start took it out
+    assert not r.exists(keys.job_lease("x"))
 
 
 # --- the coordinator ---------------------------------------------------------------------------
