@@ -138,13 +138,16 @@ class JobStore(WorkerStore):
             pipe.hvals(keys.job_results(job_id, prefetch))
         if lease is not None:
             pipe.set(keys.job_lease(job_id), lease[0], nx=True, px=lease[1])
+            # The holder too: a transaction that redis-py sent again after a lost reply finds
+            # the lease its first run took, which is still this caller's.
+            pipe.get(keys.job_lease(job_id))
         pipe.hgetall(keys.job_info(job_id))
         pipe.hlen(keys.job_ranks(job_id))
         pipe.get(keys.job_version(job_id))
         pipe.llen(keys.job_journal(job_id))
         pipe.lindex(keys.job_journal(job_id), -1)
         pipe.xlen(keys.job_control(job_id))
-        return 6 + (lease is not None) + (prefetch is not None)
+        return 6 + 2 * (lease is not None) + (prefetch is not None)
 
     @staticmethod
     def read_job_state(
@@ -165,7 +168,10 @@ class JobStore(WorkerStore):
             if isinstance(reply, Exception):
                 raise reply
         prefetched = (prefetch, replies.pop(0)) if prefetch is not None else None
-        leased = bool(replies.pop(0)) if lease is not None else False
+        leased = False
+        if lease is not None:
+            taken, holder = replies.pop(0), replies.pop(0)
+            leased = bool(taken) or holder == lease[0].encode()
         raw, ranks, version, journal, tail, control = replies
         if not raw:
             raise unknown_job(job_id)

@@ -8,6 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.client import Pipeline
+from redis.retry import Retry
 from rq import Queue, SimpleWorker
 from rq.job import Job, JobStatus
 
@@ -140,6 +143,31 @@ def test_a_task_whose_start_finds_no_job_ends_without_a_lease_left(r, redis_url)
     assert _advance_in_worker(r, redis_url, "never-registered") == []
     assert not r.exists(keys.job_lease("never-registered"))
     assert not r.exists(keys.job_info("never-registered"))  # nothing of it was written
+
+
+def test_a_lease_read_sent_again_after_a_lost_reply_is_still_the_callers(r, redis_url, monkeypatch):
+    """redis-py sends a transaction again when its reply is lost; the first run took the lease.
+
+    A client made by ``redis.Redis(...)`` retries (10 times by redis-py 8's default; one made
+    by ``from_url`` does not).
+    """
+    store = JobStore(redis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 1)))
+    new_job(store, "lost", SNAPSHOTTING)
+    run = Pipeline._execute_transaction
+    lost: list[int] = []
+
+    def reply_lost_once(self: Pipeline, *args: Any, **kwargs: Any) -> Any:
+        replies = run(self, *args, **kwargs)  # Redis ran it ...
+        if not lost:
+            lost.append(1)
+            raise redis.ConnectionError("reply lost")  # ... and its reply never came
+        return replies
+
+    monkeypatch.setattr(Pipeline, "_execute_transaction", reply_lost_once)
+    state = store.job_state("lost", lease=("mine", 10_000))
+    assert lost and state.leased and r.get(keys.job_lease("lost")) == b"mine"
+    monkeypatch.setattr(Pipeline, "_execute_transaction", run)
+    assert not store.job_state("lost", lease=("theirs", 10_000)).leased
 
 
 def _run_worker(r: redis.Redis) -> None:
