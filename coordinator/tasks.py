@@ -85,7 +85,7 @@ def queue_start(task: Job, pipe: Pipeline) -> StartRead | None:
     def keep(replies: list[Any]) -> None:
         try:
             state = JobStore.read_job_state(replies, job_id, lease, prefetch)
-        except (redis.RedisError, UnknownJobError) as exc:
+        except Exception as exc:  # A Redis error, no such job, a job hash it cannot read:
             _STARTED[task.id] = (job_id, token, exc)  # advance_job meets it as its own read's
         else:
             _STARTED[task.id] = (job_id, token, state)
@@ -387,6 +387,11 @@ def advance_job(
             store.release_lease(job_id, token)
             logger.info("job %s is gone (deleted as idle?): nothing to advance", job_id)
             return published
+        except Exception:
+            # The read may have taken the lease before another of its commands failed.
+            with contextlib.suppress(redis.RedisError):
+                store.release_lease(job_id, token)
+            raise
         if not state.leased:
             return published
         _RENEWER.hold(store, job_id, token, lease_ttl_ms)

@@ -170,6 +170,22 @@ def test_a_lease_read_sent_again_after_a_lost_reply_is_still_the_callers(r, redi
     assert not store.job_state("lost", lease=("theirs", 10_000)).leased
 
 
+def test_a_start_read_that_fails_on_a_corrupt_job_fails_the_task_and_releases_the_lease(
+    r, redis_url
+):
+    store = JobStore(r)
+    new_job(store, "bad", SNAPSHOTTING)
+    assert _advance_in_worker(r, redis_url, "bad") == [1]
+    report_all(store, "bad")
+    r.rpush(keys.job_journal("bad"), b"not msgpack")  # the journal's tail: read at the start
+    queue = Queue(keys.RQ_QUEUE, connection=r)
+    task = enqueue(queue, store, make_settings(redis_url), "bad", record=False)
+    _run_worker(r)
+    assert task.get_status(refresh=True) == JobStatus.FAILED
+    assert "not valid msgpack" in (task.latest_result().exc_string or "")
+    assert not r.exists(keys.job_lease("bad")) and tasks._STARTED == {}
+
+
 def _run_worker(r: redis.Redis) -> None:
     PerseusSimpleWorker([Queue(keys.RQ_QUEUE, connection=r)], connection=r).work(burst=True)
 
@@ -222,7 +238,6 @@ def test_a_task_whose_data_cannot_be_read_still_gets_rqs_start_writes(r):
     _run_worker(r)
     assert task.get_status(refresh=True) == JobStatus.FAILED
     assert r.lrange(queue.intermediate_queue_key, 0, -1) == []  # rq's start took it out
-    assert not r.exists(keys.job_lease("x"))
 
 
 # --- the coordinator ---------------------------------------------------------------------------
