@@ -21,6 +21,7 @@ from typing import Any
 
 import redis
 from redis.client import Pipeline
+from rq import get_current_job
 from rq.job import Job
 
 from coordinator.dump import dump_version
@@ -110,8 +111,6 @@ def forget_start(conn: redis.Redis, task: Job) -> None:
 
 def _read_at_start(job_id: str) -> tuple[str, JobState | Exception] | None:
     """What the running rq task's start transaction read for ``job_id`` (None: nothing)."""
-    from rq import get_current_job
-
     task = get_current_job()
     if task is None or task.id not in _STARTED or _STARTED[task.id][0] != job_id:
         return None
@@ -120,8 +119,6 @@ def _read_at_start(job_id: str) -> tuple[str, JobState | Exception] | None:
 
 
 def _connection() -> redis.Redis:
-    from rq import get_current_job
-
     job = get_current_job()
     if job is None:
         raise RuntimeError("advance_job needs a Redis connection when not run by an rq worker")
