@@ -205,6 +205,11 @@ def register(client: CoordinatorClient, pp: int = 2) -> str:
             job_id,
             RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS),
         )
+    # The last rank's reply comes from the registration's script, before the transaction that
+    # enqueues version 1's task: wait for that, so that a drain() right after finds the task.
+    wait_for(
+        lambda: client.conn.hexists(keys.job_info(job_id), "rq_job"), 10, f"{job_id}'s first task"
+    )
     return job_id
 
 
