@@ -375,7 +375,14 @@ class TLSProxy(threading.Thread):
         try:
             self._loop.run_forever()
         finally:
+            # Close the connections still open here, on a running loop: left to the garbage
+            # collector, their pumps would close writers on a closed loop (warnings in CI).
             server.close()
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self._loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -397,8 +404,9 @@ class TLSProxy(threading.Thread):
         await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
 
     def stop(self) -> None:
-        """Stop accepting and forwarding."""
+        """Stop accepting and forwarding; return once the open connections are closed."""
         self._loop.call_soon_threadsafe(self._loop.stop)
+        self.join(10)
 
 
 def new_job(store: JobStore, job_id: str, scheduler: str) -> None:
