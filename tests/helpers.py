@@ -205,12 +205,17 @@ def register(client: CoordinatorClient, pp: int = 2) -> str:
             job_id,
             RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS),
         )
-    # The last rank's reply comes from the registration's script, before the transaction that
-    # enqueues version 1's task: wait for that, so that a drain() right after finds the task.
-    wait_for(
-        lambda: client.conn.hexists(keys.job_info(job_id), "rq_job"), 10, f"{job_id}'s first task"
-    )
+    wait_first_task(client.conn, job_id)
     return job_id
+
+
+def wait_first_task(conn: Any, job_id: str) -> None:
+    """Wait until the coordinator enqueued the task of a fully registered job's version 1.
+
+    The last rank's reply comes from the registration's script, before the transaction that
+    enqueues the task: a drain() right after the reply could find an empty queue.
+    """
+    wait_for(lambda: conn.hexists(keys.job_info(job_id), "rq_job"), 10, f"{job_id}'s first task")
 
 
 def result(rank: int, version: int) -> ProfilingResult:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from rq import Queue, SimpleWorker
+from rq import Queue
 
 from coordinator.cli import main
 from coordinator.replay import LiveSchedulers
@@ -24,6 +24,7 @@ from schedulers.planning.choose import select_point
 from schedulers.planning.frontier_files import load_frontier
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.synthetic_profile import synthetic_profile
+from tests.helpers import drain, wait_first_task
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -32,10 +33,6 @@ def frontier_dir(tmp_path):
     out = tmp_path / "frontier"
     plan_frontier(synthetic_profile(2, stride=20), 2, 2, out_dir=out)
     return out
-
-
-def drain(r) -> None:
-    SimpleWorker([Queue(keys.RQ_QUEUE, connection=r)], connection=r).work(burst=True)
 
 
 @pytest.mark.parametrize("source", ["folder", "profile"])
@@ -66,6 +63,7 @@ def test_target_through_redis_switches_plan(r, redis_url, frontier_dir, source):
                     available_frequencies=list(H100_GRAPHICS_CLOCKS),
                 ),
             )
+        wait_first_task(r, job_id)
         drain(r)
         first = client.wait_schedule(job_id, rank=1, timeout=5)
         frontier = load_frontier(frontier_dir)
