@@ -181,6 +181,13 @@ def drain(conn: Any) -> None:
     SimpleWorker([Queue(keys.RQ_QUEUE, connection=conn)], connection=conn).work(burst=True)
 
 
+def drain_next(conn: Any) -> None:
+    """Wait until a task is queued (the coordinator may enqueue it after storing what made it
+    due, in a transaction of its own), then :func:`drain`."""
+    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=conn).count, 10, "an rq task")
+    drain(conn)
+
+
 def age_job(conn: Any, job_id: str, seconds: float) -> None:
     """Move every activity stamp of a job ``seconds`` back, as if it had been idle since.
 

@@ -208,19 +208,19 @@ def test_a_batch_of_results_is_one_script_call_and_one_xack(r, redis_url):
 
 
 def test_the_lease_is_renewed_while_a_scheduler_computes(r):
-    """A 300 ms lease outlives a 1 s computation: the process's renewer thread extends it."""
+    """A 1 s lease outlives a 2.5 s computation: the process's renewer thread extends it."""
     store = JobStore(r)
     job = JobInfo(job_id="slow", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
-    store.create_job(job, JobConfig(scheduler=STEPDOWN, scheduler_args={"delay": 1.0}), "1-0")
+    store.create_job(job, JobConfig(scheduler=STEPDOWN, scheduler_args={"delay": 2.5}), "1-0")
     store.add_rank(
         job, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=CLOCKS)
     )
     done: list[list[int]] = []
-    thread = threading.Thread(target=lambda: done.append(advance_job("slow", 300, conn=r)))
+    thread = threading.Thread(target=lambda: done.append(advance_job("slow", 1000, conn=r)))
     thread.start()
     token = wait_for(lambda: store.lease_holder("slow"), 5, "the lease")
     holders = set()
-    while store.version("slow") == 0:  # computing: without renewal it would expire at 0.3 s
+    while store.version("slow") == 0:  # computing: without renewal it would expire at 1 s
         holders.add(store.lease_holder("slow"))
         time.sleep(0.02)
     thread.join()

@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 from typing import ClassVar
 
@@ -166,11 +166,20 @@ def test_status_watch_refreshes_until_interrupted(redis_url, job, tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    time.sleep(3)
+    # Interrupted once it refreshed (a slow start must not turn into too few refreshes).
+    timer = threading.Timer(30, proc.kill)
+    timer.start()
+    seen: list[str] = []
+    assert proc.stdout is not None
+    while sum("perseus status, every 0.2 s" in line for line in seen) < 2:
+        line = proc.stdout.readline()
+        assert line, "".join(seen)  # ended (or killed after 30 s) before two refreshes
+        seen.append(line)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=10)
+    rest, _ = proc.communicate(timeout=10)
+    timer.cancel()
+    out = "".join(seen) + rest
     assert proc.returncode == 0, out
-    assert out.count("perseus status, every 0.2 s") >= 2
     assert job in out and "jobs: 1" in out
 
 

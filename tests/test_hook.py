@@ -10,7 +10,7 @@ import pytest
 from protocol import keys
 from protocol.exceptions import CoordinatorUnavailableError, PerseusError, ScheduleError
 from protocol.store import JobStore
-from tests.helpers import make_hook, run_step, step_until
+from tests.helpers import make_hook, run_step, step_until, wait_for
 from worker_client.gpu.frequency import DryRunFrequencyController
 
 
@@ -84,11 +84,12 @@ def test_heartbeats_keep_a_quiet_job_from_idle_deletion(gloo, hook_service, r, r
         redis_url, DryRunFrequencyController(0), report_every=10**6, heartbeat_interval=0.2
     )
     coord.settings = coord.settings.model_copy(
-        update={"max_job_idle_time": 1, "reconcile_interval": 0.1}
+        update={"max_job_idle_time": 2, "reconcile_interval": 0.1}
     )
     try:
-        end = time.monotonic() + 3.0
-        step_until(hook, lambda: time.monotonic() > end, 10, "3 s of training")
+        # Over twice the idle time, with room for a heartbeat that a loaded machine delays.
+        end = time.monotonic() + 5.0
+        step_until(hook, lambda: time.monotonic() > end, 15, "5 s of training")
         assert r.exists(keys.job_info(hook.job_id)) and not hook.watcher.job_lost
     finally:
         hook.close()
@@ -128,6 +129,13 @@ def test_result_is_sent_again_when_redis_lost_its_version(gloo, hook_service, r,
     job = hook.job_id
     try:
         step_until(hook, lambda: hook.schedule.version == 2, 20, "version 2")
+        # The worker publishes, then snapshots and settles the job: let it finish first.
+        store = JobStore(r)
+        wait_for(
+            lambda: store.lease_holder(job) is None and r.zscore(keys.DUE_JOBS, job) is None,
+            10,
+            "the worker to settle version 2",
+        )
         # Redis crashes within its fsync window: after its restart, version 2 never happened.
         [(entry_id, _)] = r.xrevrange(keys.job_updates(job), count=1)
         with r.pipeline() as pipe:

@@ -6,7 +6,7 @@ import time
 
 from protocol.models import JobConfig, JobInfo
 from protocol.store import JobStore
-from tests.helpers import make_hook, run_step
+from tests.helpers import make_hook, run_step, wait_for
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.gpu.nvml import NVML, SIMULATED_NVML
 from worker_client.hook.energy_source import (
@@ -56,7 +56,17 @@ def test_idle_watcher_blocks_long_and_stops_at_once(r, redis_url):
     watcher = ScheduleWatcher(client, "idle", rank=0, version=0, heartbeat_interval=60)
     watcher.start()
     try:
-        time.sleep(0.3)  # the first read is in flight
+        # The long read is in flight: the first heartbeat (after a 1 ms read) is done, and a
+        # client of Redis's is blocked in a read (Redis counts a blocked command once it ends).
+        first_beat = time.monotonic() + 30
+        wait_for(
+            lambda: (
+                watcher._next_beat > first_beat
+                and any(c["cmd"] == "xread" and "b" in c["flags"] for c in r.client_list())
+            ),
+            10,
+            "the long blocking read",
+        )
         r.config_resetstat()
         time.sleep(1.5)
         # One blocking read every 20 s (twice a second before): none began in 1.5 s.

@@ -440,7 +440,14 @@ def test_worker_and_coordinator_started_while_redis_is_full_wait_then_serve(tmp_
         conn.config_set("maxmemory", 1)
         procs = start_stack(server, tmp_path)
         try:
-            time.sleep(3.0)  # Both start, and meet the OOM at once (settings, group, rq's keys).
+            # Both start, and meet the OOM at once (settings, group, rq's keys); both wait.
+            logs = [tmp_path / name for name in ("coordinator.log", "w.log")]
+            wait_for(
+                lambda: all(log.exists() and "maxmemory" in log.read_text() for log in logs),
+                30,
+                "both services to meet the full Redis",
+            )
+            time.sleep(0.5)  # and keep waiting: neither exits on it
             assert [p.poll() for p in procs] == [None, None]
             conn.config_set("maxmemory", 0)
             wait_for(lambda: job.get_status(refresh=True) == "finished", 20, "the rq job")

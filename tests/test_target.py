@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import pytest
 from click.testing import CliRunner
@@ -24,7 +23,7 @@ from schedulers.planning.choose import select_point
 from schedulers.planning.frontier_files import load_frontier
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.synthetic_profile import synthetic_profile
-from tests.helpers import drain, wait_first_task
+from tests.helpers import drain, wait_first_task, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -76,9 +75,7 @@ def test_target_through_redis_switches_plan(r, redis_url, frontier_dir, source):
         )
         assert result.exit_code == 0, result.output
         store = JobStore(r)
-        deadline = time.monotonic() + 10
-        while not Queue(keys.RQ_QUEUE, connection=r).count and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count, 10, "the target's task")
         drain(r)
         second = client.wait_schedule(job_id, rank=1, newer_than=1, timeout=5)
         assert second.version == 2
@@ -106,9 +103,7 @@ def test_target_for_unknown_job_and_bad_value(r, redis_url):
         result = CliRunner().invoke(main, ["target", "nope", "1.5", "--redis-url", redis_url])
         assert result.exit_code == 1 and "nope" in result.output
         CoordinatorClient(redis_url).set_target("nope", 1.5)
-        deadline = time.monotonic() + 5
-        while not r.xlen(keys.DEADLETTER_STREAM) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: r.xlen(keys.DEADLETTER_STREAM), 10, "the dead letter")
         reason = r.xrange(keys.DEADLETTER_STREAM)[-1][1][b"reason"]
         assert b"unknown job id 'nope'" in reason
     finally:
