@@ -35,23 +35,22 @@ TRACED = {
     "batch": ("coordinator.service", "Coordinator", "handle_batch"),
     "finish": ("coordinator.service", "Coordinator", "_finish"),
     "fetch": ("rq.job", "Job", "fetch"),
-    "prepare": ("coordinator.worker_loop", "PerseusSimpleWorker", "prepare_execution"),
     "start": ("coordinator.worker_loop", "PerseusSimpleWorker", "prepare_job_execution"),
     "publish": ("protocol.store_worker", "WorkerStore", "publish"),
     "success": ("rq.worker", "BaseWorker", "handle_job_success"),
 }
-# (label, start or end, what it marks), in the order a version goes through them.
+# (label, 0: the call's start or 1: its end, what it marks), in a version's order.
 ROWS = (
-    ("batch", 2, "coordinator: the round's last batch begins"),
-    ("fetch", 2, "worker: BLMOVE returned the task's id; rq fetches the task"),
-    ("fetch", 3, "worker: task fetched and restored"),
-    ("start", 2, "worker: start transaction sent (rq's writes + the first read)"),
-    ("start", 3, "worker: its reply read"),
-    ("advance", 2, "worker: advance_job begins"),
-    ("publish", 2, "worker: publish begins (packs 64 schedules, runs the script)"),
-    ("publish", 3, "worker: publish script answered"),
-    ("finish", 2, "coordinator: acknowledgements' transaction"),
-    ("success", 2, "worker: rq's success bookkeeping (after the version is out)"),
+    ("batch", 0, "coordinator: the round's last batch begins"),
+    ("finish", 0, "coordinator: that batch's replies, enqueues and acks are sent"),
+    ("fetch", 0, "worker: BLMOVE returned the task's id; rq fetches the task"),
+    ("fetch", 1, "worker: task fetched and restored"),
+    ("start", 0, "worker: start transaction sent (rq's writes + the first read)"),
+    ("start", 1, "worker: its reply read"),
+    ("advance", 0, "worker: advance_job begins"),
+    ("publish", 0, "worker: publish begins (packs 64 schedules, runs the script)"),
+    ("publish", 1, "worker: publish script answered"),
+    ("success", 0, "worker: rq's success bookkeeping (after the version is out)"),
 )
 
 
@@ -69,7 +68,9 @@ def serve(args: list[str], trace: str) -> None:
             try:
                 return fn(*a, **k)
             finally:
-                log.write(f"{label} {pid} {start:.6f} {time.time():.6f}\n")
+                # The coordinator also calls handle_batch with nothing (its periodic claim).
+                if label != "batch" or a[1]:
+                    log.write(f"{label} {pid} {start:.6f} {time.time():.6f}\n")
 
         return call
 
@@ -96,58 +97,33 @@ def main() -> None:
     if args.serve is not None:
         serve(args.serve, os.environ["BENCH_TRACE_FILE"])
         return
+    if args.versions < 11:
+        parser.error("--versions must be at least 11 (the first 10 are a warm-up)")
     import bench_coordinator as bench
 
-    trace = Path(tempfile.mkdtemp(prefix="perseus-trace-")) / "events.txt"
+    with tempfile.TemporaryDirectory(prefix="perseus-trace-") as folder:
+        trace = Path(folder) / "events.txt"
 
-    def traced_perseus(url: str, *perseus_args: str) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), BENCH_TRACE_FILE=str(trace))
-        command = [sys.executable, __file__, "--serve", *perseus_args, "--redis-url", url]
-        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=None)
+        def traced_perseus(url: str, *perseus_args: str) -> subprocess.Popen:
+            env = dict(os.environ, PYTHONPATH=str(ROOT), BENCH_TRACE_FILE=str(trace))
+            command = [sys.executable, __file__, "--serve", *perseus_args, "--redis-url", url]
+            return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=None)
 
-    bench.perseus = traced_perseus  # start_coordinator and start_worker use it
-    kinds = ("raw", "long-lived", "fork") if args.all else ("long-lived",)
-    stacks = [bench.Stack(kind, 64, kind) for kind in kinds]
-    traced = next(s for s in stacks if s.kind == "long-lived")
-    rounds: list[tuple[float, float]] = []
-    try:
-        for version in range(1, args.versions + 1):
-            for stack in stacks:
-                stack.round(version)
-                if stack is traced:
-                    # The round's first XADD on the Unix clock the services stamp with.
-                    start = time.time() - (time.perf_counter() - stack.round_start)
-                    rounds.append((start, start + stack.latencies[version + 1]))
-                stack.settle()
-    finally:
-        for stack in stacks:
-            stack.close()
-    events = []
-    for line in trace.read_text().splitlines():
-        label, pid, begin, end = line.split()
-        events.append((label, int(pid), float(begin), float(end)))
-    events.sort(key=lambda e: e[2])
-    serving = {proc.pid for proc in traced.procs}  # its coordinator and worker, no other's
+        bench.perseus = traced_perseus  # start_coordinator and start_worker use it
+        kinds = ("raw", "long-lived", "fork") if args.all else ("long-lived",)
+        rounds, serving = run_rounds(bench, kinds, args.versions)
+        events = []
+        for line in trace.read_text().splitlines():
+            label, pid, begin, end = line.split()
+            if int(pid) in serving:  # the traced stack's coordinator and worker, no other's
+                events.append((label, float(begin), float(end)))
+    events.sort(key=lambda e: e[1])
     marks: dict[tuple[str, int], list[float]] = defaultdict(list)
-    visible = []
     for start, seen in rounds[10:]:
-        # This version's calls: the coordinator's last batch that began before the version was
-        # visible (it reads several a round), and the first call of every other kind since the
-        # round began (the next round begins once the worker is idle again).
-        found: dict[str, tuple[str, int, float, float]] = {}
-        for event in events:
-            label, pid, begin, _end = event
-            if pid not in serving:
-                continue
-            if label == "batch":
-                if start <= begin <= seen:
-                    found[label] = event
-            elif begin >= start and label not in found:
-                found[label] = event
-        for label, which, _ in ROWS:
-            if label in found:
-                marks[(label, which)].append((found[label][which] - start) * 1000)
-        visible.append((seen - start) * 1000)
+        for label, times in version_calls(events, start, seen).items():
+            for which in (0, 1):
+                marks[(label, which)].append((times[which] - start) * 1000)
+    visible = [(seen - start) * 1000 for start, seen in rounds[10:]]
     print(f"where a version's time goes, long-lived worker, median of {len(visible)} versions")
     print(f"(ms after the round's first XADD; stacks: {', '.join(kinds)}):")
     for label, which, text in ROWS:
@@ -155,8 +131,57 @@ def main() -> None:
         cell = f"{statistics.median(values):6.2f}" if values else "     -"
         print(f"  {cell}  {text}")
     print(f"  {statistics.median(visible):6.2f}  client: the version is visible")
-    trace.unlink()
-    trace.parent.rmdir()
+
+
+def run_rounds(
+    bench: Any, kinds: tuple[str, ...], versions: int
+) -> tuple[list[tuple[float, float]], set[int]]:
+    """Run the stacks' rounds; return each traced round's (first XADD, visible) and its pids."""
+    stacks: list[Any] = []
+    rounds: list[tuple[float, float]] = []
+    try:
+        for kind in kinds:
+            stacks.append(bench.Stack(kind, 64, kind))
+        traced = next(s for s in stacks if s.kind == "long-lived")
+        for version in range(1, versions + 1):
+            for stack in stacks:
+                stack.round(version)
+                if stack is traced:
+                    # The round's first XADD on the Unix clock the services stamp with.
+                    start = time.time() - (time.perf_counter() - stack.round_start)
+                    rounds.append((start, start + stack.latencies[version + 1]))
+                stack.settle()
+        return rounds, {proc.pid for proc in traced.procs}
+    finally:
+        for stack in stacks:
+            stack.close()
+
+
+def version_calls(
+    events: list[tuple[str, float, float]], start: float, seen: float
+) -> dict[str, tuple[float, float]]:
+    """One version's calls (label -> start, end), from the traced stack's sorted events.
+
+    The coordinator reads several batches a round: its last one that began before the version
+    was visible, and the transaction that batch sent. Of every other kind, the first call
+    since the round began (the next round begins once the worker is idle again).
+    """
+    found: dict[str, tuple[float, float]] = {}
+    finishes = []
+    for label, begin, end in events:
+        if label == "batch":
+            if start <= begin <= seen:
+                found[label] = (begin, end)
+        elif label == "finish":
+            finishes.append((begin, end))
+        elif begin >= start and label not in found:
+            found[label] = (begin, end)
+    if "batch" in found:
+        first, last = found["batch"]
+        inside = [f for f in finishes if first <= f[0] <= last]
+        if inside:
+            found["finish"] = inside[-1]
+    return found
 
 
 if __name__ == "__main__":

@@ -181,11 +181,14 @@ def drain(conn: Any) -> None:
     SimpleWorker([Queue(keys.RQ_QUEUE, connection=conn)], connection=conn).work(burst=True)
 
 
-def drain_next(conn: Any) -> None:
-    """Wait until a task is queued (the coordinator may enqueue it after storing what made it
-    due, in a transaction of its own), then :func:`drain`."""
-    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=conn).count, 10, "an rq task")
-    drain(conn)
+def drain_until(conn: Any, job_id: str, version: int) -> None:
+    """Drain until ``job_id`` publishes ``version`` (fails after 10 s).
+
+    The coordinator may enqueue the task after storing what made the job due, in a
+    transaction of its own: one drain right after the results are stored could miss it.
+    """
+    store = JobStore(conn)
+    wait_for(lambda: drain(conn) or store.version(job_id) >= version, 10, f"version {version}")
 
 
 def age_job(conn: Any, job_id: str, seconds: float) -> None:

@@ -170,14 +170,17 @@ def test_status_watch_refreshes_until_interrupted(redis_url, job, tmp_path):
     timer = threading.Timer(30, proc.kill)
     timer.start()
     seen: list[str] = []
-    assert proc.stdout is not None
-    while sum("perseus status, every 0.2 s" in line for line in seen) < 2:
-        line = proc.stdout.readline()
-        assert line, "".join(seen)  # ended (or killed after 30 s) before two refreshes
-        seen.append(line)
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=10)
-    timer.cancel()
+    try:
+        assert proc.stdout is not None
+        while sum("perseus status, every 0.2 s" in line for line in seen) < 2:
+            line = proc.stdout.readline()
+            assert line, "".join(seen)  # ended (or killed after 30 s) before two refreshes
+            seen.append(line)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=10)
+    finally:
+        timer.cancel()
+        proc.kill()  # no-op once it exited
     out = "".join(seen) + rest
     assert proc.returncode == 0, out
     assert job in out and "jobs: 1" in out

@@ -18,7 +18,7 @@ from protocol.deadletter import list_dead_letters
 from protocol.models import ReportResult, unpack
 from protocol.store import JobStore
 from protocol.streams import lost_counts
-from tests.helpers import drain, drain_next, make_settings, register, result, wait_for
+from tests.helpers import drain, drain_until, make_settings, register, result, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -57,7 +57,7 @@ def test_a_result_that_became_valid_is_replayed_and_counted(r, redis_url):
         client.report(job_id, result(rank, 1))
     store = JobStore(r)
     wait_for(lambda: store.result_count(job_id, 1) == 2)
-    drain_next(r)
+    drain_until(r, job_id, 2)
     assert store.version(job_id) == 2
     code, out = cli("deadletter", "replay", "--all", "--redis-url", redis_url)
     assert code == 0 and again.entry_id in out, out

@@ -22,7 +22,7 @@ from protocol.models import (
 )
 from protocol.store import JobStore
 from protocol.tokens import sign
-from tests.helpers import FREQS, drain, drain_next, make_settings, register, result, wait_for
+from tests.helpers import FREQS, drain, drain_until, make_settings, register, result, wait_for
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.watchers import ScheduleWatcher
 
@@ -60,7 +60,7 @@ def test_an_impostors_result_is_dead_lettered_and_the_genuine_one_counts(
     wait_for(lambda: JobStore(r).result_count(job_id, 1) == 2, 10, "the genuine results")
     (stored,) = JobStore(r).results(job_id, 1)[:1]
     assert stored.iter_time == [1.0]
-    drain_next(r)
+    drain_until(r, job_id, 2)
     assert JobStore(r).version(job_id) == 2
     # No token in the dead letters, the logs or anywhere in Redis (digests only).
     tokens = [token, impostor.token(other_job, 0)]
