@@ -109,8 +109,12 @@ def run(args: argparse.Namespace) -> int:
     steps = simulated_steps(index) if simulated else cuda_steps(index)
     # Simulated NVML reads are cheap: sample often so that short windows are measured well.
     interval = 0.01 if simulated else 0.1
-    monitor = EnergyMonitor([index], nvml=nvml, sample_interval=interval, index_space=space)
-    with steps as step, monitor as mon:
+    # The monitor is built once the steps run (it waits for its first energy samples, and the
+    # simulated GPU's counter moves from then on), hence inside this `with`.
+    with (
+        steps as step,
+        EnergyMonitor([index], nvml=nvml, sample_interval=interval, index_space=space) as mon,
+    ):
         optimizer = GlobalPowerLimitOptimizer(
             mon,
             make_selector(args, gpus=1),

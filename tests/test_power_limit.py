@@ -158,6 +158,24 @@ def test_bad_profile_files(training: ReplayTraining, tmp_path: Path) -> None:
         assert str(path) in str(info.value)
 
 
+def test_arguments_that_would_fail_only_after_profiling_are_refused_at_once(
+    training: ReplayTraining, tmp_path: Path
+) -> None:
+    for selector in (Energy, "Energy", object()):
+        with pytest.raises(ConfigError, match="optimum_selector must be a selector"):
+            make(training, optimum_selector=selector)
+    missing = tmp_path / "no-such-folder" / "profile.json"
+    with pytest.raises(ConfigError, match=r"no-such-folder.* does not exist"):
+        make(training, profile_path=missing)
+    for name in ("wait_steps", "profile_steps"):
+        with pytest.raises(ConfigError, match=f"{name} must be an integer >= "):
+            make(training, **{name: True})
+    # What is refused above is what works: a selector object, a new file in an existing folder.
+    opt = make(training, optimum_selector=Energy(), profile_path=tmp_path / "new.json")
+    run_steps(opt, training, 17)
+    assert describe(opt.state) == "Done(200)" and (tmp_path / "new.json").exists()
+
+
 def test_epoch_end_restarts_the_limit(training: ReplayTraining) -> None:
     opt = make(training)
     run_steps(opt, training, 8)  # 300 W done; 250 W warm-up step 2

@@ -66,6 +66,7 @@ def test_example_profiles_the_simulated_gpu(tmp_path: Path) -> None:
     low, high = (v // 1000 for v in POWER_LIMIT_RANGE_MW)
     ladder = list(range(high, low - 1, -PL_STEP))
     assert f"GPU 0 (simulated): power limits {low}-{high} W" in text
+    assert "no energy samples" not in text  # the monitor starts once the GPU's counter moves
 
     measured = {
         int(pl): (float(t), float(e))

@@ -205,10 +205,26 @@ class GlobalPowerLimitOptimizer:
             ("profile_steps", profile_steps, 1),
             ("pl_step", pl_step, 1),
         ):
-            if not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         if (profile_store is None) != (workload is None):
             raise ConfigError("profile_store and workload must be given together")
+        # Checked now, not when profiling ends hours later (Zeus finds out only then).
+        if optimum_selector is not None and (
+            isinstance(optimum_selector, type)
+            or not callable(getattr(optimum_selector, "select", None))
+        ):
+            raise ConfigError(
+                f"optimum_selector must be a selector such as Energy() or ZeusCost(0.5), got "
+                f"{optimum_selector!r}"
+            )
+        if profile_path is not None and not Path(profile_path).exists():
+            folder = Path(profile_path).parent
+            if not folder.is_dir():
+                raise ConfigError(
+                    f"profile_path {str(profile_path)!r}: its folder {str(folder)!r} does not "
+                    "exist, so the profile could not be saved once profiling ends"
+                )
         self.monitor = monitor
         self.gpu_indices = list(monitor.gpu_indices)
         if not self.gpu_indices:
