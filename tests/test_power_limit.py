@@ -176,6 +176,28 @@ def test_arguments_that_would_fail_only_after_profiling_are_refused_at_once(
     assert describe(opt.state) == "Done(200)" and (tmp_path / "new.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("carry", "epoch_steps", "stalls"),
+    [(False, 2 + PROFILE, True), (False, 3 + PROFILE, False), (True, 1, True), (True, 2, False)],
+)
+def test_epochs_too_short_to_advance_are_reported_once(
+    training: ReplayTraining,
+    caplog: pytest.LogCaptureFixture,
+    carry: bool,
+    epoch_steps: int,
+    stalls: bool,
+) -> None:
+    opt = make(training, carry_across_epochs=carry)  # 2 warm-up + PROFILE measured steps
+    run_steps(opt, training, 40 * epoch_steps, epoch_steps=epoch_steps)
+    warnings = [r.getMessage() for r in caplog.records if "not advancing" in r.getMessage()]
+    if not stalls:
+        assert warnings == [] and describe(opt.state).startswith("Done")
+        return
+    need = "2 steps or more" if carry else f"over {2 + PROFILE} steps, or pass carry_across"
+    assert len(warnings) == 1 and "left 300 W where it was" in warnings[0], warnings
+    assert need in warnings[0]
+
+
 def test_epoch_end_restarts_the_limit(training: ReplayTraining) -> None:
     opt = make(training)
     run_steps(opt, training, 8)  # 300 W done; 250 W warm-up step 2

@@ -57,7 +57,15 @@ from worker_client.power_limit.selectors import (
     Time,
     ZeusCost,
 )
-from worker_client.power_limit.states import Done, Paused, Profiling, Ready, State, Warmup
+from worker_client.power_limit.states import (
+    Done,
+    Paused,
+    Profiling,
+    Ready,
+    StallWatch,
+    State,
+    Warmup,
+)
 
 if TYPE_CHECKING:
     from worker_client.power_limit.store import PowerLimitProfileStore
@@ -250,6 +258,7 @@ class GlobalPowerLimitOptimizer:
         self._wait_left = wait_steps
         self._restore_on_exit = restore_on_exit
         self._closed = False
+        self._stall = StallWatch()
         # The measured part of the limit being profiled: windows paused over epoch ends add up.
         self._carried_time = self._carried_energy = 0.0
         self._resume_steps = 0  # measured steps a paused window resumes from
@@ -326,8 +335,12 @@ class GlobalPowerLimitOptimizer:
                 _watts(self.state.current_power_limit),
                 "paused" if self.carry_across_epochs else "it starts over",
             )
+            limit = _watts(self.state.current_power_limit)
             self._interrupt(self.state)
             self._set_power_limit(self.max_power_limit_mw)
+            if self._stall.stalled(self.state):
+                steps = None if self.carry_across_epochs else self.warmup_steps + self.profile_steps
+                logger.warning(self._stall.message(limit, steps))
 
     def close(self) -> None:
         """Restore the maximum power limit on every GPU (idempotent; also runs at exit).

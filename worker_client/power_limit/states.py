@@ -57,3 +57,49 @@ class Done:
 
 
 State = Ready | Warmup | Profiling | Paused | Done
+
+
+class StallWatch:
+    """Notices epoch ends that keep leaving the optimizer where the previous ones did.
+
+    Epochs too short to finish a limit (Zeus's mode) or to advance one (``carry_across_epochs``
+    needs 2 steps) would profile for ever, silently.
+
+    Args:
+        ends: Epoch ends in a row with the same state that count as a stall.
+    """
+
+    def __init__(self, ends: int = 3) -> None:
+        self.ends = ends
+        self._last: tuple[str, tuple[int, ...]] | None = None
+        self._same = 0
+        self.reported = False
+
+    def stalled(self, state: State) -> bool:
+        """Record the state an epoch end left; True the first time ``ends`` in a row match."""
+        # A copy of the fields: the optimizer counts steps in the state object in place.
+        seen = (type(state).__name__, tuple(vars(state).values()))
+        self._same = self._same + 1 if seen == self._last else 1
+        self._last = seen
+        if self._same >= self.ends and not self.reported:
+            self.reported = True
+            return True
+        return False
+
+    def message(self, limit: str, limit_steps: int | None) -> str:
+        """The warning for a stall at ``limit`` (e.g. ``"300 W"``).
+
+        Args:
+            limit: The limit profiling is stuck at.
+            limit_steps: Warm-up plus measured steps of a limit in Zeus's mode; None with
+                ``carry_across_epochs``.
+        """
+        need = (
+            "2 steps or more"
+            if limit_steps is None
+            else f"over {limit_steps} steps, or pass carry_across_epochs=True"
+        )
+        return (
+            f"power-limit profiling is not advancing: {self.ends} epoch ends in a row left "
+            f"{limit} where it was; it needs epochs of {need}"
+        )
