@@ -330,12 +330,12 @@ class GlobalPowerLimitOptimizer:
     def on_epoch_end(self) -> None:
         """Mark the end of an epoch: interrupt the limit being profiled, back to the maximum."""
         if isinstance(self.state, Warmup | Profiling):
+            limit = _watts(self.state.current_power_limit)
             logger.info(
                 "epoch ended while profiling %s (%s)",
-                _watts(self.state.current_power_limit),
+                limit,
                 "paused" if self.carry_across_epochs else "it starts over",
             )
-            limit = _watts(self.state.current_power_limit)
             self._interrupt(self.state)
             self._set_power_limit(self.max_power_limit_mw)
             if self._stall.stalled(self.state):
