@@ -13,12 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from worker_client.gpu.nvml import NVML
-from worker_client.power_limit.optimizer import (
-    GlobalPowerLimitOptimizer,
-    OptimumSelector,
-    Reducer,
-    WindowMonitor,
-)
+from worker_client.power_limit.monitor import Reducer, WindowMonitor
+from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer, OptimumSelector
 
 if TYPE_CHECKING:
     from worker_client.power_limit.store import PowerLimitProfileStore

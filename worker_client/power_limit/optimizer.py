@@ -40,15 +40,14 @@ from __future__ import annotations
 
 import atexit
 import logging
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, GPUError
 from protocol.models import PowerLimitMeasurement, PowerLimitProfile
 from worker_client.gpu.nvml import NVML
+from worker_client.power_limit.monitor import Reducer, WindowMonitor, torch_distributed_reducer
 from worker_client.power_limit.profile import load_profile_file, save_profile_file
 from worker_client.power_limit.selectors import (
     Energy,
@@ -72,7 +71,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = [  # re-exported: the selectors (selectors.py) and models (protocol.models)
+__all__ = [  # re-exported: the selectors (selectors.py), monitor.py and protocol.models
     "Done",
     "Energy",
     "GlobalPowerLimitOptimizer",
@@ -94,52 +93,6 @@ __all__ = [  # re-exported: the selectors (selectors.py) and models (protocol.mo
     "save_profile_file",
     "torch_distributed_reducer",
 ]
-
-Reducer = Callable[[float, float], tuple[float, float]]
-"""(local time s, local energy J) -> (job time, job energy) across ranks."""
-
-
-# --- monitor interface --------------------------------------------------------------------------
-class _WindowResult(Protocol):
-    @property
-    def time(self) -> float: ...
-
-    @property
-    def total_energy(self) -> float: ...
-
-
-class WindowMonitor(Protocol):
-    """What the optimizer needs of a window monitor, e.g. the GPU layer's ``EnergyMonitor``."""
-
-    gpu_indices: list[int]
-
-    def begin_window(self, name: str) -> None:
-        """Start a named window."""
-
-    def end_window(self, name: str) -> _WindowResult:
-        """End a named window; return its time and energy.
-
-        A monitor without ``cancel_window`` (Zeus's ``ZeusMonitor``) also takes
-        ``cancel=True``, which discards the window.
-        """
-
-
-def torch_distributed_reducer(time_s: float, energy_j: float) -> tuple[float, float]:
-    """Max of time and sum of energy over ranks if torch.distributed is initialized."""
-    torch = sys.modules.get("torch")  # a job that has not imported torch is not distributed
-    if torch is None:
-        return time_s, energy_j
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return time_s, energy_j
-    device = "cpu"
-    if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
-        device = f"cuda:{torch.cuda.current_device()}"
-    t = torch.tensor([time_s], dtype=torch.float64, device=device)
-    e = torch.tensor([energy_j], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    dist.all_reduce(e, op=dist.ReduceOp.SUM)
-    return float(t.item()), float(e.item())
 
 
 def power_limit_ladder(max_mw: int, min_mw: int, pl_step: int) -> list[int]:
