@@ -310,7 +310,7 @@ def run_steps(
 def describe_state(state: object) -> str:
     """A power-limit optimizer state with its limits in watts, e.g. ``Warmup(250,2)``."""
     if isinstance(state, Ready):
-        return f"Ready({state.next_power_limit // 1000})"
+        return f"Ready({state.next_power_limit // 1000},{state.steps})"
     if isinstance(state, Warmup | Profiling):
         return f"{type(state).__name__}({state.current_power_limit // 1000},{state.steps})"
     if isinstance(state, Paused):

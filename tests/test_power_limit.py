@@ -84,7 +84,7 @@ def test_ladder_is_zeus_range() -> None:
 def test_full_state_machine(training: ReplayTraining, tmp_path: Path) -> None:
     opt = make(training, profile_path=tmp_path / "profile.json")
     assert opt.power_limits == [pl * 1000 for pl in LADDER]
-    assert describe(opt.state) == "Ready(300)"
+    assert describe(opt.state) == "Ready(300,2)"  # wait_steps=1: the second step begin sets it
     trace = []
     for _ in range(18):
         opt.on_step_begin()
@@ -92,22 +92,22 @@ def test_full_state_machine(training: ReplayTraining, tmp_path: Path) -> None:
         opt.on_step_end()
         trace.append(describe(opt.state))
     assert trace == [
-        "Ready(300)",  # step 1: waited
-        "Warmup(300,1)",  # step 2: 300 W (already set at construction)
-        "Warmup(300,2)",
-        "Profiling(300,1)",  # step 4: window begins
+        "Ready(300,1)",  # step 1: waited
+        "Warmup(300,2)",  # step 2: 300 W (already set at construction)
+        "Warmup(300,1)",
+        "Profiling(300,3)",  # step 4: window begins
         "Profiling(300,2)",
-        "Profiling(300,3)",
-        "Warmup(250,1)",  # step 7: 300 W measured over steps 4-6; 250 W set
-        "Warmup(250,2)",
-        "Profiling(250,1)",
-        "Profiling(250,2)",
+        "Profiling(300,1)",
+        "Warmup(250,2)",  # step 7: 300 W measured over steps 4-6; 250 W set
+        "Warmup(250,1)",
         "Profiling(250,3)",
-        "Warmup(200,1)",
+        "Profiling(250,2)",
+        "Profiling(250,1)",
         "Warmup(200,2)",
-        "Profiling(200,1)",
-        "Profiling(200,2)",
+        "Warmup(200,1)",
         "Profiling(200,3)",
+        "Profiling(200,2)",
+        "Profiling(200,1)",
         "Done(250)",  # default ZeusCost(0.5, world_size=2)
         "Done(250)",
     ]
@@ -201,29 +201,29 @@ def test_epochs_too_short_to_advance_are_reported_once(
 def test_epoch_end_restarts_the_limit(training: ReplayTraining) -> None:
     opt = make(training)
     run_steps(opt, training, 8)  # 300 W done; 250 W warm-up step 2
-    assert describe(opt.state) == "Warmup(250,2)"
+    assert describe(opt.state) == "Warmup(250,1)"
     opt.on_epoch_end()
-    assert describe(opt.state) == "Ready(250)"
+    assert describe(opt.state) == "Ready(250,1)"
     assert limits_now() == [300, 300]
     run_steps(opt, training, 1)  # no wait_steps again: the limit restarts at once
-    assert describe(opt.state) == "Warmup(250,1)"
+    assert describe(opt.state) == "Warmup(250,2)"
     run_steps(opt, training, 3)
     assert describe(opt.state) == "Profiling(250,2)"
     opt.on_epoch_end()  # mid-window: the partial window is discarded
-    assert describe(opt.state) == "Ready(250)"
+    assert describe(opt.state) == "Ready(250,1)"
     monitor = opt.monitor
     assert isinstance(monitor, ReplayMonitor)
     assert monitor.events[-1] == ("cancel", window(250))
     assert not monitor.open
     run_steps(opt, training, 6)
-    assert describe(opt.state) == "Warmup(200,1)"
+    assert describe(opt.state) == "Warmup(200,2)"
     assert [m.power_limit for m in opt.measurements] == [300, 250]
     assert (opt.measurements[1].time, opt.measurements[1].energy) == pytest.approx(expected(250))
     assert limits_set() == [250, 300, 250, 300, 250, 200]
     opt.on_epoch_end()
-    assert describe(opt.state) == "Ready(200)"
+    assert describe(opt.state) == "Ready(200,1)"
     opt.on_epoch_end()  # nothing to interrupt: nothing happens
-    assert describe(opt.state) == "Ready(200)"
+    assert describe(opt.state) == "Ready(200,1)"
 
 
 def test_close_restores_max(training: ReplayTraining) -> None:
@@ -240,7 +240,7 @@ def test_close_restores_max(training: ReplayTraining) -> None:
     assert isinstance(monitor, ReplayMonitor)
     assert not monitor.open  # the open window was cancelled
     assert limits_now() == [300, 300]
-    assert describe(opt.state) == "Ready(250)"
+    assert describe(opt.state) == "Ready(250,1)"
 
 
 def test_permission_error_names_the_privilege(training: ReplayTraining) -> None:
@@ -441,7 +441,7 @@ def test_optimizer_with_redis_store(training: ReplayTraining, r: redis.Redis) ->
     # Redis unreachable: the optimizer profiles instead of failing the training job.
     down = PowerLimitProfileStore.from_url("redis://127.0.0.1:1/0", timeout=0.5)
     third = make(training, profile_store=down, workload="bert")
-    assert describe(third.state) == "Ready(300)"
+    assert describe(third.state) == "Ready(300,2)"
 
 
 def test_cli_show_and_delete(r: redis.Redis, redis_url: str) -> None:

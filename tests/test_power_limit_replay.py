@@ -161,22 +161,22 @@ def test_carry_pauses_the_window_over_the_epoch_end(training: ReplayTraining) ->
             trace.append(describe(opt.state) + f" at {limits_now()[0]} W")
             training.idle(EVAL_SECONDS)
     assert trace == [
-        "Ready(250)",  # wait step
-        "Warmup(250,1)",
+        "Ready(250,1)",  # wait step
         "Warmup(250,2)",
-        "Profiling(250,1)",
-        "Profiling(250,2)",
-        "Paused(250,2,2) at 250 W",  # 2 of 4 steps measured; the GPUs are at the max anyway
-        "Warmup(250,2)",  # first step of the epoch: not measured
-        "Profiling(250,3)",
+        "Warmup(250,1)",
         "Profiling(250,4)",
-        "Warmup(225,1)",  # 250 W measured over 4 steps in two windows
+        "Profiling(250,3)",
+        "Paused(250,2,2) at 250 W",  # 2 of 4 steps measured; the GPUs are at the max anyway
+        "Warmup(250,1)",  # first step of the epoch: not measured
+        "Profiling(250,2)",
+        "Profiling(250,1)",
+        "Warmup(225,2)",  # 250 W measured over 4 steps in two windows
         "Paused(225,1,0) at 250 W",
-        "Warmup(225,2)",
-        "Profiling(225,1)",
-        "Profiling(225,2)",
-        "Profiling(225,3)",
+        "Warmup(225,1)",
         "Profiling(225,4)",
+        "Profiling(225,3)",
+        "Profiling(225,2)",
+        "Profiling(225,1)",
     ]
     name = "__perseus_power_limit_250"
     assert monitor.events[:4] == [("begin", name), ("end", name), ("begin", name), ("end", name)]
@@ -187,13 +187,13 @@ def test_carry_close_and_resume(training: ReplayTraining) -> None:
     opt = make(training, carry_across_epochs=True, optimum_selector=Time())
     run_steps(opt, training, 1 + 2 * (WARMUP + PROFILE) + WARMUP + PROFILE)
     # The window at 200 W holds all PROFILE steps; close() comes before the step that ends it.
-    assert describe(opt.state) == f"Profiling(200,{PROFILE})"
+    assert describe(opt.state) == "Profiling(200,1)"  # its last step begun
     opt.close()
     assert describe(opt.state) == f"Paused(200,{WARMUP},{PROFILE})"
     assert limits_now() == [250, 250]
     training.idle(EVAL_SECONDS)
     run_steps(opt, training, 1)  # complete: recorded at once, 175 W starts warming up
-    assert describe(opt.state) == "Warmup(175,1)"
+    assert describe(opt.state) == "Warmup(175,2)"
     assert [m.power_limit for m in opt.measurements] == [250, 225, 200]
     assert (opt.measurements[2].time, opt.measurements[2].energy) == pytest.approx(window(200))
     assert limits_now() == [175, 175]

@@ -7,6 +7,7 @@ test below pins Zeus's behaviour. The GPUs are the in-process fake NVML
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 from pathlib import Path
@@ -26,6 +27,7 @@ from worker_client.power_limit.selectors import (
     Time,
     ZeusCost,
 )
+from worker_client.power_limit.states import Profiling, Ready, Warmup
 
 # Power limit (W) -> (step time s, power per GPU W); 160 W is the GPUs' minimum.
 TABLE = {
@@ -253,3 +255,23 @@ def test_zeus_reads_the_profile_file_written_here(training: ReplayTraining, tmp_
     # And a second run here reads it back.
     again = make(training, profile_path=path, optimum_selector=Energy())
     assert again.measurements == opt.measurements
+
+
+def test_states_count_down_as_zeus_does(training: ReplayTraining) -> None:
+    """Zeus's defaults (wait 1, warm-up 10, measure 40): each state's steps is what is left."""
+    opt = make(training, warmup_steps=10, profile_steps=40)
+    assert opt.state == Ready(next_power_limit=300_000, steps=2)
+    seen = {}
+    for step in range(1, 54):
+        run_steps(opt, training, 1)
+        seen[step] = copy.copy(opt.state)  # counted in place: a snapshot
+    assert seen[1] == Ready(next_power_limit=300_000, steps=1)  # the wait step
+    assert seen[2] == Warmup(current_power_limit=300_000, steps=10)  # limit set: warm-up 1
+    assert seen[3] == Warmup(current_power_limit=300_000, steps=9)
+    assert seen[11] == Warmup(current_power_limit=300_000, steps=1)  # warm-up step 10
+    assert seen[12] == Profiling(current_power_limit=300_000, steps=40)  # the window begins
+    assert seen[51] == Profiling(current_power_limit=300_000, steps=1)
+    assert seen[52] == Warmup(current_power_limit=250_000, steps=10)  # 300 W measured
+    assert seen[53] == Warmup(current_power_limit=250_000, steps=9)
+    opt.on_epoch_end()
+    assert opt.state == Ready(next_power_limit=250_000, steps=1)

@@ -11,14 +11,15 @@ States (``optimizer.state``; limits in milliwatts as in Zeus), driven by the
 :meth:`~GlobalPowerLimitOptimizer.on_step_begin` and
 :meth:`~GlobalPowerLimitOptimizer.on_epoch_end` hooks::
 
-    Ready(next limit) --step begin--> Warmup: the limit is set; that step is warm-up step 1
-    Warmup --step begin after warmup_steps steps--> Profiling: the window begins
-    Profiling --step begin after profile_steps steps--> window ends, measurement recorded;
-        Warmup of the next lower limit, or Done once the last limit is measured
+    Ready(next limit, steps) --steps'th step begin--> Warmup: the limit is set; that step is
+        warm-up step 1 (steps = wait_steps + 1 at the start, 1 after an epoch end)
+    Warmup(limit, warmup_steps) --steps'th step begin after--> Profiling: the window begins
+    Profiling(limit, profile_steps) --steps'th step begin after--> window ends, measurement
+        recorded; Warmup of the next lower limit, or Done once the last limit is measured
     Warmup/Profiling --epoch end--> the GPUs go back to the maximum limit (evaluation and
         checkpointing run at full power) and
-        - by default (Zeus): Ready(same limit), the partial window is discarded and the limit
-          is profiled again from its first warm-up step;
+        - by default (Zeus): Ready(same limit, 1), the partial window is discarded and the
+          limit is profiled again from its first warm-up step;
         - with ``carry_across_epochs=True``: Paused, the steps done and the measured part of
           the window are kept (windows are paused over the epoch end).
     Paused --step begin--> the limit is set again; that step is a warm-up step (the first
@@ -27,7 +28,9 @@ States (``optimizer.state``; limits in milliwatts as in Zeus), driven by the
         ``warmup_steps + profile_steps`` (at least 2 steps long).
     Done(optimal limit): nothing more happens
 
-The first ``wait_steps`` step begins are ignored (e.g. a first step that compiles kernels).
+Each state's ``steps`` counts down as Zeus's does: the step begins left until the next
+transition. The first ``wait_steps`` step begins are ignored (e.g. a first step that compiles
+kernels).
 A known profile (``profile_path`` that exists, Zeus's file format or perseus-mq's, or a Redis
 ``profile_store`` entry for ``workload``) skips profiling: the selector picks from the stored
 measurements and the state starts as Done. :meth:`~GlobalPowerLimitOptimizer.close` (also at
@@ -208,7 +211,6 @@ class GlobalPowerLimitOptimizer:
         self.profile_store = profile_store
         self.workload = workload
         self.reducer: Reducer = reducer or torch_distributed_reducer
-        self._wait_left = wait_steps
         self._restore_on_exit = restore_on_exit
         self._closed = False
         self._stall = StallWatch()
@@ -223,7 +225,8 @@ class GlobalPowerLimitOptimizer:
             self.max_power_limit_mw, self.min_power_limit_mw, pl_step
         )
         self.measurements: list[PowerLimitMeasurement] = []
-        self.state: State = Ready(next_power_limit=self.power_limits[0])
+        # The first wait_steps step begins are ignored; the next one sets the first limit.
+        self.state: State = Ready(next_power_limit=self.power_limits[0], steps=wait_steps + 1)
 
         profile = self._load_profile()
         if profile is not None:
@@ -244,32 +247,35 @@ class GlobalPowerLimitOptimizer:
         """Mark the beginning of a training step."""
         if self._closed:
             self._reopen()
-        if self._wait_left > 0:
-            self._wait_left -= 1
-            return
         state = self.state
         if isinstance(state, Ready):
+            state.steps -= 1
+            if state.steps > 0:  # a wait step
+                return
             self._set_power_limit(state.next_power_limit)
-            self.state = Warmup(current_power_limit=state.next_power_limit)
+            self.state = Warmup(current_power_limit=state.next_power_limit, steps=self.warmup_steps)
         elif isinstance(state, Paused):
             if state.profile_steps >= self.profile_steps:  # paused right after its last step
                 self._finish_limit(state.current_power_limit)
                 return
             self._set_power_limit(state.current_power_limit)
             warmed = min(state.warmup_steps + 1, self.warmup_steps)
-            self.state = Warmup(current_power_limit=state.current_power_limit, steps=warmed)
+            self.state = Warmup(
+                current_power_limit=state.current_power_limit, steps=self.warmup_steps + 1 - warmed
+            )
             self._resume_steps = state.profile_steps
         elif isinstance(state, Warmup):
-            if state.steps < self.warmup_steps:
-                state.steps += 1
+            state.steps -= 1
+            if state.steps > 0:
                 return
             self.monitor.begin_window(self._window(state.current_power_limit))
             self.state = Profiling(
-                current_power_limit=state.current_power_limit, steps=self._resume_steps + 1
+                current_power_limit=state.current_power_limit,
+                steps=self.profile_steps - self._resume_steps,
             )
         elif isinstance(state, Profiling):
-            if state.steps < self.profile_steps:
-                state.steps += 1
+            state.steps -= 1
+            if state.steps > 0:
                 return
             self._end_window(state.current_power_limit)
             self._finish_limit(state.current_power_limit)
@@ -366,17 +372,19 @@ class GlobalPowerLimitOptimizer:
             self._reset_carried()
             self.state = Ready(next_power_limit=limit)
             return
+        # Steps done, from the countdowns: the step begin that counted down to 0 was the
+        # first of the phase.
         if isinstance(state, Profiling):
             self._end_window(limit)
             self.state = Paused(
                 current_power_limit=limit,
                 warmup_steps=self.warmup_steps,
-                profile_steps=state.steps,
+                profile_steps=self.profile_steps + 1 - state.steps,
             )
         else:
             self.state = Paused(
                 current_power_limit=limit,
-                warmup_steps=state.steps,
+                warmup_steps=self.warmup_steps + 1 - state.steps,
                 profile_steps=self._resume_steps,
             )
 
@@ -392,7 +400,7 @@ class GlobalPowerLimitOptimizer:
         if position + 1 < len(self.power_limits):
             following = self.power_limits[position + 1]
             self._set_power_limit(following)
-            self.state = Warmup(current_power_limit=following)
+            self.state = Warmup(current_power_limit=following, steps=self.warmup_steps)
             return
         optimal = self._compute_optimal_power_limit()
         logger.info("profiling done; optimal power limit %s", _watts(optimal))

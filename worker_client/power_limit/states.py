@@ -2,7 +2,9 @@
 
 Transitions: :mod:`worker_client.power_limit.optimizer`'s module docstring. Plain dataclasses:
 they never cross Redis or a file (the profile does, :class:`protocol.models.PowerLimitProfile`),
-and the optimizer counts steps in them in place. Built with keywords, as Zeus's are.
+and the optimizer counts steps in them in place. Built with keywords and counted as Zeus's are:
+``steps`` is how many step begins are left until the next transition, which happens at the
+step begin that brings it to 0.
 """
 
 from __future__ import annotations
@@ -12,25 +14,36 @@ from dataclasses import dataclass
 
 @dataclass(kw_only=True)
 class Ready:
-    """Waiting for the next step to start warming up ``next_power_limit`` (mW)."""
+    """Waiting to warm up ``next_power_limit`` (mW).
+
+    ``steps`` step begins are left: the last one sets the limit and is its first warm-up
+    step (``wait_steps + 1`` at the start, 1 after an epoch end).
+    """
 
     next_power_limit: int
+    steps: int = 1
 
 
 @dataclass(kw_only=True)
 class Warmup:
-    """Running warm-up steps at ``current_power_limit`` (mW); ``steps`` begun so far."""
+    """Warming up ``current_power_limit`` (mW); the window begins ``steps`` step begins on.
+
+    ``warmup_steps`` at the step begin that set the limit.
+    """
 
     current_power_limit: int
-    steps: int = 1
+    steps: int
 
 
 @dataclass(kw_only=True)
 class Profiling:
-    """Measuring ``current_power_limit`` (mW); ``steps`` measured so far, this one included."""
+    """Measuring ``current_power_limit`` (mW); the window ends ``steps`` step begins on.
+
+    ``profile_steps`` at the step begin that began the window.
+    """
 
     current_power_limit: int
-    steps: int = 1
+    steps: int
 
 
 @dataclass(kw_only=True)
@@ -42,6 +55,7 @@ class Paused:
         warmup_steps: Warm-up steps already run at it.
         profile_steps: Steps already measured (their time and energy are kept).
 
+    Counts of steps done, unlike the other states' countdowns: Zeus has no such state.
     """
 
     current_power_limit: int
