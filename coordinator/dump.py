@@ -5,18 +5,23 @@ Layout, one folder per job: ``<dump_dir>/<job_id>/ranks.json``, ``<version>.sche
 Redis keeps only the newest schedules and the results not yet consumed by a scheduler
 snapshot, so ``perseus dump`` writes what is left, plus ``summaries.json`` (each observed
 version's rank count, iteration time and energy). With ``--dump-dir`` (``dump_data``) every
-version is written as it is published, so nothing is missed.
+version is written as it is published, so nothing is missed. :func:`load_ranks`,
+:func:`load_sched` and :func:`load_prof` read those files back (Zeus's names and arguments).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from protocol.exceptions import ConfigError, ProtocolError
+from protocol.models import FrequencySchedule, ProfilingResult, RankInfo, validate
 from protocol.store import JobRecord, JobStore
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def _write(path: Path, payload: Any) -> None:
@@ -78,3 +83,41 @@ def dump_job(store: JobStore, job_id: str, out_dir: str) -> Path:
     _write(folder / "journal.json", _dump_models(list(journal)))
     _write(folder / "summaries.json", {str(v): s for v, s in store.summaries(job_id).items()})
     return folder
+
+
+def _load_models(path: Path, model: type[M]) -> list[M]:
+    """Read a JSON list of ``model`` written by this module; errors name the file and item.
+
+    Raises:
+        OSError: The file cannot be read (FileNotFoundError names it).
+        ConfigError: It is not JSON, not a list, or an item is not a valid ``model``.
+    """
+    text = path.read_text(encoding="utf-8")
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(raw, list):
+        raise ConfigError(f"{path}: expected a JSON list of {model.__name__}")
+    models = []
+    for i, item in enumerate(raw):
+        try:
+            models.append(validate(model, item))
+        except ProtocolError as exc:
+            raise ConfigError(f"{path}: item {i}: {exc}") from None
+    return models
+
+
+def load_ranks(directory: str | Path) -> list[RankInfo]:
+    """The ranks of a dumped job (``<directory>/ranks.json``)."""
+    return _load_models(Path(directory) / "ranks.json", RankInfo)
+
+
+def load_sched(directory: str | Path, schedule_num: int) -> list[FrequencySchedule]:
+    """Every rank's schedule of version ``schedule_num`` (``<schedule_num>.sched.json``)."""
+    return _load_models(Path(directory) / f"{schedule_num}.sched.json", FrequencySchedule)
+
+
+def load_prof(directory: str | Path, schedule_num: int) -> list[ProfilingResult]:
+    """The results measured while version ``schedule_num`` ran (``<schedule_num>.prof.json``)."""
+    return _load_models(Path(directory) / f"{schedule_num}.prof.json", ProfilingResult)

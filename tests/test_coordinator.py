@@ -11,6 +11,7 @@ import redis
 from rq import Queue
 from rq.job import Job, JobStatus
 
+from coordinator.dump import load_prof, load_ranks, load_sched
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
 from coordinator.tasks import advance_job, rebuild_scheduler
@@ -489,6 +490,11 @@ def test_dump_data_writes_each_version_as_it_is_published(r, redis_url, tmp_path
 
     prof = json.loads((folder / "1.prof.json").read_text())
     assert [p["rank"] for p in prof] == [0, 1]
+    # Read back as Zeus's load_prof / load_sched / load_ranks read its dump folder.
+    assert load_prof(folder, 1) == [result(0, 1), result(1, 1)]
+    assert [s.rank for s in load_sched(folder, 2)] == [0, 1]
+    assert load_sched(folder, 2) == JobStore(r).schedules(job_id, 2)
+    assert load_ranks(folder) == JobStore(r).ranks(job_id)
 
 
 def test_converged_scheduler_records_observation_without_new_version(service, r, redis_url):
