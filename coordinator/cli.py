@@ -36,7 +36,7 @@ from protocol import keys
 from protocol.acl import ROLES, acl_file, role_user
 from protocol.cli_options import connect_or_fail, redact_url, redis_url_option, setting_option
 from protocol.exceptions import ConfigError, PerseusError
-from protocol.scheduler import BUILTIN, FrequencyScheduler, resolve_scheduler
+from protocol.scheduler import BUILTIN, resolve_scheduler
 from protocol.store import JobStore
 from schedulers.instruction_profiler import PROFILE_ARTIFACT
 from schedulers.planning.cli import choose_command, optimize_command
@@ -351,7 +351,7 @@ def target(redis_url: str | None, job_id: str, seconds: float) -> None:
         scheduler_cls = resolve_scheduler(record.config.scheduler)
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
-    if scheduler_cls.set_target is FrequencyScheduler.set_target:
+    if not scheduler_cls.takes_target():
         takers = [n for n in sorted(BUILTIN) if _takes_target(n)]
         raise click.ClickException(
             f"job {job_id} runs {record.config.scheduler}, which takes no target iteration "
@@ -367,7 +367,7 @@ def target(redis_url: str | None, job_id: str, seconds: float) -> None:
 
 def _takes_target(name: str) -> bool:
     try:
-        return resolve_scheduler(name).set_target is not FrequencyScheduler.set_target
+        return resolve_scheduler(name).takes_target()
     except ConfigError:
         return False
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from protocol.exceptions import ProtocolError
+from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, JournalEntry, ProfilingResult, RankInfo
 from protocol.scheduler import FrequencyScheduler, build_scheduler
 from protocol.store import JobRecord, JobState, JobStore
@@ -99,7 +99,18 @@ class LiveScheduler:
         if entry.controls_upto > self.controls_applied:
             messages = store.controls(job_id, self.controls_applied)
             for message in messages[: entry.controls_upto - self.controls_applied]:
-                self.scheduler.set_target(message.iteration_time)
+                try:
+                    self.scheduler.set_target(message.iteration_time)
+                except ConfigError as exc:
+                    # Any rank may send a target: one the scheduler refuses must not fail the
+                    # job. Refused the same way on every replay, so the journal still decides.
+                    if not self.scheduler.replaying:
+                        logger.warning(
+                            "job %s: target of %g s refused, the job goes on: %s",
+                            job_id,
+                            message.iteration_time,
+                            exc,
+                        )
             self.controls_applied = entry.controls_upto
         return results
 

@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Union
+from typing import Any
 
 import redis
 from redis.client import Pipeline
@@ -25,6 +25,7 @@ from rq.job import Job
 
 from coordinator.advance_queue import enqueue, record_enqueued
 from coordinator.completion import CompletionGuess
+from coordinator.envelope import Message, check_envelope
 from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat, forget
 from coordinator.job_config import check_job_limits, job_config
 from coordinator.outcome import Outcome, log_lost
@@ -38,13 +39,12 @@ from coordinator.trust import ResultKeys
 from protocol import deadletter, keys, streams
 from protocol.acl import wrong_user
 from protocol.consumers import GroupMembers
-from protocol.exceptions import DuplicateEntryError, PerseusError, UnknownJobError
+from protocol.exceptions import DuplicateEntryError, PerseusError, ProtocolError, UnknownJobError
 from protocol.models import (
     RegisterJob,
     RegisterRank,
     Reply,
     ReportResult,
-    SetTarget,
     decode_message,
     make_job_id,
     pack,
@@ -57,8 +57,6 @@ logger = logging.getLogger(__name__)
 
 _BATCH = 100  # entries read per stream at a time
 _TOP_UPS = 3  # non-blocking reads that gather a burst of results into one batch
-
-Message = Union[RegisterJob, RegisterRank, ReportResult, SetTarget]  # noqa: UP007
 
 
 class Coordinator:
@@ -375,6 +373,7 @@ class Coordinator:
         jobs: dict[str, JobRecord | None],
         now: float,
     ) -> None:
+        check_envelope(stream, fields, message)
         if isinstance(message, RegisterJob | RegisterRank):
             check_still_awaited(message, fields, entry_id, now)
         if isinstance(message, RegisterJob):
@@ -401,6 +400,12 @@ class Coordinator:
             # Stored as it arrived (validated above): packing it again costs more than the rest.
             batch.add_result(info, message.result, now, data=fields[b"data"])
         else:
+            scheduler = resolve_scheduler(record.config.scheduler)
+            if not scheduler.takes_target():
+                raise ProtocolError(
+                    f"job {info.job_id} runs {scheduler.__name__}, which takes no target "
+                    "iteration time"
+                )
             batch.add_control(message, entry_id, now)
 
     def _settle_entry(

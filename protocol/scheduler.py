@@ -169,11 +169,21 @@ class FrequencyScheduler:
         """Continue from what :meth:`snapshot` returned (called right after construction)."""
         raise NotImplementedError(f"{type(self).__name__} returned a snapshot but cannot restore")
 
+    @classmethod
+    def takes_target(cls) -> bool:
+        """Whether this scheduler implements :meth:`set_target` (the default refuses any).
+
+        The coordinator dead-letters a target for a job whose scheduler takes none.
+        """
+        return cls.set_target is not FrequencyScheduler.set_target
+
     def set_target(self, iteration_time: float) -> None:
         """Aim at a new iteration time in seconds (e.g. a straggler's). Optional.
 
         Called by the rq worker, in arrival order, before the next schedule is computed.
-        Schedulers that have no notion of a target reject it.
+        Raise ConfigError to refuse a target (schedulers that have no notion of one refuse
+        all): the worker logs it and the job goes on as before; it fails the job only if
+        another exception escapes.
         """
         raise ConfigError(f"scheduler {type(self).__name__} does not take a target iteration time")
 

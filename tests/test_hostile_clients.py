@@ -31,7 +31,7 @@ import redis
 from coordinator.embedded import EmbeddedRedis
 from protocol import keys
 from protocol.deadletter import list_dead_letters
-from protocol.models import JobInfo, RankInfo, ReportResult, encode_message
+from protocol.models import JobInfo, RankInfo, ReportResult, SetTarget, encode_message
 from protocol.store import JobStore
 from tests.helpers import drain, register, result, start_perseus, stop, wait_for
 from worker_client.hook.session import CoordinatorClient
@@ -178,7 +178,7 @@ def _register_rank(job_id: str, clocks: list[int]) -> bytes:
     return msgpack.packb(message | {"rank_info": info.model_dump()})
 
 
-R, G = keys.RESULTS_STREAM, keys.REGISTRATIONS_STREAM
+R, G, C = keys.RESULTS_STREAM, keys.REGISTRATIONS_STREAM, keys.CONTROL_STREAM
 CASES: dict[str, tuple[Callable[[Stack], Entries], str]] = {
     "oversize entry": (
         lambda s: _raw(R, "report_result", b"\x00" * (4 * MIB), s.job_id),
@@ -266,6 +266,25 @@ CASES: dict[str, tuple[Callable[[Stack], Entries], str]] = {
     "replayed registration": (
         lambda s: [(G, s.first_registration)],
         "was already answered",
+    ),
+    # A registration dead-lettered off the results stream could be replayed, which
+    # registrations never are.
+    "registration on the results stream": (
+        lambda s: _raw(R, "report_result", _register_job()),
+        "a register_job message does not belong on perseus:stream:results",
+    ),
+    "kind field that says otherwise": (
+        lambda s: _raw(R, "register_rank", _result_dict(s), s.job_id),
+        "field 'kind' says 'register_rank' but the data's kind is 'report_result'",
+    ),
+    "job_id field that says otherwise": (
+        lambda s: _raw(R, "report_result", _result_dict(s), s.hostile_job),
+        "field 'job_id' says",
+    ),
+    # Stored, it made the worker fail the job for good.
+    "target for a scheduler that takes none": (
+        lambda s: [(C, encode_message(SetTarget(job_id=s.profiler_job, iteration_time=0.5)))],
+        "runs InstructionProfiler, which takes no target iteration time",
     ),
 }
 

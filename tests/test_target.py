@@ -159,3 +159,30 @@ def test_a_replayed_target_that_no_plan_meets_is_not_warned_about_again(r, front
         live = fresh.get(store, store.job_state("fast"))
     assert caplog.text == "" and live.scheduler.current.plan == fastest.plan
     assert live.scheduler.replaying is False
+
+
+def test_a_target_the_scheduler_refuses_is_logged_and_the_job_goes_on(r, caplog):
+    """Any rank may send a target: one the scheduler refuses must not fail the job."""
+    store = JobStore(r)
+    job = JobInfo(job_id="picky", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    store.create_job(job, JobConfig(scheduler="tests.toy_schedulers:RefusesSlowTargets"), "1-1")
+    clocks = list(H100_GRAPHICS_CLOCKS)
+    store.add_rank(
+        job, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=clocks)
+    )
+    cache = LiveSchedulers()
+    assert advance_once(store, "picky", cache) == 1
+    store.add_control(SetTarget(job_id="picky", iteration_time=20.0), "8-0")
+    with caplog.at_level(logging.WARNING, logger="coordinator.replay"):
+        advance_once(store, "picky", cache)
+    assert "job picky: target of 20 s refused, the job goes on: no plan for" in caplog.text
+    assert store.job_error("picky") == ""
+    store.add_control(SetTarget(job_id="picky", iteration_time=2.0), "9-0")
+    version = advance_once(store, "picky", cache)
+    assert version >= 2 and store.job_error("picky") == ""
+    assert cache.get(store, store.job_state("picky")).scheduler.targets == [2.0]
+    # A worker that rebuilds the scheduler refuses the same target again, silently.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="coordinator.replay"):
+        rebuilt = LiveSchedulers().get(store, store.job_state("picky"))
+    assert rebuilt.scheduler.targets == [2.0] and "refused" not in caplog.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 
+from protocol.exceptions import ConfigError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from protocol.scheduler import FrequencyScheduler
 from schedulers.planning.plan_file import parse_plan_text
@@ -113,6 +114,15 @@ class FailsAfterFirst(StepDown):
     def _run(self) -> Generator[list[FrequencySchedule], list[ProfilingResult], None]:
         yield self._schedules(0)
         raise RuntimeError("this scheduler fails after its first version on purpose")
+
+
+class RefusesSlowTargets(SnapshotStepDown):
+    """Takes targets of at most 10 s; refuses slower ones (as a frontier refuses a bad plan)."""
+
+    def set_target(self, iteration_time: float) -> None:
+        if iteration_time > 10:
+            raise ConfigError(f"no plan for an iteration time of {iteration_time} s")
+        super().set_target(iteration_time)
 
 
 class NeedsInstructionEnergy(StepDown):
