@@ -27,10 +27,33 @@ FORGET_AFTER_S = 3600.0
 
 
 def beat(
-    conn: redis.Redis, consumer: str, now: float, pipeline: redis.client.Pipeline | None = None
+    conn: redis.Redis,
+    consumer: str,
+    now: float,
+    pipeline: redis.client.Pipeline | None = None,
+    shared: dict[str, Any] | None = None,
 ) -> None:
-    """Record that coordinator ``consumer`` finished a loop round at server time ``now``."""
-    (pipeline if pipeline is not None else conn).hset(keys.COORDINATORS, consumer, f"{now:.3f}")
+    """Record that coordinator ``consumer`` finished a loop round at server time ``now``.
+
+    Args:
+        conn: The Redis.
+        consumer: The coordinator.
+        now: Server time.
+        pipeline: Queue the writes there instead.
+        shared: The coordinator's shared settings, recorded again if they are gone (Redis
+            lost its data): a coordinator started after that must still agree with them.
+    """
+    pipe = pipeline if pipeline is not None else conn.pipeline(transaction=False)
+    pipe.hset(keys.COORDINATORS, consumer, f"{now:.3f}")
+    if shared is not None:
+        pipe.hsetnx(keys.COORDINATOR_SETTINGS, consumer, settings_json(shared))
+    if pipeline is None:
+        pipe.execute()
+
+
+def settings_json(shared: dict[str, Any]) -> str:
+    """How a coordinator's shared settings are recorded (one canonical JSON text)."""
+    return json.dumps(shared, sort_keys=True)
 
 
 def last_beats(conn: redis.Redis) -> dict[str, float]:
@@ -110,7 +133,7 @@ def agree_settings(
                 f"coordinator {name} (running: last round {now - at:.1f} s ago) has other "
                 f"settings; coordinators sharing a Redis must agree. {detail}"
             )
-    conn.hset(keys.COORDINATOR_SETTINGS, consumer, json.dumps(shared, sort_keys=True))
+    conn.hset(keys.COORDINATOR_SETTINGS, consumer, settings_json(shared))
 
 
 def host_idle_s(conn: redis.Redis, hostname: str, now: float) -> float | None:

@@ -178,7 +178,7 @@ class Coordinator:
         if time.monotonic() - self._last_beat >= HEARTBEAT_INTERVAL_S:
             self._last_beat = time.monotonic()
             # The container healthcheck reads it; timed by the server, like every stamp.
-            beat(self.conn, self.consumer, self.store.clock.now())
+            beat(self.conn, self.consumer, self.store.clock.now(), shared=self.settings.shared())
         if time.monotonic() - self._last_sweep >= self.settings.reconcile_interval:
             self._last_sweep = time.monotonic()
             self.sweep()

@@ -53,3 +53,20 @@ def test_a_coordinator_that_stopped_cleanly_does_not_block_a_restart(r, redis_ur
     assert not r.hexists(keys.COORDINATOR_SETTINGS, first.consumer)
     other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
     agree_settings(r, "host-c-1", other.shared(), time.time())  # no ConfigError
+
+
+def test_settings_are_recorded_again_after_redis_lost_its_data(r, redis_url):
+    """A Redis restarted without persistence forgets them; the next beat records them again."""
+    first = Coordinator(r, make_settings(redis_url, "tests.toy_schedulers:StepDown"))
+    thread = threading.Thread(target=first.run, kwargs={"block_ms": 10})
+    thread.start()
+    try:
+        wait_for(lambda: r.hexists(keys.COORDINATOR_SETTINGS, first.consumer))
+        r.flushall()  # what the running coordinator sees of a restart without persistence
+        wait_for(lambda: r.hexists(keys.COORDINATOR_SETTINGS, first.consumer), 10)
+        other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
+        with pytest.raises(ConfigError, match=f"coordinator {first.consumer} \\(running"):
+            agree_settings(r, "host-c-1", other.shared(), time.time())
+    finally:
+        first.stop_event.set()
+        thread.join(10)
