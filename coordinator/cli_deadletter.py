@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from datetime import datetime, timezone
 
 import click
 
 from coordinator.cli_common import connect_settings
 from protocol.cli_options import redis_url_option
-from protocol.deadletter import get_dead_letter, list_dead_letters, purge, replay
+from protocol.deadletter import (
+    DeadLetter,
+    get_dead_letter,
+    iter_dead_letters,
+    list_dead_letters,
+    purge,
+    replay,
+)
 from protocol.exceptions import PerseusError
 
 
@@ -56,20 +64,24 @@ def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_
     if bool(entry_ids) == replay_all:
         raise click.UsageError("give dead-letter ids, or --all")
     conn = connect_settings(redis_url)
+    replayed = 0
     try:
         if replay_all:
-            letters = [d for d in list_dead_letters(conn, count=100_000) if d.replayable]
+            # Read a page at a time, up to the newest there was at the start: one that fails
+            # again is dead-lettered anew, after that point, and not replayed twice here.
+            letters: Iterable[DeadLetter] = (d for d in iter_dead_letters(conn) if d.replayable)
         else:
             letters = [get_dead_letter(conn, entry_id) for entry_id in entry_ids]
         for letter in letters:
             new_id = replay(conn, letter)
+            replayed += 1
             if new_id is None:
                 click.echo(f"{letter.entry_id}: gone meanwhile (replayed by someone else?)")
             else:
                 click.echo(f"{letter.entry_id} -> {letter.source_stream} {new_id}")
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
-    if replay_all and not letters:
+    if replay_all and not replayed:
         click.echo("no replayable dead letters")
 
 

@@ -14,6 +14,7 @@ longer waiting, and a replayed ``register_job`` would create a job nobody runs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +148,27 @@ def list_dead_letters(conn: redis.Redis, count: int = 100) -> list[DeadLetter]:
     return [_parse(i, f) for i, f in conn.xrange(keys.DEADLETTER_STREAM, count=count)]
 
 
+def iter_dead_letters(conn: redis.Redis, page: int = 1000) -> Iterator[DeadLetter]:
+    """Every dead letter there is now, oldest first, read ``page`` at a time.
+
+    Stops at the newest one there was when it started: entries dead-lettered meanwhile (a
+    replayed entry that fails again, say) are not read, so a loop that replays what it reads
+    ends.
+    """
+    newest = conn.xrevrange(keys.DEADLETTER_STREAM, count=1)
+    if not newest:
+        return
+    last = newest[0][0]
+    start: bytes | str = "-"
+    while True:
+        rows = conn.xrange(keys.DEADLETTER_STREAM, min=start, max=last, count=page)
+        for entry_id, fields in rows:
+            yield _parse(entry_id, fields)
+        if len(rows) < page:
+            return
+        start = b"(" + rows[-1][0]
+
+
 def get_dead_letter(conn: redis.Redis, entry_id: str) -> DeadLetter:
     """One dead letter by id.
 
@@ -173,6 +195,11 @@ def replay(conn: redis.Redis, letter: DeadLetter) -> str | None:
     Raises:
         ConfigError: It is a registration, or came from no input stream.
     """
+    if letter.size is not None:
+        raise ConfigError(
+            f"dead letter {letter.entry_id} was an entry of {letter.size} bytes, over "
+            "max_entry_bytes: only its head was kept, so it cannot be replayed"
+        )
     if not letter.replayable:
         raise ConfigError(
             f"dead letter {letter.entry_id} came from {letter.source_stream or 'nowhere'}; only "

@@ -397,12 +397,19 @@ def pack_plain(model: BaseModel) -> bytes:
     return msgpack.packb(dict(model.__dict__), use_bin_type=True)
 
 
+# What msgpack's errors that carry no message mean.
+_SILENT_ERRORS = {
+    "StackError": "nested too deeply",
+    "FormatError": "a byte that starts no msgpack value (0xc1)",
+}
+
+
 def _unpack_raw(data: bytes) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        # StackError says nothing by itself: it is nesting deeper than msgpack's stack.
-        detail = str(exc) or ("nested too deeply" if type(exc).__name__ == "StackError" else "")
+        # StackError and FormatError say nothing by themselves.
+        detail = str(exc) or _SILENT_ERRORS.get(type(exc).__name__, "no detail")
         raise ProtocolError(f"not valid msgpack ({type(exc).__name__}: {detail})") from None
 
 

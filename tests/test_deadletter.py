@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from coordinator.cli import main
 from coordinator.service import Coordinator
 from coordinator.sweep import trim_inputs
-from protocol import keys
+from protocol import deadletter, keys
 from protocol.deadletter import list_dead_letters
 from protocol.models import ReportResult, unpack
 from protocol.store import JobStore
@@ -137,3 +137,33 @@ def test_dead_letters_stay_until_handled_and_the_hard_cap_counts_what_it_cuts(r,
     assert lost_counts(r)[keys.DEADLETTER_STREAM] == 30
     assert f"LOST 30 dead letters, the oldest (up to {newest_cut})" in caplog.text
     assert trim_inputs(r, 220) == 0  # nothing more to cut
+
+
+def test_replay_all_reads_every_page_up_to_the_newest_at_its_start(r, redis_url):
+    """No coordinator runs: replayed entries wait in the results stream, in order."""
+    fields = {b"kind": b"report_result", b"data": b"x", b"job_id": b"j"}
+    with r.pipeline(transaction=False) as pipe:
+        for i in range(25):
+            pipe.xadd(
+                keys.DEADLETTER_STREAM,
+                deadletter.entry_fields(keys.RESULTS_STREAM, f"{i + 1}-0", fields, "late", 0.0),
+            )
+        pipe.execute()
+    pages = deadletter.iter_dead_letters(r, page=7)
+    first = next(pages)
+    r.xadd(keys.DEADLETTER_STREAM, {"reason": "added meanwhile"})  # after the start: not read
+    assert [first.source_id, *(d.source_id for d in pages)] == [f"{i}-0" for i in range(1, 26)]
+    r.xdel(keys.DEADLETTER_STREAM, r.xrevrange(keys.DEADLETTER_STREAM, count=1)[0][0])
+    code, out = cli("deadletter", "replay", "--all", "--redis-url", redis_url)
+    assert code == 0 and out.count(f"-> {keys.RESULTS_STREAM}") == 25, out
+    assert r.xlen(keys.RESULTS_STREAM) == 25 and r.xlen(keys.DEADLETTER_STREAM) == 0
+
+
+def test_an_oversize_dead_letter_says_why_it_cannot_be_replayed(r, redis_url):
+    big = {b"kind": b"report_result", b"data": b"\x00" * 5000}
+    letter = deadletter.entry_fields(keys.RESULTS_STREAM, "1-0", big, "too big", 0.0, True)
+    entry_id = r.xadd(keys.DEADLETTER_STREAM, letter).decode()
+    code, out = cli("deadletter", "replay", entry_id, "--redis-url", redis_url)
+    assert code == 1, out
+    assert f"dead letter {entry_id} was an entry of 5021 bytes, over max_entry_bytes" in out
+    assert "only entries of" not in out  # it did come from a replayable stream

@@ -206,6 +206,10 @@ CASES: dict[str, tuple[Callable[[Stack], Entries], str]] = {
         ),
         "report_result.result.iter_time",
     ),
+    "a byte no msgpack value starts with": (
+        lambda s: _raw(R, "report_result", b"\x91\xc1"),
+        "not valid msgpack (FormatError: a byte that starts no msgpack value (0xc1))",
+    ),
     "garbage": (
         lambda s: _raw(R, "report_result", bytes(range(256)) * 16),
         "not valid msgpack",
