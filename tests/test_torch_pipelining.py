@@ -128,6 +128,30 @@ def test_one_stage_runs_the_plan_and_swaps_between_steps(gloo, hook_service, red
     assert "step" not in vars(schedule) and "forward_one_chunk" not in vars(stage)
 
 
+def test_a_second_wrap_is_refused_and_close_puts_back_what_it_found(gloo, hook_service, redis_url):
+    _coord, start_worker = hook_service
+    start_worker()
+    schedule, stage = one_stage_schedule(Schedule1F1B, 2)
+    calls = []
+    original = stage.forward_one_chunk
+
+    def users_patch(*args: Any, **kwargs: Any) -> Any:  # e.g. the user's own instrumentation
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    stage.forward_one_chunk = users_patch
+    x, y = torch.ones(4, 4), torch.zeros(4, 4)
+    with wrap(schedule, redis_url, report_every=1) as perseus:
+        with pytest.raises(ConfigError, match="already wrapped by a PerseusPipeline; close"):
+            wrap(schedule, redis_url)
+        schedule.step(x, target=y)
+        assert perseus.hook.steps == 1 and len(calls) == 2  # both microbatches, through both
+    assert vars(stage)["forward_one_chunk"] is users_patch and "step" not in vars(schedule)
+    with wrap(schedule, redis_url) as again:  # closed: it may be wrapped anew
+        schedule.step(x, target=y)
+        assert again.hook.steps == 1
+
+
 def test_plan_for_the_other_schedule_is_a_clear_error(gloo, hook_service, redis_url):
     _coord, start_worker = hook_service
     start_worker()

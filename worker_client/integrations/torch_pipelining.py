@@ -51,6 +51,21 @@ from worker_client.hook.optimizer import PerseusOptimizer
 SUPPORTED_SCHEDULES: dict[type, str] = {Schedule1F1B: "1f1b", ScheduleGPipe: "gpipe"}
 
 
+_NOTHING = object()  # close(): the instance held no attribute of that name before the wrap
+
+
+class _Wrapped:
+    """One of our replacements on a schedule or stage: a second wrap can tell it is there."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+
 def schedule_kind(schedule: object) -> str:
     """The planner schedule (``"1f1b"``/``"gpipe"``) a torch pipeline schedule runs.
 
@@ -127,6 +142,12 @@ class PerseusPipeline:
         **hook_options: Any,
     ) -> None:
         self.kind = schedule_kind(schedule)
+        if isinstance(vars(schedule).get("step"), _Wrapped):
+            # Two wraps would register two jobs for one GPU, each timing every action.
+            raise ConfigError(
+                f"this {type(schedule).__name__} is already wrapped by a PerseusPipeline; "
+                "close() that one first"
+            )
         stage = getattr(schedule, "_stage", None)
         if stage is None or not hasattr(stage, "forward_one_chunk"):
             raise ConfigError(
@@ -168,7 +189,7 @@ class PerseusPipeline:
         self.last_step_actions: list[tuple[str, int]] = []  # What torch ran in the last step.
         self._in_step = False
         self._pending: str | None = None  # The last stage's forward, open until its loss.
-        self._patched: list[tuple[Any, str]] = []
+        self._patched: list[tuple[Any, str, Any]] = []  # (owner, name, instance attribute)
         self._patch(schedule, "step", self._step)
         self._patch(stage, "forward_one_chunk", self._forward_one_chunk)
         self._patch(stage, "backward_one_chunk", self._backward_one_chunk)
@@ -221,8 +242,10 @@ class PerseusPipeline:
     def _patch(self, owner: Any, name: str, replacement: Callable[..., Any]) -> None:
         original = getattr(owner, name)
         setattr(self, f"_orig_{name}", original)
-        setattr(owner, name, replacement)  # An instance attribute: the class stays as it is.
-        self._patched.append((owner, name))
+        # Whatever the instance itself held (a patch of the user's, say) is put back by close().
+        self._patched.append((owner, name, vars(owner).get(name, _NOTHING)))
+        # An instance attribute: the class stays as it is.
+        setattr(owner, name, _Wrapped(replacement))
 
     def _check_served_order(self) -> None:
         """The coordinator's schedule for this rank must follow this torch schedule's order."""
@@ -346,8 +369,11 @@ class PerseusPipeline:
         if self._closed:
             return
         self._closed = True
-        for owner, name in reversed(self._patched):
-            delattr(owner, name)  # The class's method shows through again.
+        for owner, name, previous in reversed(self._patched):
+            if previous is _NOTHING:
+                delattr(owner, name)  # The class's method shows through again.
+            else:
+                setattr(owner, name, previous)
         self._patched.clear()
         if self._owns_hook:
             self.hook.close()
