@@ -139,6 +139,23 @@ class InstructionProfiler(FrequencyScheduler):
     server_path_args = frozenset({"out_path", "then"})  # then names an output folder
 
     @classmethod
+    def check_result(cls, result: ProfilingResult) -> None:
+        """Also every instruction must be there: without one, the sweep could not go on.
+
+        Dead-lettered at the coordinator instead of failing the job (a loop that missed an
+        ``on_instruction_end``, say).
+        """
+        super().check_result(result)
+        for name in INSTRUCTIONS:
+            if name not in result.time_breakdown:
+                raise ProtocolError(
+                    f"rank {result.rank}, schedule version {result.schedule_version}: no "
+                    f"{name!r} times in the result; InstructionProfiler measures every "
+                    "forward and backward (does the training loop call on_instruction_begin "
+                    "and on_instruction_end for each?)"
+                )
+
+    @classmethod
     def sweep_versions(cls, args: dict[str, Any], frequencies: int) -> int | None:
         """One version per clock swept (every stage and instruction sweeps at once).
 

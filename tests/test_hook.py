@@ -65,6 +65,35 @@ def test_wrong_instruction_and_schedule_length_errors(gloo, hook_service, redis_
         hook.close()
 
 
+def test_hooks_called_out_of_order_say_what_was_expected(gloo, hook_service, redis_url):
+    """A forgotten on_step_begin or on_instruction_end measured nothing, or failed the job."""
+    _coord, start_worker = hook_service
+    start_worker()
+    hook = make_hook(redis_url, DryRunFrequencyController(0))
+    try:
+        with pytest.raises(ScheduleError, match=r"no step is open: call on_step_begin\(\) first"):
+            hook.on_instruction_begin("forward")
+        hook.on_step_begin()
+        hook.on_instruction_begin("forward")
+        message = r"on_instruction_begin\('backward'\), but 'forward' is still open: call"
+        with pytest.raises(ScheduleError, match=message):
+            hook.on_instruction_begin("backward")
+        with pytest.raises(ScheduleError, match=r"on_step_end\(\), but 'forward' is still open"):
+            hook.on_step_end()
+        with pytest.raises(
+            ScheduleError, match="on_instruction_end\\('backward'\\), but 'forward'"
+        ):
+            hook.on_instruction_end("backward")
+        hook.on_instruction_end("forward")
+        with pytest.raises(ScheduleError, match="no instruction is open"):
+            hook.on_instruction_end("forward")
+        hook.abandon_step()
+        run_step(hook)  # a step in order still runs
+        assert hook.steps == 1
+    finally:
+        hook.close()
+
+
 def test_first_schedule_timeout_is_clear(gloo, hook_service, redis_url):
     # No worker runs: the coordinator registers the job but nobody computes a schedule.
     with pytest.raises(CoordinatorUnavailableError, match="are `perseus worker` processes running"):

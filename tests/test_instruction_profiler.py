@@ -208,6 +208,20 @@ def test_missing_energy_breakdown_is_a_clear_error(tmp_path):
         profiler.next_schedule()
 
 
+def test_a_result_without_an_instruction_is_refused_before_it_is_stored(tmp_path):
+    """check_result runs at the coordinator: refused there, it fails no job."""
+    job, ranks = make_job(pp=1, dp=1)
+    profiler = InstructionProfiler(job, ranks, out_path=str(tmp_path / "p.csv"), microbatches=2)
+    [good] = fake_results(profiler.next_schedule(), job, synthetic_instruction_table(1))
+    InstructionProfiler.check_result(good)
+    for name in ("forward", "backward"):
+        times = {k: v for k, v in good.time_breakdown.items() if k != name}
+        energies = {k: v for k, v in good.energy_breakdown.items() if k != name}
+        bad = good.model_copy(update={"time_breakdown": times, "energy_breakdown": energies})
+        with pytest.raises(ProtocolError, match=f"no '{name}' times in the result"):
+            InstructionProfiler.check_result(bad)
+
+
 def test_results_that_are_all_warmup_are_refused(tmp_path):
     job, ranks = make_job(pp=1, dp=1)
     profiler = InstructionProfiler(job, ranks, out_path=str(tmp_path / "p.csv"), microbatches=2)

@@ -24,10 +24,14 @@ import time
 from typing import Protocol, runtime_checkable
 
 from protocol.exceptions import ConfigError, GPUError
+from protocol.models import ProfilingResult
 from worker_client.gpu.energy import EnergyMonitor
 from worker_client.gpu.nvml import NVML
 
 logger = logging.getLogger(__name__)
+
+
+Mark = tuple[float, float]  # (start mark, end mark) of an energy source
 
 
 @runtime_checkable
@@ -158,3 +162,29 @@ class NullEnergySource:
     def energy(self, start_mark: float, end_mark: float) -> float:
         """Return 0.0."""
         return 0.0
+
+
+def measured_result(
+    source: EnergySource,
+    rank: int,
+    version: int,
+    iter_time: list[float],
+    iter_marks: list[Mark],
+    breakdown: dict[str, list[list[float]]],
+    mark_breakdown: dict[str, list[list[Mark]]],
+) -> ProfilingResult:
+    """A rank's result from its timings and the energy between its marks (in Joules).
+
+    Raises:
+        pydantic.ValidationError: A figure is unusable (NaN, a counter that went backwards).
+    """
+    return ProfilingResult(
+        rank=rank,
+        schedule_version=version,
+        iter_time=iter_time,
+        iter_energy=[source.energy(a, b) for a, b in iter_marks],
+        time_breakdown=breakdown,
+        energy_breakdown={
+            k: [[source.energy(a, b) for a, b in it] for it in v] for k, v in mark_breakdown.items()
+        },
+    )

@@ -38,14 +38,17 @@ from worker_client.hook.clock_requests import (
     cuda_marker,
     cuda_sync,
 )
-from worker_client.hook.energy_source import EnergySource, default_energy_source
+from worker_client.hook.energy_source import (
+    EnergySource,
+    Mark,
+    default_energy_source,
+    measured_result,
+)
 from worker_client.hook.joining import RankGPU, agree_on_job, join_job
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
 
 logger = logging.getLogger(__name__)
-
-Mark = tuple[float, float]  # (start mark, end mark) of an energy source
 
 
 class PerseusOptimizer(Callback):
@@ -232,6 +235,7 @@ class PerseusOptimizer(Callback):
         self.steps = 0
         self.swaps: list[tuple[int, int]] = []  # (step, version) of every swap, for inspection
         self._in_step = False
+        self._open: str | None = None  # the instruction begun and not ended yet
         self._closed = False
         self._frequency: int | None = None  # the clock last requested
         self.syncs = 0  # GPU synchronizations so far (each costs a pipeline bubble)
@@ -253,6 +257,7 @@ class PerseusOptimizer(Callback):
     def on_step_begin(self) -> None:
         """Start timing a step."""
         self._in_step = True
+        self._open = None
         # After this version's report nothing is measured until the next version.
         self._measuring = not self._reported
         self._step_breakdown: dict[str, list[float]] = {}
@@ -273,7 +278,10 @@ class PerseusOptimizer(Callback):
         ``clock_sync="events"``, a clock change outside profiling windows hands a marker to
         the side thread instead.
         """
+        if not self._in_step or self._open is not None:
+            raise self._misuse(f"on_instruction_begin({name!r})")
         frequency = self._next_frequency(name)
+        self._open = name
         changed = frequency != self._frequency
         self._frequency = frequency
         if self._clocks is None:
@@ -316,6 +324,9 @@ class PerseusOptimizer(Callback):
 
     def on_instruction_end(self, name: str) -> None:
         """Record the instruction's duration (and energy mark)."""
+        if self._open != name:
+            raise self._misuse(f"on_instruction_end({name!r})")
+        self._open = None
         if not self._measuring:
             return
         self._sync()
@@ -330,6 +341,8 @@ class PerseusOptimizer(Callback):
         """Check the schedule was used up, report if due, and swap in a newer version."""
         if self._clocks is not None and self._clocks.error is not None:
             raise self._clocks.error  # before a step run at wrong clocks could be reported
+        if self._open is not None:
+            raise self._misuse("on_step_end()")
         leftover = next(self._iter, None)
         if leftover is not None:
             raise ScheduleError(
@@ -384,7 +397,18 @@ class PerseusOptimizer(Callback):
         """
         self._in_step = False
         self._measuring = False
+        self._open = None
         self._iter = iter(self.schedule.frequencies)
+
+    def _misuse(self, call: str) -> ScheduleError:
+        """The error for a hook called out of order, saying what the hook expected."""
+        if not self._in_step:
+            expected = "no step is open: call on_step_begin() first"
+        elif self._open is None:
+            expected = "no instruction is open"
+        else:
+            expected = f"{self._open!r} is still open: call on_instruction_end({self._open!r})"
+        return ScheduleError(f"rank {self.rank}: {call}, but {expected}")
 
     def _resend_if_republished(self) -> None:
         """Send this version's result again if Redis lost the version and got it back."""
@@ -410,18 +434,15 @@ class PerseusOptimizer(Callback):
     ) -> None:
         """Result-builder thread: marks -> Joules, then hand the result to the reporter."""
         n = self.report_every
-        source = self.energy_source
         try:
-            result = ProfilingResult(
-                rank=self.rank,
-                schedule_version=version,
-                iter_time=iter_time[:n],
-                iter_energy=[source.energy(a, b) for a, b in iter_marks[:n]],
-                time_breakdown={k: v[:n] for k, v in breakdown.items()},
-                energy_breakdown={
-                    k: [[source.energy(a, b) for a, b in it] for it in v[:n]]
-                    for k, v in mark_breakdown.items()
-                },
+            result = measured_result(
+                self.energy_source,
+                self.rank,
+                version,
+                iter_time[:n],
+                iter_marks[:n],
+                {k: v[:n] for k, v in breakdown.items()},
+                {k: v[:n] for k, v in mark_breakdown.items()},
             )
         except ValidationError as exc:
             # A glitch of the energy source (NaN, a counter that went backwards) must not stop
