@@ -14,6 +14,7 @@ from protocol.job_lifecycle import Ending, JobLifecycle
 from protocol.job_record import JobRecord
 from protocol.models import ProfilingResult
 from protocol.store import JobStore
+from schedulers.planning.plan_runs import LIVE_STATES, rq_death
 
 
 def _stream_info(conn: redis.Redis, stream: str, lost: dict[str, int]) -> dict[str, Any]:
@@ -207,13 +208,18 @@ def _planner_runs(conn: redis.Redis, limit: int = 20) -> list[dict[str, Any]]:
     for raw_id, _queued_at in conn.zrevrange(keys.PLANS_INDEX, 0, limit - 1, withscores=True):
         plan_id = _text(raw_id)
         fields = {_text(k): _text(v) for k, v in conn.hgetall(keys.plan_key(plan_id)).items()}
+        # The state hash expires after a while; the index entry says it existed.
+        state, message = fields.get("state", "expired"), fields.get("message", "")
+        if state in LIVE_STATES and (reason := rq_death(conn, plan_id)) is not None:
+            # Its worker died (or its rq job went): failed, whether or not a coordinator's
+            # sweep has recorded it yet (this command writes nothing).
+            state, message = "failed", reason
         runs.append(
             {
                 "plan_id": plan_id,
-                # The state hash expires after a while; the index entry says it existed.
-                "state": fields.get("state", "expired"),
+                "state": state,
                 "progress": float(fields.get("progress", 0.0)),
-                "message": fields.get("message", ""),
+                "message": message,
             }
         )
     return runs

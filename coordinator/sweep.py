@@ -1,5 +1,8 @@
 """The coordinator's periodic sweep: stalled work, idle/finished/unstarted jobs, input stream trims.
 
+It also runs rq's cleanup of started tasks whose worker died (rq's workers run it every ten
+minutes, and only while one is alive), and ends planner runs whose rq job died.
+
 Its cost does not depend on how many jobs have finished: it reads the due set (jobs with work
 outstanding), the idle end of the jobs index, the old ends of the finished and starting sets,
 and one page of all jobs per round, which reconciles the due set with the jobs themselves (a
@@ -16,6 +19,7 @@ from typing import Any
 import redis
 from rq import Queue
 from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
 
 from coordinator.health import forget_stale, last_beats
 from coordinator.settings import PerseusSettings
@@ -23,6 +27,7 @@ from protocol import keys, streams
 from protocol.consumers import GroupMembers
 from protocol.job_lifecycle import JobLifecycle
 from protocol.store import JobStore
+from schedulers.planning.plan_runs import settle_runs
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +74,26 @@ class Sweeper:
         for job_id in self.store.due_jobs(SWEEP_LIMIT):
             if self._stalled(job_id, now, settings.stall_timeout):
                 enqueue(job_id)
+        self._abandoned_tasks()
         return deleted
+
+    def _abandoned_tasks(self) -> None:
+        """Fail rq tasks whose worker died, as rq does, and end planner runs that died.
+
+        rq's StartedJobRegistry cleanup (under rq's maintenance lock, which workers take for
+        theirs) calls a task abandoned once its heartbeats stopped; a planning task's failure
+        callback then ends its run. :func:`settle_runs` ends runs rq's records show dead in
+        any other way (a job stopped, canceled, gone).
+        """
+        conn = self.store.conn
+        queue = Queue(keys.RQ_QUEUE, connection=conn)
+        if queue.acquire_maintenance_lock():
+            try:
+                StartedJobRegistry(keys.RQ_QUEUE, connection=conn).cleanup()
+            finally:
+                queue.release_maintenance_lock()
+        for plan_id, reason in settle_runs(conn, SWEEP_LIMIT):
+            logger.warning("planner run %s: failed: %s", plan_id, reason)
 
     def _delete_idle(self, now: float, idle_time: int) -> list[str]:
         deleted = []

@@ -11,17 +11,24 @@ rq's loop ends.
 The worker classes also trim rq's round trips around a task (the same writes, fewer waits):
 heartbeats in one pipeline, and for the long-lived worker none between taking a task and
 starting it, whose transaction also records the execution and makes an advance task's first
-read.
+read. The long-lived worker sends rq's heartbeats during a task from a thread, as rq's forking
+worker does, so that rq notices a killed worker within a minute and a half (:class:`_TaskBeats`).
+
+A worker named on the command line whose name is still registered by a dead worker takes the
+name over when it can tell that worker is dead (same machine and PID namespace, process gone:
+:func:`claim_name`); otherwise it stops with an error that says what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -29,17 +36,75 @@ from rq import Queue, SimpleWorker, Worker, worker_registration
 from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job
-from rq.utils import now
+from rq.utils import now, utcformat
 from rq.version import VERSION as RQ_VERSION
-from rq.worker import WorkerStatus
+from rq.worker import BaseWorker, WorkerStatus
 
 from coordinator.tasks import forget_start, queue_start
 from protocol.acl import wrong_user
+from protocol.exceptions import ConfigError
 
 logger = logging.getLogger(__name__)
 
 TEARDOWN_WAIT_S = 3.0
 MAX_PAUSE_S = 10.0
+#: Field of the worker's rq record naming its process beyond rq's pid and hostname
+#: (:func:`process_identity`), so that a restarted worker can tell the old one is dead.
+PROCESS_FIELD = "perseus_process"
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (/proc), None if none."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    # Fields after the command (which may hold spaces, in parentheses); starttime is field 22.
+    fields = stat.rpartition(")")[2].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def process_identity(pid: int | None = None) -> str | None:
+    """``<boot id>/<pid namespace>/<pid>/<start ticks>`` of a process of this PID namespace.
+
+    Two records with the same boot id and namespace name processes of the same kernel that see
+    the same PIDs; the start time tells a reused PID from the process that had it. None where
+    /proc cannot tell (not Linux).
+    """
+    pid = os.getpid() if pid is None else pid
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    start = _start_ticks(pid)
+    if boot is None or start is None:
+        return None
+    return f"{boot.strip()}/{namespace}/{pid}/{start}"
+
+
+def process_gone(identity: str) -> bool:
+    """Whether the process that :func:`process_identity` named has certainly ended.
+
+    Only a process of this machine's boot and this PID namespace can be checked: for any other
+    (another host, another container, an older record without the field) this says False.
+    """
+    parts = identity.split("/")
+    mine = process_identity()
+    if len(parts) != 4 or mine is None or mine.split("/")[:2] != parts[:2]:
+        return False
+    try:
+        pid = int(parts[2])
+    except ValueError:
+        return False
+    return _start_ticks(pid) != parts[3]  # No such process, or a new one with its PID.
 
 
 class _StopAware:
@@ -49,6 +114,14 @@ class _StopAware:
     # rq doubles its reconnect wait up to 60 s: after a long outage a worker could sleep up to
     # a minute with Redis back. Schedules should follow within seconds.
     max_connection_wait_time = 5.0
+
+    def serialize(self) -> dict[str, Any]:
+        """The record rq keeps of the worker, and which process it is (see :func:`claim_name`)."""
+        record: dict[str, Any] = super().serialize()  # type: ignore[misc]
+        identity = process_identity(self.pid)  # type: ignore[attr-defined]
+        if identity is not None:
+            record[PROCESS_FIELD] = identity
+        return record
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """Send rq's heartbeat (worker hash and TTLs): its three commands in one round trip.
@@ -131,6 +204,59 @@ class _StopAware:
             )
 
 
+class _TaskBeats:
+    """rq's heartbeats of the task at hand, sent from a thread while the task runs.
+
+    rq's forking worker sends them from its main process every ``job_monitoring_interval``
+    (30 s), each good for a minute more; its SimpleWorker sends none during a task, so it
+    registers the task's execution for the task's whole time-out (an hour for an advance task,
+    a day for a planning one). A long-lived worker killed during a task then stayed "started"
+    in rq's StartedJobRegistry, and registered as a live worker, that long. With these beats
+    rq's registry cleanup finds the task abandoned a minute and a half after its worker died.
+    One thread per worker, idle between tasks: a task's start and end only swap a reference.
+    """
+
+    def __init__(self, worker: PerseusSimpleWorker) -> None:
+        self._worker = worker
+        self._lock = threading.Lock()  # a beat never lands after its task ended
+        self._task: tuple[Job, Execution] | None = None
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, job: Job, execution: Execution) -> None:
+        """Beat for ``job`` until :meth:`stop`."""
+        with self._lock:
+            self._task = (job, execution)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rq-task-beats", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """No more beats for the task that ran (the worker's own heartbeat follows)."""
+        with self._lock:
+            self._task = None
+
+    def close(self) -> None:
+        """End the thread (the worker is tearing down)."""
+        self.stop()
+        self._closed.set()
+
+    def _run(self) -> None:
+        interval = float(self._worker.job_monitoring_interval)
+        wait = interval
+        while not self._closed.wait(wait):
+            wait = interval
+            with self._lock:
+                if self._task is None:
+                    continue
+                try:
+                    self._worker.maintain_heartbeats(*self._task)
+                except redis.RedisError as exc:
+                    # Again soon: the beat before this one is good for a minute.
+                    logger.debug("rq worker %s: task heartbeat failed: %s", self._worker.name, exc)
+                    wait = 1.0
+
+
 class PerseusWorker(_StopAware, Worker):
     """rq's forking worker that knows whether it was asked to stop."""
 
@@ -150,6 +276,15 @@ class PerseusSimpleWorker(_StopAware, SimpleWorker):
 
     _prepared: Any = None  # the pipeline holding a task's execution record, not sent yet
     _dequeued = False  # a task was just taken, and rq's next heartbeat is the one after that
+    _beats: _TaskBeats | None = None
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        """The forking worker's TTL (a minute past the next beat), not the task's time-out.
+
+        :class:`_TaskBeats` beats during the task, so rq's records of the worker and the task
+        expire a minute and a half after the worker dies, not an hour or a day.
+        """
+        return BaseWorker.get_heartbeat_ttl(self, job, working_time)
 
     def reorder_queues(self, reference_queue: Queue) -> None:
         """Note that a task was taken (rq calls this then, right before a heartbeat)."""
@@ -209,11 +344,21 @@ class PerseusSimpleWorker(_StopAware, SimpleWorker):
                 raise errors[0]
 
     def perform_job(self, job: Job, queue: Queue, execution: Execution) -> bool:
-        """Run the task as rq does, then release a lease its start took and left unused."""
+        """Run the task as rq does, with heartbeats, then release a lease its start left unused."""
+        if self._beats is None:
+            self._beats = _TaskBeats(self)
+        self._beats.start(job, execution)
         try:
             return bool(super().perform_job(job, queue, execution))
         finally:
+            self._beats.stop()
             forget_start(self.connection, job)
+
+    def teardown(self) -> None:
+        """Stop the task heartbeats' thread, then tear down as :class:`_StopAware` does."""
+        if self._beats is not None:
+            self._beats.close()
+        super().teardown()
 
 
 def wait_for_redis(
@@ -231,6 +376,73 @@ def wait_for_redis(
     return False
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def claim_name(worker: PerseusWorker | PerseusSimpleWorker) -> None:
+    """Let ``worker`` register its name: take it over from a dead worker, or refuse with advice.
+
+    rq refuses a worker whose name a live-looking record holds (``rq:worker:<name>`` without a
+    ``death`` field), and a worker killed with SIGKILL leaves one until its TTL runs out. The
+    name is taken over (rq's record of the old worker's death is written, and a warning
+    logged) only when that worker's process was on this machine and PID namespace and has
+    ended (:func:`process_gone`), or is this process (an earlier worker of
+    :func:`run_workers` whose death an outage kept from being recorded): a worker elsewhere is
+    never taken for dead.
+
+    Raises:
+        ConfigError: The name is registered by a worker that may be alive: the error names the
+            key, when it expires and what to do.
+    """
+    conn = worker.connection
+    for _ in range(3):  # WATCH: another worker may register or die meanwhile
+        with conn.pipeline() as pipe:
+            try:
+                pipe.watch(worker.key)
+                record = {_text(k): _text(v) for k, v in pipe.hgetall(worker.key).items()}
+                if not record or "death" in record:
+                    return  # rq lets a dead or absent worker's name be taken
+                identity = record.get(PROCESS_FIELD)
+                who = f"pid {record.get('pid', '?')} on host {record.get('hostname', '?')}"
+                ours = identity is not None and identity == process_identity()
+                if not ours and (identity is None or not process_gone(identity)):
+                    raise _name_taken(worker, record, who, int(pipe.ttl(worker.key)))
+                pipe.multi()
+                worker_registration.unregister(worker, pipe)
+                pipe.hset(worker.key, "death", utcformat(now()))
+                pipe.expire(worker.key, 60)
+                pipe.execute()
+            except redis.WatchError:
+                continue
+        logger.warning(
+            "rq worker %s: the worker registered under this name (%s) is dead: its process "
+            "is gone; recorded its death in %s and taking over the name",
+            worker.name,
+            who,
+            worker.key,
+        )
+        return
+    raise ConfigError(f"rq worker {worker.name}: {worker.key} kept changing; try again")
+
+
+def _name_taken(
+    worker: PerseusWorker | PerseusSimpleWorker, record: dict[str, str], who: str, ttl: int
+) -> ConfigError:
+    try:
+        beat = datetime.fromisoformat(record.get("last_heartbeat", ""))
+        ago = f", last heartbeat {(now() - beat).total_seconds():.0f} s ago"
+    except (TypeError, ValueError):  # no or an odd time: leave it out
+        ago = ""
+    expires = f"expires in {ttl} s unless it beats again" if ttl >= 0 else "never expires"
+    return ConfigError(
+        f"rq worker name {worker.name!r} is taken: Redis key {worker.key} registers a worker "
+        f"({who}{ago}) that may still be running; the key {expires}. Start this worker with "
+        f"another --name, or, if you know that worker is dead, delete its registration: "
+        f"redis-cli DEL {worker.key}"
+    )
+
+
 def run_workers(
     make_worker: Callable[[], PerseusWorker | PerseusSimpleWorker],
     *,
@@ -245,11 +457,13 @@ def run_workers(
         logging_level: Passed to rq.
 
     Raises:
-        ConfigError: The first worker was refused a command (NOPERM): not the service user.
+        ConfigError: The first worker was refused a command (NOPERM): not the service user; or
+            its name is registered by a worker that may be alive (:func:`claim_name`).
     """
     restarts = 0
     pause = 0.0
     stop = threading.Event()
+    claimed = False  # the name is ours: later workers of this loop re-register it
 
     def request_stop(signum: int, frame: Any) -> None:
         stop.set()
@@ -258,7 +472,15 @@ def run_workers(
         worker = make_worker()
         started = time.monotonic()
         try:
+            if not claimed:
+                claim_name(worker)
+                claimed = True
             worker.work(burst=burst, logging_level=logging_level)
+        except ValueError as exc:
+            # rq's own check of the name: another worker registered it since we looked.
+            if not isinstance(exc, ConfigError):
+                claim_name(worker)  # raises the error that names the key and what to do
+            raise
         except redis.exceptions.NoPermissionError as exc:
             if restarts == 0:  # Never ran: not an outage that ended it.
                 raise wrong_user(f"rq worker {worker.name}", exc) from None

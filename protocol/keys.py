@@ -58,6 +58,9 @@ POWER_LIMIT_INDEX = f"{PREFIX}:powerlimit:index"
 
 # Planner runs enqueued with ``perseus optimize --enqueue``.
 PLANS_INDEX = f"{PREFIX}:plans"
+# Sorted set: planner run id -> enqueue time, for runs not ended yet (queued or running): the
+# coordinator's sweep checks only these against rq, so its cost does not grow with old runs.
+PLANS_ACTIVE = f"{PREFIX}:plans:active"
 
 
 def job_key(job_id: str, *parts: str | int) -> str:
@@ -173,3 +176,8 @@ def plan_key(plan_id: str, *parts: str) -> str:
     """Return ``perseus:plan:<plan_id>[:part...]`` (planner progress and result)."""
     suffix = "".join(f":{p}" for p in parts)
     return f"{PREFIX}:plan:{plan_id}{suffix}"
+
+
+def plan_rq_job(plan_id: str) -> str:
+    """The rq job id of a planner run, ``perseus-plan-<plan_id>`` (rq's ``rq:job:<that>``)."""
+    return f"{PREFIX}-plan-{plan_id}"

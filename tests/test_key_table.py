@@ -46,7 +46,7 @@ def built() -> dict[str, str]:
 def test_every_key_built_in_protocol_keys_is_in_the_readme_table():
     table = documented()
     assert len(table) > 20, "the README's key table was not found"
-    # rq's queue is documented under rq's own key name.
-    known = table | {n.removeprefix("rq:queue:") for n in table if n.startswith("rq:queue:")}
+    # rq's queue and jobs are documented under rq's own key names.
+    known = table | {n.split(":", 2)[2] for n in table if n.startswith(("rq:queue:", "rq:job:"))}
     missing = {py: key for py, key in built().items() if key not in known}
     assert not missing, f"README.md 'Redis key layout' lacks: {missing}"

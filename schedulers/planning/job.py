@@ -2,7 +2,8 @@
 
 :func:`enqueue_planning` checks the arguments and queues :func:`run_planning_job` on the
 perseus rq queue; the job reports progress and its outcome in the Redis hash
-``keys.plan_key(plan_id)``. Watch it with ``redis-cli HGETALL perseus:plan:<plan_id>``.
+``keys.plan_key(plan_id)``. Watch it with ``redis-cli HGETALL perseus:plan:<plan_id>``. A run
+whose rq job dies (its worker killed) is ended by :mod:`schedulers.planning.plan_runs`.
 
 The planner's own core needs no lowtime (only ``--solver lowtime`` imports it), so rq workers
 that import this module pay for scipy's import only, when a job fits its cost models.
@@ -18,13 +19,13 @@ from protocol.connection import connect
 from protocol.exceptions import ConfigError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE
 from schedulers.planning.pipeline_dag import PipelineShape
+from schedulers.planning.plan_runs import PLAN_KEY_TTL
 from schedulers.planning.planner import PLAN_FILES, SOLVERS, plan_frontier
 from schedulers.planning.profile_csv import InstructionProfile, ProfileRow, build_profile
 
 #: rq's default job timeout (180 s) is far too short for large pipelines.
 PLAN_JOB_TIMEOUT = 24 * 3600
-#: How long a finished or failed plan's progress hash stays in Redis, seconds.
-PLAN_KEY_TTL = 30 * 24 * 3600
+__all__ = ["PLAN_JOB_TIMEOUT", "PLAN_KEY_TTL", "enqueue_planning", "run_planning_job"]
 
 
 def new_plan_id() -> str:
@@ -58,7 +59,9 @@ def enqueue_planning(
 
     Progress and outcome: hash ``keys.plan_key(plan_id)`` with fields ``state`` (queued,
     running, done, failed), ``progress`` (0..1), ``message``, ``out_dir`` and ``num_plans``;
-    the plan id is added to the sorted set ``keys.PLANS_INDEX`` (score: enqueue time).
+    the plan id is added to the sorted sets ``keys.PLANS_INDEX`` and, until it ends,
+    ``keys.PLANS_ACTIVE`` (score: enqueue time). The record and the rq job are written in one
+    transaction, so a reader never sees the one without the other.
 
     Raises:
         ConfigError: Bad arguments or a profile that does not cover the pipeline.
@@ -66,7 +69,7 @@ def enqueue_planning(
     """
     import time
 
-    from rq import Queue
+    from rq import Callback, Queue
 
     if not unit_time > 0 or not p2p_power >= 0:
         raise ConfigError(f"need unit_time > 0 and p2p_power >= 0, got {unit_time}, {p2p_power}")
@@ -98,10 +101,8 @@ def enqueue_planning(
         "unit_time": unit_time,
         "p2p_power": p2p_power,
     }
+    # rq starts the transaction (MULTI) on a pipeline that holds nothing yet: it goes first.
     pipe = conn.pipeline()
-    pipe.hset(key, mapping=fields)
-    pipe.zadd(keys.PLANS_INDEX, {pid: time.time()})
-    pipe.execute()
     Queue(keys.RQ_QUEUE, connection=conn).enqueue(
         "schedulers.planning.job.run_planning_job",
         kwargs={
@@ -119,9 +120,17 @@ def enqueue_planning(
             "plans": plans,
         },
         job_timeout=PLAN_JOB_TIMEOUT,
-        job_id=f"perseus-plan-{pid}",
+        job_id=keys.plan_rq_job(pid),
         description=f"perseus plan {pid}: {num_stages}x{num_microbatches} {schedule} -> {out}",
+        # rq calls it also where it finds the task abandoned by a dead worker.
+        on_failure=Callback("schedulers.planning.plan_runs.on_rq_failure"),
+        pipeline=pipe,
     )
+    pipe.hset(key, mapping=fields)
+    queued_at = time.time()
+    pipe.zadd(keys.PLANS_INDEX, {pid: queued_at})
+    pipe.zadd(keys.PLANS_ACTIVE, {pid: queued_at})
+    pipe.execute()
     return pid
 
 
@@ -192,8 +201,7 @@ def run_planning_job(
 
             plot_run(result.out_dir)
     except Exception as exc:
-        conn.hset(key, mapping={"state": "failed", "message": f"{type(exc).__name__}: {exc}"})
-        conn.expire(key, PLAN_KEY_TTL)
+        _end(conn, plan_id, {"state": "failed", "message": f"{type(exc).__name__}: {exc}"})
         raise
     done = {
         "state": "done",
@@ -201,6 +209,14 @@ def run_planning_job(
         "num_plans": len(result.points),
         "message": f"{len(result.points)} plans written to {result.out_dir}",
     }
-    conn.hset(key, mapping=done)
-    conn.expire(key, PLAN_KEY_TTL)
+    _end(conn, plan_id, done)
     return {"plan_id": plan_id, "out_dir": str(result.out_dir), "num_plans": len(result.points)}
+
+
+def _end(conn: Any, plan_id: str, fields: dict[str, Any]) -> None:
+    """Record a run's end: its outcome, its record's expiry, and no more in the active runs."""
+    pipe = conn.pipeline()
+    pipe.hset(keys.plan_key(plan_id), mapping=fields)
+    pipe.expire(keys.plan_key(plan_id), PLAN_KEY_TTL)
+    pipe.zrem(keys.PLANS_ACTIVE, plan_id)
+    pipe.execute()

@@ -1,0 +1,100 @@
+"""`perseus worker --name N` after a worker N was killed: takes the name over, or says why not."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from rq.worker import SimpleWorker
+
+from coordinator.worker_loop import PROCESS_FIELD
+from tests.helpers import ROOT, start_perseus, stop, subprocess_env, wait_for
+
+NAME = "w2"
+KEY = SimpleWorker.redis_worker_namespace_prefix + NAME
+
+
+def registered_pid(r) -> int:
+    return int(r.hget(KEY, "pid") or 0)
+
+
+def start_worker(redis_url: str, tmp_path, log: str) -> subprocess.Popen:
+    return start_perseus(["worker", "--redis-url", redis_url, "--name", NAME], tmp_path, log)
+
+
+def killed_worker(redis_url: str, tmp_path, r) -> int:
+    """Start worker w2, wait until it is registered, SIGKILL it; return its pid."""
+    worker = start_worker(redis_url, tmp_path, "killed.log")
+    wait_for(lambda: registered_pid(r) == worker.pid, 30, "the worker to register")
+    os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait(timeout=10)
+    return worker.pid
+
+
+def run_worker(redis_url: str, tmp_path) -> subprocess.CompletedProcess[str]:
+    """`perseus worker --name w2` that is expected to exit at once."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "worker",
+            "--redis-url",
+            redis_url,
+            "--name",
+            NAME,
+        ],
+        env=subprocess_env(tmp_path),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_restarted_worker_takes_over_the_name_of_a_killed_one(tmp_path, redis_url, r):
+    dead = killed_worker(redis_url, tmp_path, r)
+    assert r.exists(KEY) and not r.hexists(KEY, "death") and r.ttl(KEY) > 60
+    worker = start_worker(redis_url, tmp_path, "restarted.log")
+    try:
+        wait_for(lambda: registered_pid(r) == worker.pid, 30, "the new worker to register")
+        assert worker.poll() is None
+        log = (tmp_path / "restarted.log").read_text()
+        assert f"(pid {dead} on host" in log and "taking over the name" in log
+        assert "Traceback" not in log
+    finally:
+        stop([worker])
+
+
+def test_name_of_a_live_worker_is_refused_with_advice(tmp_path, redis_url, r):
+    live = start_worker(redis_url, tmp_path, "live.log")
+    try:
+        wait_for(lambda: registered_pid(r) == live.pid, 30, "the worker to register")
+        done = run_worker(redis_url, tmp_path)
+        assert done.returncode == 1
+        assert "Traceback" not in done.stderr
+        [error] = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+        assert f"rq worker name {NAME!r} is taken: Redis key {KEY}" in error
+        assert f"(pid {live.pid} on host" in error and "expires in" in error
+        assert "another --name" in error and f"redis-cli DEL {KEY}" in error
+        assert live.poll() is None and registered_pid(r) == live.pid
+    finally:
+        stop([live])
+
+
+def test_a_dead_worker_that_cannot_be_checked_keeps_its_name(tmp_path, redis_url, r):
+    dead = killed_worker(redis_url, tmp_path, r)
+    # As if it had run on another machine (another boot id): its pid means nothing here.
+    namespace = os.readlink("/proc/self/ns/pid")
+    r.hset(KEY, PROCESS_FIELD, f"another-boot/{namespace}/{dead}/1")
+    done = run_worker(redis_url, tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"Error: rq worker name {NAME!r} is taken" in done.stderr
+    # Nor one whose record does not say which process it was (an older worker's).
+    r.hdel(KEY, PROCESS_FIELD)
+    done = run_worker(redis_url, tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"Error: rq worker name {NAME!r} is taken" in done.stderr
+    assert not r.hexists(KEY, "death")
