@@ -16,19 +16,18 @@ worker does, so that rq notices a killed worker within a minute and a half (:cla
 
 A worker named on the command line whose name is still registered by a dead worker takes the
 name over when it can tell that worker is dead (same machine and PID namespace, process gone:
-:func:`claim_name`); otherwise it stops with an error that says what to do.
+:func:`coordinator.worker_names.claim_name`); otherwise it stops with an error that says
+what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 import redis
@@ -36,11 +35,12 @@ from rq import Queue, SimpleWorker, Worker, worker_registration
 from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job
-from rq.utils import now, utcformat
+from rq.utils import now
 from rq.version import VERSION as RQ_VERSION
 from rq.worker import BaseWorker, WorkerStatus
 
 from coordinator.tasks import forget_start, queue_start
+from coordinator.worker_names import PROCESS_FIELD, claim_name, process_identity
 from protocol.acl import wrong_user
 from protocol.exceptions import ConfigError
 
@@ -48,63 +48,6 @@ logger = logging.getLogger(__name__)
 
 TEARDOWN_WAIT_S = 3.0
 MAX_PAUSE_S = 10.0
-#: Field of the worker's rq record naming its process beyond rq's pid and hostname
-#: (:func:`process_identity`), so that a restarted worker can tell the old one is dead.
-PROCESS_FIELD = "perseus_process"
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _start_ticks(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks since boot (/proc), None if none."""
-    stat = _read(f"/proc/{pid}/stat")
-    if stat is None:
-        return None
-    # Fields after the command (which may hold spaces, in parentheses); starttime is field 22.
-    fields = stat.rpartition(")")[2].split()
-    return fields[19] if len(fields) > 19 else None
-
-
-def process_identity(pid: int | None = None) -> str | None:
-    """``<boot id>/<pid namespace>/<pid>/<start ticks>`` of a process of this PID namespace.
-
-    Two records with the same boot id and namespace name processes of the same kernel that see
-    the same PIDs; the start time tells a reused PID from the process that had it. None where
-    /proc cannot tell (not Linux).
-    """
-    pid = os.getpid() if pid is None else pid
-    boot = _read("/proc/sys/kernel/random/boot_id")
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-    start = _start_ticks(pid)
-    if boot is None or start is None:
-        return None
-    return f"{boot.strip()}/{namespace}/{pid}/{start}"
-
-
-def process_gone(identity: str) -> bool:
-    """Whether the process that :func:`process_identity` named has certainly ended.
-
-    Only a process of this machine's boot and this PID namespace can be checked: for any other
-    (another host, another container, an older record without the field) this says False.
-    """
-    parts = identity.split("/")
-    mine = process_identity()
-    if len(parts) != 4 or mine is None or mine.split("/")[:2] != parts[:2]:
-        return False
-    try:
-        pid = int(parts[2])
-    except ValueError:
-        return False
-    return _start_ticks(pid) != parts[3]  # No such process, or a new one with its PID.
 
 
 class _StopAware:
@@ -374,73 +317,6 @@ def wait_for_redis(
             stop.wait(delay)
             delay = min(delay * 2, max_delay)
     return False
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def claim_name(worker: PerseusWorker | PerseusSimpleWorker) -> None:
-    """Let ``worker`` register its name: take it over from a dead worker, or refuse with advice.
-
-    rq refuses a worker whose name a live-looking record holds (``rq:worker:<name>`` without a
-    ``death`` field), and a worker killed with SIGKILL leaves one until its TTL runs out. The
-    name is taken over (rq's record of the old worker's death is written, and a warning
-    logged) only when that worker's process was on this machine and PID namespace and has
-    ended (:func:`process_gone`), or is this process (an earlier worker of
-    :func:`run_workers` whose death an outage kept from being recorded): a worker elsewhere is
-    never taken for dead.
-
-    Raises:
-        ConfigError: The name is registered by a worker that may be alive: the error names the
-            key, when it expires and what to do.
-    """
-    conn = worker.connection
-    for _ in range(3):  # WATCH: another worker may register or die meanwhile
-        with conn.pipeline() as pipe:
-            try:
-                pipe.watch(worker.key)
-                record = {_text(k): _text(v) for k, v in pipe.hgetall(worker.key).items()}
-                if not record or "death" in record:
-                    return  # rq lets a dead or absent worker's name be taken
-                identity = record.get(PROCESS_FIELD)
-                who = f"pid {record.get('pid', '?')} on host {record.get('hostname', '?')}"
-                ours = identity is not None and identity == process_identity()
-                if not ours and (identity is None or not process_gone(identity)):
-                    raise _name_taken(worker, record, who, int(pipe.ttl(worker.key)))
-                pipe.multi()
-                worker_registration.unregister(worker, pipe)
-                pipe.hset(worker.key, "death", utcformat(now()))
-                pipe.expire(worker.key, 60)
-                pipe.execute()
-            except redis.WatchError:
-                continue
-        logger.warning(
-            "rq worker %s: the worker registered under this name (%s) is dead: its process "
-            "is gone; recorded its death in %s and taking over the name",
-            worker.name,
-            who,
-            worker.key,
-        )
-        return
-    raise ConfigError(f"rq worker {worker.name}: {worker.key} kept changing; try again")
-
-
-def _name_taken(
-    worker: PerseusWorker | PerseusSimpleWorker, record: dict[str, str], who: str, ttl: int
-) -> ConfigError:
-    try:
-        beat = datetime.fromisoformat(record.get("last_heartbeat", ""))
-        ago = f", last heartbeat {(now() - beat).total_seconds():.0f} s ago"
-    except (TypeError, ValueError):  # no or an odd time: leave it out
-        ago = ""
-    expires = f"expires in {ttl} s unless it beats again" if ttl >= 0 else "never expires"
-    return ConfigError(
-        f"rq worker name {worker.name!r} is taken: Redis key {worker.key} registers a worker "
-        f"({who}{ago}) that may still be running; the key {expires}. Start this worker with "
-        f"another --name, or, if you know that worker is dead, delete its registration: "
-        f"redis-cli DEL {worker.key}"
-    )
 
 
 def run_workers(

@@ -9,7 +9,7 @@ import sys
 
 from rq.worker import SimpleWorker
 
-from coordinator.worker_loop import PROCESS_FIELD
+from coordinator.worker_names import PROCESS_FIELD
 from tests.helpers import ROOT, start_perseus, stop, subprocess_env, wait_for
 
 NAME = "w2"
