@@ -28,7 +28,8 @@ def check_rank_infos(job_info: JobInfo, rank_infos: Sequence[RankInfo]) -> list[
         The rank infos sorted by rank.
 
     Raises:
-        ProtocolError: A rank is missing, duplicated or does not fit the job's degrees.
+        ProtocolError: A rank is missing, duplicated or does not fit the job's degrees, or
+            two ranks claim the same (dp, pp, tp) coordinates.
 
     """
     ranks = sorted(rank_infos, key=lambda r: r.rank)
@@ -39,11 +40,21 @@ def check_rank_infos(job_info: JobInfo, rank_infos: Sequence[RankInfo]) -> list[
     missing = sorted(set(range(job_info.world_size)) - set(seen))
     if missing:
         raise ProtocolError(f"job {job_info.job_id}: ranks {missing} have not registered")
+    holder: dict[tuple[int, int, int], int] = {}
     for info in ranks:
         try:
             info.check_fits(job_info)
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
+        # Each (dp, pp, tp) position is one GPU's: two ranks there leave another empty.
+        where = (info.dp_rank, info.pp_rank, info.tp_rank)
+        if where in holder:
+            raise ProtocolError(
+                f"job {job_info.job_id}: ranks {holder[where]} and {info.rank} both registered "
+                f"as dp_rank {where[0]}, pp_rank {where[1]}, tp_rank {where[2]} (give each rank "
+                "its own data/pipeline/tensor parallel coordinates)"
+            )
+        holder[where] = info.rank
     return ranks
 
 

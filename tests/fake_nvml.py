@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,8 @@ def read_log(path: str | Path) -> list[tuple[str, list[Any]]]:
 
 def nvmlInit() -> None:
     _log("nvmlInit")
+    # A side process that never comes up (as one whose parent script has no main guard).
+    time.sleep(float(os.environ.get("FAKE_NVML_INIT_DELAY", "0")))
     if os.environ.get("FAKE_NVML_NO_DRIVER") == "1":
         raise NVMLError(NVML_ERROR_LIBRARY_NOT_FOUND)
 

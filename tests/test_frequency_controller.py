@@ -178,6 +178,14 @@ def test_bad_module_fails_at_start(fake_log: Path) -> None:
 
 
 # --- dry run -------------------------------------------------------------------------------------
+def test_a_side_process_that_never_starts_names_the_likely_cause(
+    fake_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_NVML_INIT_DELAY", "30")
+    with pytest.raises(GPUError, match=r"did not start in 1.0s.*if __name__ == \"__main__\":"):
+        FrequencyController(0, FAKE, start_timeout=1.0)
+
+
 def test_dry_run_records_and_changes_nothing(fake_log: Path, tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
     with DryRunFrequencyController(3, log_path=path) as ctrl:

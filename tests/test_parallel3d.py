@@ -266,3 +266,9 @@ def test_missing_rank_infos_rejected() -> None:
         Recorder3D(job(2, dp=2), ranks(2, dp=2)[:3])
     with pytest.raises(ProtocolError, match="registered twice"):
         Recorder3D(job(2, dp=2), [*ranks(2, dp=2), ranks(2, dp=2)[0]])
+    # Two pipelines whose ranks all said dp_rank=0: ranks 0 and 1 are both dp 0 of stage 0.
+    same = [r.model_copy(update={"dp_rank": 0}) for r in ranks(2, dp=2)]
+    with pytest.raises(
+        ProtocolError, match="ranks 0 and 1 both registered as dp_rank 0, pp_rank 0"
+    ):
+        Recorder3D(job(2, dp=2), same)

@@ -186,7 +186,10 @@ class FrequencyController:
     def _wait_ready(self, timeout: float) -> None:
         if not self._status.poll(timeout):
             raise GPUError(
-                f"frequency controller for GPU {self.device_index} did not start in {timeout}s"
+                f"frequency controller for GPU {self.device_index} did not start in {timeout}s. "
+                "Its side process is started with multiprocessing's 'spawn', which imports the "
+                "training script again: a script whose code is not under `if __name__ == "
+                '"__main__":` runs (and waits in) its training there instead'
             )
         self._read_status()
         if self.graphics_clocks:
