@@ -130,6 +130,10 @@ def _liveness(
     silent = [r for r in range(world) if now - heard.get(r, created) > silent_after]
     reported = set(store.reported_ranks(job_id, version)) if version else set()
     waiting = [r for r in silent if r not in reported]
+    # A rank whose hook closed sends no more results: waited on from then on, silent or not.
+    closed = _closed_ranks(store, job_id) if ending.ranks_finished and version else []
+    closed_waiting = [r for r in closed if r not in reported and r not in waiting]
+    waiting = sorted(waiting + closed_waiting)
     stalled = bool(version and waiting)
     if ending.finished:
         state, stalled = "finished", False
@@ -140,9 +144,20 @@ def _liveness(
     return {
         "alive": world - len(silent),
         "silent_ranks": silent,
+        "closed_ranks": closed,
         "state": state,
         "waiting_on": waiting if stalled else [],
     }
+
+
+def _closed_ranks(store: JobStore, job_id: str) -> list[int]:
+    """Ranks whose hook said it finished (members ``<rank>:<proof>`` of the finished set)."""
+    ranks = set()
+    for member in store.conn.smembers(keys.job_finished(job_id)):
+        rank = member.split(b":", 1)[0]
+        if rank.isdigit():
+            ranks.add(int(rank))
+    return sorted(ranks)
 
 
 def _figures(
@@ -236,8 +251,12 @@ def format_snapshot(snap: dict[str, Any]) -> str:
         )
         for job in snap["jobs"]:
             if job["state"] == "stalled":
-                waiting = ", ".join(map(str, job["waiting_on"]))
-                detail = f"stalled: waiting on silent ranks {waiting}"
+                closed = set(job.get("closed_ranks", []))
+                silent = [str(r) for r in job["waiting_on"] if r not in closed]
+                gone = [str(r) for r in job["waiting_on"] if r in closed]
+                parts = [f"silent ranks {', '.join(silent)}"] if silent else []
+                parts += [f"ranks {', '.join(gone)} whose hook closed"] if gone else []
+                detail = f"stalled: waiting on {' and '.join(parts)}"
             elif job["state"] == "failed":
                 detail = f"failed: {job['error']}"
             else:  # The state word first: the same as `perseus jobs list` and --json.

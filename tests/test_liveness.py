@@ -6,6 +6,7 @@ import time
 
 from coordinator.status import format_snapshot, snapshot
 from protocol import keys
+from protocol.job_lifecycle import JobLifecycle
 from protocol.store import JobStore
 from tests.helpers import drain, register, result, wait_for
 from worker_client.hook.session import CoordinatorClient
@@ -35,6 +36,29 @@ def test_a_job_waiting_on_a_silent_rank_is_shown_stalled(service, r, redis_url):
     assert job["alive"] == 1 and job["silent_ranks"] == [1]
     assert job["state"] == "stalled" and job["waiting_on"] == [1]
     assert "stalled: waiting on silent ranks 1" in format_snapshot(snap)
+
+
+def test_a_job_waiting_on_a_rank_whose_hook_closed_is_stalled_at_once(service, r, redis_url):
+    """Closed early, a rank sends nothing more: no need to wait until it counts as silent."""
+    client = CoordinatorClient(redis_url)
+    job_id = register(client, pp=3)
+    drain(r)
+    store = JobStore(r)
+    wait_for(lambda: store.version(job_id) >= 1, 10, "version 1")
+    client.report(job_id, result(0, 1))
+    wait_for(lambda: store.result_count(job_id, 1) == 1, 10, "rank 0's result")
+    assert JobLifecycle(store).finish_rank(job_id, 1, client.token(job_id, 1) or "") is False
+    for rank in range(3):
+        client.heartbeat(job_id, rank)
+    snap = snapshot(r, silent_after=60)
+    (job,) = snap["jobs"]
+    assert job["closed_ranks"] == [1] and job["silent_ranks"] == []
+    assert job["state"] == "stalled" and job["waiting_on"] == [1]
+    assert "stalled: waiting on ranks 1 whose hook closed" in format_snapshot(snap)
+    client.report(job_id, result(1, 1))  # it had reported after all: not waited on
+    wait_for(lambda: store.result_count(job_id, 1) == 2, 10, "rank 1's result")
+    (job,) = snapshot(r, silent_after=60)["jobs"]
+    assert job["state"] == "running" and job["waiting_on"] == []
 
 
 def test_heartbeats_use_the_servers_clock_not_the_ranks(service, r, redis_url, monkeypatch):
