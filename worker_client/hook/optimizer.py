@@ -77,7 +77,8 @@ class PerseusOptimizer(Callback):
             ``"dry-run"``, ``"simulated"`` (see
             :func:`worker_client.gpu.frequency.make_controller`).
         report_every: Steps per profiling window; one result is reported per schedule version.
-        schedule_timeout: Seconds to wait for the first schedule.
+        schedule_timeout: Seconds to wait for the first schedule; each registration reply
+            waits this long at most too (and 60 s at most).
         energy_source: Where energy comes from (see :mod:`worker_client.hook.energy_source`).
             Default: the GPU's energy counter (0 J if it has none), read on the training
             thread where a read is cheap and by a sampler thread where it is not (see
@@ -160,10 +161,13 @@ class PerseusOptimizer(Callback):
             raise ValueError(f"outage_timeout must be > 0 seconds or None, got {outage_timeout}")
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0 seconds, got {heartbeat_interval}")
+        if not schedule_timeout > 0:
+            raise ValueError(f"schedule_timeout must be > 0 seconds, got {schedule_timeout}")
         self.rank, self.dp_rank, self.pp_rank, self.tp_rank = rank, dp_rank, pp_rank, tp_rank
         self.device_id = device_id
         self.report_every = report_every
-        self.client = CoordinatorClient(redis_url)
+        # A short schedule_timeout is meant to fail fast: registration's replies too.
+        self.client = CoordinatorClient(redis_url, reply_timeout=min(60.0, schedule_timeout))
         self._sync = sync_fn or cuda_sync(device_id)
         self._clock = clock or time.perf_counter
         self.raise_on_job_error = raise_on_job_error
