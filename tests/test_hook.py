@@ -92,6 +92,8 @@ def test_hooks_called_out_of_order_say_what_was_expected(gloo, hook_service, red
         assert hook.steps == 1
     finally:
         hook.close()
+    with pytest.raises(ScheduleError, match=r"on_step_begin\(\) after close\(\)"):
+        hook.on_step_begin()
 
 
 def test_first_schedule_timeout_is_clear(gloo, hook_service, redis_url):

@@ -260,6 +260,11 @@ class PerseusOptimizer(Callback):
     # --- hooks -----------------------------------------------------------------------------
     def on_step_begin(self) -> None:
         """Start timing a step."""
+        if self._closed:
+            raise ScheduleError(
+                f"rank {self.rank}: on_step_begin() after close(): this hook's rank is finished "
+                "(build a new PerseusOptimizer to go on)"
+            )
         self._in_step = True
         self._open = None
         # After this version's report nothing is measured until the next version.
