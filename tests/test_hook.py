@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import time
 
@@ -206,3 +207,20 @@ def test_a_rank_that_fails_to_start_leaves_no_controller_process(gloo, hook_serv
     with pytest.raises(CoordinatorUnavailableError, match="schedule"):
         make_hook(redis_url, "simulated", schedule_timeout=1.0)
     assert multiprocessing.active_children() == []
+
+
+def test_a_rank_left_waiting_for_the_others_hooks_says_so(caplog):
+    """Every rank's hook joins collectives: one rank that creates none leaves the rest waiting."""
+    from worker_client.hook.joining import _said_if_slow
+
+    with caplog.at_level(logging.WARNING, logger="worker_client.hook.joining"):
+        with _said_if_slow(3, 0.05):
+            time.sleep(0.5)
+        assert "rank 3: still waiting after 0 s for the other ranks to create their hook" in (
+            caplog.text
+        )
+        caplog.clear()
+        with _said_if_slow(3, 0.5):
+            pass
+        time.sleep(0.7)
+    assert caplog.text == ""

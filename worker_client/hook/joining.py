@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +17,36 @@ from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import NVML
 from worker_client.hook.clock_requests import FrequencySetter
 from worker_client.hook.session import CoordinatorClient
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a rank waits for the others' hooks before it says what it waits for.
+JOIN_WARNING_S = 30.0
+
+
+@contextlib.contextmanager
+def _said_if_slow(rank: int, seconds: float) -> Iterator[None]:
+    """Log, once, a rank that waits on the other ranks' hooks longer than ``seconds``.
+
+    A rank whose script never creates its hook leaves every other rank in a collective that
+    says nothing (gloo and NCCL wait for 30 minutes by default).
+    """
+    timer = threading.Timer(
+        seconds,
+        logger.warning,
+        (
+            "rank %d: still waiting after %.0f s for the other ranks to create their hook "
+            "(PerseusOptimizer or PerseusPipeline): every rank of the job must create one",
+            rank,
+            seconds,
+        ),
+    )
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @dataclass
@@ -99,7 +133,8 @@ def agree_on_job(
     """
     reasons: list[Any] = [None] * dist.get_world_size()
     mine = f"{type(local_error).__name__}: {local_error}" if local_error is not None else None
-    dist.all_gather_object(reasons, mine)
+    with _said_if_slow(rank, JOIN_WARNING_S):
+        dist.all_gather_object(reasons, mine)
     if local_error is not None:
         raise local_error
     failed = [f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None]
