@@ -25,10 +25,10 @@ The profiler snapshots (its sweeps and per-rank averages, see :meth:`Instruction
 so a worker that starts afresh restores the newest snapshot and replays only the journal
 after it, and the results it consumed are deleted. Restoring or replaying past the end of the
 sweep runs its end (CSV write, planning) again. Both are idempotent and cheap then: the CSV is
-replaced only if its content changed, and planning is skipped when ``out_dir`` already holds
-a frontier computed from the same CSV content and parameters (a hash recorded in
-``out_dir/.instruction_profiler.json`` after the planner finished). Paths are as seen by the
-rq workers.
+replaced only if its content changed, and planning is skipped when the job's planner folder
+(``<out_dir>/<job id>/``) already holds a frontier computed from the same CSV content and
+parameters (a hash recorded in ``.instruction_profiler.json`` there after the planner
+finished). Paths are as seen by the rq workers.
 """
 
 from __future__ import annotations
@@ -61,8 +61,10 @@ from schedulers.planning.plan_file import read_plan_file
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.profile_csv import read_profile_csv, write_profile_csv
 
-#: Marker file in ``then["out_dir"]``: the hash of the CSV and parameters it was planned from.
+#: Marker file in a job's planner folder: the hash of the CSV and parameters it was planned from.
 PLAN_MARKER = ".instruction_profiler.json"
+#: The measured profile (full form) a job's planner folder is planned from.
+MEASURED_PROFILE = "measured_profile.csv"
 _THEN_KEYS = {"p2p_power", "unit_time", "policy", "policy_arg", "out_dir"}
 
 Key = tuple[int, str]  # (stage, instruction)
@@ -121,11 +123,12 @@ class InstructionProfiler(FrequencyScheduler):
             Default: each stage's clocks common to its ranks.
         then: Plan and serve a plan once profiled: ``{"out_dir": DIR, "p2p_power": W,
             "unit_time": s, "policy": "no-slowdown", "policy_arg": None}`` (only
-            ``out_dir`` is required; defaults 0 W, 1 ms, no-slowdown).
+            ``out_dir`` is required; defaults 0 W, 1 ms, no-slowdown). Each job plans in
+            its own folder, ``<out_dir>/<job id>/``, from the profile it measured
+            (``measured_profile.csv`` there): jobs never share planner files.
         out_path: Also write the profile CSV (full form, one row group per rank) here. The
             profile is always kept with the job in Redis as the artifact ``profile.csv``
-            (``perseus dump`` writes it out); with ``then`` and no ``out_path`` it is written
-            to ``<out_dir>/profile.csv`` for the planner.
+            (``perseus dump`` writes it out).
         schedule: The pipeline schedule the training runs, ``"1f1b"`` or ``"gpipe"``: the
             order of every version's instructions, and the schedule ``then`` plans for.
 
@@ -191,9 +194,12 @@ class InstructionProfiler(FrequencyScheduler):
         self.warmup_iters = warmup_iters
         self.stop_after_rises = stop_after_rises
         self.then = _check_then(then)
-        if out_path is None and self.then is not None:
-            out_path = str(Path(self.then["out_dir"]) / "profile.csv")
         self.out_path = Path(out_path) if out_path is not None else None
+        # A folder per job: two jobs of one coordinator plan side by side, each from its own
+        # profile (one folder for all would let a job plan from, or overwrite, another's).
+        self.plan_dir = (
+            Path(self.then["out_dir"]) / job_info.job_id if self.then is not None else None
+        )
         self.ranks = check_rank_infos(job_info, rank_infos)
         pp = job_info.pp_degree
         self.stage_ranks: dict[int, list[RankInfo]] = {s: [] for s in range(pp)}
@@ -404,24 +410,22 @@ class InstructionProfiler(FrequencyScheduler):
         return {PROFILE_ARTIFACT: self.csv_bytes()} if self.done else {}
 
     def write_csv(self) -> None:
-        """Write the profile to ``out_path`` atomically; leave an identical file untouched."""
-        if self.out_path is None:
-            return
-        path = self.out_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.csv_bytes()
-        if path.is_file() and path.read_bytes() == data:
-            return  # A replay: keep the file (and its mtime) as it was.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        """Write the profile to ``out_path`` and the job's planner folder (if any)."""
+        paths = [self.out_path] if self.out_path is not None else []
+        if self.plan_dir is not None:
+            paths.append(self.plan_dir / MEASURED_PROFILE)
+        if paths:
+            data = self.csv_bytes()
+            for path in paths:
+                _write_if_changed(path, data)
 
     def _planned_schedules(self) -> list[FrequencySchedule]:
         """Plan from the CSV (unless cached), choose a plan, and give each rank its stage's line."""
-        assert self.then is not None
+        assert self.then is not None and self.plan_dir is not None
         then = self.then
         pp = self.job_info.pp_degree
-        out_dir = Path(then["out_dir"])
+        out_dir = self.plan_dir
+        measured = out_dir / MEASURED_PROFILE
         params = {
             "num_stages": pp,
             "num_microbatches": self.microbatches,
@@ -429,14 +433,13 @@ class InstructionProfiler(FrequencyScheduler):
             "unit_time": then["unit_time"],
             "schedule": self.schedule,
         }
-        assert self.out_path is not None  # `then` always sets it
-        digest = hashlib.sha256(self.out_path.read_bytes())
+        digest = hashlib.sha256(measured.read_bytes())
         digest.update(json.dumps(params, sort_keys=True).encode())
         key = digest.hexdigest()
         marker = out_dir / PLAN_MARKER
         if not (_marker_key(marker) == key and (out_dir / FRONTIER_CSV).is_file()):
             marker.unlink(missing_ok=True)  # An interrupted planner run must not look cached.
-            profile = read_profile_csv(self.out_path, num_stages=pp)
+            profile = read_profile_csv(measured, num_stages=pp)
             plan_frontier(
                 profile,
                 pp,
@@ -447,7 +450,7 @@ class InstructionProfiler(FrequencyScheduler):
                 schedule=self.schedule,
             )
             marker.write_text(
-                json.dumps({"key": key, "profile": str(self.out_path), **params}, indent=1) + "\n"
+                json.dumps({"key": key, "profile": str(measured), **params}, indent=1) + "\n"
             )
             self.planned = True
         self.chosen = choose_plan(out_dir, then["policy"], then["policy_arg"])
@@ -458,6 +461,16 @@ class InstructionProfiler(FrequencyScheduler):
             FrequencySchedule(rank=info.rank, frequencies=list(plan.stages[info.pp_rank]))
             for info in self.ranks
         ]
+
+
+def _write_if_changed(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically; leave an identical file (and its mtime) alone."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_file() and path.read_bytes() == data:
+        return  # A replay: keep the file as it was.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def _marker_key(marker: Path) -> str | None:

@@ -22,7 +22,12 @@ from protocol import keys
 from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, JobConfig, JobInfo, ProfilingResult, RankInfo
 from protocol.store import JobStore
-from schedulers.instruction_profiler import PLAN_MARKER, PROFILE_ARTIFACT, InstructionProfiler
+from schedulers.instruction_profiler import (
+    MEASURED_PROFILE,
+    PLAN_MARKER,
+    PROFILE_ARTIFACT,
+    InstructionProfiler,
+)
 from schedulers.planning.pipeline_dag import PipelineShape, one_f_one_b_order
 from schedulers.planning.plan_file import read_plan_file, write_plan_file
 from schedulers.planning.profile_csv import read_profile_csv
@@ -279,21 +284,31 @@ def test_then_plans_once_and_serves_the_chosen_plan(tmp_path):
     }
     first = InstructionProfiler(job, ranks, **args)
     versions, observed = drive(first, job, table)
-    assert first.planned and (plans / PLAN_MARKER).is_file()
+    folder = plans / job.job_id  # each job plans in a folder of its own
+    assert first.planned and (folder / PLAN_MARKER).is_file()
+    assert (folder / MEASURED_PROFILE).read_bytes() == out.read_bytes()  # full form, as measured
     assert first.chosen is not None and first.chosen.policy == "no-slowdown"
     plan = read_plan_file(first.chosen.file)
     assert [s.frequencies for s in versions[-1]] == [plan.stages[r % 2] for r in range(4)]
     assert first.chosen.saving_j >= 0
 
     # An rq worker rebuilds the scheduler by replay: same schedules, no second planning run.
-    stamp = (plans / "frontier.csv").stat().st_mtime_ns
+    stamp = (folder / "frontier.csv").stat().st_mtime_ns
     replayed = InstructionProfiler(job, ranks, **args)
     for schedules, results in zip(versions, observed, strict=False):
         assert replayed.next_schedule() == schedules
         replayed.observe(results)
     assert replayed.next_schedule() == versions[-1]
     assert not replayed.planned
-    assert (plans / "frontier.csv").stat().st_mtime_ns == stamp
+    assert (folder / "frontier.csv").stat().st_mtime_ns == stamp
+
+    # Another job of the same coordinator, another profile: its own folder, the first's intact.
+    other_job = job.model_copy(update={"job_id": "job2"})
+    other = InstructionProfiler(other_job, ranks, **args | {"out_path": str(tmp_path / "p2.csv")})
+    drive(other, other_job, synthetic_instruction_table(2, noise=0.002, seed=12))
+    assert other.planned and (plans / "job2" / "frontier.csv").is_file()
+    assert (folder / "frontier.csv").stat().st_mtime_ns == stamp
+    assert (folder / MEASURED_PROFILE).read_bytes() == out.read_bytes()
 
 
 @pytest.mark.parametrize("at", [1, 4, "end"])
@@ -405,7 +420,7 @@ def test_profile_optimize_serve_through_coordinator(start_services, tmp_path, re
         report_every=3,
         time_scale=0.05,
         # The marker is written once the planner is done, just before the plan is published.
-        stop_file=str(plans / PLAN_MARKER),
+        stop_file=str(plans / "*" / PLAN_MARKER),  # the job's folder: its id is not known yet
         steps_after_stop=40,
         timeout=120,
     )
@@ -416,7 +431,8 @@ def test_profile_optimize_serve_through_coordinator(start_services, tmp_path, re
     for stage in (0, 1):
         for inst in ("forward", "backward"):
             assert profile.frequencies(stage, inst) == clocks  # No 5 rises in 6 clocks.
-    plan = read_plan_file(choose_plan(plans, "no-slowdown").file)
+    [folder] = [p.parent for p in plans.glob(f"*/{PLAN_MARKER}")]  # the job's own
+    plan = read_plan_file(choose_plan(folder, "no-slowdown").file)
     for rec in records:
         # Version k swept clock k-1; each ran >= report_every steps before the next arrived.
         seen = sorted({int(v) for v in rec["version"]})

@@ -6,7 +6,7 @@ loop and torch's pipeline schedules, :mod:`worker_client.simulated.pipelining`).
 
 from __future__ import annotations
 
-import os
+import glob
 import time
 from typing import Any, Literal
 
@@ -45,7 +45,8 @@ class StepAccount:
     Args:
         gpu: The rank's :class:`~worker_client.simulated.gpu.SimulatedGPU`.
         clock: The rank's clock.
-        stop_file: Stop once this file exists (every rank decides at the same step).
+        stop_file: Stop once this file exists, or a file matches this glob pattern (every
+            rank decides at the same step).
         steps_after_stop: Steps still run after the stop file appeared.
 
     """
@@ -85,7 +86,7 @@ class StepAccount:
         import torch  # torch: only in the rank processes
         import torch.distributed as dist
 
-        seen = self.stop_file is not None and os.path.exists(self.stop_file)
+        seen = self.stop_file is not None and bool(glob.glob(self.stop_file))
         sync = torch.tensor([self.clock.now(), float(seen)], dtype=torch.float64)
         dist.all_reduce(sync, op=dist.ReduceOp.MAX)
         self.clock.catch_up(float(sync[0]))

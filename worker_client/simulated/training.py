@@ -91,7 +91,8 @@ class SimulatedRankConfig:
         blocking_power_w: GPU power while not computing, W.
         device_id: Simulated GPU index (default: the rank).
         job_metadata: Tag appended to the job id.
-        stop_file: Stop early once this file exists (checked by every rank at each step end;
+        stop_file: Stop early once this file (or a file matching this glob pattern) exists
+            (checked by every rank at each step end;
             all ranks stop after the same step).
         steps_after_stop: Iterations still run after ``stop_file`` appeared.
         schedule_timeout: Seconds the hook waits for the first schedule.
