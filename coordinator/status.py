@@ -131,7 +131,8 @@ def _liveness(
     reported = set(store.reported_ranks(job_id, version)) if version else set()
     waiting = [r for r in silent if r not in reported]
     # A rank whose hook closed sends no more results: waited on from then on, silent or not.
-    closed = _closed_ranks(store, job_id) if ending.ranks_finished and version else []
+    finished = ending.ranks_finished and version
+    closed = JobLifecycle(store).finished_ranks(job_id) if finished else []
     closed_waiting = [r for r in closed if r not in reported and r not in waiting]
     waiting = sorted(waiting + closed_waiting)
     stalled = bool(version and waiting)
@@ -148,16 +149,6 @@ def _liveness(
         "state": state,
         "waiting_on": waiting if stalled else [],
     }
-
-
-def _closed_ranks(store: JobStore, job_id: str) -> list[int]:
-    """Ranks whose hook said it finished (members ``<rank>:<proof>`` of the finished set)."""
-    ranks = set()
-    for member in store.conn.smembers(keys.job_finished(job_id)):
-        rank = member.split(b":", 1)[0]
-        if rank.isdigit():
-            ranks.add(int(rank))
-    return sorted(ranks)
 
 
 def _figures(

@@ -20,6 +20,7 @@ import redis
 from rq import Queue
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
+from rq.timeouts import TimerDeathPenalty
 
 from coordinator.health import forget_stale, last_beats
 from coordinator.settings import PerseusSettings
@@ -89,7 +90,12 @@ class Sweeper:
         queue = Queue(keys.RQ_QUEUE, connection=conn)
         if queue.acquire_maintenance_lock():
             try:
-                StartedJobRegistry(keys.RQ_QUEUE, connection=conn).cleanup()
+                # A timer, not a signal, bounds the failure callbacks: a coordinator may run
+                # on a thread that is not the main one (the demo, tests).
+                registry = StartedJobRegistry(
+                    keys.RQ_QUEUE, connection=conn, death_penalty_class=TimerDeathPenalty
+                )
+                registry.cleanup()
             finally:
                 queue.release_maintenance_lock()
         for plan_id, reason in settle_runs(conn, SWEEP_LIMIT):

@@ -353,10 +353,13 @@ def run_workers(
                 claimed = True
             worker.work(burst=burst, logging_level=logging_level)
         except ValueError as exc:
-            # rq's own check of the name: another worker registered it since we looked.
-            if not isinstance(exc, ConfigError):
-                claim_name(worker)  # raises the error that names the key and what to do
-            raise
+            # rq's own check of the name: another worker registered it since we looked, or an
+            # outage kept this loop's previous worker from recording its death.
+            if isinstance(exc, ConfigError):
+                raise
+            claim_name(worker)  # raises the error that names the key and what to do
+            # Taken over (the record was this process's own): start a fresh worker at once.
+            continue
         except redis.exceptions.NoPermissionError as exc:
             if restarts == 0:  # Never ran: not an outage that ended it.
                 raise wrong_user(f"rq worker {worker.name}", exc) from None

@@ -78,7 +78,15 @@ def process_gone(identity: str) -> bool:
         pid = int(parts[2])
     except ValueError:
         return False
-    return _start_ticks(pid) != parts[3]  # No such process, or a new one with its PID.
+    try:
+        os.kill(pid, 0)  # sends nothing: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # it exists (another user's): its start time tells whether it is the same one
+    start = _start_ticks(pid)
+    # Unreadable (/proc mounted hidepid, say): it may be alive. A new start time: PID reused.
+    return start is not None and start != parts[3]
 
 
 def _text(value: Any) -> str:
@@ -120,11 +128,17 @@ def claim_name(worker: BaseWorker) -> None:
                 pipe.execute()
             except redis.WatchError:
                 continue
+        why = (
+            "is an earlier worker of this process whose death was not recorded"
+            if ours
+            else "is dead: its process is gone"
+        )
         logger.warning(
-            "rq worker %s: the worker registered under this name (%s) is dead: its process "
-            "is gone; recorded its death in %s and taking over the name",
+            "rq worker %s: the worker registered under this name (%s) %s; recorded its death "
+            "in %s and taking over the name",
             worker.name,
             who,
+            why,
             worker.key,
         )
         return

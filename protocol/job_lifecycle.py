@@ -146,6 +146,18 @@ class JobLifecycle:
             return False
         return sum(found) >= int(world)
 
+    def finished_ranks(self, job_id: str) -> list[int]:
+        """Ranks whose finish is proven (what another rank wrote into the set does not count)."""
+        conn = self.store.conn
+        marks = proof_marks(conn.hgetall(keys.job_tokens(job_id)))
+        if not marks:
+            return []
+        try:
+            found = conn.smismember(keys.job_finished(job_id), list(marks.values()))
+        except redis.ResponseError:  # WRONGTYPE: a rank replaced the set
+            return []
+        return sorted(rank for rank, hit in zip(marks, found, strict=True) if hit)
+
     def finished_before(self, cutoff: float, limit: int) -> list[str]:
         """Jobs finished before server time ``cutoff`` (the ``limit`` oldest)."""
         rows = self.store.conn.zrangebyscore(keys.FINISHED_JOBS, "-inf", cutoff, 0, limit)

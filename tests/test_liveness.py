@@ -47,6 +47,13 @@ def test_a_job_waiting_on_a_rank_whose_hook_closed_is_stalled_at_once(service, r
     wait_for(lambda: store.version(job_id) >= 1, 10, "version 1")
     client.report(job_id, result(0, 1))
     wait_for(lambda: store.result_count(job_id, 1) == 1, 10, "rank 0's result")
+    # Any rank may write into a job's finished set: only proven finishes count.
+    r.sadd(keys.job_finished(job_id), "2:forged", "7:forged")
+    for rank in range(3):
+        client.heartbeat(job_id, rank)
+    (job,) = snapshot(r, silent_after=60)["jobs"]
+    assert job["state"] == "running" and job["closed_ranks"] == []
+    r.srem(keys.job_finished(job_id), "2:forged", "7:forged")  # (they would finish the job)
     assert JobLifecycle(store).finish_rank(job_id, 1, client.token(job_id, 1) or "") is False
     for rank in range(3):
         client.heartbeat(job_id, rank)

@@ -89,7 +89,9 @@ def test_killed_worker_fails_its_planner_run_which_then_expires(tmp_path, redis_
         assert shown["message"].startswith("its worker died (rq: abandoned)")
         assert record(r, plan_id)["state"] == "running"
         # ... and a coordinator's sweep runs rq's cleanup, which fails the rq job as
-        # abandoned; the planning job's failure callback ends the run.
+        # abandoned; the planning job's failure callback ends the run (taken off the active
+        # runs here, so that the sweep's own check of rq's records cannot be what ends it).
+        r.zrem(keys.PLANS_ACTIVE, plan_id)
         coordinator = start_perseus(["coordinator", "--redis-url", redis_url], tmp_path, "c.log")
         wait_for(lambda: record(r, plan_id)["state"] == "failed", 60, "the run to fail")
         assert record(r, plan_id)["message"] == "its worker died (rq: abandoned)"

@@ -98,3 +98,62 @@ def test_a_dead_worker_that_cannot_be_checked_keeps_its_name(tmp_path, redis_url
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert f"Error: rq worker name {NAME!r} is taken" in done.stderr
     assert not r.hexists(KEY, "death")
+
+
+def test_a_process_that_cannot_be_looked_at_counts_as_alive(monkeypatch):
+    """/proc mounted hidepid, or another user's worker: maybe alive, so never taken over."""
+    from coordinator import worker_names
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        identity = worker_names.process_identity(child.pid)
+        assert identity is not None and not worker_names.process_gone(identity)
+        hidden = f"/proc/{child.pid}/stat"
+        real_read = worker_names._read
+        monkeypatch.setattr(
+            worker_names, "_read", lambda path: None if path == hidden else real_read(path)
+        )
+        assert not worker_names.process_gone(identity)
+    finally:
+        child.kill()
+        child.wait()  # reaped: no zombie left with its PID
+    assert worker_names.process_gone(identity)
+
+
+def test_the_loop_takes_back_its_own_name_after_an_outage_kept_its_death_unrecorded(
+    redis_url, r, monkeypatch, caplog
+):
+    """Its first worker registered, then Redis failed, even for recording its death."""
+    import logging
+
+    import redis as redis_py
+
+    from coordinator import worker_loop
+    from coordinator.worker_loop import PerseusSimpleWorker, run_workers
+    from protocol import keys
+
+    real_work = PerseusSimpleWorker.work
+    calls = []
+
+    def work(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            self.register_birth()
+            raise redis_py.ConnectionError("Redis went away")
+        self.stop_requested = True  # one round of real work, then the loop ends
+        return real_work(self, burst=True)
+
+    def no_death(self, *args, **kwargs):
+        raise redis_py.ConnectionError("Redis went away")
+
+    monkeypatch.setattr(PerseusSimpleWorker, "work", work)
+    monkeypatch.setattr(PerseusSimpleWorker, "register_death", no_death)
+    monkeypatch.setattr(worker_loop, "MAX_PAUSE_S", 0.1)
+    conn = redis_py.Redis.from_url(redis_url)
+    with caplog.at_level(logging.WARNING, logger="coordinator.worker_names"):
+        restarts = run_workers(
+            lambda: PerseusSimpleWorker([keys.RQ_QUEUE], connection=conn, name="wX")
+        )
+    # Failed on Redis; rq refused the name (its record still live); taken back; ran.
+    assert len(calls) == 3 and restarts == 1
+    assert "is an earlier worker of this process whose death was not recorded" in caplog.text

@@ -78,7 +78,7 @@ class PerseusOptimizer(Callback):
             :func:`worker_client.gpu.frequency.make_controller`).
         report_every: Steps per profiling window; one result is reported per schedule version.
         schedule_timeout: Seconds to wait for the first schedule; each registration reply
-            waits this long at most too (and 60 s at most).
+            waits as long too (10 s at least, 60 s at most).
         energy_source: Where energy comes from (see :mod:`worker_client.hook.energy_source`).
             Default: the GPU's energy counter (0 J if it has none), read on the training
             thread where a read is cheap and by a sampler thread where it is not (see
@@ -166,8 +166,10 @@ class PerseusOptimizer(Callback):
         self.rank, self.dp_rank, self.pp_rank, self.tp_rank = rank, dp_rank, pp_rank, tp_rank
         self.device_id = device_id
         self.report_every = report_every
-        # A short schedule_timeout is meant to fail fast: registration's replies too.
-        self.client = CoordinatorClient(redis_url, reply_timeout=min(60.0, schedule_timeout))
+        # A short schedule_timeout is meant to fail fast: registration's replies too (but
+        # 10 s at least: a loaded coordinator may take seconds, and a reply too late is lost).
+        reply_timeout = min(60.0, max(10.0, schedule_timeout))
+        self.client = CoordinatorClient(redis_url, reply_timeout=reply_timeout)
         self._sync = sync_fn or cuda_sync(device_id)
         self._clock = clock or time.perf_counter
         self.raise_on_job_error = raise_on_job_error
