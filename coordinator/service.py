@@ -39,7 +39,7 @@ from coordinator.trust import ResultKeys
 from protocol import deadletter, keys, streams
 from protocol.acl import wrong_user
 from protocol.consumers import GroupMembers
-from protocol.exceptions import DuplicateEntryError, PerseusError, ProtocolError, UnknownJobError
+from protocol.exceptions import DuplicateEntryError, PerseusError, UnknownJobError
 from protocol.models import (
     RegisterJob,
     RegisterRank,
@@ -400,12 +400,9 @@ class Coordinator:
             # Stored as it arrived (validated above): packing it again costs more than the rest.
             batch.add_result(info, message.result, now, data=fields[b"data"])
         else:
-            scheduler = resolve_scheduler(record.config.scheduler)
-            if not scheduler.takes_target():
-                raise ProtocolError(
-                    f"job {info.job_id} runs {scheduler.__name__}, which takes no target "
-                    "iteration time"
-                )
+            resolve_scheduler(record.config.scheduler).check_target(
+                info.job_id, message.iteration_time
+            )
             batch.add_control(message, entry_id, now)
 
     def _settle_entry(

@@ -171,11 +171,21 @@ class FrequencyScheduler:
 
     @classmethod
     def takes_target(cls) -> bool:
-        """Whether this scheduler implements :meth:`set_target` (the default refuses any).
-
-        The coordinator dead-letters a target for a job whose scheduler takes none.
-        """
+        """Whether this scheduler implements :meth:`set_target` (the default refuses any)."""
         return cls.set_target is not FrequencyScheduler.set_target
+
+    @classmethod
+    def check_target(cls, job_id: str, iteration_time: float) -> None:
+        """Raise ProtocolError if this scheduler takes no target (see :meth:`check_result`).
+
+        The coordinator calls it on every target before storing it: stored, a target the
+        scheduler cannot take would fail the job for good.
+        """
+        if not cls.takes_target():
+            raise ProtocolError(
+                f"job {job_id} runs {cls.__name__}, which takes no target iteration time "
+                f"(asked for {iteration_time:g} s)"
+            )
 
     def set_target(self, iteration_time: float) -> None:
         """Aim at a new iteration time in seconds (e.g. a straggler's). Optional.
