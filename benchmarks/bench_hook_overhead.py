@@ -191,11 +191,11 @@ class EventTimedOptimizer(PerseusOptimizer):
         self.event_pairs: dict[str, list[tuple[Any, Any]]] = {}
 
     def on_step_begin(self) -> None:
-        self._in_step = True
+        self.order.begin_step()
         self._measuring = not self._reported
 
     def on_instruction_begin(self, name: str) -> None:
-        frequency = self._next_frequency(name)
+        frequency = self.order.begin(name)
         if frequency != self._frequency:
             self._frequency = frequency
             assert self._clocks is not None and self._marker_fn is not None
@@ -204,6 +204,7 @@ class EventTimedOptimizer(PerseusOptimizer):
             self._start_event = self.gpu.event()
 
     def on_instruction_end(self, name: str) -> None:
+        self.order.end(name)
         if self._measuring:
             self.event_pairs.setdefault(name, []).append((self._start_event, self.gpu.event()))
 

@@ -54,12 +54,12 @@ def test_wrong_instruction_and_schedule_length_errors(gloo, hook_service, redis_
         ):
             hook.on_instruction_begin("forward")
         hook.on_step_begin()
-        hook._iter = iter(hook.schedule.frequencies)
+        hook.order.restart(hook.schedule)
         # A RuntimeError as well, as Zeus raises: a loop written for Zeus still catches it.
         with pytest.raises(RuntimeError, match="still expects 'forward' at 1980 MHz") as caught:
             hook.on_step_end()
         assert isinstance(caught.value, ScheduleError)
-        hook._iter = iter(hook.schedule.frequencies)
+        hook.order.restart(hook.schedule)
         with pytest.raises(ScheduleError, match="has only 4 instructions"):
             run_step(hook, names=("forward", "backward") * 3)
     finally:

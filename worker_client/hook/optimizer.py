@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -46,6 +46,7 @@ from worker_client.hook.energy_source import (
 )
 from worker_client.hook.joining import RankGPU, agree_on_job, join_job
 from worker_client.hook.session import CoordinatorClient
+from worker_client.hook.step_order import StepOrder
 from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
 
 logger = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ class PerseusOptimizer(Callback):
         if clock_sync == "events":
             self._clocks = ClockRequester(self.controller)
             self._clocks.start()
-        self._iter: Iterator[tuple[str, int]] = iter(self.schedule.frequencies)
+        self.order = StepOrder(rank, self.schedule)
         self.watcher = ScheduleWatcher(
             self.client,
             self.job_id,
@@ -240,8 +241,6 @@ class PerseusOptimizer(Callback):
         self._reset_window()
         self.steps = 0
         self.swaps: list[tuple[int, int]] = []  # (step, version) of every swap, for inspection
-        self._in_step = False
-        self._open: str | None = None  # the instruction begun and not ended yet
         self._closed = False
         self._frequency: int | None = None  # the clock last requested
         self.syncs = 0  # GPU synchronizations so far (each costs a pipeline bubble)
@@ -267,8 +266,7 @@ class PerseusOptimizer(Callback):
                 f"rank {self.rank}: on_step_begin() after close(): this hook's rank is finished "
                 "(build a new PerseusOptimizer to go on)"
             )
-        self._in_step = True
-        self._open = None
+        self.order.begin_step()
         # After this version's report nothing is measured until the next version.
         self._measuring = not self._reported
         self._step_breakdown: dict[str, list[float]] = {}
@@ -289,10 +287,7 @@ class PerseusOptimizer(Callback):
         ``clock_sync="events"``, a clock change outside profiling windows hands a marker to
         the side thread instead.
         """
-        if not self._in_step or self._open is not None:
-            raise self._misuse(f"on_instruction_begin({name!r})")
-        frequency = self._next_frequency(name)
-        self._open = name
+        frequency = self.order.begin(name)
         changed = frequency != self._frequency
         self._frequency = frequency
         if self._clocks is None:
@@ -312,32 +307,9 @@ class PerseusOptimizer(Callback):
             self._inst_mark = self.energy_source.mark()
         self._inst_start = self._clock()
 
-    def _next_frequency(self, name: str) -> int:
-        """The planned frequency of instruction ``name``, checked against the schedule's order.
-
-        Raises:
-            ScheduleError: ``name`` is not the instruction the schedule expects next.
-
-        """
-        item = next(self._iter, None)
-        if item is None:
-            raise ScheduleError(
-                f"rank {self.rank}: instruction {name!r} but schedule version "
-                f"{self.schedule.version} has only {len(self.schedule.frequencies)} instructions"
-            )
-        expected, frequency = item
-        if expected != name:
-            raise ScheduleError(
-                f"rank {self.rank}: expected instruction {expected!r} but got {name!r} "
-                f"(schedule version {self.schedule.version})"
-            )
-        return frequency
-
     def on_instruction_end(self, name: str) -> None:
         """Record the instruction's duration (and energy mark)."""
-        if self._open != name:
-            raise self._misuse(f"on_instruction_end({name!r})")
-        self._open = None
+        self.order.end(name)
         if not self._measuring:
             return
         self._sync()
@@ -352,16 +324,9 @@ class PerseusOptimizer(Callback):
         """Check the schedule was used up, report if due, and swap in a newer version."""
         if self._clocks is not None and self._clocks.error is not None:
             raise self._clocks.error  # before a step run at wrong clocks could be reported
-        if self._open is not None:
-            raise self._misuse("on_step_end()")
-        leftover = next(self._iter, None)
-        if leftover is not None:
-            raise ScheduleError(
-                f"rank {self.rank}: step ended but schedule version {self.schedule.version} "
-                f"still expects {leftover[0]!r} at {leftover[1]} MHz"
-            )
+        in_step = self.order.end_step()
         self.steps += 1
-        if self._in_step and self._measuring:
+        if in_step and self._measuring:
             self._sync()
             self.syncs += 1
             self._iter_time.append(self._clock() - self._step_time)
@@ -370,7 +335,6 @@ class PerseusOptimizer(Callback):
                 self._breakdown.setdefault(name, []).append(times)
             for name, marks in self._step_marks.items():
                 self._mark_breakdown.setdefault(name, []).append(marks)
-        self._in_step = False
         self._measuring = False
         if not self._reported and len(self._iter_time) >= self.report_every:
             # The window's lists are not touched again: a swap replaces them.
@@ -399,27 +363,15 @@ class PerseusOptimizer(Callback):
         newer = self.watcher.take()
         if newer is not None:
             self._swap(newer)
-        self._iter = iter(self.schedule.frequencies)
+        self.order.restart(self.schedule)
 
     def abandon_step(self) -> None:
         """Forget the step in progress, e.g. one that raised: nothing of it is measured.
 
         The next :meth:`on_step_begin` starts again at the schedule's first instruction.
         """
-        self._in_step = False
         self._measuring = False
-        self._open = None
-        self._iter = iter(self.schedule.frequencies)
-
-    def _misuse(self, call: str) -> ScheduleError:
-        """The error for a hook called out of order, saying what the hook expected."""
-        if not self._in_step:
-            expected = "no step is open: call on_step_begin() first"
-        elif self._open is None:
-            expected = "no instruction is open"
-        else:
-            expected = f"{self._open!r} is still open: call on_instruction_end({self._open!r})"
-        return ScheduleError(f"rank {self.rank}: {call}, but {expected}")
+        self.order.abandon()
 
     def _resend_if_republished(self) -> None:
         """Send this version's result again if Redis lost the version and got it back."""

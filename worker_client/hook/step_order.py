@@ -1,0 +1,101 @@
+"""The order a training step must follow: the schedule's instructions, one open at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from protocol.exceptions import ScheduleError
+from protocol.models import FrequencySchedule
+
+
+class StepOrder:
+    """Checks a rank's hook calls against its schedule and gives each instruction's clock.
+
+    Args:
+        rank: The rank (for messages).
+        schedule: The schedule the next step runs.
+    """
+
+    def __init__(self, rank: int, schedule: FrequencySchedule) -> None:
+        self.rank = rank
+        self.in_step = False
+        self.open: str | None = None  # the instruction begun and not ended yet
+        self.restart(schedule)
+
+    def restart(self, schedule: FrequencySchedule) -> None:
+        """The next step starts at ``schedule``'s first instruction."""
+        self.schedule = schedule
+        self._iter: Iterator[tuple[str, int]] = iter(schedule.frequencies)
+
+    def begin_step(self) -> None:
+        """A step begins (a step begun again starts clean)."""
+        self.in_step = True
+        self.open = None
+
+    def begin(self, name: str) -> int:
+        """Instruction ``name`` begins: return its planned clock.
+
+        Raises:
+            ScheduleError: No step is open, another instruction is, or ``name`` is not the
+                instruction the schedule expects next.
+        """
+        if not self.in_step or self.open is not None:
+            raise self._misuse(f"on_instruction_begin({name!r})")
+        item = next(self._iter, None)
+        schedule = self.schedule
+        if item is None:
+            raise ScheduleError(
+                f"rank {self.rank}: instruction {name!r} but schedule version "
+                f"{schedule.version} has only {len(schedule.frequencies)} instructions"
+            )
+        expected, frequency = item
+        if expected != name:
+            raise ScheduleError(
+                f"rank {self.rank}: expected instruction {expected!r} but got {name!r} "
+                f"(schedule version {schedule.version})"
+            )
+        self.open = name
+        return frequency
+
+    def end(self, name: str) -> None:
+        """Instruction ``name`` ends.
+
+        Raises:
+            ScheduleError: It is not the instruction open.
+        """
+        if self.open != name:
+            raise self._misuse(f"on_instruction_end({name!r})")
+        self.open = None
+
+    def end_step(self) -> bool:
+        """The step ends: return whether one was open.
+
+        Raises:
+            ScheduleError: An instruction is still open, or the schedule expects more.
+        """
+        if self.open is not None:
+            raise self._misuse("on_step_end()")
+        leftover = next(self._iter, None)
+        if leftover is not None:
+            raise ScheduleError(
+                f"rank {self.rank}: step ended but schedule version {self.schedule.version} "
+                f"still expects {leftover[0]!r} at {leftover[1]} MHz"
+            )
+        was_open, self.in_step = self.in_step, False
+        return was_open
+
+    def abandon(self) -> None:
+        """Forget the step in progress; the next one starts at the first instruction."""
+        self.in_step = False
+        self.open = None
+        self.restart(self.schedule)
+
+    def _misuse(self, call: str) -> ScheduleError:
+        """The error for a hook called out of order, saying what was expected."""
+        if not self.in_step:
+            expected = "no step is open: call on_step_begin() first"
+        elif self.open is None:
+            expected = "no instruction is open"
+        else:
+            expected = f"{self.open!r} is still open: call on_instruction_end({self.open!r})"
+        return ScheduleError(f"rank {self.rank}: {call}, but {expected}")
