@@ -245,3 +245,25 @@ def test_full_form_replicas_must_agree(
     message = str(info.value)
     assert message.startswith(f"{path}:{line}: field '{field}': ")
     assert words in message
+
+
+def test_utf8_byte_order_mark_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + (HEADER + "0,forward,1980,0.1,1\n").encode())
+    assert read_profile_csv(path).table[(0, "forward")] == {1980: (0.1, 1.0)}
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        ((HEADER + "0,forward,1980,0.1,1\n").encode("utf-16"), "is UTF-16 text"),
+        (HEADER.encode() + b"0,forward,1980,0.1,\xff\n", "not UTF-8 text (invalid start byte"),
+    ],
+)
+def test_not_utf8_names_the_file(tmp_path: Path, data: bytes, words: str) -> None:
+    path = tmp_path / "wide.csv"
+    path.write_bytes(data)
+    with pytest.raises(ConfigError) as info:
+        read_profile_csv(path)
+    assert str(info.value).startswith(f"{path}: profile ")
+    assert words in str(info.value)

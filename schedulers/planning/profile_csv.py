@@ -330,9 +330,16 @@ def read_profile_csv(path: str | Path, num_stages: int | None = None) -> Instruc
     """
     where = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read profile {where}: {exc.strerror or exc}") from None
+    try:
+        # utf-8-sig: a spreadsheet's "CSV UTF-8" export starts with a byte order mark.
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+        found = "UTF-16 text" if utf16 else f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        raise ConfigError(f"{where}: profile is {found}; save it as UTF-8 (CSV UTF-8)") from None
     records = list(csv.reader(text.splitlines()))
     if not records or not any(cell.strip() for cell in records[0]):
         raise ConfigError(f"{where}:1: empty file or header; expected {','.join(SHORT_COLUMNS)}")
