@@ -24,6 +24,8 @@ import inspect
 from collections.abc import Generator
 from typing import Any
 
+from pydantic import PydanticSchemaGenerationError, TypeAdapter, ValidationError
+
 from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 
@@ -232,7 +234,15 @@ def resolve_scheduler(name: str) -> type[FrequencyScheduler]:
 
 
 def check_scheduler_args(name: str, args: dict[str, Any]) -> None:
-    """Check that ``args`` fit the scheduler's constructor, with a clear error if not."""
+    """Check that ``args`` fit the scheduler's constructor, with a clear error if not.
+
+    Each argument must be a parameter of the constructor and of its annotated type, without
+    conversion (a string is not a number, a bool is not an int; an int is a float); then the
+    scheduler's :meth:`FrequencyScheduler.check_args` judges the values.
+
+    Raises:
+        ConfigError: Naming the scheduler, the argument and what it expects.
+    """
     cls = resolve_scheduler(name)
     if "pfo_settings" in inspect.signature(cls).parameters:
         raise ConfigError(
@@ -250,7 +260,68 @@ def check_scheduler_args(name: str, args: dict[str, Any]) -> None:
             f"invalid scheduler_args {sorted(args)} for scheduler {name}: {exc} "
             f"(it takes: {', '.join(params) or 'nothing'})"
         ) from None
+    adapters = _argument_adapters(name)
+    for arg, value in args.items():
+        if arg not in adapters:
+            continue
+        expected, adapter = adapters[arg]
+        try:
+            # Strict: "8" is not 8 and True is not 1. The values are checked, not converted:
+            # the constructor gets them as they came (an int where a float is annotated too).
+            adapter.validate_python(value, strict=True)
+        except ValidationError as exc:
+            errors = exc.errors()
+            detail = ""
+            if len(errors) == 1 and errors[0]["loc"]:  # Several: one per member of a union.
+                where = "".join(f"[{part!r}]" for part in errors[0]["loc"])
+                detail = f" ({arg}{where}: {errors[0]['msg'].lower()})"
+            raise ConfigError(
+                f"scheduler {name}: argument {arg!r} must be {expected}, got "
+                f"{_short(value)} ({type(value).__name__}){detail}"
+            ) from None
     cls.check_args(args)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type) and not getattr(annotation, "__args__", None):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+@functools.lru_cache(maxsize=256)
+def _argument_adapters(name: str) -> dict[str, tuple[str, TypeAdapter[Any]]]:
+    """Argument name -> (type as text, validator) from scheduler ``name``'s constructor.
+
+    Annotations are evaluated in the constructor's module, as :func:`typing.get_type_hints`
+    does (3D wrappers carry their scheduler's evaluated signature). A parameter without an
+    annotation, or whose annotation cannot be evaluated or validated (a name imported only for
+    type checkers, an arbitrary class), is left unchecked: the constructor is its judge.
+    """
+    try:
+        signature = inspect.signature(resolve_scheduler(name), eval_str=True)
+    except Exception:  # Any annotation that fails: check none rather than refuse.
+        return {}
+    out: dict[str, tuple[str, TypeAdapter[Any]]] = {}
+    for param in signature.parameters.values():
+        annotation = param.annotation
+        if (
+            param.name in ("job_info", "rank_infos")
+            or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+            or annotation is param.empty
+            or isinstance(annotation, str)
+            or annotation is Any
+        ):
+            continue
+        try:
+            out[param.name] = (_type_name(annotation), TypeAdapter(annotation))
+        except (PydanticSchemaGenerationError, TypeError):
+            continue
+    return out
 
 
 def build_scheduler(
