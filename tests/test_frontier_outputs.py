@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -12,7 +13,12 @@ from click.testing import CliRunner
 
 from protocol.exceptions import ConfigError
 from schedulers.planning.choose import POLICIES, choose_plan, select_point
-from schedulers.planning.frontier_files import FrontierPoint, load_frontier, mark_dominated
+from schedulers.planning.frontier_files import (
+    Frontier,
+    FrontierPoint,
+    load_frontier,
+    mark_dominated,
+)
 from schedulers.planning.pipeline_dag import PipelineShape
 from schedulers.planning.plan_file import read_plan_file
 from schedulers.planning.planner import plan_frontier
@@ -90,6 +96,34 @@ def test_allmax_has_its_own_file(tmp_path: Path) -> None:
     (out / "allmax.csv").unlink()
     with pytest.raises(ConfigError, match=r"allmax\.csv: missing"):
         load_frontier(out)
+
+
+def test_a_frontier_with_every_plan_dominated_is_refused_naming_the_file(tmp_path: Path) -> None:
+    # A truncated or hand-edited frontier.csv: perseus choose and the coordinator's start
+    # check (FrontierScheduler.check_files) said "min() arg is an empty sequence".
+    from schedulers.frontier import FrontierScheduler
+
+    out = tmp_path / "out"
+    plan_frontier(synthetic_profile(2, stride=12), 2, 4, out_dir=out, unit_time=0.002)
+    path = out / "frontier.csv"
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        row["dominated"] = "1"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    words = f"{path}: every one of its {len(rows)} plans is marked dominated"
+    res = CliRunner().invoke(_cli(), ["choose", str(out), "--policy", "no-slowdown"])
+    assert res.exit_code != 0 and words in res.output, res.output
+    with pytest.raises(ConfigError, match=r"every one of its \d+ plans is marked dominated"):
+        FrontierScheduler.check_files({"frontier_dir": str(out)})
+    # A Frontier built in code with no such plan: the same kind of error, not min()'s.
+    allmax = _point("allmax", 1.0, 10.0)
+    frontier = Frontier(out, [replace(_point("00000", 2.0, 9.0), dominated=True)], allmax)
+    with pytest.raises(ConfigError, match=r"frontier\.csv: no plan that is not dominated"):
+        select_point(frontier, "min-energy")
 
 
 def _point(plan: str, t: float, e: float) -> FrontierPoint:

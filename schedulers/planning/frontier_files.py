@@ -303,6 +303,12 @@ def load_frontier(out_dir: str | Path) -> Frontier:
     points = sorted(_read_rows(out / FRONTIER_CSV, "plan"), key=lambda p: p.index)
     if not points:
         raise ConfigError(f"{out / FRONTIER_CSV}: no plans")
+    if all(p.dominated for p in points):
+        raise ConfigError(
+            f"{out / FRONTIER_CSV}: every one of its {len(points)} plans is marked dominated "
+            "(column 'dominated' = 1), so no policy has a plan to choose; perseus optimize "
+            "leaves at least one at 0 (was the file truncated or edited? run it again)"
+        )
     allmax = _read_rows(out / ALLMAX_CSV, ALLMAX)
     if len(allmax) != 1:
         raise ConfigError(
