@@ -194,6 +194,7 @@ class FrontierScheduler(FrequencyScheduler):
             self._ranks,
             stage_of=lambda info: info.pp_rank,
             name="FrontierScheduler",
+            real_job=getattr(self, "real_job_info", None),  # Set by the 3D wrapper.
         )
         self._plans[point.plan] = plan
         return plan
