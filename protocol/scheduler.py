@@ -21,10 +21,12 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import types
+import typing
 from collections.abc import Generator
 from typing import Any
 
-from pydantic import PydanticSchemaGenerationError, TypeAdapter, ValidationError
+from pydantic import PydanticUserError, TypeAdapter, ValidationError
 
 from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
@@ -288,26 +290,51 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def _type_name(annotation: Any) -> str:
-    if isinstance(annotation, type) and not getattr(annotation, "__args__", None):
+    """``str | None``, ``list[int]``, ``ThenArgs`` (a TypedDict, by its name)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return "None"
+    if isinstance(annotation, type) and not typing.get_args(annotation):
         return annotation.__name__
     return str(annotation).replace("typing.", "")
+
+
+def constructor_signature(cls: type[FrequencyScheduler]) -> inspect.Signature:
+    """The scheduler's constructor signature, each annotation evaluated where it can be.
+
+    As :func:`typing.get_type_hints` does, annotations (strings under ``from __future__ import
+    annotations``) are evaluated in the constructor's module, but one at a time: an annotation
+    naming what only type checkers import stays a string, and the others still count. A class
+    that sets ``__signature__`` (the 3D wrappers, which evaluate their scheduler's with this
+    function) is taken as it is.
+    """
+    signature = inspect.signature(cls)
+    if "__signature__" in vars(cls):
+        return signature
+    namespace = getattr(inspect.unwrap(cls.__init__), "__globals__", {})
+    params = []
+    for param in signature.parameters.values():
+        annotation = param.annotation
+        if isinstance(annotation, str):
+            try:
+                annotation = eval(annotation, dict(namespace))  # The module's own code.
+            except Exception:  # A name imported only for type checkers: left unchecked.
+                pass
+        params.append(param.replace(annotation=annotation))
+    return signature.replace(parameters=params)
 
 
 @functools.lru_cache(maxsize=256)
 def _argument_adapters(name: str) -> dict[str, tuple[str, TypeAdapter[Any]]]:
     """Argument name -> (type as text, validator) from scheduler ``name``'s constructor.
 
-    Annotations are evaluated in the constructor's module, as :func:`typing.get_type_hints`
-    does (3D wrappers carry their scheduler's evaluated signature). A parameter without an
-    annotation, or whose annotation cannot be evaluated or validated (a name imported only for
-    type checkers, an arbitrary class), is left unchecked: the constructor is its judge.
+    A parameter without an annotation, or whose annotation cannot be evaluated or validated
+    (a name imported only for type checkers, an arbitrary class), is left unchecked: the
+    constructor is its judge.
     """
-    try:
-        signature = inspect.signature(resolve_scheduler(name), eval_str=True)
-    except Exception:  # Any annotation that fails: check none rather than refuse.
-        return {}
     out: dict[str, tuple[str, TypeAdapter[Any]]] = {}
-    for param in signature.parameters.values():
+    for param in constructor_signature(resolve_scheduler(name)).parameters.values():
         annotation = param.annotation
         if (
             param.name in ("job_info", "rank_infos")
@@ -319,7 +346,7 @@ def _argument_adapters(name: str) -> dict[str, tuple[str, TypeAdapter[Any]]]:
             continue
         try:
             out[param.name] = (_type_name(annotation), TypeAdapter(annotation))
-        except (PydanticSchemaGenerationError, TypeError):
+        except (PydanticUserError, TypeError):  # e.g. typing.TypedDict before Python 3.12
             continue
     return out
 

@@ -125,6 +125,22 @@ def test_good_arguments_still_pass(profile: str) -> None:
         check_scheduler_args("tests.toy_schedulers:StepDown", {"delay": "x"})
 
 
+def test_a_typed_dict_argument_is_checked_key_by_key() -> None:
+    # What InstructionProfiler's `then` could be annotated with to have p2p_power checked too.
+    name = "tests.toy_schedulers:TypedArgs"
+    with pytest.raises(ConfigError) as info:
+        check_scheduler_args(name, {"then": {"out_dir": "o", "p2p_power": "abc"}})
+    assert str(info.value) == (
+        f"scheduler {name}: argument 'then' must be ThenArgs | None, got "
+        "{'out_dir': 'o', 'p2p_power': 'abc'} (dict) "
+        "(then['p2p_power']: input should be a valid number)"
+    )
+    with pytest.raises(ConfigError, match=r"then\['out_dir'\]: field required"):
+        check_scheduler_args(name, {"then": {}})
+    # An annotation only type checkers can evaluate leaves the arguments to the constructor.
+    check_scheduler_args(name, {"then": {"out_dir": "o", "p2p_power": 70}, "where": 5})
+
+
 def test_coordinator_start_names_the_argument(redis_url: str) -> None:
     result = CliRunner().invoke(
         main,
