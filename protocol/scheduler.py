@@ -21,8 +21,12 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import types
+import typing
 from collections.abc import Generator
 from typing import Any
+
+from pydantic import PydanticUserError, TypeAdapter, ValidationError
 
 from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
@@ -242,7 +246,15 @@ def resolve_scheduler(name: str) -> type[FrequencyScheduler]:
 
 
 def check_scheduler_args(name: str, args: dict[str, Any]) -> None:
-    """Check that ``args`` fit the scheduler's constructor, with a clear error if not."""
+    """Check that ``args`` fit the scheduler's constructor, with a clear error if not.
+
+    Each argument must be a parameter of the constructor and of its annotated type, without
+    conversion (a string is not a number, a bool is not an int; an int is a float); then the
+    scheduler's :meth:`FrequencyScheduler.check_args` judges the values.
+
+    Raises:
+        ConfigError: Naming the scheduler, the argument and what it expects.
+    """
     cls = resolve_scheduler(name)
     if "pfo_settings" in inspect.signature(cls).parameters:
         raise ConfigError(
@@ -260,7 +272,93 @@ def check_scheduler_args(name: str, args: dict[str, Any]) -> None:
             f"invalid scheduler_args {sorted(args)} for scheduler {name}: {exc} "
             f"(it takes: {', '.join(params) or 'nothing'})"
         ) from None
+    adapters = _argument_adapters(name)
+    for arg, value in args.items():
+        if arg not in adapters:
+            continue
+        expected, adapter = adapters[arg]
+        try:
+            # Strict: "8" is not 8 and True is not 1. The values are checked, not converted:
+            # the constructor gets them as they came (an int where a float is annotated too).
+            adapter.validate_python(value, strict=True)
+        except ValidationError as exc:
+            errors = exc.errors()
+            detail = ""
+            if len(errors) == 1 and errors[0]["loc"]:  # Several: one per member of a union.
+                where = "".join(f"[{part!r}]" for part in errors[0]["loc"])
+                detail = f" ({arg}{where}: {errors[0]['msg'].lower()})"
+            raise ConfigError(
+                f"scheduler {name}: argument {arg!r} must be {expected}, got "
+                f"{_short(value)} ({type(value).__name__}){detail}"
+            ) from None
     cls.check_args(args)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _type_name(annotation: Any) -> str:
+    """``str | None``, ``list[int]``, ``ThenArgs`` (a TypedDict, by its name)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return "None"
+    if isinstance(annotation, type) and not typing.get_args(annotation):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def constructor_signature(cls: type[FrequencyScheduler]) -> inspect.Signature:
+    """The scheduler's constructor signature, each annotation evaluated where it can be.
+
+    As :func:`typing.get_type_hints` does, annotations (strings under ``from __future__ import
+    annotations``) are evaluated in the constructor's module, but one at a time: an annotation
+    naming what only type checkers import stays a string, and the others still count. A class
+    that sets ``__signature__`` (the 3D wrappers, which evaluate their scheduler's with this
+    function) is taken as it is.
+    """
+    signature = inspect.signature(cls)
+    if "__signature__" in vars(cls):
+        return signature
+    namespace = getattr(inspect.unwrap(cls.__init__), "__globals__", {})
+    params = []
+    for param in signature.parameters.values():
+        annotation = param.annotation
+        if isinstance(annotation, str):
+            try:
+                annotation = eval(annotation, dict(namespace))  # The module's own code.
+            except Exception:  # A name imported only for type checkers: left unchecked.
+                pass
+        params.append(param.replace(annotation=annotation))
+    return signature.replace(parameters=params)
+
+
+@functools.lru_cache(maxsize=256)
+def _argument_adapters(name: str) -> dict[str, tuple[str, TypeAdapter[Any]]]:
+    """Argument name -> (type as text, validator) from scheduler ``name``'s constructor.
+
+    A parameter without an annotation, or whose annotation cannot be evaluated or validated
+    (a name imported only for type checkers, an arbitrary class), is left unchecked: the
+    constructor is its judge.
+    """
+    out: dict[str, tuple[str, TypeAdapter[Any]]] = {}
+    for param in constructor_signature(resolve_scheduler(name)).parameters.values():
+        annotation = param.annotation
+        if (
+            param.name in ("job_info", "rank_infos")
+            or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+            or annotation is param.empty
+            or isinstance(annotation, str)
+            or annotation is Any
+        ):
+            continue
+        try:
+            out[param.name] = (_type_name(annotation), TypeAdapter(annotation))
+        except (PydanticUserError, TypeError):  # e.g. typing.TypedDict before Python 3.12
+            continue
+    return out
 
 
 def build_scheduler(

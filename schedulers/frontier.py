@@ -34,11 +34,11 @@ from typing import Any
 
 from protocol.exceptions import ConfigError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
-from protocol.pipeline_schedules import DEFAULT_SCHEDULE
+from protocol.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule
 from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos, make_3d_parallel
 from schedulers.planning.choose import parse_policy, select_point
-from schedulers.planning.frontier_compute import ComputedFrontier, compute_frontier
+from schedulers.planning.frontier_compute import SOLVERS, ComputedFrontier, compute_frontier
 from schedulers.planning.frontier_files import Frontier, FrontierPoint, load_frontier
 from schedulers.planning.frontier_plans import plan_from_log
 from schedulers.planning.plan_file import PlanFile, read_plan_file
@@ -96,15 +96,15 @@ class FrontierScheduler(FrequencyScheduler):
         schedule: str = DEFAULT_SCHEDULE,
     ) -> None:
         super().__init__(job_info, rank_infos)
+        args = {"frontier_dir": frontier_dir, "policy": policy, "policy_arg": policy_arg}
+        args |= {"profile": profile, "microbatches": microbatches, "unit_time": unit_time}
+        self.check_args(args | {"p2p_power": p2p_power, "solver": solver, "schedule": schedule})
         self.frontier_dir = frontier_dir
         self.policy, self.policy_arg = parse_policy(policy, policy_arg)
         self._ranks = check_rank_infos(job_info, rank_infos)
         self._computed: ComputedFrontier | None = None
-        if (frontier_dir is None) == (profile is None):
-            raise ConfigError("FrontierScheduler needs exactly one of frontier_dir and profile")
         if profile is not None:
-            if microbatches is None:
-                raise ConfigError("FrontierScheduler: profile needs microbatches")
+            assert microbatches is not None  # check_args
             self._computed = compute_frontier(
                 read_profile_csv(profile, num_stages=job_info.pp_degree),
                 job_info.pp_degree,
@@ -125,6 +125,44 @@ class FrontierScheduler(FrequencyScheduler):
         self.current: FrontierPoint = point
 
     server_path_args = frozenset({"frontier_dir", "profile"})
+
+    @classmethod
+    def check_args(cls, args: dict[str, Any]) -> None:
+        """Check what needs no file: one source, the policy, the planning arguments.
+
+        With ``profile``: ``microbatches`` given and >= 1, a known solver and schedule,
+        ``unit_time`` > 0, ``p2p_power`` >= 0. The types were checked against the constructor's
+        annotations before (:func:`protocol.scheduler.check_scheduler_args`).
+        """
+        name = cls.__name__
+        given = [k for k in ("frontier_dir", "profile") if args.get(k) is not None]
+        if len(given) != 1:
+            raise ConfigError(
+                f"{name}: needs exactly one of frontier_dir (a perseus optimize folder) and "
+                f"profile (a profile CSV to plan from); got {given or 'neither'}"
+            )
+        try:
+            parse_policy(args.get("policy", "no-slowdown"), args.get("policy_arg"))
+            check_schedule(args.get("schedule", DEFAULT_SCHEDULE))
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+        if args.get("profile") is None:
+            return
+        microbatches = args.get("microbatches")
+        if microbatches is None:
+            raise ConfigError(
+                f"{name}: profile needs microbatches (microbatches per iteration, as given to "
+                "perseus optimize --microbatches)"
+            )
+        if microbatches < 1:
+            raise ConfigError(f"{name}: microbatches must be >= 1, got {microbatches}")
+        if not args.get("unit_time", 0.001) > 0:
+            raise ConfigError(f"{name}: unit_time must be positive, got {args['unit_time']}")
+        if not args.get("p2p_power", 0.0) >= 0:
+            raise ConfigError(f"{name}: p2p_power must be >= 0 W, got {args['p2p_power']}")
+        solver = args.get("solver", "auto")
+        if solver not in SOLVERS:
+            raise ConfigError(f"{name}: unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
 
     @classmethod
     def check_files(cls, args: dict[str, Any]) -> None:
@@ -156,6 +194,7 @@ class FrontierScheduler(FrequencyScheduler):
             self._ranks,
             stage_of=lambda info: info.pp_rank,
             name="FrontierScheduler",
+            real_job=getattr(self, "real_job_info", None),  # Set by the 3D wrapper.
         )
         self._plans[point.plan] = plan
         return plan

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
-from protocol.scheduler import FrequencyScheduler
+from protocol.scheduler import FrequencyScheduler, constructor_signature
 
 S = TypeVar("S", bound=FrequencyScheduler)
 
@@ -252,8 +252,9 @@ def make_3d_parallel(sched_cls: type[S], name: str | None = None) -> type[S]:
         "__module__": sched_cls.__module__,
         "__qualname__": cls_name,
         # inspect.signature (and so registry.check_scheduler_args) reads this instead of the
-        # mixin's catch-all ``*args, **kwargs``.
-        "__signature__": inspect.signature(sched_cls),
+        # mixin's catch-all ``*args, **kwargs``; its annotations are evaluated in the
+        # scheduler's own module, for the check of argument types.
+        "__signature__": constructor_signature(sched_cls),
     }
     new_cls = type(cls_name, (_ThreeDParallel, sched_cls), namespace)
     return new_cls

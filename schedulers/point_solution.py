@@ -23,6 +23,7 @@ def check_plan_fits(
     ranks: list[RankInfo],
     stage_of: Callable[[RankInfo], int],
     name: str,
+    real_job: JobInfo | None = None,
 ) -> None:
     """Raise ConfigError unless ``plan`` has one line per rank and only supported clocks.
 
@@ -32,7 +33,17 @@ def check_plan_fits(
         ranks: The job's ranks.
         stage_of: Which plan line a rank runs.
         name: The scheduler, for the hint to use its 3D variant.
+        real_job: The job itself, when ``job`` is a 3D wrapper's pipeline view of it (the
+            message then describes the job the user started).
     """
+    if plan.num_stages != job.world_size and real_job is not None and real_job != job:
+        raise ConfigError(
+            f"{plan.source}: plan has {plan.num_stages} stage lists but job {real_job.job_id} "
+            f"needs {real_job.pp_degree}, one per pipeline stage (pp_degree="
+            f"{real_job.pp_degree}; its {real_job.world_size} ranks, dp_degree="
+            f"{real_job.dp_degree} x tp_degree={real_job.tp_degree} per stage, each run their "
+            "stage's list)"
+        )
     if plan.num_stages != job.world_size:
         hint = ""
         if job.dp_degree > 1 or job.tp_degree > 1:
@@ -94,6 +105,7 @@ class PointSolution(FrequencyScheduler):
             check_rank_infos(job_info, rank_infos),
             stage_of=lambda info: info.rank,
             name=type(self).__name__,
+            real_job=getattr(self, "real_job_info", None),  # Set by the 3D wrapper.
         )
 
     server_path_args = frozenset({"solution_path"})

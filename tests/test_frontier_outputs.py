@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -12,7 +13,12 @@ from click.testing import CliRunner
 
 from protocol.exceptions import ConfigError
 from schedulers.planning.choose import POLICIES, choose_plan, select_point
-from schedulers.planning.frontier_files import FrontierPoint, load_frontier, mark_dominated
+from schedulers.planning.frontier_files import (
+    Frontier,
+    FrontierPoint,
+    load_frontier,
+    mark_dominated,
+)
 from schedulers.planning.pipeline_dag import PipelineShape
 from schedulers.planning.plan_file import read_plan_file
 from schedulers.planning.planner import plan_frontier
@@ -92,6 +98,34 @@ def test_allmax_has_its_own_file(tmp_path: Path) -> None:
         load_frontier(out)
 
 
+def test_a_frontier_with_every_plan_dominated_is_refused_naming_the_file(tmp_path: Path) -> None:
+    # A truncated or hand-edited frontier.csv: perseus choose and the coordinator's start
+    # check (FrontierScheduler.check_files) said "min() arg is an empty sequence".
+    from schedulers.frontier import FrontierScheduler
+
+    out = tmp_path / "out"
+    plan_frontier(synthetic_profile(2, stride=12), 2, 4, out_dir=out, unit_time=0.002)
+    path = out / "frontier.csv"
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        row["dominated"] = "1"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    words = f"{path}: every one of its {len(rows)} plans is marked dominated"
+    res = CliRunner().invoke(_cli(), ["choose", str(out), "--policy", "no-slowdown"])
+    assert res.exit_code != 0 and words in res.output, res.output
+    with pytest.raises(ConfigError, match=r"every one of its \d+ plans is marked dominated"):
+        FrontierScheduler.check_files({"frontier_dir": str(out)})
+    # A Frontier built in code with no such plan: the same kind of error, not min()'s.
+    allmax = _point("allmax", 1.0, 10.0)
+    frontier = Frontier(out, [replace(_point("00000", 2.0, 9.0), dominated=True)], allmax)
+    with pytest.raises(ConfigError, match=r"frontier\.csv: no plan that is not dominated"):
+        select_point(frontier, "min-energy")
+
+
 def _point(plan: str, t: float, e: float) -> FrontierPoint:
     return FrontierPoint(plan, t, e, e, quant_time=0, file=f"freqs_pipeline_{plan}.py")
 
@@ -116,14 +150,16 @@ def test_dominated_plans_are_marked_and_never_chosen(tmp_path: Path) -> None:
     )
     fr = load_frontier(out)  # What readers see: the CSV's column.
     pts = fr.points
-    for p in pts:
+    stages = [read_plan_file(fr.path(p)).stages for p in pts]
+    for k, p in enumerate(pts):
         beaten = any(
             q.iteration_time <= p.iteration_time
             and q.energy_with_p2p <= p.energy_with_p2p
             and (q.iteration_time, q.energy_with_p2p) != (p.iteration_time, p.energy_with_p2p)
             for q in pts
         )
-        assert p.dominated == beaten, p
+        repeat = stages[k] in stages[:k]  # An earlier plan with the same clocks.
+        assert p.dominated == (beaten or repeat), p
     least = min(pts, key=lambda p: p.energy_with_p2p)
     slower = [p for p in pts if p.iteration_time > least.iteration_time]
     assert slower and all(p.dominated for p in slower)  # The case the issue names.
@@ -144,6 +180,32 @@ def test_dominated_plans_are_marked_and_never_chosen(tmp_path: Path) -> None:
                 continue  # An infeasible deadline.
             assert not point.dominated, (policy, value, point)
     assert choose_plan(out, "min-energy").plan == least.plan
+
+
+def test_a_plan_repeated_by_later_solver_steps_counts_once(tmp_path: Path) -> None:
+    # Solver steps are whole time units: consecutive steps can round to the same clocks. The
+    # first stays on the frontier, the repeats are marked dominated, and the count says so.
+    profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
+    out = tmp_path / "out"
+    printed = _optimize(profile, out, "--unit-time", "0.002", "--p2p-power", "70")
+    fr = load_frontier(out)
+    stages = [read_plan_file(fr.path(p)).stages for p in fr.points]
+    repeats = [k for k in range(len(stages)) if stages[k] in stages[:k]]
+    assert repeats  # This profile's solver steps repeat plans.
+    pareto = [stages[p.index] for p in fr.pareto]
+    assert all(pareto.count(s) == 1 for s in pareto)  # Each distinct plan once.
+    assert all(fr.points[k].dominated for k in repeats)
+    for k in repeats:  # Time and energies came from the clocks: the same as the first's.
+        first = fr.points[stages.index(stages[k])]
+        same = (first.iteration_time, first.energy, first.energy_with_p2p)
+        assert (
+            fr.points[k].iteration_time,
+            fr.points[k].energy,
+            fr.points[k].energy_with_p2p,
+        ) == same
+    summary = f"\n{len(pareto)} Pareto-optimal plans ({len(fr.points) - len(pareto)} dominated)"
+    assert summary in printed  # perseus optimize's summary line
+    assert fr.meta["num_dominated"] == len(fr.points) - len(pareto)
 
 
 def test_rerun_leaves_no_stale_files_and_images_are_named_alike(tmp_path: Path) -> None:

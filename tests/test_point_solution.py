@@ -178,3 +178,26 @@ def test_build_scheduler(plan4: tuple[Path, list[list[tuple[str, int]]]]) -> Non
 def test_a_scheduler_written_for_zeus_is_told_to_drop_pfo_settings() -> None:
     with pytest.raises(ConfigError, match=r"takes Zeus's pfo_settings.*drop that parameter"):
         check_scheduler_args("tests.toy_schedulers:ZeusStyle", {"pfo_settings": {}})
+
+
+def test_3d_wrong_stage_count_describes_the_real_job(
+    plan4: tuple[Path, list[list[tuple[str, int]]]], tmp_path: Path
+) -> None:
+    # The 3D wrapper's scheduler sees a pipeline view (world_size = pp, dp = tp = 1); the
+    # message said "needs 2, one per rank (pp_degree=2, dp_degree=1, ...)" for this 4-rank job.
+    path, _ = plan4
+    with pytest.raises(ConfigError) as info:
+        PointSolution3D(job(2, dp=2), ranks(2, dp=2), solution_path=str(path))
+    assert str(info.value) == (
+        f"{path}: plan has 4 stage lists but job job-1 needs 2, one per pipeline stage "
+        "(pp_degree=2; its 4 ranks, dp_degree=2 x tp_degree=1 per stage, each run their "
+        "stage's list)"
+    )
+    from schedulers.frontier import FrontierScheduler3D
+    from schedulers.planning.planner import plan_frontier
+    from schedulers.planning.synthetic_profile import synthetic_profile
+
+    out = tmp_path / "frontier2"
+    plan_frontier(synthetic_profile(2, stride=24), 2, 2, out_dir=out, unit_time=0.004)
+    with pytest.raises(ConfigError, match=r"job job-1 needs 3, one per pipeline stage .*6 ranks"):
+        FrontierScheduler3D(job(3, dp=2), ranks(3, dp=2), frontier_dir=str(out))

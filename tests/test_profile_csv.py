@@ -181,3 +181,89 @@ def test_build_profile_without_file() -> None:
         prof.time(0, "forward", 1234)
     with pytest.raises(ConfigError, match="no rows for stage 5"):
         prof.frequencies(5, "forward")
+
+
+def _full(*rows: str) -> str:
+    return FULL_HEADER + "".join(r + "\n" for r in rows)
+
+
+# rank,dp_rank,pp_rank,tp_rank,stage,instruction,frequency,time,energy
+@pytest.mark.parametrize(
+    ("text", "line", "field", "words"),
+    [
+        # dp replicas 0 and 1 of stage 0: rank 1 lacks forward at 1500 MHz (rank 0, line 3).
+        (
+            _full(
+                "0,0,0,0,0,forward,1980,0.1,1",
+                "0,0,0,0,0,forward,1500,0.2,1",
+                "1,1,0,0,0,forward,1980,0.1,1",
+            ),
+            3,
+            "frequency",
+            "rank 1 (forward rows from line 4) has no row at 1500 MHz, which rank 0 has (line 3)",
+        ),
+        # A rank with forward rows but no backward rows, while its replica has both.
+        (
+            _full(
+                "0,0,0,0,0,forward,1980,0.1,1",
+                "0,0,0,0,0,backward,1980,0.2,1",
+                "1,1,0,0,0,forward,1980,0.1,1",
+            ),
+            3,
+            "frequency",
+            "different backward clocks: rank 1 (no backward rows) has no row at 1980 MHz",
+        ),
+        # The same rank in two stages.
+        (
+            _full("0,0,0,0,0,forward,1980,0.1,1", "0,0,1,0,1,backward,1980,0.2,1"),
+            3,
+            "stage",
+            "rank 0 has stage 1 here but 0 at line 2",
+        ),
+        # The same rank with two tp ranks.
+        (
+            _full("0,0,0,0,0,forward,1980,0.1,1", "0,0,0,1,0,backward,1980,0.2,1"),
+            3,
+            "tp_rank",
+            "rank 0 has tp_rank 1 here but 0 at line 2",
+        ),
+        # Two ranks in one place.
+        (
+            _full("0,0,0,0,0,forward,1980,0.1,1", "1,0,0,0,0,forward,1980,0.1,1"),
+            3,
+            "rank",
+            "ranks 0 (line 2) and 1 have the same (dp_rank, pp_rank, tp_rank) = (0, 0, 0)",
+        ),
+    ],
+)
+def test_full_form_replicas_must_agree(
+    tmp_path: Path, text: str, line: int, field: str, words: str
+) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        read_profile_csv(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:{line}: field '{field}': ")
+    assert words in message
+
+
+def test_utf8_byte_order_mark_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + (HEADER + "0,forward,1980,0.1,1\n").encode())
+    assert read_profile_csv(path).table[(0, "forward")] == {1980: (0.1, 1.0)}
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        ((HEADER + "0,forward,1980,0.1,1\n").encode("utf-16"), "is UTF-16 text"),
+        (HEADER.encode() + b"0,forward,1980,0.1,\xff\n", "not UTF-8 text (invalid start byte"),
+    ],
+)
+def test_not_utf8_names_the_file(tmp_path: Path, data: bytes, words: str) -> None:
+    path = tmp_path / "wide.csv"
+    path.write_bytes(data)
+    with pytest.raises(ConfigError) as info:
+        read_profile_csv(path)
+    assert str(info.value).startswith(f"{path}: profile ")
+    assert words in str(info.value)

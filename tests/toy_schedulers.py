@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
+from typing import TYPE_CHECKING
+
+from typing_extensions import NotRequired, TypedDict
 
 from protocol.exceptions import ConfigError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from protocol.scheduler import FrequencyScheduler
 from schedulers.planning.plan_file import parse_plan_text
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 class StepDown(FrequencyScheduler):
@@ -154,3 +160,24 @@ class ZeusStyle(StepDown):
 
     def __init__(self, job_info: JobInfo, rank_infos: list[RankInfo], pfo_settings: object) -> None:
         super().__init__(job_info, rank_infos)
+
+
+class ThenArgs(TypedDict):
+    """A nested argument with typed keys (pydantic needs typing_extensions' TypedDict on 3.11)."""
+
+    out_dir: str
+    p2p_power: NotRequired[float]
+
+
+class TypedArgs(StepDown):
+    """StepDown with a TypedDict argument and one annotated with a type-checking-only name."""
+
+    def __init__(
+        self,
+        job_info: JobInfo,
+        rank_infos: list[RankInfo],
+        then: ThenArgs | None = None,
+        where: Path | None = None,
+    ) -> None:
+        super().__init__(job_info, rank_infos)
+        self.then = then

@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.exceptions import ConfigError
-from schedulers.planning.frontier_files import Frontier, FrontierPoint, load_frontier
+from schedulers.planning.frontier_files import (
+    FRONTIER_CSV,
+    Frontier,
+    FrontierPoint,
+    load_frontier,
+)
 
 POLICIES = ("no-slowdown", "min-energy", "max-slowdown", "deadline", "straggler")
 _NEEDS_VALUE = {"max-slowdown": "FACTOR", "deadline": "SECONDS", "straggler": "SECONDS"}
@@ -137,6 +142,8 @@ def select_point(
     """
     name, value = parse_policy(policy, value)
     points = frontier.pareto
+    if not points:  # load_frontier refuses such a file; a Frontier built in code may be one.
+        raise ConfigError(f"{frontier.out_dir / FRONTIER_CSV}: no plan that is not dominated")
     fastest = min(points, key=lambda p: (p.iteration_time, p.energy_with_p2p))
     base = frontier.allmax.iteration_time
     if name == "min-energy":

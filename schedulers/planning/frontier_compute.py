@@ -15,6 +15,7 @@ rq task. The solvers (``solver=``) compute the same frontier:
 from __future__ import annotations
 
 import time as _time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,7 +229,7 @@ def compute_frontier(
         )
         for k in range(result.num_points)
     ]
-    points = mark_dominated(points)
+    points = mark_dominated(points, repeated_plans(problem, result, points))
     # Reference: every instruction at its highest profiled clock, as without Perseus.
     max_clock = {key: max(tab) for key, tab in profile.table.items()}
     allmax = _evaluate(
@@ -240,6 +241,35 @@ def compute_frontier(
         unit_time,
     )
     return ComputedFrontier(problem, result, points, allmax, solver_name, p2p_power, timings)
+
+
+def repeated_plans(
+    problem: CoreProblem, result: CoreResult, points: list[FrontierPoint]
+) -> set[int]:
+    """Indices of points whose clocks are an earlier point's, exactly.
+
+    The solver's steps are in whole time units; two steps can round to the same clocks (and so
+    the same time and energies, with different ``quant_time``). Only points equal in time and
+    energies are compared, by clocks.
+    """
+
+    def same(p: FrontierPoint) -> tuple[float, float, float]:
+        return (p.iteration_time, p.energy, p.energy_with_p2p)
+
+    counts = Counter(same(p) for p in points)
+    seen: dict[tuple[float, float, float], set[tuple[int, ...]]] = {}
+    out: set[int] = set()
+    options = list(result.initial)
+    for k, point in enumerate(points):
+        for node, option in result.deltas[k]:
+            options[node] = option
+        if counts[same(point)] > 1:
+            clocks = tuple(problem.knob(v, o) for v, o in enumerate(options))
+            earlier = seen.setdefault(same(point), set())
+            if clocks in earlier:
+                out.add(k)
+            earlier.add(clocks)
+    return out
 
 
 def _evaluate(

@@ -19,8 +19,10 @@
     ``iteration_time`` by less than ``rounding_bound`` (see ``frontier.json``);
   - ``model_cost``: the fitted cost models' total (what the solver minimises), J;
   - ``dominated``: ``1`` if another plan is no slower and uses no more energy
-    (``energy_with_p2p``), one of them strictly; such a plan is not on the Pareto frontier in
-    the time and energy shown, and no policy chooses it. ``0`` otherwise;
+    (``energy_with_p2p``), one of them strictly, or if the plan repeats an earlier plan's
+    clocks exactly (consecutive solver steps can round to the same clocks; the first is
+    kept); such a plan is not on the Pareto frontier in the time and energy shown, and no
+    policy chooses it. ``0`` otherwise;
   - ``file``: the plan file name;
 
 * ``allmax.csv``: the same columns, one ``allmax`` row: every instruction at its highest
@@ -38,6 +40,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -163,11 +166,18 @@ class Frontier:
         raise ConfigError(f"{self.out_dir / FRONTIER_CSV}: no plan {plan!r}")
 
 
-def mark_dominated(points: list[FrontierPoint]) -> list[FrontierPoint]:
+def mark_dominated(
+    points: list[FrontierPoint], repeats: Collection[int] = ()
+) -> list[FrontierPoint]:
     """Return ``points`` with ``dominated`` set (see the module docstring), in the same order.
 
     A plan is dominated if another is no slower and uses no more ``energy_with_p2p``, one of
-    the two strictly; plans equal in both are kept.
+    the two strictly; plans equal in both are kept, except those listed in ``repeats``.
+
+    Args:
+        points: The plans.
+        repeats: Indices into ``points`` of plans that repeat an earlier plan exactly (same
+            clocks), marked dominated so that the frontier counts each plan once.
     """
     order = sorted(
         range(len(points)), key=lambda i: (points[i].iteration_time, points[i].energy_with_p2p)
@@ -183,7 +193,7 @@ def mark_dominated(points: list[FrontierPoint]) -> list[FrontierPoint]:
         group_min = points[order[k]].energy_with_p2p  # Sorted by energy within a time.
         for i in order[k:j]:
             e = points[i].energy_with_p2p
-            flags[i] = before <= e or group_min < e
+            flags[i] = before <= e or group_min < e or i in repeats
         before = min(before, group_min)
         k = j
     return [replace(p, dominated=f) for p, f in zip(points, flags, strict=True)]
@@ -293,6 +303,12 @@ def load_frontier(out_dir: str | Path) -> Frontier:
     points = sorted(_read_rows(out / FRONTIER_CSV, "plan"), key=lambda p: p.index)
     if not points:
         raise ConfigError(f"{out / FRONTIER_CSV}: no plans")
+    if all(p.dominated for p in points):
+        raise ConfigError(
+            f"{out / FRONTIER_CSV}: every one of its {len(points)} plans is marked dominated "
+            "(column 'dominated' = 1), so no policy has a plan to choose; perseus optimize "
+            "leaves at least one at 0 (was the file truncated or edited? run it again)"
+        )
     allmax = _read_rows(out / ALLMAX_CSV, ALLMAX)
     if len(allmax) != 1:
         raise ConfigError(

@@ -10,8 +10,10 @@ Two forms are accepted, told apart by the header (columns may come in any order)
 repetitions by the profiler. In the full form, the data- and tensor-parallel replicas of one
 stage each report their own rows. The planner needs one figure per GPU of a stage, and every
 replica is its own GPU running the same instruction, so replicas are **averaged** (time and
-energy alike). This differs from merging the results of one *iteration* across a stage's ranks
-(time: max, energy: sum), which answers a different question (the whole stage's cost).
+energy alike), clock by clock: every replica of a stage must cover the same clocks, every rank
+must keep one (dp, pp, tp) place, and no two ranks may share one. This differs from merging
+the results of one *iteration* across a stage's ranks (time: max, energy: sum), which answers a
+different question (the whole stage's cost).
 
 Every problem raises :class:`~protocol.exceptions.ConfigError` naming the file, the line
 and the field, e.g. ``prof.csv:7: field 'time': must be positive, got -0.1``.
@@ -155,7 +157,8 @@ def build_profile(
 
     Raises:
         ConfigError: Two rows describe the same rank (or, in the short form, the same stage),
-            instruction and frequency.
+            instruction and frequency; or (rows with ranks) a rank's coordinates differ between
+            rows, two ranks share (dp, pp, tp), or replicas of a stage cover different clocks.
 
     """
     where = path or "profile"
@@ -174,6 +177,7 @@ def build_profile(
         acc[0] += row.time
         acc[1] += row.energy
         acc[2] += 1
+    _check_ranks(where, rows)
     table: ProfileTable = {}
     replicas: dict[tuple[int, str, int], int] = {}
     for (stage, inst, freq), (t, e, n) in sums.items():
@@ -182,6 +186,67 @@ def build_profile(
     return InstructionProfile(
         rows=list(rows), table=table, replicas=replicas, path=path, full_form=full_form
     )
+
+
+def _line(row: ProfileRow) -> str:
+    return f"line {row.line}" if row.line else "a row built in code"
+
+
+def _check_ranks(where: str, rows: Sequence[ProfileRow]) -> None:
+    """Check the rows that name their rank (the full form).
+
+    One place per rank, one rank per place, and the same clocks for every replica of a stage
+    (they are averaged clock by clock).
+    """
+    first: dict[int, ProfileRow] = {}  # rank -> its first row
+    place: dict[tuple[int | None, int, int | None], ProfileRow] = {}  # (dp, pp, tp) -> row
+    clocks: dict[tuple[int, str], dict[int, dict[int, ProfileRow]]] = {}
+    stage_ranks: dict[int, list[int]] = {}
+    for row in rows:
+        if row.rank is None:
+            continue
+        known = first.get(row.rank)
+        if known is None:
+            coords = (row.dp_rank, row.stage, row.tp_rank)
+            other = place.get(coords)
+            if other is not None:
+                raise ConfigError(
+                    f"{where}:{row.line}: field 'rank': ranks {other.rank} ({_line(other)}) "
+                    f"and {row.rank} have the same (dp_rank, pp_rank, tp_rank) = {coords}; "
+                    "every rank needs its own place"
+                )
+            first[row.rank] = place[coords] = row
+            stage_ranks.setdefault(row.stage, []).append(row.rank)
+        else:
+            for name in ("stage", "dp_rank", "tp_rank"):
+                was, now = getattr(known, name), getattr(row, name)
+                if was != now:
+                    raise ConfigError(
+                        f"{where}:{row.line}: field '{name}': rank {row.rank} has {name} {now} "
+                        f"here but {was} at {_line(known)}; a rank belongs to one stage "
+                        "and place"
+                    )
+        clocks.setdefault((row.stage, row.instruction), {}).setdefault(row.rank, {})[
+            row.frequency
+        ] = row
+    for (stage, inst), by_rank in sorted(clocks.items()):
+        union: dict[int, ProfileRow] = {}
+        for rank in stage_ranks[stage]:
+            for freq, row in by_rank.get(rank, {}).items():
+                union.setdefault(freq, row)
+        for rank in stage_ranks[stage]:
+            missing = sorted(set(union) - set(by_rank.get(rank, {})), reverse=True)
+            if missing:
+                have = union[missing[0]]
+                own = sorted(row.line for row in by_rank.get(rank, {}).values())
+                its = f"{inst} rows from line {own[0]}" if own else f"no {inst} rows"
+                raise ConfigError(
+                    f"{where}:{have.line}: field 'frequency': replicas of stage {stage} cover "
+                    f"different {inst} clocks: rank {rank} ({its}) has no row at "
+                    f"{', '.join(str(f) for f in missing)} MHz, which rank {have.rank} has "
+                    f"({_line(have)}); the replicas of a stage are averaged clock by clock, so "
+                    "profile every replica at the same clocks (or drop those rows)"
+                )
 
 
 def _fail(path: str, line: int, column: str, problem: str) -> ConfigError:
@@ -265,9 +330,16 @@ def read_profile_csv(path: str | Path, num_stages: int | None = None) -> Instruc
     """
     where = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read profile {where}: {exc.strerror or exc}") from None
+    try:
+        # utf-8-sig: a spreadsheet's "CSV UTF-8" export starts with a byte order mark.
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+        found = "UTF-16 text" if utf16 else f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        raise ConfigError(f"{where}: profile is {found}; save it as UTF-8 (CSV UTF-8)") from None
     records = list(csv.reader(text.splitlines()))
     if not records or not any(cell.strip() for cell in records[0]):
         raise ConfigError(f"{where}:1: empty file or header; expected {','.join(SHORT_COLUMNS)}")

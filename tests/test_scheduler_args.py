@@ -1,0 +1,159 @@
+"""Scheduler arguments are checked against the constructor's annotations and the scheduler's own
+rules when the coordinator starts and when a job registers: a wrong type or an unusable value is
+a ConfigError naming the scheduler and the argument, not a Python error in every job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from coordinator.cli import main
+from coordinator.job_config import job_config
+from protocol.exceptions import ConfigError
+from protocol.models import JobInfo, RegisterJob
+from protocol.scheduler import check_scheduler_args
+from schedulers.planning.profile_csv import write_profile_rows
+from tests.helpers import make_settings
+
+PROFILE_ROWS = [
+    (stage, inst, freq, (0.01 if inst == "forward" else 0.02) * 1980 / freq, 1.0)
+    for stage in range(2)
+    for inst in ("forward", "backward")
+    for freq in (1980, 1500, 1005)
+]
+
+
+@pytest.fixture
+def profile(tmp_path: Path) -> str:
+    """A valid 2-stage profile: the start check reads it (check_files) without complaint."""
+    path = tmp_path / "p2.csv"
+    write_profile_rows(path, PROFILE_ROWS)
+    return str(path)
+
+
+WRONG_TYPES = [
+    ("PointSolution", {"solution_path": 5}, "'solution_path' must be str | None, got 5 (int)"),
+    ("PointSolution3D", {"plan_text": ["x"]}, "'plan_text' must be str | None, got ['x'] (list)"),
+    ("InstructionProfiler", {"microbatches": "8"}, "'microbatches' must be int, got '8' (str)"),
+    ("InstructionProfiler", {"microbatches": True}, "'microbatches' must be int, got True (bool)"),
+    ("InstructionProfiler", {"microbatches": 8.0}, "'microbatches' must be int, got 8.0 (float)"),
+    (
+        "InstructionProfiler",
+        {"microbatches": 8, "then": "/x"},
+        "'then' must be dict[str, Any] | None, got '/x' (str)",
+    ),
+    (
+        "InstructionProfiler",
+        {"microbatches": 8, "frequencies": [1980, "1500"]},
+        "'frequencies' must be list[int] | None, got [1980, '1500'] (list) "
+        "(frequencies[1]: input should be a valid integer)",
+    ),
+    (
+        "FrontierScheduler3D",
+        {"frontier_dir": "d", "policy": "max-slowdown", "policy_arg": "1.05"},
+        "'policy_arg' must be float | None, got '1.05' (str)",
+    ),
+    (
+        "FrontierScheduler",
+        {"frontier_dir": "d", "unit_time": False},
+        "'unit_time' must be float, got False (bool)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "words"), WRONG_TYPES)
+def test_a_wrong_type_is_refused_naming_scheduler_argument_and_type(
+    name: str, args: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_scheduler_args(name, args)
+    assert str(info.value) == f"scheduler {name}: argument {words}"
+
+
+def test_a_job_sending_a_wrong_type_is_refused_at_registration() -> None:
+    settings = make_settings("redis://localhost:1", "")
+    message = RegisterJob(
+        request_id="r1",
+        job=JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2),
+        scheduler="InstructionProfiler",
+        scheduler_args={"microbatches": "8"},
+    )
+    with pytest.raises(ConfigError, match="'microbatches' must be int, got '8' \\(str\\)"):
+        job_config(settings, message)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        ({}, "needs exactly one of frontier_dir (a perseus optimize folder) and profile"),
+        ({"profile": ...}, "profile needs microbatches (microbatches per iteration"),
+        ({"profile": ..., "microbatches": 4, "solver": "bogus"}, "unknown solver 'bogus'; use"),
+        ({"profile": ..., "microbatches": 0}, "microbatches must be >= 1, got 0"),
+        ({"profile": ..., "microbatches": 4, "unit_time": 0}, "unit_time must be positive, got 0"),
+        ({"profile": ..., "microbatches": 4, "p2p_power": -1}, "p2p_power must be >= 0 W, got -1"),
+        ({"profile": ..., "microbatches": 4, "schedule": "zb"}, "unsupported pipeline schedule"),
+        ({"frontier_dir": "d", "policy": "fastest"}, "unknown policy 'fastest'"),
+    ],
+)
+def test_frontier_scheduler_start_check_catches_what_every_job_would_fail_on(
+    profile: str, args: dict[str, Any], words: str
+) -> None:
+    args = {k: profile if v is ... else v for k, v in args.items()}
+    for name in ("FrontierScheduler", "FrontierScheduler3D"):
+        settings = make_settings("redis://localhost:1", name, scheduler_args=args)
+        with pytest.raises(ConfigError) as info:
+            settings.check_scheduler()  # What the coordinator runs when it starts.
+        assert str(info.value).startswith(f"{name}: ")
+        assert words in str(info.value)
+
+
+def test_good_arguments_still_pass(profile: str) -> None:
+    # JSON numbers: an int is a float; None is "not given".
+    good = {"profile": profile, "microbatches": 4, "unit_time": 1, "p2p_power": 75}
+    make_settings("redis://localhost:1", "FrontierScheduler", scheduler_args=good).check_scheduler()
+    check_scheduler_args("FrontierScheduler3D", {"frontier_dir": "d", "policy_arg": None})
+    check_scheduler_args(
+        "InstructionProfiler",
+        {"microbatches": 8, "frequencies": [1980], "then": {"out_dir": "o", "p2p_power": 70}},
+    )
+    # A module:Class scheduler is checked the same way, from its own annotations.
+    check_scheduler_args("tests.toy_schedulers:StepDown", {"microbatches": 3, "delay": 0})
+    with pytest.raises(ConfigError, match="'delay' must be float, got 'x' \\(str\\)"):
+        check_scheduler_args("tests.toy_schedulers:StepDown", {"delay": "x"})
+
+
+def test_a_typed_dict_argument_is_checked_key_by_key() -> None:
+    # What InstructionProfiler's `then` could be annotated with to have p2p_power checked too.
+    name = "tests.toy_schedulers:TypedArgs"
+    with pytest.raises(ConfigError) as info:
+        check_scheduler_args(name, {"then": {"out_dir": "o", "p2p_power": "abc"}})
+    assert str(info.value) == (
+        f"scheduler {name}: argument 'then' must be ThenArgs | None, got "
+        "{'out_dir': 'o', 'p2p_power': 'abc'} (dict) "
+        "(then['p2p_power']: input should be a valid number)"
+    )
+    with pytest.raises(ConfigError, match=r"then\['out_dir'\]: field required"):
+        check_scheduler_args(name, {"then": {}})
+    # An annotation only type checkers can evaluate leaves the arguments to the constructor.
+    check_scheduler_args(name, {"then": {"out_dir": "o", "p2p_power": 70}, "where": 5})
+
+
+def test_coordinator_start_names_the_argument(redis_url: str) -> None:
+    result = CliRunner().invoke(
+        main,
+        [
+            "coordinator",
+            "--redis-url",
+            redis_url,
+            "--scheduler",
+            "PointSolution",
+            "--scheduler-args",
+            '{"solution_path": 5}',
+        ],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 2, result.output
+    assert "scheduler PointSolution: argument 'solution_path' must be str | None" in result.output
