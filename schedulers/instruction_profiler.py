@@ -33,10 +33,7 @@ finished). Paths are as seen by the rq workers.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
 import tempfile
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -55,17 +52,15 @@ from protocol.models import (
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule, stage_order
 from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos
-from schedulers.planning.choose import ChosenPlan, choose_plan, parse_policy
-from schedulers.planning.frontier_files import FRONTIER_CSV
-from schedulers.planning.plan_file import read_plan_file
-from schedulers.planning.planner import plan_frontier
-from schedulers.planning.profile_csv import read_profile_csv, write_profile_csv
-
-#: Marker file in a job's planner folder: the hash of the CSV and parameters it was planned from.
-PLAN_MARKER = ".instruction_profiler.json"
-#: The measured profile (full form) a job's planner folder is planned from.
-MEASURED_PROFILE = "measured_profile.csv"
-_THEN_KEYS = {"p2p_power", "unit_time", "policy", "policy_arg", "out_dir"}
+from schedulers.planning.choose import ChosenPlan
+from schedulers.planning.profile_csv import write_profile_csv
+from schedulers.profile_then import (
+    MEASURED_PROFILE,
+    ThenArgs,
+    check_then,
+    plan_in_folder,
+    write_if_changed,
+)
 
 Key = tuple[int, str]  # (stage, instruction)
 
@@ -159,6 +154,17 @@ class InstructionProfiler(FrequencyScheduler):
                 )
 
     @classmethod
+    def check_args(cls, args: dict[str, Any]) -> None:
+        """The counts, the schedule and ``then`` (at coordinator start and registration)."""
+        _check_counts(
+            args.get("microbatches", 1),
+            args.get("warmup_iters", 1),
+            args.get("stop_after_rises", 5),
+        )
+        check_schedule(args.get("schedule", DEFAULT_SCHEDULE))
+        check_then(args.get("then"))
+
+    @classmethod
     def sweep_versions(cls, args: dict[str, Any], frequencies: int) -> int | None:
         """One version per clock swept (every stage and instruction sweeps at once).
 
@@ -178,22 +184,17 @@ class InstructionProfiler(FrequencyScheduler):
         warmup_iters: int = 1,
         stop_after_rises: int = 5,
         frequencies: list[int] | None = None,
-        then: dict[str, Any] | None = None,
+        then: ThenArgs | None = None,
         out_path: str | None = None,
         schedule: str = DEFAULT_SCHEDULE,
     ) -> None:
         super().__init__(job_info, rank_infos)
         self.schedule = check_schedule(schedule)
-        if microbatches < 1:
-            raise ConfigError(f"microbatches must be >= 1, got {microbatches}")
-        if warmup_iters < 0:
-            raise ConfigError(f"warmup_iters must be >= 0, got {warmup_iters}")
-        if stop_after_rises < 1:
-            raise ConfigError(f"stop_after_rises must be >= 1, got {stop_after_rises}")
+        _check_counts(microbatches, warmup_iters, stop_after_rises)
         self.microbatches = microbatches
         self.warmup_iters = warmup_iters
         self.stop_after_rises = stop_after_rises
-        self.then = _check_then(then)
+        self.then = check_then(then)
         self.out_path = Path(out_path) if out_path is not None else None
         # A folder per job: two jobs of one coordinator plan side by side, each from its own
         # profile (one folder for all would let a job plan from, or overwrite, another's).
@@ -417,92 +418,25 @@ class InstructionProfiler(FrequencyScheduler):
         if paths:
             data = self.csv_bytes()
             for path in paths:
-                _write_if_changed(path, data)
+                write_if_changed(path, data)
 
     def _planned_schedules(self) -> list[FrequencySchedule]:
         """Plan from the CSV (unless cached), choose a plan, and give each rank its stage's line."""
         assert self.then is not None and self.plan_dir is not None
-        then = self.then
-        pp = self.job_info.pp_degree
-        out_dir = self.plan_dir
-        measured = out_dir / MEASURED_PROFILE
-        params = {
-            "num_stages": pp,
-            "num_microbatches": self.microbatches,
-            "p2p_power": then["p2p_power"],
-            "unit_time": then["unit_time"],
-            "schedule": self.schedule,
-        }
-        digest = hashlib.sha256(measured.read_bytes())
-        digest.update(json.dumps(params, sort_keys=True).encode())
-        key = digest.hexdigest()
-        marker = out_dir / PLAN_MARKER
-        if not (_marker_key(marker) == key and (out_dir / FRONTIER_CSV).is_file()):
-            marker.unlink(missing_ok=True)  # An interrupted planner run must not look cached.
-            profile = read_profile_csv(measured, num_stages=pp)
-            plan_frontier(
-                profile,
-                pp,
-                self.microbatches,
-                out_dir=out_dir,
-                p2p_power=then["p2p_power"],
-                unit_time=then["unit_time"],
-                schedule=self.schedule,
-            )
-            marker.write_text(
-                json.dumps({"key": key, "profile": str(measured), **params}, indent=1) + "\n"
-            )
-            self.planned = True
-        self.chosen = choose_plan(out_dir, then["policy"], then["policy_arg"])
-        plan = read_plan_file(self.chosen.file)
-        if plan.num_stages != pp:
-            raise ConfigError(f"{plan.source}: plan has {plan.num_stages} stages, job has {pp}")
+        self.chosen, plan, planned = plan_in_folder(
+            self.plan_dir, self.then, self.job_info.pp_degree, self.microbatches, self.schedule
+        )
+        self.planned = self.planned or planned
         return [
             FrequencySchedule(rank=info.rank, frequencies=list(plan.stages[info.pp_rank]))
             for info in self.ranks
         ]
 
 
-def _write_if_changed(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically; leave an identical file (and its mtime) alone."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_file() and path.read_bytes() == data:
-        return  # A replay: keep the file as it was.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _marker_key(marker: Path) -> str | None:
-    try:
-        return str(json.loads(marker.read_text())["key"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _check_then(then: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Validate ``then`` and fill in its defaults."""
-    if then is None:
-        return None
-    unknown = sorted(set(then) - _THEN_KEYS)
-    if unknown:
-        raise ConfigError(f"then: unknown key(s) {unknown}; use {sorted(_THEN_KEYS)}")
-    if not then.get("out_dir"):
-        raise ConfigError("then: 'out_dir' (the planner's output folder) is required")
-    p2p_power = float(then.get("p2p_power", 0.0))
-    unit_time = float(then.get("unit_time", 0.001))
-    if not p2p_power >= 0:
-        raise ConfigError(f"then: p2p_power must be >= 0 W, got {p2p_power}")
-    if not unit_time > 0:
-        raise ConfigError(f"then: unit_time must be positive, got {unit_time}")
-    raw_arg = then.get("policy_arg")
-    policy, policy_arg = parse_policy(
-        str(then.get("policy", "no-slowdown")), None if raw_arg is None else float(raw_arg)
-    )
-    return {
-        "out_dir": str(then["out_dir"]),
-        "p2p_power": p2p_power,
-        "unit_time": unit_time,
-        "policy": policy,
-        "policy_arg": policy_arg,
-    }
+def _check_counts(microbatches: int, warmup_iters: int, stop_after_rises: int) -> None:
+    if microbatches < 1:
+        raise ConfigError(f"microbatches must be >= 1, got {microbatches}")
+    if warmup_iters < 0:
+        raise ConfigError(f"warmup_iters must be >= 0, got {warmup_iters}")
+    if stop_after_rises < 1:
+        raise ConfigError(f"stop_after_rises must be >= 1, got {stop_after_rises}")

@@ -22,15 +22,11 @@ from protocol import keys
 from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, JobConfig, JobInfo, ProfilingResult, RankInfo
 from protocol.store import JobStore
-from schedulers.instruction_profiler import (
-    MEASURED_PROFILE,
-    PLAN_MARKER,
-    PROFILE_ARTIFACT,
-    InstructionProfiler,
-)
+from schedulers.instruction_profiler import PROFILE_ARTIFACT, InstructionProfiler
 from schedulers.planning.pipeline_dag import PipelineShape, one_f_one_b_order
 from schedulers.planning.plan_file import read_plan_file, write_plan_file
 from schedulers.planning.profile_csv import read_profile_csv
+from schedulers.profile_then import MEASURED_PROFILE, PLAN_MARKER
 from tests.helpers import start_perseus, stop
 from worker_client.simulated.gpu import (
     GRAPHICS_CLOCKS,

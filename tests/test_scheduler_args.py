@@ -43,7 +43,13 @@ WRONG_TYPES = [
     (
         "InstructionProfiler",
         {"microbatches": 8, "then": "/x"},
-        "'then' must be dict[str, Any] | None, got '/x' (str)",
+        "'then' must be ThenArgs | None, got '/x' (str)",
+    ),
+    (
+        "InstructionProfiler",
+        {"microbatches": 8, "then": {"out_dir": "o", "p2p_power": "abc"}},
+        "'then' must be ThenArgs | None, got {'out_dir': 'o', 'p2p_power': 'abc'} (dict) "
+        "(then['p2p_power']: input should be a valid number)",
     ),
     (
         "InstructionProfiler",
@@ -71,6 +77,18 @@ def test_a_wrong_type_is_refused_naming_scheduler_argument_and_type(
     with pytest.raises(ConfigError) as info:
         check_scheduler_args(name, args)
     assert str(info.value) == f"scheduler {name}: argument {words}"
+
+
+def test_instruction_profiler_checks_its_counts_and_then_before_any_job() -> None:
+    for args, words in (
+        ({"microbatches": 0}, "microbatches must be >= 1, got 0"),
+        ({"microbatches": 2, "stop_after_rises": 0}, "stop_after_rises must be >= 1"),
+        ({"microbatches": 2, "schedule": "zb"}, "zb"),
+        ({"microbatches": 2, "then": {"out_dir": "o", "bogus": 1}}, "unknown key(s) ['bogus']"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            check_scheduler_args("InstructionProfiler", args)
+        assert words in str(info.value)
 
 
 def test_a_job_sending_a_wrong_type_is_refused_at_registration() -> None:
