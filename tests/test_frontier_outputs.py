@@ -232,3 +232,20 @@ def test_rerun_leaves_no_stale_files_and_images_are_named_alike(tmp_path: Path) 
     assert not list(out.glob("*.png"))
     assert {p.name for p in out.glob("freqs_pipeline_*.py")} == {p.file for p in second.points}
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    """Not a traceback: the path and why (a read-only folder reads the same way)."""
+    profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = ["optimize", str(profile), "-s", "2", "-m", "4", "--out", str(blocker / "out")]
+    res = CliRunner().invoke(_cli(), args)
+    assert res.exit_code == 1 and res.exception is not None, res.output
+    assert f"Error: {blocker / 'out'}: Not a directory" in res.output
+    out = tmp_path / "out"
+    _optimize(profile, out)
+    (out / "frontier.png").unlink(missing_ok=True)
+    (out / "frontier.png").mkdir()  # where choose --plot draws
+    res = CliRunner().invoke(_cli(), ["choose", str(out), "--plot"])
+    assert res.exit_code == 1 and f"Error: {out / 'frontier.png'}: Is a directory" in res.output

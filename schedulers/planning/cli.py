@@ -57,6 +57,9 @@ class _ProgressLine:
 
 
 def _fail(exc: Exception) -> click.ClickException:
+    if isinstance(exc, OSError) and exc.filename:
+        # A read-only or missing folder: one line naming the path, no traceback.
+        return click.ClickException(f"{exc.filename}: {exc.strerror or exc}")
     return click.ClickException(str(exc))
 
 
@@ -185,7 +188,7 @@ def optimize_command(
             solver=solver,
             plans=plans,
         )
-    except PerseusError as exc:
+    except (PerseusError, OSError) as exc:
         raise _fail(exc) from None
     finally:
         bar.close()
@@ -219,7 +222,10 @@ def optimize_command(
     if plot:
         from schedulers.planning.plots import plot_run  # matplotlib: only when plotting
 
-        paths = plot_run(result.out_dir, best.plan)
+        try:
+            paths = plot_run(result.out_dir, best.plan)
+        except OSError as exc:
+            raise _fail(exc) from None
         click.echo(f"plots:          {paths['frontier']}, {paths['timeline']}")
     click.echo(f"next:           perseus choose {shlex.quote(str(result.out_dir))} --policy ...")
 
@@ -305,7 +311,7 @@ def choose_command(
             paths["timeline"] = plot_plan_timeline(
                 out, chosen.plan, out / timeline_png_name(chosen.plan)
             )
-    except PerseusError as exc:
+    except (PerseusError, OSError) as exc:
         raise _fail(exc) from None
     if as_json:
         data = asdict(chosen)
