@@ -50,7 +50,9 @@ def test_wrong_instruction_and_schedule_length_errors(gloo, hook_service, redis_
         hook.on_instruction_begin("forward")
         hook.on_instruction_end("forward")
         with pytest.raises(
-            ScheduleError, match="expected instruction 'backward' but got 'forward'"
+            ScheduleError,
+            match=r"expected instruction 'backward' but got 'forward' .*2 x forward, 2 x backward "
+            r"per step; does the training loop run that many microbatches",
         ):
             hook.on_instruction_begin("forward")
         hook.on_step_begin()

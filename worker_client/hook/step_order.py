@@ -46,13 +46,14 @@ class StepOrder:
         if item is None:
             raise ScheduleError(
                 f"rank {self.rank}: instruction {name!r} but schedule version "
-                f"{schedule.version} has only {len(schedule.frequencies)} instructions"
+                f"{schedule.version} has only {len(schedule.frequencies)} instructions "
+                f"({self._shape()})"
             )
         expected, frequency = item
         if expected != name:
             raise ScheduleError(
                 f"rank {self.rank}: expected instruction {expected!r} but got {name!r} "
-                f"(schedule version {schedule.version})"
+                f"(schedule version {schedule.version}: {self._shape()})"
             )
         self.open = name
         return frequency
@@ -89,6 +90,12 @@ class StepOrder:
         self.in_step = False
         self.open = None
         self.restart(self.schedule)
+
+    def _shape(self) -> str:
+        """What a step of the schedule runs, e.g. a plan made for another microbatch count."""
+        names = [name for name, _ in self.schedule.frequencies]
+        counts = ", ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names))
+        return f"{counts} per step; does the training loop run that many microbatches?"
 
     def _misuse(self, call: str) -> ScheduleError:
         """The error for a hook called out of order, saying what was expected."""
