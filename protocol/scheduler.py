@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import json
 import types
 import typing
 from collections.abc import Generator
@@ -280,7 +281,14 @@ def check_scheduler_args(name: str, args: dict[str, Any]) -> None:
         try:
             # Strict: "8" is not 8 and True is not 1. The values are checked, not converted:
             # the constructor gets them as they came (an int where a float is annotated too).
-            adapter.validate_python(value, strict=True)
+            # Checked as the JSON they arrive as, in which a Path, a tuple or an Enum is
+            # written as a string or a list (strict Python mode would want the objects).
+            try:
+                text = json.dumps(value)
+            except (TypeError, ValueError):  # not JSON (bytes from msgpack, say)
+                adapter.validate_python(value, strict=True)
+            else:
+                adapter.validate_json(text, strict=True)
         except ValidationError as exc:
             errors = exc.errors()
             detail = ""

@@ -143,6 +143,16 @@ def test_good_arguments_still_pass(profile: str) -> None:
         check_scheduler_args("tests.toy_schedulers:StepDown", {"delay": "x"})
 
 
+def test_arguments_are_checked_as_the_json_they_arrive_as() -> None:
+    """A path comes as a string and a tuple as a list: both fit; "8" still is no int."""
+    name = "tests.toy_schedulers:JsonShaped"
+    check_scheduler_args(name, {"folder": "/tmp/x", "pair": [3, 4], "scale": 2})
+    with pytest.raises(ConfigError, match="argument 'pair' must be tuple"):
+        check_scheduler_args(name, {"pair": [3, "4"]})
+    with pytest.raises(ConfigError, match="argument 'scale' must be float, got True"):
+        check_scheduler_args(name, {"scale": True})
+
+
 def test_a_typed_dict_argument_is_checked_key_by_key() -> None:
     # What InstructionProfiler's `then` could be annotated with to have p2p_power checked too.
     name = "tests.toy_schedulers:TypedArgs"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
+from pathlib import Path as RuntimePath  # evaluated at run time (JsonShaped); Path is not
 from typing import TYPE_CHECKING
 
 from typing_extensions import NotRequired, TypedDict
@@ -167,6 +168,21 @@ class ThenArgs(TypedDict):
 
     out_dir: str
     p2p_power: NotRequired[float]
+
+
+class JsonShaped(StepDown):
+    """Arguments whose types JSON writes otherwise: a path as a string, a tuple as a list."""
+
+    def __init__(
+        self,
+        job_info: JobInfo,
+        rank_infos: list[RankInfo],
+        folder: RuntimePath | None = None,
+        pair: tuple[int, int] = (1, 2),
+        scale: float = 1.0,
+    ) -> None:
+        super().__init__(job_info, rank_infos)
+        self.folder, self.pair, self.scale = folder, pair, scale
 
 
 class TypedArgs(StepDown):
