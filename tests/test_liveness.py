@@ -12,12 +12,18 @@ from tests.helpers import drain, register, result, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 
-def test_a_job_waiting_on_a_silent_rank_is_shown_stalled(service, r, redis_url):
+def job_at_version_1(r, redis_url: str, pp: int) -> tuple[CoordinatorClient, str, JobStore]:
+    """A registered pp-rank job whose version 1 is published (the service fixture runs)."""
     client = CoordinatorClient(redis_url)
-    job_id = register(client, pp=2)
+    job_id = register(client, pp=pp)
     drain(r)
     store = JobStore(r)
     wait_for(lambda: store.version(job_id) >= 1, 10, "version 1")
+    return client, job_id, store
+
+
+def test_a_job_waiting_on_a_silent_rank_is_shown_stalled(service, r, redis_url):
+    client, job_id, store = job_at_version_1(r, redis_url, pp=2)
     for rank in (0, 1):
         assert client.heartbeat(job_id, rank)
     snap = snapshot(r, silent_after=1.5)
@@ -40,11 +46,7 @@ def test_a_job_waiting_on_a_silent_rank_is_shown_stalled(service, r, redis_url):
 
 def test_a_job_waiting_on_a_rank_whose_hook_closed_is_stalled_at_once(service, r, redis_url):
     """Closed early, a rank sends nothing more: no need to wait until it counts as silent."""
-    client = CoordinatorClient(redis_url)
-    job_id = register(client, pp=3)
-    drain(r)
-    store = JobStore(r)
-    wait_for(lambda: store.version(job_id) >= 1, 10, "version 1")
+    client, job_id, store = job_at_version_1(r, redis_url, pp=3)
     client.report(job_id, result(0, 1))
     wait_for(lambda: store.result_count(job_id, 1) == 1, 10, "rank 0's result")
     # Any rank may write into a job's finished set: only proven finishes count.
