@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -92,7 +94,7 @@ def test_side_process_skips_repeats_and_coalesces(fake_log: Path) -> None:
     with FrequencyController(0, FAKE) as ctrl:
         # Bypass the parent's own de-duplication to exercise the side process's.
         for freq in (1200, 1200, 1305, 1410, 1410):
-            ctrl._commands.put(freq)
+            ctrl._commands.send(freq)
         ctrl.flush()
         sets = [a for n, a in writes(fake_log) if n == "nvmlDeviceSetGpuLockedClocks"]
         assert sets[-1] == [0, 1410, 1410]
@@ -163,6 +165,49 @@ def test_side_process_resets_when_parent_goes(fake_log: Path, ending: str) -> No
         "nvmlDeviceResetGpuLockedClocks",
         "nvmlDeviceResetMemoryLockedClocks",
     ]
+
+
+def test_a_trainer_that_ends_with_os_exit_leaks_no_semaphore(fake_log: Path) -> None:
+    # Simulated ranks end with os._exit (torch's threads can hang interpreter teardown): a
+    # multiprocessing.Queue's named semaphores outlived them, and the resource tracker warned.
+    script = (
+        "import os\n"
+        "from worker_client.gpu.frequency import FrequencyController\n"
+        f"c = FrequencyController(0, {FAKE!r})\n"
+        "c.set_frequency(1500)\n"
+        "c.flush()\n"
+        "c.stop()\n"
+        "os._exit(0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "leaked" not in done.stderr, done.stderr
+
+
+def test_a_stuck_side_process_never_blocks_a_request(fake_log: Path) -> None:
+    ctrl = FrequencyController(0, FAKE)
+    try:
+        os.kill(ctrl._process.pid, signal.SIGSTOP)  # as if stuck in a driver call
+        clocks = itertools.cycle((1980, 1500))
+        requests = threading.Thread(
+            # Far more than a pipe holds (64 KiB of ~10-byte requests).
+            target=lambda: [ctrl.set_frequency(next(clocks)) for _ in range(30_000)],
+            daemon=True,
+        )
+        requests.start()
+        requests.join(60)
+        assert not requests.is_alive(), "set_frequency blocked on a full pipe"
+        ctrl.set_frequency(1410)  # the newest: kept back until the pipe drains
+        os.kill(ctrl._process.pid, signal.SIGCONT)
+        ctrl.flush(timeout=30)
+        sets = [a for n, a in writes(fake_log) if n == "nvmlDeviceSetGpuLockedClocks"]
+        assert sets[-1] == [0, 1410, 1410]
+    finally:
+        os.kill(ctrl._process.pid, signal.SIGCONT)
+        ctrl.stop()
+    assert writes(fake_log)[-1] == ("nvmlDeviceResetMemoryLockedClocks", [0])
 
 
 def test_stopped_controller_refuses(fake_log: Path) -> None:

@@ -1,9 +1,11 @@
 """Setting the GPU graphics clock from the training loop without stalling it.
 
 :class:`FrequencyController` hands clock changes to a side process that owns NVML, so the
-training process pays only for a non-blocking queue put per instruction. The side process is
-started with the ``spawn`` method: forking a process that has initialized CUDA (or merely
-imported torch with its threads) is unsafe. As with any spawned process, a training script
+training process pays only for a non-blocking pipe write per clock change (a pipe, not a
+``multiprocessing.Queue``: no feeder thread, and no named semaphores in ``/dev/shm`` that a
+process ending with ``os._exit`` would leak). The side process is started with the ``spawn``
+method: forking a process that has initialized CUDA (or merely imported torch with its
+threads) is unsafe. As with any spawned process, a training script
 that creates a controller must guard its entry point with ``if __name__ == "__main__":``.
 
 :class:`DryRunFrequencyController` has the same interface and changes nothing: it records the
@@ -21,11 +23,9 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import queue
 import signal
 import time
 from multiprocessing.connection import Connection
-from multiprocessing.queues import Queue
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any, Literal
@@ -53,9 +53,9 @@ def _raise_exit(signum: int, frame: FrameType | None) -> None:
 
 
 def _serve(
-    nvml: NVML, index: int, commands: Queue[Any], status: Connection, parent_pid: int
+    nvml: NVML, index: int, commands: Connection, status: Connection, parent_pid: int
 ) -> None:
-    """Apply clock requests until told to stop or the parent dies."""
+    """Apply clock requests until told to stop or the parent dies (or closes its end)."""
     last: int | None = None
 
     def apply(freq: int | None) -> None:
@@ -69,17 +69,19 @@ def _serve(
             _send(status, ("error", str(exc)))
 
     while True:
-        try:
-            batch = [commands.get(timeout=_PARENT_CHECK_S)]
-        except queue.Empty:
+        if not commands.poll(_PARENT_CHECK_S):
             if os.getppid() != parent_pid:  # re-parented: the trainer died without stop()
                 return
             continue
-        # Only the newest of several queued clocks matters: the instructions that wanted
+        # Only the newest of several waiting clocks matters: the instructions that wanted
         # the older ones have already run.
-        with contextlib.suppress(queue.Empty):
-            while True:
-                batch.append(commands.get_nowait())
+        batch = []
+        try:
+            batch.append(commands.recv())
+            while commands.poll():
+                batch.append(commands.recv())
+        except EOFError:  # the trainer closed its end: stopped, or gone
+            return
         pending: int | None = None
         for item in batch:
             if isinstance(item, int):
@@ -94,7 +96,7 @@ def _serve(
 
 
 def _side_process(
-    index: int, nvml_module: str, commands: Queue[Any], status: Connection, parent_pid: int
+    index: int, nvml_module: str, commands: Connection, status: Connection, parent_pid: int
 ) -> None:
     """Entry point of the side process that owns NVML for one GPU."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which stops us
@@ -163,17 +165,22 @@ class FrequencyController:
         self._errors: list[str] = []
         self._child_gone = False
         ctx = mp.get_context("spawn")
-        self._commands: Queue[Any] = ctx.Queue()
+        commands_end, self._commands = ctx.Pipe(duplex=False)
         self._status, child_end = ctx.Pipe(duplex=False)
+        # A request must never block the trainer: a full pipe (a side process stuck in a
+        # driver call) keeps the newest clock here until it drains (_send_command).
+        os.set_blocking(self._commands.fileno(), False)
+        self._unsent: int | None = None
         self._process = ctx.Process(
             target=_side_process,
-            args=(device_index, nvml_module, self._commands, child_end, os.getpid()),
+            args=(device_index, nvml_module, commands_end, child_end, os.getpid()),
             name=f"perseus-frequency-gpu{device_index}",
             # Daemonic, so a parent that skips stop() never waits on it at exit.
             daemon=True,
         )
         self._process.start()
         child_end.close()  # so that the child's exit reads as EOF here
+        commands_end.close()  # so that closing ours reads as EOF there
         # Registered after multiprocessing's own exit hook, hence run before it (LIFO).
         atexit.register(self._stop_at_exit)
         try:
@@ -249,8 +256,30 @@ class FrequencyController:
             self._raise_errors()
         self._check_usable()
         if frequency != self._last:
-            self._commands.put(int(frequency))
             self._last = frequency
+            self._unsent = int(frequency)  # supersedes a clock the full pipe kept back
+        if self._unsent is not None and self._send_command(self._unsent):
+            self._unsent = None
+
+    def _send_command(self, item: int | tuple[Any, ...]) -> bool:
+        """Write one request without blocking; False: the pipe is full (try again later).
+
+        Each request is a few bytes, so one write puts all of it in the pipe or none.
+
+        Raises:
+            GPUError: The side process is gone.
+        """
+        try:
+            self._commands.send(item)
+        except BlockingIOError:
+            return False
+        except OSError:  # EPIPE: the side process closed its end, i.e. exited
+            self._process.join(timeout=5)
+            self._read_status()
+            self._raise_errors()
+            self._check_usable()
+            raise GPUError(f"frequency controller for GPU {self.device_index} has exited") from None
+        return True
 
     def flush(self, timeout: float = 10.0) -> None:
         """Block until every earlier request has been applied (e.g. before measuring).
@@ -261,8 +290,17 @@ class FrequencyController:
         """
         self._check_usable()
         self._flushes += 1
-        self._commands.put(("flush", self._flushes))
         deadline = time.monotonic() + timeout
+        for item in ([self._unsent] if self._unsent is not None else []) + [
+            ("flush", self._flushes)
+        ]:
+            while not self._send_command(item):  # a full pipe: the side process lags
+                if time.monotonic() >= deadline:
+                    raise GPUError(
+                        f"frequency controller for GPU {self.device_index}: flush timeout"
+                    )
+                time.sleep(0.001)
+        self._unsent = None
         while self._flushed < self._flushes and not self._child_gone:
             left = deadline - time.monotonic()
             if left <= 0 or not self._status.poll(left):
@@ -283,7 +321,11 @@ class FrequencyController:
         self._stopped = True
         atexit.unregister(self._stop_at_exit)
         if self._process.is_alive():
-            self._commands.put(("stop",))
+            with contextlib.suppress(OSError):  # full, or the side process is gone
+                self._commands.send(("stop",))
+        # Read as EOF after whatever is in the pipe: a side process that missed "stop" ends too.
+        self._commands.close()
+        if self._process.is_alive():
             self._process.join(timeout)
         if self._process.is_alive():  # stuck in a driver call: SIGTERM still resets
             self._process.terminate()
@@ -292,8 +334,6 @@ class FrequencyController:
             while not self._child_gone and self._status.poll():
                 self._read_status()
         self._status.close()
-        self._commands.cancel_join_thread()  # unsent requests are moot now
-        self._commands.close()
         self._raise_errors()
 
     def _stop_at_exit(self) -> None:

@@ -36,7 +36,6 @@ blocking energy, as in Perseus's model (``energy + p2p_power * blocked time``).
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import multiprocessing as mp
 import os
@@ -313,9 +312,6 @@ def _rank_main(cfg: SimulatedRankConfig, out_path: str) -> None:
     # The launcher may already be gone (Ctrl-C) and its folder with it.
     with contextlib.suppress(OSError):
         Path(out_path).write_text(json.dumps(record))
-    # Objects in reference cycles (torch's autograd graph, the schedule) may still hold the
-    # frequency controller's queue; collecting them unregisters its semaphores.
-    gc.collect()
     # Skip interpreter teardown: torch/gloo threads can hang it, and the record is written.
     os._exit(0)
 
