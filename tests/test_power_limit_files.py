@@ -1,0 +1,57 @@
+"""Power-limit profile files and selector arguments as a Zeus user hands them over.
+
+Corrupt files, file permissions, selector arguments of the wrong type and the CLI's file
+errors; the GPUs are the in-process fake NVML (tests/fake_nvml_power.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from protocol.exceptions import ConfigError
+from tests import fake_nvml_power as fake
+from tests.fake_nvml_power import ReplayMonitor, ReplayTraining
+from worker_client.power_limit.cli import power_limit_group
+from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer
+from worker_client.power_limit.profile import load_profile_file
+
+TABLE = {300: (0.100, 280.0), 250: (0.104, 245.0), 200: (0.115, 198.0)}
+
+
+@pytest.fixture
+def training() -> ReplayTraining:
+    fake.reset(num_gpus=1, min_limit_mw=200_000, max_limit_mw=300_000)
+    return ReplayTraining(TABLE, [0])
+
+
+def make(training: ReplayTraining, **kwargs: Any) -> GlobalPowerLimitOptimizer:
+    args: dict[str, Any] = dict(wait_steps=0, warmup_steps=1, profile_steps=2, pl_step=50)
+    args.update(kwargs)
+    args.setdefault("restore_on_exit", False)
+    return GlobalPowerLimitOptimizer(ReplayMonitor(training), **args)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x1f\x8b\x08\x00\x00\x00\x00\x00",  # a gzipped file where the JSON was expected
+        b"\x80\x81 not text",
+        b"\xff\xfe\x00",  # looks like UTF-16, then is cut short
+    ],
+)
+def test_a_profile_file_that_is_not_text_is_a_config_error_naming_it(
+    training: ReplayTraining, tmp_path: Path, content: bytes
+) -> None:
+    path = tmp_path / "profile.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match="not JSON text") as info:
+        load_profile_file(path)
+    assert str(path) in str(info.value)
+    with pytest.raises(ConfigError, match=str(path)):
+        make(training, profile_path=path)
+    result = CliRunner().invoke(power_limit_group, ["show", "--file", str(path)])
+    assert result.exit_code == 1 and "not JSON text" in result.output, result.output
