@@ -6,6 +6,8 @@ errors; the GPUs are the in-process fake NVML (tests/fake_nvml_power.py).
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +16,10 @@ from click.testing import CliRunner
 
 from protocol.exceptions import ConfigError
 from tests import fake_nvml_power as fake
-from tests.fake_nvml_power import ReplayMonitor, ReplayTraining
+from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, run_steps
 from worker_client.power_limit.cli import power_limit_group
-from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer
-from worker_client.power_limit.profile import load_profile_file
+from worker_client.power_limit.optimizer import Done, GlobalPowerLimitOptimizer
+from worker_client.power_limit.profile import load_profile_file, save_profile_file
 
 TABLE = {300: (0.100, 280.0), 250: (0.104, 245.0), 200: (0.115, 198.0)}
 
@@ -55,3 +57,25 @@ def test_a_profile_file_that_is_not_text_is_a_config_error_naming_it(
         make(training, profile_path=path)
     result = CliRunner().invoke(power_limit_group, ["show", "--file", str(path)])
     assert result.exit_code == 1 and "not JSON text" in result.output, result.output
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_the_profile_file_gets_the_permissions_the_umask_gives(
+    training: ReplayTraining, tmp_path: Path, umask: int
+) -> None:
+    # Training runs as root (power limits need it); the file must stay readable to others
+    # (perseus power-limit show --file, a Zeus run), as the file Zeus's open() writes is.
+    path = tmp_path / "profile.json"
+    old = os.umask(umask)
+    try:
+        opt = make(training, profile_path=path)
+        run_steps(opt, training, 12)
+        assert isinstance(opt.state, Done)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+        path.chmod(0o600)  # a rewrite (e.g. perseus power-limit export) gives it the same
+        profile = load_profile_file(path)
+        save_profile_file(profile, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    finally:
+        os.umask(old)
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]  # no temporary file left
