@@ -11,6 +11,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -18,10 +19,21 @@ from protocol.exceptions import ConfigError
 from tests import fake_nvml_power as fake
 from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, run_steps
 from worker_client.power_limit.cli import power_limit_group
-from worker_client.power_limit.optimizer import Done, GlobalPowerLimitOptimizer
+from worker_client.power_limit.optimizer import (
+    Done,
+    GlobalPowerLimitOptimizer,
+    MaxSlowdownConstraint,
+    PowerLimitMeasurement,
+    ZeusCost,
+)
 from worker_client.power_limit.profile import load_profile_file, save_profile_file
 
 TABLE = {300: (0.100, 280.0), 250: (0.104, 245.0), 200: (0.115, 198.0)}
+# Measurements (limit W, time s, energy J) where the selectors disagree.
+MEASURED = [
+    PowerLimitMeasurement(power_limit=pl, time=t, energy=e)
+    for pl, t, e in ((300, 10.0, 1000.0), (250, 10.2, 900.0), (200, 11.0, 850.0))
+]
 
 
 @pytest.fixture
@@ -79,3 +91,21 @@ def test_the_profile_file_gets_the_permissions_the_umask_gives(
     finally:
         os.umask(old)
     assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]  # no temporary file left
+
+
+def test_selector_arguments_of_the_wrong_type_are_config_errors_naming_them() -> None:
+    # A NaN world size made every cost NaN: ZeusCost then kept the first (maximum) limit.
+    for bad in (float("nan"), 1.5, 2.0, True, "2", None):
+        with pytest.raises(ConfigError, match="world_size must be an integer >= 1"):
+            ZeusCost(0.5, world_size=bad)  # type: ignore[arg-type]
+    for bad in ("0.5", None, True, [0.5]):  # a string from a config file, an unset option
+        with pytest.raises(ConfigError, match=r"eta_knob must be a number in \[0, 1\]"):
+            ZeusCost(bad)  # type: ignore[arg-type]
+    for bad in ("1.1", None, True):
+        with pytest.raises(ConfigError, match=r"factor .* must be a number, at least 1\.0"):
+            MaxSlowdownConstraint(bad)  # type: ignore[arg-type]
+    # What a user passes from numpy or an integer knob is fine.
+    assert ZeusCost(np.float32(0.5), world_size=np.int64(1)).select(MEASURED) == 250
+    assert ZeusCost(1, world_size=1).select(MEASURED) == 200
+    assert MaxSlowdownConstraint(np.float64(1.1)).select(MEASURED) == 200
+    assert MaxSlowdownConstraint(2).select(MEASURED) == 200
