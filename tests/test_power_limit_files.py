@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import redis
 from click.testing import CliRunner
 
 from protocol.exceptions import ConfigError
@@ -24,9 +25,11 @@ from worker_client.power_limit.optimizer import (
     GlobalPowerLimitOptimizer,
     MaxSlowdownConstraint,
     PowerLimitMeasurement,
+    PowerLimitProfile,
     ZeusCost,
 )
 from worker_client.power_limit.profile import load_profile_file, save_profile_file
+from worker_client.power_limit.store import PowerLimitProfileStore
 
 TABLE = {300: (0.100, 280.0), 250: (0.104, 245.0), 200: (0.115, 198.0)}
 # Measurements (limit W, time s, energy J) where the selectors disagree.
@@ -109,3 +112,18 @@ def test_selector_arguments_of_the_wrong_type_are_config_errors_naming_them() ->
     assert ZeusCost(1, world_size=1).select(MEASURED) == 200
     assert MaxSlowdownConstraint(np.float64(1.1)).select(MEASURED) == 200
     assert MaxSlowdownConstraint(2).select(MEASURED) == 200
+
+
+def test_export_to_a_path_that_cannot_be_written_is_a_clean_cli_error(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    PowerLimitProfileStore(r).save("bert", PowerLimitProfile(measurements=MEASURED))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "profile.json"  # its folder is a file
+    result = CliRunner().invoke(
+        power_limit_group, ["export", "bert", str(out), "--redis-url", redis_url]
+    )
+    assert result.exit_code == 1, result.output
+    assert f"cannot write {out}" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
