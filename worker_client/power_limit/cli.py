@@ -142,5 +142,8 @@ def export_profile(workload: str, path: Path, redis_url: str | None) -> None:
         store.client.close()
     if profile is None:
         raise click.ClickException(f"no power-limit profile stored for {workload!r}")
-    save_profile_file(profile, path)
+    try:
+        save_profile_file(profile, path)
+    except OSError as exc:  # e.g. a folder that cannot be made, no permission
+        raise click.ClickException(f"cannot write {path}: {exc}") from None
     click.echo(f"wrote the power-limit profile of {workload!r} to {path}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -41,6 +41,10 @@ def parse_profile(text: str | bytes, source: str) -> PowerLimitProfile:
         raise ConfigError(
             f"bad power-limit profile {source}: not JSON (line {exc.lineno}, column "
             f"{exc.colno}: {exc.msg})"
+        ) from None
+    except UnicodeDecodeError as exc:  # bytes that are no JSON encoding (e.g. a gzipped file)
+        raise ConfigError(
+            f"bad power-limit profile {source}: not JSON text (byte {exc.start}: {exc.reason})"
         ) from None
     if not isinstance(data, dict):
         raise ConfigError(
@@ -73,7 +77,9 @@ def load_profile_file(path: str | Path) -> PowerLimitProfile:
 def save_profile_file(profile: PowerLimitProfile, path: str | Path) -> None:
     """Write ``profile`` in Zeus's layout plus perseus-mq's keys, atomically.
 
-    Ranks sharing a path never see half a file (temporary file + rename).
+    Ranks sharing a path never see half a file (temporary file + rename). The file gets the
+    permissions any new file gets under the umask (e.g. 0644), as Zeus's ``open()`` gives it:
+    another user (``perseus power-limit show --file``, a Zeus run) can read what root wrote.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +89,9 @@ def save_profile_file(profile: PowerLimitProfile, path: str | Path) -> None:
         "selector": profile.selector,
         "updated_at": profile.updated_at,
     }
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    # Not mkstemp: its files are 0600 whatever the umask. A name of this process's own.
+    tmp = str(target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
     try:
         with os.fdopen(fd, "w") as out:
             json.dump(document, out, indent=4)  # Zeus indents its files by 4 too

@@ -11,9 +11,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from numbers import Integral, Real
 
 from protocol.exceptions import ConfigError
 from protocol.models import PowerLimitMeasurement
+
+
+def _is_number(value: object) -> bool:
+    """A real number (numpy's too) that is not a bool (``True`` is no knob setting)."""
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _is_integer(value: object) -> bool:
+    """An integer (numpy's too) that is not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def _require(measurements: Sequence[PowerLimitMeasurement]) -> None:
@@ -70,10 +81,11 @@ class ZeusCost(OptimumSelector):
     """
 
     def __init__(self, eta_knob: float, world_size: int = 1) -> None:
-        if not 0.0 <= eta_knob <= 1.0:  # also rejects NaN
-            raise ConfigError(f"eta_knob must be in [0, 1], got {eta_knob}")
-        if world_size < 1:
-            raise ConfigError(f"world_size must be at least 1, got {world_size}")
+        if not (_is_number(eta_knob) and 0.0 <= eta_knob <= 1.0):  # also rejects NaN
+            raise ConfigError(f"eta_knob must be a number in [0, 1], got {eta_knob!r}")
+        # An integer: a NaN world size would make every cost NaN and the first limit win.
+        if not (_is_integer(world_size) and world_size >= 1):
+            raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
         self.eta_knob = eta_knob
         self.world_size = world_size
 
@@ -103,8 +115,10 @@ class MaxSlowdownConstraint(OptimumSelector):
     """
 
     def __init__(self, factor: float) -> None:
-        if not factor >= 1.0:  # also rejects NaN
-            raise ConfigError(f"slowdown factor must be at least 1.0, got {factor}")
+        if not (_is_number(factor) and factor >= 1.0):  # also rejects NaN
+            raise ConfigError(
+                f"factor (the slowdown allowed) must be a number, at least 1.0, got {factor!r}"
+            )
         self.factor = factor
 
     def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:

@@ -1,0 +1,129 @@
+"""Power-limit profile files and selector arguments as a Zeus user hands them over.
+
+Corrupt files, file permissions, selector arguments of the wrong type and the CLI's file
+errors; the GPUs are the in-process fake NVML (tests/fake_nvml_power.py).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+from click.testing import CliRunner
+
+from protocol.exceptions import ConfigError
+from tests import fake_nvml_power as fake
+from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, run_steps
+from worker_client.power_limit.cli import power_limit_group
+from worker_client.power_limit.optimizer import (
+    Done,
+    GlobalPowerLimitOptimizer,
+    MaxSlowdownConstraint,
+    PowerLimitMeasurement,
+    PowerLimitProfile,
+    ZeusCost,
+)
+from worker_client.power_limit.profile import load_profile_file, save_profile_file
+from worker_client.power_limit.store import PowerLimitProfileStore
+
+TABLE = {300: (0.100, 280.0), 250: (0.104, 245.0), 200: (0.115, 198.0)}
+# Measurements (limit W, time s, energy J) where the selectors disagree.
+MEASURED = [
+    PowerLimitMeasurement(power_limit=pl, time=t, energy=e)
+    for pl, t, e in ((300, 10.0, 1000.0), (250, 10.2, 900.0), (200, 11.0, 850.0))
+]
+
+
+@pytest.fixture
+def training() -> ReplayTraining:
+    fake.reset(num_gpus=1, min_limit_mw=200_000, max_limit_mw=300_000)
+    return ReplayTraining(TABLE, [0])
+
+
+def make(training: ReplayTraining, **kwargs: Any) -> GlobalPowerLimitOptimizer:
+    args: dict[str, Any] = dict(wait_steps=0, warmup_steps=1, profile_steps=2, pl_step=50)
+    args.update(kwargs)
+    args.setdefault("restore_on_exit", False)
+    return GlobalPowerLimitOptimizer(ReplayMonitor(training), **args)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x1f\x8b\x08\x00\x00\x00\x00\x00",  # a gzipped file where the JSON was expected
+        b"\x80\x81 not text",
+        b"\xff\xfe\x00",  # looks like UTF-16, then is cut short
+    ],
+)
+def test_a_profile_file_that_is_not_text_is_a_config_error_naming_it(
+    training: ReplayTraining, tmp_path: Path, content: bytes
+) -> None:
+    path = tmp_path / "profile.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match="not JSON text") as info:
+        load_profile_file(path)
+    assert str(path) in str(info.value)
+    with pytest.raises(ConfigError, match=str(path)):
+        make(training, profile_path=path)
+    result = CliRunner().invoke(power_limit_group, ["show", "--file", str(path)])
+    assert result.exit_code == 1 and "not JSON text" in result.output, result.output
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_the_profile_file_gets_the_permissions_the_umask_gives(
+    training: ReplayTraining, tmp_path: Path, umask: int
+) -> None:
+    # Training runs as root (power limits need it); the file must stay readable to others
+    # (perseus power-limit show --file, a Zeus run), as the file Zeus's open() writes is.
+    path = tmp_path / "profile.json"
+    old = os.umask(umask)
+    try:
+        opt = make(training, profile_path=path)
+        run_steps(opt, training, 12)
+        assert isinstance(opt.state, Done)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+        path.chmod(0o600)  # a rewrite (e.g. perseus power-limit export) gives it the same
+        profile = load_profile_file(path)
+        save_profile_file(profile, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    finally:
+        os.umask(old)
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]  # no temporary file left
+
+
+def test_selector_arguments_of_the_wrong_type_are_config_errors_naming_them() -> None:
+    # A NaN world size made every cost NaN: ZeusCost then kept the first (maximum) limit.
+    for bad in (float("nan"), 1.5, 2.0, True, "2", None):
+        with pytest.raises(ConfigError, match="world_size must be an integer >= 1"):
+            ZeusCost(0.5, world_size=bad)  # type: ignore[arg-type]
+    for bad in ("0.5", None, True, [0.5]):  # a string from a config file, an unset option
+        with pytest.raises(ConfigError, match=r"eta_knob must be a number in \[0, 1\]"):
+            ZeusCost(bad)  # type: ignore[arg-type]
+    for bad in ("1.1", None, True):
+        with pytest.raises(ConfigError, match=r"factor .* must be a number, at least 1\.0"):
+            MaxSlowdownConstraint(bad)  # type: ignore[arg-type]
+    # What a user passes from numpy or an integer knob is fine.
+    assert ZeusCost(np.float32(0.5), world_size=np.int64(1)).select(MEASURED) == 250
+    assert ZeusCost(1, world_size=1).select(MEASURED) == 200
+    assert MaxSlowdownConstraint(np.float64(1.1)).select(MEASURED) == 200
+    assert MaxSlowdownConstraint(2).select(MEASURED) == 200
+
+
+def test_export_to_a_path_that_cannot_be_written_is_a_clean_cli_error(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    PowerLimitProfileStore(r).save("bert", PowerLimitProfile(measurements=MEASURED))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "profile.json"  # its folder is a file
+    result = CliRunner().invoke(
+        power_limit_group, ["export", "bert", str(out), "--redis-url", redis_url]
+    )
+    assert result.exit_code == 1, result.output
+    assert f"cannot write {out}" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
