@@ -1,7 +1,8 @@
 """The coordinator's periodic sweep: stalled work, idle/finished/unstarted jobs, input stream trims.
 
 It also runs rq's cleanup of started tasks whose worker died (rq's workers run it every ten
-minutes, and only while one is alive), and ends planner runs whose rq job died.
+minutes, and only while one is alive), judged by Redis's clock, and ends planner runs whose rq
+job died.
 
 Its cost does not depend on how many jobs have finished: it reads the due set (jobs with work
 outstanding), the idle end of the jobs index, the old ends of the finished and starting sets,
@@ -28,7 +29,7 @@ from protocol import keys, streams
 from protocol.consumers import GroupMembers
 from protocol.job_lifecycle import JobLifecycle
 from protocol.store import JobStore
-from schedulers.planning.plan_runs import settle_runs
+from schedulers.planning.plan_runs import expired_executions, settle_runs
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,23 @@ SWEEP_LIMIT = 1000  # due or idle jobs one sweep looks at, at most
 RECONCILE_PAGE = 100  # jobs per sweep checked for work due but missing from the due set
 CONSUMER_GONE_AFTER_S = 60.0
 """A group consumer whose coordinator has not beaten (nor read) for this long is removed."""
+
+
+class _ExpiredInRedis(StartedJobRegistry):
+    """rq's StartedJobRegistry whose expired tasks are those whose execution Redis let expire.
+
+    rq's own cleanup compares each task's expiry, stamped by its worker's clock, with the
+    caller's clock: a coordinator minutes ahead failed running tasks as abandoned. Here a
+    task is abandoned once its execution key expired (:func:`expired_executions`), and
+    :attr:`expired` keeps the registry entries found so, for the caller to remove.
+    """
+
+    expired: tuple[str, ...] = ()
+
+    def get_expired_job_ids(self, timestamp: float | None = None) -> list[str]:
+        """Ids of the started tasks whose execution expired in Redis (``timestamp`` unused)."""
+        self.expired = tuple(expired_executions(self.connection))
+        return [self.parse_job_id(entry) for entry in self.expired]
 
 
 class Sweeper:
@@ -82,8 +100,9 @@ class Sweeper:
         """Fail rq tasks whose worker died, as rq does, and end planner runs that died.
 
         rq's StartedJobRegistry cleanup (under rq's maintenance lock, which workers take for
-        theirs) calls a task abandoned once its heartbeats stopped; a planning task's failure
-        callback then ends its run. :func:`settle_runs` ends runs rq's records show dead in
+        theirs) calls a task abandoned once its heartbeats stopped, here once its execution
+        expired in Redis (:class:`_ExpiredInRedis`); a planning task's failure callback then
+        ends its run. :func:`settle_runs` ends runs rq's records show dead in
         any other way (a job stopped, canceled, gone).
         """
         conn = self.store.conn
@@ -92,10 +111,14 @@ class Sweeper:
             try:
                 # A timer, not a signal, bounds the failure callbacks: a coordinator may run
                 # on a thread that is not the main one (the demo, tests).
-                registry = StartedJobRegistry(
+                registry = _ExpiredInRedis(
                     keys.RQ_QUEUE, connection=conn, death_penalty_class=TimerDeathPenalty
                 )
-                registry.cleanup()
+                # rq removes entries scored up to the timestamp, on the workers' clocks: none
+                # here; the entries whose execution expired go below.
+                registry.cleanup(timestamp=-1)
+                if registry.expired:
+                    conn.zrem(registry.key, *registry.expired)
             finally:
                 queue.release_maintenance_lock()
         for plan_id, reason in settle_runs(conn, SWEEP_LIMIT):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
+
+import rq.utils
 
 from coordinator.service import Coordinator
 from coordinator.tasks import advance_job
@@ -12,16 +15,31 @@ from protocol.deadletter import purge
 from protocol.models import JobConfig, JobInfo, RankInfo
 from protocol.store import JobStore
 from protocol.tokens import new_token
-from tests.helpers import FREQS, TOY_SCHEDULER, make_settings, register, result, wait_for
+from tests.helpers import (
+    FREQS,
+    TOY_SCHEDULER,
+    make_settings,
+    register,
+    result,
+    start_perseus,
+    stop,
+    wait_for,
+)
 from worker_client.hook.session import CoordinatorClient
 
 EIGHT_DAYS = 8 * 86400
 
 
-def new_job(store: JobStore, job_id: str, world: int = 1) -> dict[tuple[str, int], str]:
-    """Create a job with its ranks registered; return their tokens, as a client keeps them."""
+def new_job(
+    store: JobStore, job_id: str, world: int = 1, delay: float = 0.0
+) -> dict[tuple[str, int], str]:
+    """Create a job with its ranks registered; return their tokens, as a client keeps them.
+
+    ``delay`` is the seconds each of its versions takes to compute.
+    """
     job = JobInfo(job_id=job_id, pp_degree=world, dp_degree=1, tp_degree=1, world_size=world)
-    store.create_job(job, JobConfig(scheduler=TOY_SCHEDULER), f"1-{len(job_id)}")
+    config = JobConfig(scheduler=TOY_SCHEDULER, scheduler_args={"delay": delay} if delay else {})
+    store.create_job(job, config, f"1-{len(job_id)}")
     tokens = {}
     for rank in range(world):
         info = RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS)
@@ -118,3 +136,36 @@ def test_purging_dead_letters_by_age_uses_the_servers_clock(r, monkeypatch):
     monkeypatch.setattr(time, "time", lambda: real() + EIGHT_DAYS)
     assert purge(r, older_than_s=3600) == 0
     assert r.xlen(keys.DEADLETTER_STREAM) == 1
+
+
+def test_a_coordinator_minutes_ahead_does_not_fail_a_task_its_worker_still_runs(
+    r, redis_url, tmp_path, monkeypatch
+):
+    """rq stamps a running task's expiry with its worker's clock; the sweep judges it by Redis.
+
+    The task's worker (this machine's clock) beats for it, and its execution in Redis lives
+    on. A coordinator whose clock runs 5 minutes ahead must not call it abandoned (rq's own
+    cleanup, on the local clock, moved it to the failed tasks while it ran).
+    """
+    store = JobStore(r)
+    new_job(store, "slow", delay=8.0)
+    right = Coordinator(r, make_settings(redis_url))
+    right.enqueue_advance("slow")
+    worker = start_perseus(["worker", "--redis-url", redis_url], tmp_path, "worker.log")
+    try:
+        queue = right.queue
+        started = queue.started_job_registry
+        wait_for(lambda: started.get_job_ids(cleanup=False), 30, "the task to start")
+        real_time, real_now = time.time, rq.utils.now
+        monkeypatch.setattr(time, "time", lambda: real_time() + 300)
+        monkeypatch.setattr(rq.utils, "now", lambda: real_now() + timedelta(seconds=300))
+        ahead = Coordinator(r, make_settings(redis_url))
+        ahead.sweep()
+        assert queue.failed_job_registry.get_job_ids() == []
+        assert started.get_job_ids(cleanup=False)  # still running, as it is
+        monkeypatch.setattr(time, "time", real_time)
+        monkeypatch.setattr(rq.utils, "now", real_now)
+        wait_for(lambda: store.version("slow") == 1, 30, "version 1")
+    finally:
+        stop([worker])
+    assert queue.failed_job_registry.get_job_ids() == []

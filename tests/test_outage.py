@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -27,10 +28,11 @@ from coordinator.worker_loop import PerseusSimpleWorker, wait_for_redis
 from protocol import keys
 from protocol.connection import connect
 from protocol.exceptions import CoordinatorUnavailableError
-from protocol.models import JobInfo, ProfilingResult, ReportResult, unpack
+from protocol.models import JobInfo, ProfilingResult, RankInfo, ReportResult, unpack
 from protocol.store import JobStore
 from tests.helpers import (
     FAST_RECOVERY,
+    FREQS,
     ROOT,
     free_ports,
     make_hook,
@@ -499,3 +501,57 @@ def test_a_heartbeat_lists_the_worker_again_when_only_rqs_registry_lost_it(r):
         assert worker_registration.get_keys(queue=queue) == {worker.key}
     finally:
         worker.register_death()
+
+
+def test_a_rank_starting_rides_through_redis_restarts(tmp_path, monkeypatch):
+    """Redis restarts (persistent) while a rank waits for its registration, then its schedule.
+
+    Both waits are part of PerseusOptimizer's start: a restart then failed the training run
+    with ``CoordinatorUnavailableError: ... Connection closed by server``, although the request
+    waited in the stream and the coordinator answered it once Redis was back.
+    """
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
+    with EmbeddedRedis(appendonly=True) as server:
+        conn = redis.Redis.from_url(server.url)
+        store = JobStore(conn)
+        client = CoordinatorClient(server.url, reply_timeout=30)
+        started: dict[str, Any] = {}
+
+        def start_rank() -> None:
+            try:
+                job_id = client.register_job(
+                    JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+                )
+                info = RankInfo(
+                    rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS
+                )
+                client.register_rank(job_id, info)
+                started["schedule"] = client.wait_schedule(job_id, 0, timeout=30)
+            except Exception as exc:
+                started["error"] = exc
+
+        rank = threading.Thread(target=start_rank, daemon=True)
+        rank.start()
+        # No coordinator runs yet: the job's registration waits in the stream.
+        wait_for(lambda: conn.xlen(keys.REGISTRATIONS_STREAM) == 1, 10, "the registration")
+        server.restart(downtime=1.0)
+        coord = Coordinator(redis.Redis.from_url(server.url), make_settings(server.url))
+        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+        thread.start()
+        worker = None
+        try:
+            job_id = wait_for(lambda: [j for j, _ in store.list_jobs()], 20, "the job")[0]
+            wait_for(lambda: store.rank_count(job_id) == 1 or started, 20, "the rank")
+            assert "error" not in started, started.get("error")
+            # No worker runs yet: the rank waits for its first schedule.
+            server.restart(downtime=1.0)
+            worker = start_perseus(["worker", "--redis-url", server.url], tmp_path, "w.log")
+            rank.join(timeout=40)
+        finally:
+            coord.stop_event.set()
+            thread.join(timeout=5)
+            if worker is not None:
+                stop([worker])
+        assert "error" not in started, started.get("error")
+        assert started["schedule"].version == 1
+        client.close()

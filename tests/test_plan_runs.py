@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import redis
+from rq.executions import Execution
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.worker import SimpleWorker
@@ -81,8 +82,12 @@ def test_killed_worker_fails_its_planner_run_which_then_expires(tmp_path, redis_
         # The worker's record expires as soon (it was an hour or a day).
         assert 0 < r.ttl(worker_key) <= 90
 
+        # So does its execution's key, on Redis's clock, which is what tells it dead.
+        execution = Execution(entry.decode().split(":")[1], rq_id, r).key
+        assert 0 < r.ttl(execution) <= 90
+
         # Let the 90 s pass: the execution's heartbeat expires.
-        r.zadd(started.key, {entry: time.time() - 1})
+        r.delete(execution)
         # `perseus status` (which writes nothing) shows the run failed already ...
         shown = status_runs(redis_url, tmp_path)[plan_id]
         assert shown["state"] == "failed"

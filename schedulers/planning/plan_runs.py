@@ -42,21 +42,49 @@ def end_run(conn: Any, plan_id: str, reason: str) -> bool:
     return bool(ended)
 
 
-def rq_death(conn: Any, plan_id: str, now: float | None = None) -> str | None:
+def expired_executions(conn: Any) -> list[str]:
+    """The started rq tasks whose execution Redis let expire: their worker stopped beating.
+
+    rq scores each entry of its StartedJobRegistry with the time its execution expires on the
+    worker's clock, and its cleanup compares that with the caller's clock: a coordinator a few
+    minutes ahead of a worker failed that worker's running tasks as abandoned. The execution's
+    own key (``rq:execution:<job id>:<execution id>``) expires on Redis's clock, each
+    heartbeat renewing it, so it tells a dead worker's task from a live one whatever the
+    machines' clocks say.
+
+    Returns:
+        The registry's entries (``<job id>:<execution id>``) whose execution key is gone.
+    """
+    from rq.executions import Execution
+    from rq.registry import StartedJobRegistry
+    from rq.utils import as_text, parse_composite_key
+
+    started = StartedJobRegistry(keys.RQ_QUEUE, connection=conn)
+    entries = [as_text(entry) for entry in conn.zrange(started.key, 0, -1)]
+    if not entries:
+        return []
+    with conn.pipeline(transaction=False) as pipe:
+        for entry in entries:
+            job_id, execution_id = parse_composite_key(entry)
+            pipe.exists(Execution(execution_id, job_id, conn).key)
+        alive = pipe.execute()
+    return [entry for entry, live in zip(entries, alive, strict=True) if not live]
+
+
+def rq_death(conn: Any, plan_id: str) -> str | None:
     """Why rq says the run's job is dead, or None while rq may still run it (or finished it).
 
     Read-only (an operator without write access may ask). Dead: the rq job is gone, failed,
-    stopped or canceled, or it is started while its execution's heartbeat expired, the task
-    rq's registry cleanup moves to the failed jobs as abandoned.
+    stopped or canceled, or it is started while its execution expired in Redis
+    (:func:`expired_executions`), the task rq's registry cleanup moves to the failed jobs as
+    abandoned.
 
     Args:
         conn: redis-py client.
         plan_id: The run.
-        now: Unix time to judge heartbeats by (rq's registries use the local clock).
     """
     from rq.exceptions import InvalidJobOperation
     from rq.job import Job, JobStatus
-    from rq.registry import StartedJobRegistry
 
     rq_id = keys.plan_rq_job(plan_id)
     job = Job(rq_id, connection=conn)
@@ -74,8 +102,7 @@ def rq_death(conn: Any, plan_id: str, now: float | None = None) -> str | None:
     if status in (JobStatus.STOPPED, JobStatus.CANCELED):
         return f"its rq job was {status.value}"
     if status == JobStatus.STARTED:
-        started = StartedJobRegistry(keys.RQ_QUEUE, connection=conn)
-        if rq_id in started.get_expired_job_ids(now):
+        if any(entry.startswith(f"{rq_id}:") for entry in expired_executions(conn)):
             return f"{ABANDONED}: no heartbeat from its worker"
     return None
 
@@ -100,7 +127,7 @@ def on_rq_failure(job: Any, connection: Any, exc_type: type, value: Any, tb: Any
         logger.warning("planner run %s: failed: %s", plan_id, reason)
 
 
-def settle_runs(conn: Any, limit: int = 1000, now: float | None = None) -> list[tuple[str, str]]:
+def settle_runs(conn: Any, limit: int = 1000) -> list[tuple[str, str]]:
     """End the runs in ``keys.PLANS_ACTIVE`` whose rq job is dead (:func:`rq_death`).
 
     Forgets runs that ended or whose record is gone. Reads only the runs not ended (the
@@ -116,7 +143,7 @@ def settle_runs(conn: Any, limit: int = 1000, now: float | None = None) -> list[
         if (state.decode() if isinstance(state, bytes) else state) not in LIVE_STATES:
             conn.zrem(keys.PLANS_ACTIVE, plan_id)
             continue
-        reason = rq_death(conn, plan_id, now)
+        reason = rq_death(conn, plan_id)
         if reason is not None and end_run(conn, plan_id, reason):
             ended.append((plan_id, reason))
     return ended

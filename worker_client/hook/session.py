@@ -69,16 +69,29 @@ class CoordinatorClient:
         self._tokens: dict[tuple[str, int], str] = {} if tokens is None else tokens
 
     def _request(self, message: RegisterJob | RegisterRank) -> Reply:
-        try:
-            self.conn.xadd(
-                keys.REGISTRATIONS_STREAM,
-                encode_message(message, wait_s=self.reply_timeout),
-            )
-            answer = self.conn.blpop(
-                [keys.reply_key(message.request_id)], timeout=self.reply_timeout
-            )
-        except redis.RedisError as exc:
-            raise self.unavailable(exc) from None
+        """Send a registration request and wait up to ``reply_timeout`` for its reply.
+
+        A Redis error on the way (a restart, a failover, a full Redis) is retried until then:
+        the request waits in the stream, and the coordinator answers it once Redis is back.
+        The request is sent again only if sending it failed; should that first send have
+        reached Redis after all, the coordinator answers a job's request once (the same job)
+        and dead-letters a rank's second one without a reply.
+        """
+        deadline = time.monotonic() + self.reply_timeout
+        entry = encode_message(message, wait_s=self.reply_timeout)
+        retry = _Retry(self, f"registration ({message.kind})", deadline)
+        sent = False
+        while True:
+            try:
+                if not sent:
+                    self.conn.xadd(keys.REGISTRATIONS_STREAM, entry)
+                    sent = True
+                wait = max(deadline - time.monotonic(), 0.01)
+                answer = self.conn.blpop([keys.reply_key(message.request_id)], timeout=wait)
+                break
+            except redis.RedisError as exc:
+                retry.after(exc)
+        retry.done()
         if answer is None:
             raise CoordinatorUnavailableError(
                 f"no coordinator answered {message.kind} within {self.reply_timeout:.0f} s; "
@@ -190,19 +203,28 @@ class CoordinatorClient:
     ) -> FrequencySchedule:
         """Block until a version newer than ``newer_than`` is published; return it.
 
+        A Redis error is retried until ``timeout`` has passed (a restart or a failover while
+        a rank waits for its first schedule).
+
         Raises:
-            CoordinatorUnavailableError: No version in ``timeout`` seconds, or Redis failed.
+            CoordinatorUnavailableError: No version in ``timeout`` seconds, or Redis failed
+                until then.
             PerseusError: The job's scheduler failed.
         """
-        try:
-            return self._wait_schedule(job_id, rank, newer_than, timeout)
-        except redis.RedisError as exc:
-            raise self.unavailable(exc) from None
+        deadline = time.monotonic() + timeout
+        retry = _Retry(self, f"rank {rank} waiting for a schedule", deadline)
+        while True:
+            try:
+                schedule = self._wait_schedule(job_id, rank, newer_than, timeout, deadline)
+            except redis.RedisError as exc:
+                retry.after(exc)
+                continue
+            retry.done()
+            return schedule
 
     def _wait_schedule(
-        self, job_id: str, rank: int, newer_than: int, timeout: float
+        self, job_id: str, rank: int, newer_than: int, timeout: float, deadline: float
     ) -> FrequencySchedule:
-        deadline = time.monotonic() + timeout
         last_id = "0"
         while True:
             version = self.latest_version(job_id)
@@ -225,3 +247,52 @@ class CoordinatorClient:
     def close(self) -> None:
         """Close the connection pool."""
         self.conn.close()
+
+
+_FIRST_RETRY_S, _LAST_RETRY_S = 0.5, 5.0
+
+
+class _Retry:
+    """Backoff for a client call that rides through Redis errors until a deadline.
+
+    Args:
+        client: Names the server in messages, and builds the error raised at the deadline.
+        what: Names the call in log messages.
+        deadline: ``time.monotonic()`` after which the last error is raised.
+    """
+
+    def __init__(self, client: CoordinatorClient, what: str, deadline: float) -> None:
+        self.client, self.what, self.deadline = client, what, deadline
+        self.since: float | None = None
+        self._delay = _FIRST_RETRY_S
+
+    def after(self, exc: redis.RedisError) -> None:
+        """Wait before the next try (doubling from 0.5 s up to 5 s), logging the first error.
+
+        Raises:
+            CoordinatorUnavailableError: The deadline comes before the next try would.
+        """
+        now = time.monotonic()
+        if now + self._delay >= self.deadline:
+            raise self.client.unavailable(exc) from None
+        if self.since is None:
+            self.since = now
+            logger.warning(
+                "%s: redis at %s unavailable (%s); retrying for up to %.0f s",
+                self.what,
+                self.client.where,
+                exc,
+                self.deadline - now,
+            )
+        time.sleep(self._delay)
+        self._delay = min(self._delay * 2, _LAST_RETRY_S)
+
+    def done(self) -> None:
+        """Log the end of an outage, if there was one."""
+        if self.since is not None:
+            logger.warning(
+                "%s: redis at %s is back after %.1f s",
+                self.what,
+                self.client.where,
+                time.monotonic() - self.since,
+            )
