@@ -35,6 +35,7 @@ from tests.helpers import (
     wait_for,
 )
 from worker_client.gpu.frequency import DryRunFrequencyController
+from worker_client.hook.session import CoordinatorClient
 
 PASSWORDS = {role: f"pw-{role}-123" for role in ROLES}
 
@@ -354,3 +355,15 @@ def test_wrong_users_get_one_line_from_the_worker_and_from_jobs_finish(acl_serve
             result.output
         )
         assert result.exception is None or isinstance(result.exception, SystemExit), role
+
+
+def test_a_refused_registration_is_raised_at_once_not_retried_as_an_outage(acl_server, caplog):
+    # A rank waiting for its reply rides through a Redis restart; an ACL's refusal is no outage.
+    _server, port = acl_server
+    client = CoordinatorClient(url_of(port, "operator"), reply_timeout=30)
+    with (
+        caplog.at_level(logging.WARNING),
+        pytest.raises(CoordinatorUnavailableError, match="no permissions"),
+    ):
+        client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+    assert "retrying" not in caplog.text

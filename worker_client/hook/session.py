@@ -251,6 +251,16 @@ class CoordinatorClient:
 
 _FIRST_RETRY_S, _LAST_RETRY_S = 0.5, 5.0
 
+# What a Redis that is restarting, failing over or full answers; any other error (a login or
+# an ACL refused, a command the server lacks) is raised at once: waiting cannot cure it.
+_OUTAGE_ERRORS = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,
+)
+_REFUSALS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
+
 
 class _Retry:
     """Backoff for a client call that rides through Redis errors until a deadline.
@@ -270,10 +280,12 @@ class _Retry:
         """Wait before the next try (doubling from 0.5 s up to 5 s), logging the first error.
 
         Raises:
-            CoordinatorUnavailableError: The deadline comes before the next try would.
+            CoordinatorUnavailableError: The deadline comes before the next try would, or
+                ``exc`` is no outage (a refused login or command).
         """
         now = time.monotonic()
-        if now + self._delay >= self.deadline:
+        outage = isinstance(exc, _OUTAGE_ERRORS) and not isinstance(exc, _REFUSALS)
+        if not outage or now + self._delay >= self.deadline:
             raise self.client.unavailable(exc) from None
         if self.since is None:
             self.since = now
