@@ -384,8 +384,9 @@ def advance_job(
             store.release_lease(job_id, token)
             logger.info("job %s is gone (deleted as idle?): nothing to advance", job_id)
             return published
-        except Exception:
-            # The read may have taken the lease before another of its commands failed.
+        except BaseException:
+            # The read may have taken the lease before another of its commands failed (or a
+            # shutdown interrupted it).
             with contextlib.suppress(redis.RedisError):
                 store.release_lease(job_id, token)
             raise
@@ -412,6 +413,12 @@ def advance_job(
             # fails deterministically.
             store.fail_job(job_id, f"{type(exc).__name__}: {exc}")
             logger.error("job %s: %s", job_id, exc)
+            raise
+        except BaseException:
+            # A shutdown mid-computation (rq's cold stop raises SystemExit from its signal
+            # handler; Ctrl+C): hand the job over now, not once the lease expires.
+            with contextlib.suppress(redis.RedisError):
+                store.release_lease(job_id, token)
             raise
         finally:
             _RENEWER.release(job_id, token)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import hashlib
 
+import redis
+
 from protocol import keys
 from protocol.exceptions import ConfigError
 
@@ -146,3 +148,20 @@ def wrong_user(who: str, exc: Exception, role: str = "service") -> ConfigError:
         f"{who}: Redis refused a command to this user (NOPERM: {exc}); it needs "
         f"{role_user(role)} (`perseus acl`)"
     )
+
+
+# NOPERM inside a script (Redis 6.2: "The user executing the script can't run this command").
+_NOPERM_MARKS = ("NOPERM", "no permissions", "can't run this")
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing this client (its login or an ACL), not an outage.
+
+    A wrong user name or password, a disabled user, or a command or key the user's ACL rules
+    do not grant: waiting for Redis does not cure any of them, its operator must.
+    """
+    if isinstance(exc, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
+        return True
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return True
+    return isinstance(exc, redis.ResponseError) and any(m in str(exc) for m in _NOPERM_MARKS)

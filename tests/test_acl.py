@@ -29,6 +29,7 @@ from tests.helpers import (
     free_ports,
     make_hook,
     make_settings,
+    result,
     start_perseus,
     step_until,
     stop,
@@ -36,6 +37,7 @@ from tests.helpers import (
 )
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.hook.session import CoordinatorClient
+from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
 
 PASSWORDS = {role: f"pw-{role}-123" for role in ROLES}
 
@@ -367,3 +369,36 @@ def test_a_refused_registration_is_raised_at_once_not_retried_as_an_outage(acl_s
     ):
         client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
     assert "retrying" not in caplog.text
+
+
+@pytest.mark.parametrize("refusal", ["password", "noperm"])
+def test_a_background_thread_refused_by_redis_says_so_not_that_redis_is_unreachable(
+    refusal, caplog
+):
+    # Mid-training, the rank's login or its ACL rules stop working: the hook's threads go on
+    # retrying (Redis's operator may fix it), but they must say what is wrong, loudly, once.
+    with EmbeddedRedis(password="pw-1") as server:
+        admin = redis.Redis.from_url(server.url)
+        client = CoordinatorClient(server.url)
+        watcher = ScheduleWatcher(client, "job-r", 0, 1, heartbeat_interval=0.2)
+        reporter = ResultReporter(client, "job-r", flush_timeout=1.0)
+        with caplog.at_level(logging.WARNING, logger="worker_client.hook.watchers"):
+            watcher.start()
+            reporter.start()
+            if refusal == "password":  # a new password, every connection dropped
+                admin.config_set("requirepass", "pw-2")
+                admin = redis.Redis(unix_socket_path=str(server.socket_path), password="pw-2")
+                admin.client_kill_filter(_type="normal", skipme=True)
+            else:  # the user's rules no longer grant what the hook sends
+                admin.execute_command("ACL", "SETUSER", "default", "-xadd", "-evalsha")
+            reporter.submit(result(0, 1))
+            wait_for(lambda: watcher.outage.refused and reporter.outage.refused, 10, "refusals")
+            reporter.stop()
+            watcher.stop()
+        client.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    for thread in ("rank 0 schedule watcher", "result reporter"):
+        said = [m for m in errors if m.startswith(f"{thread}: redis at") and "refused" in m]
+        assert len(said) == 1 and "not an outage" in said[0], errors
+    assert reporter.unsent == 1
+    assert any("still refusing this client" in m for m in errors), errors

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 from protocol import keys
 from protocol.models import JobInfo, ProfilingResult, RankInfo
@@ -106,3 +107,42 @@ def test_killed_worker_and_coordinator_lose_nothing(tmp_path, redis_url, r):
     for stream in keys.INPUT_STREAMS:
         assert r.xpending(stream, keys.COORDINATOR_GROUP)["pending"] == 0
     assert r.xlen(keys.DEADLETTER_STREAM) == 0
+
+
+def test_a_cold_shutdown_mid_task_releases_the_lease(tmp_path, redis_url, r):
+    # A second SIGTERM (rq's cold shutdown) ends the running advance task with SystemExit: the
+    # lease must be released on the way out, not left to expire while no worker computes.
+    coordinator = start_perseus(
+        [
+            "coordinator",
+            "--redis-url",
+            redis_url,
+            "--scheduler",
+            "tests.toy_schedulers:StepDown",
+            "--scheduler-args",
+            json.dumps({"delay": 30}),
+        ],
+        tmp_path,
+        "coordinator.log",
+    )
+    worker = start_perseus(["worker", "--redis-url", redis_url], tmp_path, "worker.log")
+    store = JobStore(r)
+    client = CoordinatorClient(redis_url, reply_timeout=30)
+    try:
+        job_id = client.register_job(JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1))
+        client.register_rank(
+            job_id, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+        )
+        wait_for(lambda: store.lease_holder(job_id) is not None, 60, "worker to start v1")
+        worker.send_signal(signal.SIGTERM)  # warm: stop after the task
+        wait_for(lambda: "warm shut down requested" in (tmp_path / "worker.log").read_text())
+        time.sleep(1.2)  # rq ignores a second signal within a second of the first
+        worker.send_signal(signal.SIGTERM)  # cold: the task ends now
+        worker.wait(timeout=10)
+        assert store.lease_holder(job_id) is None
+    finally:
+        client.close()
+        for proc in (worker, coordinator):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

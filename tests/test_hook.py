@@ -226,3 +226,34 @@ def test_a_rank_left_waiting_for_the_others_hooks_says_so(caplog):
             pass
         time.sleep(0.7)
     assert caplog.text == ""
+
+
+class _FailingEnergy:
+    """An energy source whose energies cannot be read (a sensor that went away).
+
+    Reading fails after a moment, as a monitor's wait for samples would: after the step end.
+    """
+
+    def mark(self) -> float:
+        return 0.0
+
+    def energy(self, start_mark: float, end_mark: float) -> float:
+        time.sleep(0.5)
+        raise RuntimeError("energy sensor gone")
+
+
+def test_a_result_that_fails_to_build_after_the_last_step_is_not_lost_silently(
+    gloo, hook_service, redis_url, caplog
+):
+    # The last step's report is built while close() waits: no step end follows to raise its
+    # error, so close must say that the result was never sent, and why.
+    _coord, start_worker = hook_service
+    start_worker()
+    hook = make_hook(
+        redis_url, DryRunFrequencyController(0), report_every=1, energy_source=_FailingEnergy()
+    )
+    with caplog.at_level(logging.WARNING, logger="worker_client.hook.optimizer"):
+        run_step(hook)
+        hook.close()
+    assert hook.reporter.sent == 0
+    assert "energy sensor gone" in caplog.text and "version 1" in caplog.text, caplog.text

@@ -27,7 +27,7 @@ from coordinator.service import Coordinator
 from coordinator.worker_loop import PerseusSimpleWorker, wait_for_redis
 from protocol import keys
 from protocol.connection import connect
-from protocol.exceptions import CoordinatorUnavailableError
+from protocol.exceptions import CoordinatorUnavailableError, UnknownJobError
 from protocol.models import JobInfo, ProfilingResult, RankInfo, ReportResult, unpack
 from protocol.store import JobStore
 from tests.helpers import (
@@ -555,3 +555,24 @@ def test_a_rank_starting_rides_through_redis_restarts(tmp_path, monkeypatch):
         assert "error" not in started, started.get("error")
         assert started["schedule"].version == 1
         client.close()
+
+
+def test_a_rank_waiting_for_its_first_schedule_hears_that_redis_lost_the_job():
+    """Redis restarts empty while a rank waits for its first schedule: no worker will ever
+    answer, and the error must say the job is gone, not ask whether workers run."""
+    with EmbeddedRedis(appendonly=False) as server:
+        client = CoordinatorClient(server.url, reply_timeout=20)
+        coord = Coordinator(redis.Redis.from_url(server.url), make_settings(server.url))
+        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+        thread.start()
+        try:
+            job_id = register(client, pp=1)  # no worker runs: version 1 never comes
+            threading.Timer(0.5, server.restart, kwargs={"downtime": 0.5}).start()
+            started = time.monotonic()
+            with pytest.raises(UnknownJobError, match=r"gone from redis at .*restart training"):
+                client.wait_schedule(job_id, 0, timeout=30)
+            assert time.monotonic() - started < 15
+        finally:
+            coord.stop_event.set()
+            thread.join(timeout=5)
+            client.close()

@@ -234,6 +234,7 @@ class PerseusOptimizer(Callback):
         # Turns marks into energies and results, in report order, off the training thread.
         self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perseus-result")
         self._build_error: Exception | None = None
+        self._build_error_version = 0  # the schedule version whose result _build_error lost
         self._remeasure = False  # set by the result builder when a window must be measured again
         self._last_result: ProfilingResult | None = None  # set by the result-builder thread
         self._build_lock = threading.Lock()
@@ -422,7 +423,7 @@ class PerseusOptimizer(Callback):
             return
         except Exception as exc:  # Raised on the training thread at the next step end.
             with self._build_lock:
-                self._build_error = exc
+                self._build_error, self._build_error_version = exc, version
             return
         self._last_result = result
         self.reporter.submit(result)
@@ -443,6 +444,15 @@ class PerseusOptimizer(Callback):
             return
         self._closed = True
         self._builder.shutdown(wait=True)  # Queued results reach the reporter first.
+        if self._build_error is not None:  # no step end follows to raise it
+            logger.error(
+                "rank %d: the profiling result of schedule version %d was not sent: building "
+                "it failed: %s: %s",
+                self.rank,
+                self._build_error_version,
+                type(self._build_error).__name__,
+                self._build_error,
+            )
         self.reporter.stop()
         self.watcher.stop()
         self._finish_rank()

@@ -209,6 +209,7 @@ class CoordinatorClient:
         Raises:
             CoordinatorUnavailableError: No version in ``timeout`` seconds, or Redis failed
                 until then.
+            UnknownJobError: The job is gone (Redis lost it, or it was deleted).
             PerseusError: The job's scheduler failed.
         """
         deadline = time.monotonic() + timeout
@@ -230,9 +231,20 @@ class CoordinatorClient:
             version = self.latest_version(job_id)
             if version > newer_than:
                 return self.fetch_schedule(job_id, version, rank)
-            error = self.job_error(job_id)
+            with self.conn.pipeline(transaction=False) as pipe:  # commands a rank's ACL grants
+                pipe.exists(keys.job_info(job_id))
+                pipe.hget(keys.job_info(job_id), "error")
+                exists, error = pipe.execute()
+            if not exists:
+                # No schedule will ever come: Redis lost the job (restarted without its data)
+                # or it was deleted; waiting on would end in a message about workers.
+                raise UnknownJobError(
+                    f"job {job_id} is gone from redis at {self.where} (restarted without "
+                    f"persistence, or deleted) while rank {rank} waited for a schedule newer "
+                    f"than version {newer_than}; restart training to register a new job"
+                )
             if error:
-                raise PerseusError(f"the scheduler of job {job_id} failed: {error}")
+                raise PerseusError(f"the scheduler of job {job_id} failed: {error.decode()}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CoordinatorUnavailableError(

@@ -14,6 +14,7 @@ import time
 import redis
 
 from protocol import keys
+from protocol.acl import refused
 from protocol.connection import connect
 from protocol.exceptions import CoordinatorUnavailableError, WrongTokenError
 from protocol.models import FrequencySchedule, ProfilingResult
@@ -45,24 +46,43 @@ class _Outage:
         self.what, self.redis_url, self.timeout = what, redis_url, timeout
         self.since: float | None = None
         self.count = 0  # outages seen so far
+        self.refused = False  # this outage includes a refusal (login or ACL), said once
         self._delay = _FIRST_RETRY_S
 
     def failed(self, exc: BaseException) -> CoordinatorUnavailableError | None:
-        """Note a failed call; returns the error to raise once the outage lasted too long."""
+        """Note a failed call; returns the error to raise once the outage lasted too long.
+
+        A refusal (a wrong password, a disabled user, an ACL without a command the hook needs)
+        is retried as well, since only Redis's operator can cure it and may do so while the
+        training runs, but it is said as what it is, once, as an error.
+        """
         now = time.monotonic()
+        refusal = refused(exc)
         if self.since is None:
             self.since = now
             self.count += 1
-            logger.warning(
-                "%s: redis at %s unavailable (%s); training goes on with the current "
-                "schedule while this retries",
+            if not refusal:
+                logger.warning(
+                    "%s: redis at %s unavailable (%s); training goes on with the current "
+                    "schedule while this retries",
+                    self.what,
+                    self.redis_url,
+                    exc,
+                )
+        if refusal and not self.refused:
+            self.refused = True
+            logger.error(
+                "%s: redis at %s refused this client (%s): not an outage; check the user name "
+                "and password in redis_url and the server's ACL users (`perseus acl`). "
+                "Training goes on with the current schedule while this retries",
                 self.what,
                 self.redis_url,
                 exc,
             )
         if self.timeout is not None and now - self.since > self.timeout:
+            why = "refusing this client" if self.refused else "unreachable"
             return CoordinatorUnavailableError(
-                f"{self.what}: redis at {self.redis_url} unreachable for "
+                f"{self.what}: redis at {self.redis_url} {why} for "
                 f"{now - self.since:.1f} s (outage_timeout={self.timeout:g} s): {exc}"
             )
         return None
@@ -75,6 +95,7 @@ class _Outage:
     def recovered(self) -> bool:
         """Note a successful call; True if it ended an outage."""
         self._delay = _FIRST_RETRY_S
+        self.refused = False
         if self.since is None:
             return False
         logger.warning(
@@ -326,10 +347,11 @@ class ResultReporter(threading.Thread):
         self.unsent = count
         logger.error(
             "result reporter: %d profiling result(s) of job %s not sent: redis at %s still "
-            "unreachable %.0f s after close",
+            "%s %.0f s after close",
             count,
             self.job_id,
             self.client.where,
+            "refusing this client" if self.outage.refused else "unreachable",
             self.flush_timeout,
         )
 
