@@ -15,6 +15,7 @@ from typing import Any
 import redis
 
 from protocol import keys
+from protocol.acl import refused
 from protocol.connection import SOCKET_TIMEOUT_S, connect, redact_url
 from protocol.exceptions import (
     CoordinatorUnavailableError,
@@ -271,7 +272,6 @@ _OUTAGE_ERRORS = (
     redis.exceptions.ReadOnlyError,
     redis.exceptions.OutOfMemoryError,
 )
-_REFUSALS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
 
 
 class _Retry:
@@ -296,7 +296,7 @@ class _Retry:
                 ``exc`` is no outage (a refused login or command).
         """
         now = time.monotonic()
-        outage = isinstance(exc, _OUTAGE_ERRORS) and not isinstance(exc, _REFUSALS)
+        outage = isinstance(exc, _OUTAGE_ERRORS) and not refused(exc)
         if not outage or now + self._delay >= self.deadline:
             raise self.client.unavailable(exc) from None
         if self.since is None:
