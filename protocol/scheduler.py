@@ -286,8 +286,9 @@ def check_scheduler_args(name: str, args: dict[str, Any]) -> None:
         params = [
             p for p in inspect.signature(cls).parameters if p not in ("job_info", "rank_infos")
         ]
+        given = f"scheduler_args {sorted(args)}" if args else "scheduler_args (none given)"
         raise ConfigError(
-            f"invalid scheduler_args {sorted(args)} for scheduler {name}: {exc} "
+            f"invalid {given} for scheduler {name}: {exc} "
             f"(it takes: {', '.join(params) or 'nothing'})"
         ) from None
     adapters = _argument_adapters(name)

@@ -227,3 +227,16 @@ def test_relative_server_paths_are_made_absolute_when_the_coordinator_starts(
         assert config.scheduler_args == want, name
         resolve_scheduler(name).check_files(config.scheduler_args)  # what the worker opens
     assert then == {"out_dir": "planned", "p2p_power": 70}  # the caller's dict is left alone
+
+
+def test_missing_arguments_are_named_and_an_empty_set_reads_as_none_given() -> None:
+    """A job naming InstructionProfiler without arguments read 'invalid scheduler_args []',
+    as if it had sent an empty list."""
+    with pytest.raises(ConfigError) as info:
+        check_scheduler_args("InstructionProfiler", {})
+    assert str(info.value).startswith(
+        "invalid scheduler_args (none given) for scheduler InstructionProfiler: missing a "
+        "required argument: 'microbatches' (it takes: microbatches, warmup_iters,"
+    )
+    with pytest.raises(ConfigError, match=r"^invalid scheduler_args \['bogus', 'microbatches'\]"):
+        check_scheduler_args("InstructionProfiler", {"microbatches": 4, "bogus": 1})
