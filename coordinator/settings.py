@@ -124,6 +124,9 @@ class PerseusSettings(BaseSettings):
 
         Called when a coordinator starts. Not a field validator, because rq workers and
         the inspection commands share these settings but never construct a scheduler.
+        Relative paths in the arguments (``solution_path``, ``frontier_dir``, ...) are made
+        absolute against this process's working directory first, so that jobs get the
+        files checked here whatever the rq workers' working directory.
         """
         if not self.scheduler:
             if self.scheduler_args:
@@ -136,7 +139,9 @@ class PerseusSettings(BaseSettings):
                 )
             return  # No default: every job must name its scheduler when it registers.
         check_scheduler_args(self.scheduler, self.scheduler_args)
-        resolve_scheduler(self.scheduler).check_files(self.scheduler_args)
+        scheduler = resolve_scheduler(self.scheduler)
+        self.scheduler_args = scheduler.absolute_paths(self.scheduler_args)
+        scheduler.check_files(self.scheduler_args)
 
 
 OTHER_VARIABLES = frozenset(

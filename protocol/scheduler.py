@@ -22,6 +22,7 @@ import functools
 import importlib
 import inspect
 import json
+import os
 import types
 import typing
 from collections.abc import Generator
@@ -92,6 +93,22 @@ class FrequencyScheduler:
         Called when a coordinator starts and when a job asks for this scheduler, so that a
         bad configuration fails before any training starts.
         """
+
+    @classmethod
+    def absolute_paths(cls, args: dict[str, Any]) -> dict[str, Any]:
+        """Return ``args`` with each relative path in :attr:`server_path_args` made absolute.
+
+        Relative to this process's working directory. Called when a coordinator starts, so
+        that the files it checks are the ones the rq workers open: a worker resolves a
+        relative path against its own working directory, which need not be the
+        coordinator's. Schedulers whose path sits inside another argument (a dict) override
+        this.
+        """
+        out = dict(args)
+        for name in cls.server_path_args:
+            if isinstance(out.get(name), str):
+                out[name] = os.path.abspath(out[name])
+        return out
 
     @classmethod
     def check_files(cls, args: dict[str, Any]) -> None:
@@ -269,8 +286,9 @@ def check_scheduler_args(name: str, args: dict[str, Any]) -> None:
         params = [
             p for p in inspect.signature(cls).parameters if p not in ("job_info", "rank_infos")
         ]
+        given = f"scheduler_args {sorted(args)}" if args else "scheduler_args (none given)"
         raise ConfigError(
-            f"invalid scheduler_args {sorted(args)} for scheduler {name}: {exc} "
+            f"invalid {given} for scheduler {name}: {exc} "
             f"(it takes: {', '.join(params) or 'nothing'})"
         ) from None
     adapters = _argument_adapters(name)

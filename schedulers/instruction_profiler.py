@@ -34,6 +34,7 @@ finished). Paths are as seen by the rq workers.
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -152,6 +153,15 @@ class InstructionProfiler(FrequencyScheduler):
                     "forward and backward (does the training loop call on_instruction_begin "
                     "and on_instruction_end for each?)"
                 )
+
+    @classmethod
+    def absolute_paths(cls, args: dict[str, Any]) -> dict[str, Any]:
+        """Also ``then``'s ``out_dir``, the planner's output folder."""
+        out = super().absolute_paths(args)
+        then = out.get("then")
+        if isinstance(then, dict) and isinstance(then.get("out_dir"), str):
+            out["then"] = {**then, "out_dir": os.path.abspath(then["out_dir"])}
+        return out
 
     @classmethod
     def check_args(cls, args: dict[str, Any]) -> None:

@@ -14,7 +14,8 @@ from coordinator.cli import main
 from coordinator.job_config import job_config
 from protocol.exceptions import ConfigError
 from protocol.models import JobInfo, RegisterJob
-from protocol.scheduler import check_scheduler_args
+from protocol.scheduler import check_scheduler_args, resolve_scheduler
+from schedulers.planning.plan_file import write_plan_file
 from schedulers.planning.profile_csv import write_profile_rows
 from tests.helpers import make_settings
 
@@ -185,3 +186,57 @@ def test_coordinator_start_names_the_argument(redis_url: str) -> None:
     )
     assert result.exit_code == 2, result.output
     assert "scheduler PointSolution: argument 'solution_path' must be str | None" in result.output
+
+
+def test_relative_server_paths_are_made_absolute_when_the_coordinator_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An rq worker opens a path from its own working directory: the coordinator checks a
+    relative path against its own, so the jobs must get the path it checked, made absolute
+    (a worker started elsewhere failed every job with 'plan file not found')."""
+    (tmp_path / "plans").mkdir()
+    steps = [("forward", 1980), ("forward", 1980), ("backward", 1980), ("backward", 1980)]
+    write_plan_file(tmp_path / "plans" / "plan.py", [steps, steps], {"plan": 0})
+    write_profile_rows(tmp_path / "p2.csv", PROFILE_ROWS)
+    then = {"out_dir": "planned", "p2p_power": 70}
+    cases = [
+        ("PointSolution3D", {"solution_path": "plans/plan.py"}),
+        ("FrontierScheduler", {"profile": "p2.csv", "microbatches": 4}),
+        ("InstructionProfiler", {"microbatches": 4, "out_path": "prof.csv", "then": then}),
+    ]
+    expected = [
+        {"solution_path": str(tmp_path / "plans" / "plan.py")},
+        {"profile": str(tmp_path / "p2.csv"), "microbatches": 4},
+        {
+            "microbatches": 4,
+            "out_path": str(tmp_path / "prof.csv"),
+            "then": {"out_dir": str(tmp_path / "planned"), "p2p_power": 70},
+        },
+    ]
+    elsewhere = tmp_path / "worker"
+    elsewhere.mkdir()
+    message = RegisterJob(
+        request_id="r1", job=JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
+    )
+    for (name, args), want in zip(cases, expected, strict=True):
+        monkeypatch.chdir(tmp_path)  # the coordinator's working directory
+        settings = make_settings("redis://localhost:1", name, scheduler_args=args)
+        settings.check_scheduler()
+        monkeypatch.chdir(elsewhere)  # a worker's
+        config = job_config(settings, message)
+        assert config.scheduler_args == want, name
+        resolve_scheduler(name).check_files(config.scheduler_args)  # what the worker opens
+    assert then == {"out_dir": "planned", "p2p_power": 70}  # the caller's dict is left alone
+
+
+def test_missing_arguments_are_named_and_an_empty_set_reads_as_none_given() -> None:
+    """A job naming InstructionProfiler without arguments read 'invalid scheduler_args []',
+    as if it had sent an empty list."""
+    with pytest.raises(ConfigError) as info:
+        check_scheduler_args("InstructionProfiler", {})
+    assert str(info.value).startswith(
+        "invalid scheduler_args (none given) for scheduler InstructionProfiler: missing a "
+        "required argument: 'microbatches' (it takes: microbatches, warmup_iters,"
+    )
+    with pytest.raises(ConfigError, match=r"^invalid scheduler_args \['bogus', 'microbatches'\]"):
+        check_scheduler_args("InstructionProfiler", {"microbatches": 4, "bogus": 1})
