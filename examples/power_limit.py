@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
+from protocol.exceptions import GPUError
 from worker_client.gpu.energy import EnergyMonitor
 from worker_client.gpu.nvml import NVML, SIMULATED_NVML
 from worker_client.power_limit.optimizer import (
@@ -151,7 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(message)s", stream=sys.stdout)  # in order with print()
     logging.getLogger("worker_client.power_limit").setLevel(logging.INFO)
     args = parse_args(argv)
-    if args.gpu != "simulated" or os.environ.get("PERSEUS_SIM_GPU_DIR"):
+    if args.gpu != "simulated":
+        try:
+            return run(args)
+        except GPUError as exc:
+            print(f"--gpu {args.gpu}: {exc}", file=sys.stderr)
+            print("(without a GPU, run this example with --gpu simulated)", file=sys.stderr)
+            return 1
+    if os.environ.get("PERSEUS_SIM_GPU_DIR"):
         return run(args)
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # tmpfs: fast state files
     with tempfile.TemporaryDirectory(prefix="perseus-sim-gpu-", dir=shm) as state:

@@ -6,7 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from protocol.exceptions import GPUError
 from tests.helpers import ROOT, start_perseus, stop, subprocess_env
+from worker_client.gpu.nvml import NVML
 
 
 def test_minimal_loop_example_runs(tmp_path):
@@ -61,3 +65,24 @@ def test_torch_pipelining_example_runs(tmp_path):
     # GPipe: every stage runs its 8 forwards (1410 MHz) first.
     assert out.stdout.count("clocks requested [1410, 1410, 1410, 1410]") == 4
     assert "step 5: loss" in out.stdout
+
+
+def test_power_limit_example_without_a_driver_says_to_use_the_simulated_gpu(tmp_path):
+    try:  # read only: whether this machine has an NVIDIA driver at all
+        NVML().shutdown()
+    except GPUError:
+        pass
+    else:
+        pytest.skip("an NVIDIA driver is here: the example would change a real power limit")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "power_limit.py"), "--gpu", "0"],
+        env=subprocess_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "--gpu 0: NVML nvmlInit failed" in out.stderr
+    assert "--gpu simulated" in out.stderr
