@@ -211,3 +211,30 @@ def test_stop_drops_the_requests_of_a_marker_never_reached():
     time.sleep(0.1)
     # The controller may be stopped by now: nothing calls it from this thread any more.
     assert controller.records == [] and not requester.is_alive()
+
+
+def test_a_request_after_stop_is_refused_not_left_waiting_for_ever():
+    # The hook closed from another thread while a step runs: its next timed instruction's
+    # request used to wait for a thread that had ended.
+    controller = DryRunFrequencyController(0)
+    requester = ClockRequester(controller)
+    requester.start()
+    requester.request(1500, None, wait=True)
+    assert requester.stop() is True
+    raised: list[BaseException] = []
+
+    def request() -> None:
+        try:
+            requester.request(1200, None, wait=True)
+        except GPUError as exc:
+            raised.append(exc)
+
+    waiting = threading.Thread(target=request, daemon=True)
+    waiting.start()
+    waiting.join(30)
+    assert not waiting.is_alive(), "the request waited for a stopped requester"
+    assert len(raised) == 1 and isinstance(raised[0], GPUError), raised
+    assert "stopped" in str(raised[0])
+    with pytest.raises(GPUError, match="stopped"):
+        requester.flush()
+    assert [f for _, f in controller.records] == [1500]

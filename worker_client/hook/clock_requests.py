@@ -10,6 +10,8 @@ from typing import Protocol
 
 import torch
 
+from protocol.exceptions import GPUError
+
 logger = logging.getLogger(__name__)
 
 
@@ -79,6 +81,10 @@ class ClockRequester(threading.Thread):
         self.applied = 0  # requests passed to the controller
         self._cancelled = False  # set by stop() when a marker was never reached
         self._calling = threading.Lock()  # held while the controller is called
+        # Held while a request is queued, and while stop() queues its end: nothing is
+        # queued behind the end, where no thread would serve (or release) it.
+        self._queueing = threading.Lock()
+        self._stopped = False
 
     def request(self, frequency: int, marker: Marker | None, wait: bool = False) -> None:
         """Request ``frequency`` once ``marker`` is reached (at once if ``None``).
@@ -104,7 +110,10 @@ class ClockRequester(threading.Thread):
 
     def _put(self, marker: Marker | None, frequency: int | None, wait: bool) -> None:
         done = threading.Event() if wait else None
-        self._queue.put((marker, frequency, done))
+        with self._queueing:
+            if self._stopped:  # the hook was closed, from another thread say
+                raise GPUError("clock requests have stopped (the hook was closed)")
+            self._queue.put((marker, frequency, done))
         if done is not None:
             done.wait()
             if self.error is not None:
@@ -136,8 +145,11 @@ class ClockRequester(threading.Thread):
         Waits at most ``timeout`` for the GPU to reach the last marker; past that, the requests
         left are dropped (the controller may be stopped next and must have no second caller).
         """
+        with self._queueing:
+            self._stopped = True
+            if self.is_alive():
+                self._queue.put(None)
         if self.is_alive():
-            self._queue.put(None)
             self.join(timeout)
         if self.is_alive():
             with self._calling:
