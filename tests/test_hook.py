@@ -161,6 +161,28 @@ def test_heartbeat_notices_a_deleted_job_and_training_goes_on(gloo, hook_service
         hook.close()
 
 
+def test_a_malformed_update_is_skipped_and_the_watcher_goes_on(
+    gloo, hook_service, r, redis_url, caplog
+):
+    # On Redis 6.2 a rank's ACL user can write any job's updates stream: garbage there ended
+    # the watcher with a bare ValueError, raised at the next step end.
+    _coord, start_worker = hook_service
+    start_worker()
+    hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
+    try:
+        assert hook.schedule.version == 1
+        with caplog.at_level(logging.WARNING, logger="worker_client.hook.watchers"):
+            r.xadd(keys.job_updates(hook.job_id), {"version": "not-a-number"})
+            r.xadd(keys.job_updates(hook.job_id), {"version": "-3"})
+            run_step(hook)  # reports version 1: version 2 follows
+            step_until(hook, lambda: hook.schedule.version >= 2, 30, "version 2")
+        assert hook.watcher.error is None
+        assert "'version' is b'not-a-number', not a positive integer" in caplog.text
+        assert "'version' is b'-3'" in caplog.text
+    finally:
+        hook.close()
+
+
 def test_heartbeat_interval_must_be_positive(gloo, redis_url):
     with pytest.raises(ValueError, match="heartbeat_interval"):
         make_hook(redis_url, DryRunFrequencyController(0), heartbeat_interval=0)

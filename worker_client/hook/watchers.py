@@ -171,7 +171,7 @@ class ScheduleWatcher(threading.Thread):
                 self.outage.recovered()
                 for _stream, entries in reply or []:
                     last_id = entries[-1][0].decode()
-                    versions = [int(f[b"version"]) for _, f in entries if b"version" in f]
+                    versions = self._announced(entries)
                     for _, fields in entries:
                         if b"error" in fields:
                             self._note_error(fields[b"error"].decode(errors="replace"))
@@ -192,6 +192,35 @@ class ScheduleWatcher(threading.Thread):
                 if not self._stop_event.is_set():
                     self.error = exc
                 return
+
+    def _announced(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[int]:
+        """The versions the updates stream's ``entries`` announce; a malformed one is skipped.
+
+        Only services write the stream (on Redis 7; on 6.2 a rank's ACL user can too): an
+        entry whose version is no positive integer is logged and passed over, not allowed to
+        end the watcher and, with it, training. The schedule itself is read and checked
+        from its own key.
+        """
+        versions = []
+        for entry_id, fields in entries:
+            if b"version" not in fields:
+                continue
+            raw = fields[b"version"]
+            try:
+                version = int(raw)
+            except ValueError:
+                version = 0
+            if version < 1:
+                logger.warning(
+                    "rank %d: skipped entry %s of %s: 'version' is %r, not a positive integer",
+                    self.rank,
+                    entry_id.decode(),
+                    keys.job_updates(self.job_id),
+                    raw[:40],
+                )
+                continue
+            versions.append(version)
+        return versions
 
     def _take_newest(self, announced: int) -> None:
         # Only the newest few versions are kept in Redis: a watcher that fell behind fetches
