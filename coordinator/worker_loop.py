@@ -41,7 +41,7 @@ from rq.worker import BaseWorker, WorkerStatus
 
 from coordinator.tasks import forget_start, queue_start
 from coordinator.worker_names import PROCESS_FIELD, claim_name, process_identity
-from protocol.acl import wrong_user
+from protocol.acl import refused, wrong_user
 from protocol.exceptions import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -307,13 +307,25 @@ class PerseusSimpleWorker(_StopAware, SimpleWorker):
 def wait_for_redis(
     conn: redis.Redis, stop: threading.Event, first_delay: float = 0.5, max_delay: float = 5.0
 ) -> bool:
-    """Ping ``conn`` with backoff until it answers (True) or ``stop`` is set (False)."""
+    """Ping ``conn`` with backoff until it answers (True) or ``stop`` is set (False).
+
+    A refusal (a wrong password, a disabled user: its operator must act, waiting alone does
+    not help) is logged once as an error that says so; the pings go on, for the operator's fix.
+    """
     delay = first_delay
+    said = False
     while not stop.is_set():
         try:
             conn.ping()
             return True
-        except redis.RedisError:
+        except redis.RedisError as exc:
+            if refused(exc) and not said:
+                said = True
+                logger.error(
+                    "redis refuses this worker (%s): not an outage; check the user name, "
+                    "password and ACL of its --redis-url. Trying again until it answers",
+                    exc,
+                )
             stop.wait(delay)
             delay = min(delay * 2, max_delay)
     return False

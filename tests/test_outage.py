@@ -292,6 +292,18 @@ def test_reporter_flushes_at_close_and_counts_what_it_gives_up():
         client.close()
 
 
+def test_wait_for_redis_says_once_that_a_refused_login_is_no_outage(caplog):
+    stop = threading.Event()
+    with EmbeddedRedis(password="right-password") as server:
+        wrong = redis.Redis(unix_socket_path=str(server.socket_path), password="wrong")
+        threading.Timer(1.0, stop.set).start()
+        with caplog.at_level(logging.WARNING, logger="coordinator.worker_loop"):
+            assert not wait_for_redis(wrong, stop, first_delay=0.05)
+    refusals = [r for r in caplog.records if "redis refuses this worker" in r.message]
+    assert len(refusals) == 1 and refusals[0].levelname == "ERROR"
+    assert "not an outage" in refusals[0].message
+
+
 def test_wait_for_redis_returns_when_it_answers_or_when_stopped(tmp_path):
     stop = threading.Event()
     with EmbeddedRedis() as server:
