@@ -7,6 +7,7 @@ Steps run on its virtual clock, at the power limit the fake GPUs are at (ReplayT
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -442,6 +443,21 @@ def test_optimizer_with_redis_store(training: ReplayTraining, r: redis.Redis) ->
     down = PowerLimitProfileStore.from_url("redis://127.0.0.1:1/0", timeout=0.5)
     third = make(training, profile_store=down, workload="bert")
     assert describe(third.state) == "Ready(300,2)"
+
+
+def test_an_unreadable_stored_profile_is_profiled_again_and_replaced(
+    training: ReplayTraining, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = PowerLimitProfileStore(r)
+    r.set(keys.power_limit_profile("bert"), b"\xc1 not msgpack")
+    with caplog.at_level(logging.WARNING, logger="worker_client.power_limit"):
+        optimizer = make(training, profile_store=store, workload="bert", optimum_selector=Energy())
+    assert describe(optimizer.state) == "Ready(300,2)"
+    assert "bad stored power-limit profile of 'bert'" in caplog.text
+    assert "profiling again" in caplog.text
+    run_steps(optimizer, training, 17)
+    stored = store.load("bert")
+    assert stored is not None and stored.optimal_power_limit == 200
 
 
 def test_cli_show_and_delete(r: redis.Redis, redis_url: str) -> None:

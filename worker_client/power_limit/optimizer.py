@@ -47,7 +47,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from protocol.exceptions import ConfigError, CoordinatorUnavailableError, GPUError
+from protocol.exceptions import (
+    ConfigError,
+    CoordinatorUnavailableError,
+    GPUError,
+    ProtocolError,
+)
 from protocol.models import PowerLimitMeasurement, PowerLimitProfile
 from worker_client.gpu.nvml import NVML
 from worker_client.power_limit.monitor import Reducer, WindowMonitor, torch_distributed_reducer
@@ -456,6 +461,10 @@ class GlobalPowerLimitOptimizer:
                 return self.profile_store.load(self.workload)
             except CoordinatorUnavailableError as exc:  # Redis only saves time: go on without
                 logger.warning("cannot load the stored power-limit profile: %s", exc)
+            except ProtocolError as exc:
+                # A cache entry that cannot be read is a miss: every rank reads the same one,
+                # so all profile again, and the new profile replaces it.
+                logger.warning("%s; profiling again (the new profile replaces it)", exc)
         return None
 
     def _save_profile(self) -> None:
