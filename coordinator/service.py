@@ -36,7 +36,7 @@ from coordinator.resilience import Backoff, check_redis_version, ensure_groups
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
 from coordinator.trust import ResultKeys
-from protocol import deadletter, keys, streams
+from protocol import deadletter, keys, rank_functions, streams
 from protocol.acl import wrong_user
 from protocol.consumers import GroupMembers
 from protocol.exceptions import DuplicateEntryError, PerseusError, UnknownJobError
@@ -139,6 +139,7 @@ class Coordinator:
                 continue
             try:
                 ensure_groups(self.conn)
+                rank_functions.install(self.conn, str(self.conn.info("server")["redis_version"]))
             except redis.RedisError as exc:
                 backoff.failed(exc)
         self._drain()
@@ -158,7 +159,10 @@ class Coordinator:
             self.reader.reset()
 
     def _start(self) -> None:
-        check_redis_version(str(self.conn.info("server")["redis_version"]))
+        version = str(self.conn.info("server")["redis_version"])
+        check_redis_version(version)
+        # Redis 7: ranks heartbeat and finish through these, their user may run no script.
+        rank_functions.install(self.conn, version)
         agree_settings(self.conn, self.consumer, self.settings.shared(), self.store.server_time())
         ensure_groups(self.conn)
         logger.info("coordinator %s consuming %s", self.consumer, ", ".join(keys.INPUT_STREAMS))

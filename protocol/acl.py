@@ -67,10 +67,15 @@ _RANK_COMMANDS = (
     "+blpop",  # its registration's reply
     "+xread",  # a job's updates stream
     "+get +hget +hgetall +hlen +exists",  # version, schedules, info (error), liveness
-    "+evalsha +script|load +time +zadd",  # heartbeats: one script, the server's clock
-    "+sadd +scard",  # marking its rank finished at close (one script)
+    "+time +zadd",  # heartbeats (one script or function), the server's clock
+    "+sadd +scard",  # marking its rank finished at close (one script or function)
     "+multi +exec",  # saving a power-limit profile (SET + ZADD in MULTI)
 )
+# Redis 7: the heartbeat and finish run as functions a coordinator loads (rank_functions), and
+# a rank may run no Lua of its own: with SCRIPT LOAD and EVALSHA it could loop for ever (every
+# client gets BUSY), fill the Lua heap, or trim the input streams. Redis 6.2 has no functions.
+_RANK_LUA_7 = "+fcall"
+_RANK_LUA_6 = "+evalsha +script|load"
 # SET replaces a key of any type: on Redis 7 a selector grants it for power-limit profiles
 # only (a rank could otherwise wipe another job's heartbeats, or turn them into a string).
 # Redis 6.2 has no selectors: there SET reaches every key a rank may write.
@@ -103,7 +108,9 @@ def role_rules(role: str, redis_major: int = 7) -> str:
         patterns = [f"{read}{p}" for p in _RANK_READS]
         patterns += [f"{append}{p}" for p in _RANK_APPENDS] + [f"~{p}" for p in _RANK_WRITES]
         rules = f"{' '.join(patterns)} {_BASE} {' '.join(_RANK_COMMANDS)}"
-        return f"{rules} {_RANK_SET_7}" if redis_major >= 7 else f"{rules} +set"
+        if redis_major >= 7:
+            return f"{rules} {_RANK_LUA_7} {_RANK_SET_7}"
+        return f"{rules} {_RANK_LUA_6} +set"
     if role == "service":
         return f"{_SERVICE} {_BASE}"
     if role == "operator":

@@ -32,9 +32,10 @@ from protocol.models import (
     SetTarget,
     unpack,
 )
+from protocol.rank_functions import HEARTBEAT_FUNCTION, RankScript
 from protocol.server_clock import ServerClock
 from protocol.store_batch import single
-from protocol.store_scripts import FAIL_JOB, HSET_IF_JOB, Scripts
+from protocol.store_scripts import FAIL_JOB, HEARTBEAT, HSET_IF_JOB, Scripts
 from protocol.store_worker import WorkerStore
 from protocol.tokens import alive_proof, credentials, new_token, proof_marks, result_key
 
@@ -64,6 +65,7 @@ class JobStore(WorkerStore):
         self.keep_schedules = keep_schedules
         self.results_decoded = 0  # results decoded by this store: tests check advancing cost
         self.scripts = Scripts(conn)
+        self._heartbeat = RankScript(conn, HEARTBEAT_FUNCTION, HEARTBEAT)  # run by ranks
         self.clock = ServerClock.of(conn)  # activity stamps: the server's clock, like heartbeats
 
     # --- jobs ------------------------------------------------------------------------------
@@ -208,7 +210,7 @@ class JobStore(WorkerStore):
         proof = alive_proof(result_key(token))
         args = [job_id, rank, token, proof, keys.job_info(job_id), keys.job_beatcheck(job_id)]
         names = [keys.JOBS_INDEX, keys.job_alive(job_id)]
-        status = int(self.scripts.heartbeat(keys=names, args=args))
+        status = int(self._heartbeat(keys=names, args=args))
         if status == -1:
             raise WrongTokenError(f"wrong token for rank {rank} of job {job_id}: heartbeat refused")
         return status == 1

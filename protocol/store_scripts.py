@@ -248,7 +248,8 @@ return 0
 """
 
 
-# A rank's heartbeat, timed by the Redis server's clock, so that ranks and coordinators whose
+# A rank's heartbeat (on Redis 7 a function, protocol.rank_functions: ranks may not EVALSHA),
+# timed by the Redis server's clock, so that ranks and coordinators whose
 # clocks disagree still agree on how long ago a rank was heard from. Run by the ranks' ACL user,
 # so it can read the token digests of the beatcheck hash only (never the results' HMAC keys).
 # The job info and beatcheck are only read, and named in ARGV: Redis 7 lets a script declare a
@@ -269,6 +270,46 @@ local now = string.format('%d.%06d', t[1], t[2])
 redis.call('ZADD', KEYS[1], 'XX', 'GT', now, ARGV[1])
 redis.call('ZADD', KEYS[2], now, ARGV[2] .. ':' .. ARGV[4])
 return 1
+"""
+
+
+# Marks a rank (or, with ARGV[2] == '', the whole job) finished, on the server's clock (on
+# Redis 7 a function, protocol.rank_functions, like the heartbeat).
+# Idempotent: a rank marked twice counts once, and a finished job keeps its first finish time.
+# A rank proves itself with its token, like a heartbeat: runs as the rank's ACL user, so it
+# compares SHA-1 digests (the beatcheck hash); its mark carries its alive proof, which the
+# sweep checks (every rank can write the finished sets directly). An operator finishing the
+# whole job passes no token and is recorded on the job info first: a rank's ACL user may not
+# write that, so a rank cannot take this path (nothing is written before the refusal).
+# The job info and beatcheck are named in ARGV, as in the heartbeat script above:
+# Redis 7 lets a script declare (KEYS) only keys its user may write.
+# KEYS[1] job's finished ranks ('<rank>:<proof>'), KEYS[2] finished jobs.
+# ARGV[1] job id, ARGV[2] rank ('' finishes the job whatever its ranks did), ARGV[3] the rank's
+# token, ARGV[4] its alive proof (both ignored with ARGV[2] == ''), ARGV[5] job info key,
+# ARGV[6] job beatcheck key.
+# Returns {status, ranks finished, world size}: 0 unknown job, -1 rank out of range, -2 wrong
+# token, 1 recorded, 2 recorded and the job is finished.
+FINISH = """
+if redis.call('EXISTS', ARGV[5]) == 0 then return {0, 0, 0} end
+local world = tonumber(redis.call('HGET', ARGV[5], 'world_size'))
+if ARGV[2] ~= '' then
+  local rank = tonumber(ARGV[2])
+  if not rank or rank < 0 or rank >= world or rank % 1 ~= 0 then return {-1, 0, world} end
+  local digest = redis.call('HGET', ARGV[6], ARGV[2])
+  if not digest or digest ~= redis.sha1hex(ARGV[3]) then return {-2, 0, world} end
+else
+  redis.call('HSET', ARGV[5], 'finished_by', 'operator')
+end
+redis.replicate_commands()  -- Redis 6.2: TIME before writes needs effects replication
+local t = redis.call('TIME')
+local now = string.format('%d.%06d', t[1], t[2])
+if ARGV[2] ~= '' then redis.call('SADD', KEYS[1], ARGV[2] .. ':' .. ARGV[4]) end
+local count = redis.call('SCARD', KEYS[1])
+if ARGV[2] == '' or count >= world then
+  redis.call('ZADD', KEYS[2], 'NX', now, ARGV[1])
+  return {2, count, world}
+end
+return {1, count, world}
 """
 
 
@@ -311,4 +352,3 @@ class Scripts:
         self.delete_job: Script = conn.register_script(DELETE_JOB)
         self.release: Script = conn.register_script(RELEASE)
         self.renew: Script = conn.register_script(RENEW)
-        self.heartbeat: Script = conn.register_script(HEARTBEAT)

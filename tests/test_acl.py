@@ -15,10 +15,10 @@ from click.testing import CliRunner
 from coordinator.cli import main
 from coordinator.embedded import EmbeddedRedis
 from coordinator.sweep import Sweeper
-from protocol import keys
+from protocol import keys, rank_functions
 from protocol.acl import ROLES, role_user
 from protocol.connection import connect
-from protocol.exceptions import CoordinatorUnavailableError
+from protocol.exceptions import CoordinatorUnavailableError, WrongTokenError
 from protocol.job_lifecycle import JobLifecycle
 from protocol.models import JobConfig, JobInfo, RankInfo
 from protocol.store import JobStore
@@ -79,10 +79,16 @@ def refused(conn: redis.Redis, *command: str) -> bool:
     return False
 
 
+@pytest.mark.parametrize("major", [6, 7])
 def test_each_role_works_within_its_permissions_and_is_refused_outside(
-    acl_server, gloo, tmp_path, monkeypatch
+    major, request, gloo, tmp_path, monkeypatch
 ):
-    _server, port = acl_server
+    # On Redis 7 ranks heartbeat and finish through the functions the coordinator loads.
+    port = (
+        request.getfixturevalue("acl_server")[1]
+        if major == 6
+        else request.getfixturevalue("redis7_port")
+    )
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
     service_url = url_of(port, "service")
     services = [
@@ -236,6 +242,7 @@ def test_on_redis_7_a_rank_of_another_job_cannot_get_a_job_deleted(redis7_port, 
     for rank, token in enumerate(tokens):
         info = RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS)
         store.add_rank(job, info, token=token)
+    rank_functions.install(svc, "7")  # what a coordinator does when it starts
     rank_conn = redis.Redis.from_url(url_of(port, "rank"))
     assert JobStore(rank_conn).touch("victim", 0, tokens[0])  # the victim's rank 0 beats
 
@@ -276,6 +283,43 @@ def test_on_redis_7_a_rank_of_another_job_cannot_get_a_job_deleted(redis7_port, 
     for rank, token in enumerate(tokens):
         lifecycle.finish_rank("victim", rank, token)
     assert Sweeper(store).run(settings, lambda job_id: None) == ["victim"]
+
+
+def test_on_redis_7_ranks_run_no_lua_of_their_own(redis7_port):
+    """With SCRIPT LOAD and EVALSHA a rank ran any Lua: a loop that never ends (Redis answers
+    every client BUSY), a Lua heap of gigabytes, or an XADD that empties an input stream.
+    Its heartbeat and finish are functions a coordinator loads; it may only FCALL them."""
+    port = redis7_port
+    svc = redis.Redis.from_url(url_of(port, "service"))
+    rank_conn = redis.Redis.from_url(url_of(port, "rank"))
+    svc.xadd(keys.REGISTRATIONS_STREAM, {"kind": "register_rank", "data": b"another rank's"})
+    trim = "return redis.call('XADD', ARGV[1], 'MAXLEN', '0', '*', 'x', '1')"
+    assert refused(rank_conn, "SCRIPT", "LOAD", trim)
+    assert refused(rank_conn, "EVAL", trim, "0", keys.REGISTRATIONS_STREAM)
+    sha = svc.script_load(trim)  # in the cache already: the rank still may not run it
+    assert refused(rank_conn, "EVALSHA", sha, "0", keys.REGISTRATIONS_STREAM)
+    assert refused(rank_conn, "FUNCTION", "LOAD", f"#!lua name=mine\n{trim}")
+    assert svc.xlen(keys.REGISTRATIONS_STREAM) == 1
+
+    store = JobStore(svc)
+    job = JobInfo(job_id="j7", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    store.create_job(job, JobConfig(scheduler=TOY_SCHEDULER), "1-1")
+    token = new_token()
+    first = RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+    store.add_rank(job, first, token=token)
+    ranks = JobStore(rank_conn)
+    with pytest.raises(redis.exceptions.NoPermissionError, match="start a `perseus coordinator`"):
+        ranks.touch("j7", 0, token)  # no coordinator has loaded the functions yet
+    assert rank_functions.install(svc, str(svc.info("server")["redis_version"]))
+    assert ranks.touch("j7", 0, token)
+    assert set(store.ranks_heard("j7")) == {0}
+    with pytest.raises(WrongTokenError):
+        ranks.touch("j7", 0, new_token())
+    lifecycle = JobLifecycle(ranks)
+    with pytest.raises(WrongTokenError):
+        lifecycle.finish_rank("j7", 0, new_token())
+    assert lifecycle.finish_rank("j7", 0, token) is True
+    assert JobLifecycle(store).finish_proven("j7")
 
 
 def test_a_wrong_password_is_named_as_the_problem_not_the_address(acl_server):
