@@ -16,6 +16,7 @@ rank's user keeps EVALSHA and SCRIPT LOAD (README "Who may do what").
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ import redis
 from redis.commands.core import Script
 
 from protocol.store_scripts import FINISH, HEARTBEAT
+
+logger = logging.getLogger(__name__)
 
 LIBRARY = "perseus_rank"
 """The function library's name (``FUNCTION LIST LIBRARYNAME perseus_rank``)."""
@@ -62,7 +65,18 @@ def install(conn: redis.Redis, redis_version: str) -> bool:
     """
     if int(redis_version.split(".")[0]) < 7:
         return False
-    conn.function_load(library_code(), replace=True)
+    try:
+        conn.function_load(library_code(), replace=True)
+    except redis.ResponseError as exc:
+        # A server that refuses functions (a managed Redis, a user without @scripting): the
+        # coordinator still serves; ranks whose user may run scripts fall back to them.
+        logger.warning(
+            "could not load the %s functions (%s): ranks heartbeat through scripts instead, "
+            "which a rank's user on Redis 7 (perseus acl) may not run",
+            LIBRARY,
+            exc,
+        )
+        return False
     return True
 
 

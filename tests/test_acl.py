@@ -446,3 +446,11 @@ def test_a_background_thread_refused_by_redis_says_so_not_that_redis_is_unreacha
         assert len(said) == 1 and "not an outage" in said[0], errors
     assert reporter.unsent == 1
     assert any("still refusing this client" in m for m in errors), errors
+
+
+def test_a_redis_7_that_refuses_functions_leaves_the_coordinator_serving(redis7_port, caplog):
+    # The operator user may load nothing: as a managed Redis or a custom ACL might refuse.
+    operator = redis.Redis.from_url(url_of(redis7_port, "operator"))
+    with caplog.at_level(logging.WARNING, logger="protocol.rank_functions"):
+        assert rank_functions.install(operator, "7.0.15") is False
+    assert "could not load the perseus_rank functions" in caplog.text
