@@ -477,6 +477,10 @@ def decode_message(
         raise ProtocolError(f"entry has no 'data' field (fields: {names})")
     raw = _unpack_raw(data)
     try:
-        return _MESSAGE_ADAPTER.validate_python(raw)
+        # Strict: a number must arrive as a number ("1.0" is no time, true no rank). A result
+        # is stored as it arrived and read back unvalidated (``stored_result(trusted=True)``),
+        # so what lax validation would coerce reached the scheduler as a string and failed
+        # the job.
+        return _MESSAGE_ADAPTER.validate_python(raw, strict=True)
     except ValidationError as exc:
         raise ProtocolError(f"invalid message: {_validation_text(exc)}") from None
