@@ -103,3 +103,34 @@ def test_numbers_sent_as_strings_are_dead_lettered_not_stored(r, profiler_job):
         "report_result.result.iter_time.0",
         "report_result.result.time_breakdown.forward.0.0",
     )
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (
+            {"time_breakdown": {"forward": [[0.1]] * 2, "backward": [[0.2]] * 2}},
+            "time_breakdown['forward'][0] has 1 times; expected 2",
+        ),
+        (
+            {"iter_time": [0.6], "iter_energy": [6.0]}
+            | {"time_breakdown": {"forward": [[0.1, 0.1]], "backward": [[0.2, 0.2]]}},
+            "time_breakdown['forward'] has 1 iteration(s), all of them warm-up (warmup_iters=1)",
+        ),
+    ],
+    ids=["one forward time where the job has 2 microbatches", "only warm-up iterations"],
+)
+def test_a_result_of_the_wrong_shape_for_the_jobs_arguments_is_dead_lettered(
+    r, profiler_job, change, named
+):
+    """Only the scheduler's arguments say how many instructions an iteration has and how many
+    iterations are warm-up: such a result passed the coordinator and failed the job."""
+    client, job_id = profiler_job
+    bad = good_result().model_dump() | change
+    # Energies shaped like the times, so that only the count against the arguments is wrong.
+    bad["energy_breakdown"] = {
+        name: [[1.0] * len(it) for it in iterations]
+        for name, iterations in bad["time_breakdown"].items()
+    }
+    send_bad_then_good(r, client, job_id, bad)
+    assert_dead_lettered_and_advanced(r, job_id, named)
