@@ -110,6 +110,10 @@ def coordinator(
             args = json.loads(scheduler_args)
         except json.JSONDecodeError as exc:
             raise click.BadParameter(f"not JSON: {exc}", param_hint="--scheduler-args") from None
+        except RecursionError:  # thousands of nested brackets: json has no error of its own
+            raise click.BadParameter(
+                "not JSON: nested too deeply", param_hint="--scheduler-args"
+            ) from None
     settings = load_settings(
         redis_url=redis_url,
         scheduler=scheduler,

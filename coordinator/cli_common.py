@@ -71,6 +71,8 @@ def load_settings(**overrides: Any) -> PerseusSettings:
         field = re.search(r'field "(\w+)"', str(exc))
         name = f"PERSEUS_{field.group(1).upper()}" if field else "a PERSEUS_* variable"
         raise click.UsageError(f"{name} is not valid: {exc.__cause__ or exc}") from None
+    except RecursionError:  # JSON nested thousands deep; scheduler_args is the JSON setting
+        raise click.UsageError("PERSEUS_SCHEDULER_ARGS is not valid: nested too deeply") from None
     except PerseusError as exc:
         raise click.UsageError(str(exc)) from None
 

@@ -400,7 +400,8 @@ class Coordinator:
         elif isinstance(message, ReportResult):
             self.result_keys.check(message, fields)
             # One its scheduler cannot use is dead-lettered here: stored, it would fail the job.
-            resolve_scheduler(record.config.scheduler).check_result(message.result)
+            scheduler = resolve_scheduler(record.config.scheduler)
+            scheduler.check_job_result(message.result, record.config.scheduler_args)
             # Stored as it arrived (validated above): packing it again costs more than the rest.
             batch.add_result(info, message.result, now, data=fields[b"data"])
         else:

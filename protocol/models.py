@@ -251,6 +251,12 @@ class JournalEntry(_Model):
 # Redis (``keys.power_limit_profile``). Unknown keys are ignored, as Zeus ignores them.
 
 
+MAX_POWER_LIMIT_W = (2**32 - 1) // 1000
+"""The largest limit NVML can express (an unsigned 32-bit count of milliwatts), in Watts. A
+larger one in a profile file passed validation, then failed to pack for Redis (msgpack takes
+64 bits at most) with a traceback."""
+
+
 class PowerLimitMeasurement(BaseModel):
     """Time and energy of ``profile_steps`` training steps at one power limit.
 
@@ -262,7 +268,7 @@ class PowerLimitMeasurement(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    power_limit: int = Field(ge=1)
+    power_limit: int = Field(ge=1, le=MAX_POWER_LIMIT_W)
     energy: float = Field(ge=0, allow_inf_nan=False)
     time: float = Field(ge=0, allow_inf_nan=False)
 
@@ -280,7 +286,7 @@ class PowerLimitProfile(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     measurements: list[PowerLimitMeasurement] = Field(min_length=1)
-    optimal_power_limit: int | None = Field(default=None, ge=1)
+    optimal_power_limit: int | None = Field(default=None, ge=1, le=MAX_POWER_LIMIT_W)
     selector: str = ""
     updated_at: float = 0.0
 
@@ -477,6 +483,10 @@ def decode_message(
         raise ProtocolError(f"entry has no 'data' field (fields: {names})")
     raw = _unpack_raw(data)
     try:
-        return _MESSAGE_ADAPTER.validate_python(raw)
+        # Strict: a number must arrive as a number ("1.0" is no time, true no rank). A result
+        # is stored as it arrived and read back unvalidated (``stored_result(trusted=True)``),
+        # so what lax validation would coerce reached the scheduler as a string and failed
+        # the job.
+        return _MESSAGE_ADAPTER.validate_python(raw, strict=True)
     except ValidationError as exc:
         raise ProtocolError(f"invalid message: {_validation_text(exc)}") from None

@@ -121,6 +121,17 @@ class FrequencyScheduler:
         """
 
     @classmethod
+    def check_job_result(cls, result: ProfilingResult, args: dict[str, Any]) -> None:
+        """Raise ProtocolError if this scheduler, built with ``args``, cannot use ``result``.
+
+        What the coordinator calls on every result before storing it, with the job's
+        scheduler arguments (checked at registration). The default is :meth:`check_result`;
+        a scheduler whose arguments decide what a usable result is (how many instructions an
+        iteration has, say) extends this one.
+        """
+        cls.check_result(result)
+
+    @classmethod
     def check_result(cls, result: ProfilingResult) -> None:
         """Raise ProtocolError if this scheduler cannot use ``result``.
 

@@ -155,6 +155,37 @@ class InstructionProfiler(FrequencyScheduler):
                 )
 
     @classmethod
+    def check_job_result(cls, result: ProfilingResult, args: dict[str, Any]) -> None:
+        """Also what the sweep needs: each instruction once per microbatch, past warm-up.
+
+        Every iteration must hold ``microbatches`` times of each instruction, and one must
+        come after the ``warmup_iters`` ones (see :meth:`_average`). Such a result reached
+        the sweep and failed the job for good; refused here, it is dead-lettered and the
+        rank's next good result for the version is taken.
+        """
+        super().check_job_result(result, args)
+        # Every stage runs each instruction once per microbatch, under 1F1B and GPipe alike.
+        expected = args.get("microbatches")
+        warmup_iters = args.get("warmup_iters", 1)
+        if not isinstance(expected, int) or not isinstance(warmup_iters, int):
+            return  # Refused at registration; nothing to compare with.
+        who = f"rank {result.rank}, schedule version {result.schedule_version}"
+        for name in INSTRUCTIONS:
+            times = result.time_breakdown[name]
+            for i, iteration in enumerate(times):
+                if len(iteration) != expected:
+                    raise ProtocolError(
+                        f"{who}: time_breakdown[{name!r}][{i}] has {len(iteration)} times; "
+                        f"expected {expected}, one per microbatch (microbatches={expected})"
+                    )
+            if len(times) <= warmup_iters:
+                raise ProtocolError(
+                    f"{who}: time_breakdown[{name!r}] has {len(times)} iteration(s), all of "
+                    f"them warm-up (warmup_iters={warmup_iters}); set the hook's report_every "
+                    "above it"
+                )
+
+    @classmethod
     def absolute_paths(cls, args: dict[str, Any]) -> dict[str, Any]:
         """Also ``then``'s ``out_dir``, the planner's output folder."""
         out = super().absolute_paths(args)

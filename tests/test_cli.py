@@ -314,6 +314,29 @@ def test_a_malformed_settings_variable_is_one_clear_line(redis_url, command):
     assert isinstance(result.exception, SystemExit)  # click's exit, no traceback
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (["status"], True, "PERSEUS_SCHEDULER_ARGS is not valid: nested too deeply"),
+        (["coordinator"], True, "Invalid value for --scheduler-args: not JSON: nested too deeply"),
+        (
+            ["coordinator", "--scheduler-args"],
+            False,
+            "--scheduler-args: not JSON: nested too deeply",
+        ),
+    ],
+    ids=["variable, status", "variable, coordinator", "option"],
+)
+def test_scheduler_args_nested_thousands_deep_are_one_clear_line(redis_url, args, env, said):
+    """json gives up with a RecursionError, which came out as a traceback."""
+    deep = "[" * 100_000
+    argv = [*args, *([] if env else [deep]), "--redis-url", redis_url]
+    result = CliRunner().invoke(main, argv, env={"PERSEUS_SCHEDULER_ARGS": deep} if env else {})
+    assert result.exit_code == 2, result.output
+    assert said in result.output
+    assert isinstance(result.exception, SystemExit)  # click's exit, no traceback
+
+
 @pytest.mark.parametrize("command", [["power-limit", "show"], ["jobs", "list"]])
 def test_a_mistyped_variable_stops_every_command(redis_url, command):
     """power-limit reads no settings: it used the default URL whatever the typo said."""

@@ -127,3 +127,35 @@ def test_export_to_a_path_that_cannot_be_written_is_a_clean_cli_error(
     assert result.exit_code == 1, result.output
     assert f"cannot write {out}" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        (
+            '{"measurements": [{"power_limit": 300, "energy": 1.0, "time": 1.0}], '
+            '"optimal_power_limit": 99999999999999999999999}',
+            "optimal_power_limit: Input should be less than or equal to 4294967",
+        ),
+        (
+            '{"measurements": [{"power_limit": 18446744073709551616, "energy": 1, "time": 1}]}',
+            "measurements[0].power_limit: Input should be less than or equal to 4294967",
+        ),
+        ("[" * 100_000, "not JSON (nested too deeply)"),
+    ],
+    ids=["optimal limit past 64 bits", "measured limit past 64 bits", "deep nesting"],
+)
+def test_import_of_a_profile_redis_cannot_hold_is_a_clean_error_naming_the_field(
+    r: redis.Redis, redis_url: str, tmp_path: Path, content: str, named: str
+) -> None:
+    """Such files passed validation and ended `perseus power-limit import` with a traceback
+    (msgpack's OverflowError packing for Redis; json's RecursionError)."""
+    path = tmp_path / "zeus.json"
+    path.write_text(content)
+    result = CliRunner().invoke(
+        power_limit_group, ["import", str(path), "bert", "--redis-url", redis_url]
+    )
+    assert result.exit_code == 1, result.output
+    assert f"bad power-limit profile {path}: {named}" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert PowerLimitProfileStore(r).load("bert") is None

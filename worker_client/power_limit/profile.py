@@ -42,6 +42,10 @@ def parse_profile(text: str | bytes, source: str) -> PowerLimitProfile:
             f"bad power-limit profile {source}: not JSON (line {exc.lineno}, column "
             f"{exc.colno}: {exc.msg})"
         ) from None
+    except RecursionError:  # thousands of nested brackets: json has no error of its own
+        raise ConfigError(
+            f"bad power-limit profile {source}: not JSON (nested too deeply)"
+        ) from None
     except UnicodeDecodeError as exc:  # bytes that are no JSON encoding (e.g. a gzipped file)
         raise ConfigError(
             f"bad power-limit profile {source}: not JSON text (byte {exc.start}: {exc.reason})"
