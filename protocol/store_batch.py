@@ -244,6 +244,11 @@ class StoreBatch:
                 )
             if added[position] == -3:
                 raise ProtocolError(f"rank {result.rank} is not registered with job {job.job_id}")
+            if added[position] == -8:
+                raise ProtocolError(
+                    f"rank {result.rank} already reported a different result for schedule "
+                    f"version {version} of job {job.job_id}; the first one stays"
+                )
             return added[position] == 1, latest, count
 
         self._ops.append((index, finish))

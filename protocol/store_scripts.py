@@ -77,8 +77,9 @@ return {1, count}
 # msgpack ProfilingResult pairs.
 # Stamps the job's activity (jobs index, 'active_at' of the job info).
 # Returns {status, latest version, results of the version, then per pair: 1 added, 0 already
-# there, -3 rank not registered}; status 1 ok, -1 unknown job, -4 version not published,
-# -5 version already consumed (its results expired after a snapshot).
+# there (the same bytes: a redelivered entry), -8 a different result of the rank is there (the
+# first one stays), -3 rank not registered}; status 1 ok, -1 unknown job, -4 version not
+# published, -5 version already consumed (its results expired after a snapshot).
 ADD_RESULTS = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0, 0} end
 local latest = tonumber(redis.call('GET', KEYS[3]) or '0')
@@ -91,7 +92,9 @@ for i = 5, #ARGV, 2 do
   if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then
     out[#out + 1] = -3
   else
-    out[#out + 1] = redis.call('HSETNX', KEYS[4], ARGV[i], ARGV[i + 1])
+    local added = redis.call('HSETNX', KEYS[4], ARGV[i], ARGV[i + 1])
+    if added == 0 and redis.call('HGET', KEYS[4], ARGV[i]) ~= ARGV[i + 1] then added = -8 end
+    out[#out + 1] = added
   end
 end
 redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])

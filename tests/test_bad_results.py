@@ -17,12 +17,22 @@ import pytest
 import redis
 
 from coordinator.service import Coordinator
+from coordinator.tasks import advance_job
 from protocol import keys
 from protocol.deadletter import list_dead_letters
+from protocol.exceptions import ProtocolError
 from protocol.models import ProfilingResult, ReportResult, encode_message
 from protocol.store import JobStore
 from protocol.tokens import sign
-from tests.helpers import drain_until, make_settings, register, wait_for
+from tests.helpers import (
+    TOY_SCHEDULER,
+    drain_until,
+    make_settings,
+    new_job,
+    register,
+    result,
+    wait_for,
+)
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -134,3 +144,19 @@ def test_a_result_of_the_wrong_shape_for_the_jobs_arguments_is_dead_lettered(
     }
     send_bad_then_good(r, client, job_id, bad)
     assert_dead_lettered_and_advanced(r, job_id, named)
+
+
+def test_a_different_second_result_of_a_rank_is_refused_and_the_first_stays(r):
+    """HSETNX kept the first result and dropped a different second one without a word; the
+    same entry delivered again (the same bytes) is still taken as a no-op."""
+    store = JobStore(r)
+    new_job(store, "twice", TOY_SCHEDULER)
+    advance_job("twice", conn=r)  # version 1
+    info = store.get_job("twice").info
+    first = result(0, 1)
+    assert store.add_result(info, first)[0] is True
+    assert store.add_result(info, first)[0] is False  # redelivered: no error, nothing changed
+    other = first.model_copy(update={"iter_time": [1.5]})
+    with pytest.raises(ProtocolError, match="already reported a different result for schedule"):
+        store.add_result(info, other)
+    assert [res.iter_time for res in store.results("twice", 1)] == [[1.0]]
