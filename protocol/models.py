@@ -295,6 +295,11 @@ class PowerLimitProfile(BaseModel):
 # Messages on the input streams. Each has a ``kind`` so one decoder handles every stream.
 
 
+# A request id names its reply list (``perseus:reply:<request id>``): a readable key, so no
+# spaces, colons or control characters (the hook sends a uuid4's hex).
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
+
+
 class RegisterJob(_Model):
     """Rank 0 asks the coordinator to create a job; the reply carries the job id.
 
@@ -303,7 +308,7 @@ class RegisterJob(_Model):
     """
 
     kind: Literal["register_job"] = "register_job"
-    request_id: str = Field(min_length=1, max_length=128)
+    request_id: str = Field(min_length=1, max_length=128, pattern=REQUEST_ID_PATTERN)
     job: JobInfo
     scheduler: str | None = None
     scheduler_args: dict[str, Any] = Field(default_factory=dict)
@@ -313,7 +318,7 @@ class RegisterRank(_Model):
     """A rank joins a registered job."""
 
     kind: Literal["register_rank"] = "register_rank"
-    request_id: str = Field(min_length=1, max_length=128)
+    request_id: str = Field(min_length=1, max_length=128, pattern=REQUEST_ID_PATTERN)
     job_id: str = Field(min_length=1)
     rank_info: RankInfo
 

@@ -234,6 +234,11 @@ CASES: dict[str, tuple[Callable[[Stack], Entries], str]] = {
         ),
         "over max_world_size=100000 (PERSEUS_MAX_WORLD_SIZE)",
     ),
+    # It names the reply list's key: perseus:reply:<request id>.
+    "request id with a colon and a space": (
+        lambda s: _raw(G, "register_job", _register_job(request_id="x:y z")),
+        "register_job.request_id: String should match pattern",
+    ),
     "5,000 frequencies": (
         lambda s: _raw(G, "register_rank", _register_rank(s.job_id, list(range(1, 5001)))),
         "over max_frequencies=1024 (PERSEUS_MAX_FREQUENCIES)",
