@@ -18,6 +18,11 @@ from protocol.exceptions import ConfigError
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
 
 
+# The longest time a setting may name: Redis refuses an EXPIRE past about 2**63 ms, and a
+# sweep or time-out a year away is a typo.
+_YEAR = 60 * 60 * 24 * 366
+
+
 class PerseusSettings(BaseSettings):
     """Coordinator settings; every field can be set as ``PERSEUS_<FIELD>``.
 
@@ -65,7 +70,8 @@ class PerseusSettings(BaseSettings):
             consumed, so a long job's Redis memory stays flat. 0: never.
     """
 
-    model_config = SettingsConfigDict(env_prefix="PERSEUS_", extra="forbid")
+    # Finite numbers only: an interval of inf would never sweep, a TTL of nan never expire.
+    model_config = SettingsConfigDict(env_prefix="PERSEUS_", extra="forbid", allow_inf_nan=False)
 
     redis_url: str = "redis://localhost:6379/0"
     scheduler: str = ""
@@ -73,15 +79,15 @@ class PerseusSettings(BaseSettings):
     log_level: str = "INFO"
     dump_data: bool = False
     dump_dir: str = "./dump"
-    max_job_idle_time: int = Field(default=60 * 60 * 24 * 7, ge=1)
-    finished_retention: float = Field(default=60 * 60 * 24, ge=0)
-    start_retention: float = Field(default=60 * 60, gt=0)
+    max_job_idle_time: int = Field(default=60 * 60 * 24 * 7, ge=1, le=_YEAR)
+    finished_retention: float = Field(default=60 * 60 * 24, ge=0, le=_YEAR)
+    start_retention: float = Field(default=60 * 60, gt=0, le=_YEAR)
     stream_maxlen: int = Field(default=100_000, ge=100)
     stream_hard_cap: int = Field(default=1_000_000, ge=10)
-    reconcile_interval: float = Field(default=2.0, gt=0)
-    stall_timeout: float = Field(default=10.0, gt=0)
-    reply_ttl: int = Field(default=300, ge=1)
-    job_timeout: int = Field(default=3600, ge=1)
+    reconcile_interval: float = Field(default=2.0, gt=0, le=_YEAR)
+    stall_timeout: float = Field(default=10.0, gt=0, le=_YEAR)
+    reply_ttl: int = Field(default=300, ge=1, le=_YEAR)
+    job_timeout: int = Field(default=3600, ge=1, le=_YEAR)
     max_entry_bytes: int = Field(default=1_048_576, ge=1024)
     max_world_size: int = Field(default=100_000, ge=1)
     max_frequencies: int = Field(default=1024, ge=1)

@@ -366,6 +366,22 @@ def test_an_invalid_setting_is_named_with_its_value_on_one_line(redis_url):
     assert "errors.pydantic.dev" not in result.output
 
 
+def test_settings_must_be_finite_and_within_a_year(redis_url):
+    # An interval of inf never swept; a time-out of 10^23 s failed Redis's EXPIRE later.
+    env = {
+        "PERSEUS_RECONCILE_INTERVAL": "inf",
+        "PERSEUS_FINISHED_RETENTION": "nan",
+        "PERSEUS_JOB_TIMEOUT": "99999999999999999999999",
+    }
+    result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
+    assert result.exit_code == 2, result.output
+    assert "PERSEUS_RECONCILE_INTERVAL = 'inf': Input should be a finite number" in result.output
+    assert "PERSEUS_FINISHED_RETENTION = 'nan': Input should be a finite number" in result.output
+    assert "PERSEUS_JOB_TIMEOUT = '99999999999999999999999': Input should be less than" in (
+        result.output
+    )
+
+
 def test_status_shows_rq_suspended_until_resumed(r, redis_url):
     from rq.suspension import resume, suspend
 
