@@ -85,8 +85,9 @@ class RankScript:
 
     Tries the function first; a server without functions (Redis 6.2: unknown command) is
     remembered and gets the script from then on. A Redis 7 that does not have the library
-    (no coordinator loaded it yet) gets the script for this call; the rank's user on Redis 7
-    may not run one, so its refusal says what is missing.
+    (no coordinator loaded it yet), or whose ACL refuses this user FCALL (a file written with
+    ``--redis-major 6``, or by a perseus-mq from before the functions, which grants EVALSHA
+    instead), gets the script for this call; a user that may run neither is told which.
 
     Args:
         conn: The caller's connection.
@@ -102,24 +103,30 @@ class RankScript:
 
     def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run it with ``keys`` (KEYS) and ``args`` (ARGV); return its reply."""
-        missing = False
+        why_no_function = ""  # for a refusal of the script: why the function did not run
         if self._functions:
             try:
                 return self.conn.fcall(self.function, len(keys), *keys, *args)
+            except redis.exceptions.NoPermissionError as exc:
+                # Not remembered: the user's rules may be fixed while it runs.
+                why_no_function = (
+                    f"nor FCALL its {LIBRARY} functions ({exc}): check this user's ACL rules "
+                    "(`perseus acl`)"
+                )
             except redis.ResponseError as exc:
                 text = str(exc).lower()
                 if "unknown command" in text:
                     self._functions = False
                 elif "function not found" in text:
-                    missing = True
+                    why_no_function = (
+                        f"Redis has no {LIBRARY} functions, which a rank's user calls instead "
+                        "of scripts: start a `perseus coordinator` on this Redis, it loads them"
+                    )
                 else:
                     raise
         try:
             return self._script(keys=list(keys), args=list(args))
         except redis.exceptions.NoPermissionError as exc:
-            if not missing:
+            if not why_no_function:
                 raise
-            raise redis.exceptions.NoPermissionError(
-                f"{exc} (Redis has no {LIBRARY} functions, which a rank's user calls instead "
-                "of scripts: start a `perseus coordinator` on this Redis, it loads them)"
-            ) from None
+            raise redis.exceptions.NoPermissionError(f"{exc} ({why_no_function})") from None
