@@ -62,11 +62,17 @@ def install(conn: redis.Redis, redis_version: str) -> bool:
     Args:
         conn: A service user's connection (FUNCTION LOAD is a write).
         redis_version: The server's ``redis_version`` (INFO server).
+
+    Raises:
+        redis.RedisError: An outage, including a full Redis or a read-only replica; a Redis
+            or user that refuses functions is only logged.
     """
     if int(redis_version.split(".")[0]) < 7:
         return False
     try:
         conn.function_load(library_code(), replace=True)
+    except (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError):
+        raise  # an outage (a full Redis, a replica mid-failover): the caller retries
     except redis.ResponseError as exc:
         # A server that refuses functions (a managed Redis, a user without @scripting): the
         # coordinator still serves; ranks whose user may run scripts fall back to them.

@@ -25,6 +25,7 @@ from protocol.store import JobStore
 from protocol.tokens import new_token
 from tests.helpers import (
     FREQS,
+    REDIS7_BINARY,
     TOY_SCHEDULER,
     free_ports,
     make_hook,
@@ -497,3 +498,19 @@ def test_a_user_refused_both_fcall_and_scripts_is_told_so(redis7_port):
     operator = redis.Redis.from_url(url_of(port, "operator"))
     with pytest.raises(redis.exceptions.NoPermissionError, match="nor FCALL"):
         JobStore(operator).touch("j", 0, new_token())
+
+
+def test_a_full_redis_7_is_an_outage_for_the_function_load_not_a_refusal(caplog):
+    # FUNCTION LOAD is refused while Redis is out of memory (or a read-only replica): that is
+    # an outage the coordinator's start retries, not a Redis that refuses functions (which
+    # left the functions unloaded for good, and every rank on Redis 7 without a heartbeat).
+    if not REDIS7_BINARY.exists():
+        pytest.skip(f"no Redis 7 binary at {REDIS7_BINARY}")
+    with EmbeddedRedis(binary=REDIS7_BINARY, extra_args=("--maxmemory", "1")) as server:
+        conn = redis.Redis.from_url(server.url)
+        version = str(conn.info("server")["redis_version"])
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            rank_functions.install(conn, version)
+        assert "could not load" not in caplog.text
+        conn.config_set("maxmemory", "0")
+        assert rank_functions.install(conn, version)
