@@ -62,11 +62,17 @@ def install(conn: redis.Redis, redis_version: str) -> bool:
     Args:
         conn: A service user's connection (FUNCTION LOAD is a write).
         redis_version: The server's ``redis_version`` (INFO server).
+
+    Raises:
+        redis.RedisError: An outage, including a full Redis or a read-only replica; a Redis
+            or user that refuses functions is only logged.
     """
     if int(redis_version.split(".")[0]) < 7:
         return False
     try:
         conn.function_load(library_code(), replace=True)
+    except (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError):
+        raise  # an outage (a full Redis, a replica mid-failover): the caller retries
     except redis.ResponseError as exc:
         # A server that refuses functions (a managed Redis, a user without @scripting): the
         # coordinator still serves; ranks whose user may run scripts fall back to them.
@@ -85,8 +91,9 @@ class RankScript:
 
     Tries the function first; a server without functions (Redis 6.2: unknown command) is
     remembered and gets the script from then on. A Redis 7 that does not have the library
-    (no coordinator loaded it yet) gets the script for this call; the rank's user on Redis 7
-    may not run one, so its refusal says what is missing.
+    (no coordinator loaded it yet), or whose ACL refuses this user FCALL (a file written with
+    ``--redis-major 6``, or by a perseus-mq from before the functions, which grants EVALSHA
+    instead), gets the script for this call; a user that may run neither is told which.
 
     Args:
         conn: The caller's connection.
@@ -102,24 +109,30 @@ class RankScript:
 
     def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run it with ``keys`` (KEYS) and ``args`` (ARGV); return its reply."""
-        missing = False
+        why_no_function = ""  # for a refusal of the script: why the function did not run
         if self._functions:
             try:
                 return self.conn.fcall(self.function, len(keys), *keys, *args)
+            except redis.exceptions.NoPermissionError as exc:
+                # Not remembered: the user's rules may be fixed while it runs.
+                why_no_function = (
+                    f"nor FCALL its {LIBRARY} functions ({exc}): check this user's ACL rules "
+                    "(`perseus acl`)"
+                )
             except redis.ResponseError as exc:
                 text = str(exc).lower()
                 if "unknown command" in text:
                     self._functions = False
                 elif "function not found" in text:
-                    missing = True
+                    why_no_function = (
+                        f"Redis has no {LIBRARY} functions, which a rank's user calls instead "
+                        "of scripts: start a `perseus coordinator` on this Redis, it loads them"
+                    )
                 else:
                     raise
         try:
             return self._script(keys=list(keys), args=list(args))
         except redis.exceptions.NoPermissionError as exc:
-            if not missing:
+            if not why_no_function:
                 raise
-            raise redis.exceptions.NoPermissionError(
-                f"{exc} (Redis has no {LIBRARY} functions, which a rank's user calls instead "
-                "of scripts: start a `perseus coordinator` on this Redis, it loads them)"
-            ) from None
+            raise redis.exceptions.NoPermissionError(f"{exc} ({why_no_function})") from None

@@ -25,6 +25,7 @@ from protocol.store import JobStore
 from protocol.tokens import new_token
 from tests.helpers import (
     FREQS,
+    REDIS7_BINARY,
     TOY_SCHEDULER,
     free_ports,
     make_hook,
@@ -180,10 +181,20 @@ def _system_major() -> int:
 @pytest.fixture
 def redis7_port(tmp_path) -> Iterator[int]:
     """A Redis 7 server from the PATH with `perseus acl --redis-major 7` users; its port."""
+    yield from _redis7(tmp_path, 7)
+
+
+@pytest.fixture
+def redis7_port_acl6(tmp_path) -> Iterator[int]:
+    """A Redis 7 server whose users are `perseus acl --redis-major 6`'s (no FCALL); its port."""
+    yield from _redis7(tmp_path, 6)
+
+
+def _redis7(tmp_path: Path, acl_major: int) -> Iterator[int]:
     if _system_major() < 7:
         pytest.skip("needs a Redis 7 redis-server on PATH")
     acl = tmp_path / "users.acl"
-    write_acl(acl, 7)
+    write_acl(acl, acl_major)
     port = free_ports()[0]
     assert SYSTEM_REDIS is not None
     proc = subprocess.Popen(
@@ -454,3 +465,52 @@ def test_a_redis_7_that_refuses_functions_leaves_the_coordinator_serving(redis7_
     with caplog.at_level(logging.WARNING, logger="protocol.rank_functions"):
         assert rank_functions.install(operator, "7.0.15") is False
     assert "could not load the perseus_rank functions" in caplog.text
+
+
+def test_a_rank_user_without_fcall_on_redis_7_heartbeats_through_the_script(redis7_port_acl6):
+    """A Redis 7 whose ACL file grants EVALSHA but no FCALL (written with --redis-major 6, or
+    by a perseus-mq from before the functions): the rank's heartbeat and finish ran FCALL
+    only, got NOPERM, and the rank never beat again (its job looked idle)."""
+    port = redis7_port_acl6
+    svc = redis.Redis.from_url(url_of(port, "service"))
+    assert rank_functions.install(svc, str(svc.info("server")["redis_version"]))
+    store = JobStore(svc)
+    job = JobInfo(job_id="j6", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    store.create_job(job, JobConfig(scheduler=TOY_SCHEDULER), "1-1")
+    token = new_token()
+    first = RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+    store.add_rank(job, first, token=token)
+    rank_conn = redis.Redis.from_url(url_of(port, "rank"))
+    assert refused(rank_conn, "FCALL", rank_functions.HEARTBEAT_FUNCTION, "0")
+    ranks = JobStore(rank_conn)
+    assert ranks.touch("j6", 0, token)
+    assert set(store.ranks_heard("j6")) == {0}
+    with pytest.raises(WrongTokenError):
+        ranks.touch("j6", 0, new_token())
+    assert JobLifecycle(ranks).finish_rank("j6", 0, token) is True
+
+
+def test_a_user_refused_both_fcall_and_scripts_is_told_so(redis7_port):
+    # The operator's user may run neither: the refusal names both, and what to check.
+    port = redis7_port
+    svc = redis.Redis.from_url(url_of(port, "service"))
+    assert rank_functions.install(svc, str(svc.info("server")["redis_version"]))
+    operator = redis.Redis.from_url(url_of(port, "operator"))
+    with pytest.raises(redis.exceptions.NoPermissionError, match="nor FCALL"):
+        JobStore(operator).touch("j", 0, new_token())
+
+
+def test_a_full_redis_7_is_an_outage_for_the_function_load_not_a_refusal(caplog):
+    # FUNCTION LOAD is refused while Redis is out of memory (or a read-only replica): that is
+    # an outage the coordinator's start retries, not a Redis that refuses functions (which
+    # left the functions unloaded for good, and every rank on Redis 7 without a heartbeat).
+    if not REDIS7_BINARY.exists():
+        pytest.skip(f"no Redis 7 binary at {REDIS7_BINARY}")
+    with EmbeddedRedis(binary=REDIS7_BINARY, extra_args=("--maxmemory", "1")) as server:
+        conn = redis.Redis.from_url(server.url)
+        version = str(conn.info("server")["redis_version"])
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            rank_functions.install(conn, version)
+        assert "could not load" not in caplog.text
+        conn.config_set("maxmemory", "0")
+        assert rank_functions.install(conn, version)

@@ -183,6 +183,33 @@ def test_a_malformed_update_is_skipped_and_the_watcher_goes_on(
         hook.close()
 
 
+def test_an_update_announcing_a_version_never_published_is_skipped(
+    gloo, hook_service, r, redis_url, caplog
+):
+    # A version beyond the job's version key was never published (a publish sets the key and
+    # announces in one script): the watcher fetched it, found no schedule and ended with a
+    # ProtocolError, which ended training at the next step end.
+    _coord, start_worker = hook_service
+    start_worker()
+    hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
+    try:
+        assert hook.schedule.version == 1
+        with caplog.at_level(logging.WARNING, logger="worker_client.hook.watchers"):
+            r.xadd(keys.job_updates(hook.job_id), {"version": "999999"})
+            wait_for(
+                lambda: "999999" in caplog.text or hook.watcher.error is not None,
+                10,
+                "the entry to be read",
+            )
+            assert hook.watcher.error is None
+            run_step(hook)  # reports version 1: version 2 follows
+            step_until(hook, lambda: hook.schedule.version >= 2, 30, "version 2")
+        assert hook.watcher.error is None
+        assert "announces version 999999, never published" in caplog.text, caplog.text
+    finally:
+        hook.close()
+
+
 def test_heartbeat_interval_must_be_positive(gloo, redis_url):
     with pytest.raises(ValueError, match="heartbeat_interval"):
         make_hook(redis_url, DryRunFrequencyController(0), heartbeat_interval=0)

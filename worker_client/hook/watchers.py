@@ -225,7 +225,20 @@ class ScheduleWatcher(threading.Thread):
     def _take_newest(self, announced: int) -> None:
         # Only the newest few versions are kept in Redis: a watcher that fell behind fetches
         # the latest one rather than one that may be gone.
-        newest = max(announced, self.client.latest_version(self.job_id))
+        newest = self.client.latest_version(self.job_id)
+        if announced > newest:
+            # A publish sets the version and announces it in one script: this entry was
+            # written otherwise (on Redis 6.2 a rank's user can) and has no schedule.
+            logger.warning(
+                "rank %d: %s announces version %d, never published (the job's version is %d); "
+                "skipped",
+                self.rank,
+                keys.job_updates(self.job_id),
+                announced,
+                newest,
+            )
+            if newest <= self._version:
+                return
         schedule = self.client.fetch_schedule(self.job_id, newest, self.rank)
         with self._lock:
             self._pending = schedule
