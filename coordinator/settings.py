@@ -17,7 +17,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from protocol.exceptions import ConfigError
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
 
-
 # The longest time a setting may name: Redis refuses an EXPIRE past about 2**63 ms, and a
 # sweep or time-out a year away is a typo.
 _YEAR = 60 * 60 * 24 * 366

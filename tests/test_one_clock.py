@@ -169,3 +169,33 @@ def test_a_coordinator_minutes_ahead_does_not_fail_a_task_its_worker_still_runs(
     finally:
         stop([worker])
     assert queue.failed_job_registry.get_job_ids() == []
+
+
+def test_a_task_that_ends_while_the_registry_is_read_is_not_called_abandoned(r):
+    # The registry's entries are read first, their executions checked next: a task that ended
+    # in between (rq deletes its execution and its entry in one transaction) looked abandoned.
+    from rq.executions import Execution
+    from rq.registry import StartedJobRegistry
+
+    from schedulers.planning.plan_runs import expired_executions
+
+    started = StartedJobRegistry(keys.RQ_QUEUE, connection=r)
+    execution = Execution("e1", "task-1", r)
+    r.zadd(started.key, {"task-1:e1": time.time() + 60})
+    r.set(execution.key, "running", ex=60)
+    assert expired_executions(r) == []
+    read = r.zrange
+
+    def read_then_end(*args: object, **kwargs: object) -> object:
+        entries = read(*args, **kwargs)  # type: ignore[arg-type]
+        with r.pipeline(transaction=True) as pipe:  # the task ends, as rq ends it
+            pipe.delete(execution.key)
+            pipe.zrem(started.key, "task-1:e1")
+            pipe.execute()
+        return entries
+
+    r.zrange = read_then_end  # type: ignore[method-assign]
+    assert expired_executions(r) == []
+    r.zrange = read  # type: ignore[method-assign]
+    r.zadd(started.key, {"task-2:e2": time.time() + 60})  # listed, its execution expired
+    assert expired_executions(r) == ["task-2:e2"]

@@ -63,12 +63,19 @@ def expired_executions(conn: Any) -> list[str]:
     entries = [as_text(entry) for entry in conn.zrange(started.key, 0, -1)]
     if not entries:
         return []
-    with conn.pipeline(transaction=False) as pipe:
+    # One transaction: a task that ends meanwhile leaves the registry and deletes its
+    # execution in one of rq's own, so it is seen either running or gone, never abandoned.
+    with conn.pipeline(transaction=True) as pipe:
         for entry in entries:
             job_id, execution_id = parse_composite_key(entry)
             pipe.exists(Execution(execution_id, job_id, conn).key)
-        alive = pipe.execute()
-    return [entry for entry, live in zip(entries, alive, strict=True) if not live]
+            pipe.zscore(started.key, entry)
+        replies = pipe.execute()
+    return [
+        entry
+        for entry, live, listed in zip(entries, replies[::2], replies[1::2], strict=True)
+        if not live and listed is not None
+    ]
 
 
 def rq_death(conn: Any, plan_id: str) -> str | None:
