@@ -7,7 +7,7 @@ import threading
 
 import redis
 
-from protocol import keys
+from protocol import keys, rank_functions
 from protocol.exceptions import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,21 @@ def ensure_groups(conn: redis.Redis) -> None:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+
+
+def prepare_server(conn: redis.Redis, redis_version: str | None = None) -> None:
+    """Set up the input streams' consumer groups and, on Redis 7, the ranks' functions.
+
+    The ranks' user on Redis 7 may run no script of its own. Run at start, and again when
+    Redis lost them (a restart without persistence).
+
+    Args:
+        conn: A service user's connection.
+        redis_version: The server's ``redis_version``, if read already.
+    """
+    ensure_groups(conn)
+    version = redis_version or str(conn.info("server")["redis_version"])
+    rank_functions.install(conn, version)
 
 
 class Backoff:

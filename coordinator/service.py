@@ -32,11 +32,11 @@ from coordinator.outcome import Outcome, log_lost
 from coordinator.read_ahead import InputReader
 from coordinator.records import RecordCache
 from coordinator.registration import RankRegistrar, check_still_awaited
-from coordinator.resilience import Backoff, check_redis_version, ensure_groups
+from coordinator.resilience import Backoff, check_redis_version, prepare_server
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
 from coordinator.trust import ResultKeys
-from protocol import deadletter, keys, rank_functions, streams
+from protocol import deadletter, keys, streams
 from protocol.acl import wrong_user
 from protocol.consumers import GroupMembers
 from protocol.exceptions import DuplicateEntryError, PerseusError, UnknownJobError
@@ -138,8 +138,7 @@ class Coordinator:
                 backoff.failed(exc)
                 continue
             try:
-                ensure_groups(self.conn)
-                rank_functions.install(self.conn, str(self.conn.info("server")["redis_version"]))
+                prepare_server(self.conn)
             except redis.RedisError as exc:
                 backoff.failed(exc)
         self._drain()
@@ -161,10 +160,8 @@ class Coordinator:
     def _start(self) -> None:
         version = str(self.conn.info("server")["redis_version"])
         check_redis_version(version)
-        # Redis 7: ranks heartbeat and finish through these, their user may run no script.
-        rank_functions.install(self.conn, version)
         agree_settings(self.conn, self.consumer, self.settings.shared(), self.store.server_time())
-        ensure_groups(self.conn)
+        prepare_server(self.conn, version)
         logger.info("coordinator %s consuming %s", self.consumer, ", ".join(keys.INPUT_STREAMS))
         # Our own unacknowledged entries first (we may be a restart under the same name).
         self._consume("0", block_ms=None)

@@ -7,7 +7,8 @@ import time
 
 import redis
 
-from coordinator.service import Coordinator, ensure_groups
+from coordinator.resilience import ensure_groups
+from coordinator.service import Coordinator
 from protocol import keys
 from protocol.models import ReportResult, encode_message
 from tests.helpers import make_settings, result, start_perseus, wait_for

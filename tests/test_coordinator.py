@@ -176,7 +176,7 @@ def test_malformed_entries_go_to_dead_letter_and_loop_continues(r, redis_url):
         )
     )
     r.xadd(keys.REGISTRATIONS_STREAM, good)
-    from coordinator.service import ensure_groups
+    from coordinator.resilience import ensure_groups
 
     ensure_groups(r)
     coord.step(block_ms=None)
@@ -350,7 +350,7 @@ def test_sweep_reenqueues_work_a_killed_worker_had_dequeued(r, redis_url):
 
 
 def test_stale_pending_entries_are_claimed(r, redis_url):
-    from coordinator.service import ensure_groups
+    from coordinator.resilience import ensure_groups
 
     ensure_groups(r)
     r.xadd(
@@ -531,7 +531,7 @@ def test_converged_scheduler_records_observation_without_new_version(service, r,
 
 
 def test_unexpected_error_dead_letters_instead_of_crashing(r, redis_url, monkeypatch):
-    from coordinator.service import ensure_groups
+    from coordinator.resilience import ensure_groups
 
     coord = Coordinator(r, make_settings(redis_url))
     ensure_groups(r)
@@ -585,7 +585,7 @@ def test_redis_older_than_6_2_is_refused_clearly(r):
 def test_a_burst_of_a_full_batch_of_results_or_more_is_handled(r, redis_url):
     # A 1,000-rank job reports at once: the first blocked read already returns a full batch.
     # (The top-up reads once asked XREADGROUP for COUNT 0 here, and the coordinator died.)
-    from coordinator.service import ensure_groups
+    from coordinator.resilience import ensure_groups
 
     coord = Coordinator(r, make_settings(redis_url))
     ensure_groups(r)

@@ -68,7 +68,8 @@ from click.testing import CliRunner
 
 from coordinator.cli import main
 from coordinator.embedded import EmbeddedRedis
-from coordinator.service import Coordinator, ensure_groups
+from coordinator.resilience import ensure_groups
+from coordinator.service import Coordinator
 from protocol import keys, streams
 from protocol.deadletter import list_dead_letters
 from protocol.exceptions import UnknownJobError

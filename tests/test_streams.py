@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from coordinator.service import Coordinator, ensure_groups
+from coordinator.resilience import ensure_groups
+from coordinator.service import Coordinator
 from coordinator.status import format_snapshot, snapshot
 from coordinator.sweep import trim_inputs
 from protocol import keys, streams
