@@ -262,7 +262,9 @@ class CoordinatorClient:
         self.conn.close()
 
 
-_FIRST_RETRY_S, _LAST_RETRY_S = 0.5, 5.0
+# The hook's waits between tries on a Redis error (here and in its threads): doubling from
+# the first to the last.
+FIRST_RETRY_S, LAST_RETRY_S = 0.5, 5.0
 
 # What a Redis that is restarting, failing over or full answers; any other error (a login or
 # an ACL refused, a command the server lacks) is raised at once: waiting cannot cure it.
@@ -286,7 +288,7 @@ class _Retry:
     def __init__(self, client: CoordinatorClient, what: str, deadline: float) -> None:
         self.client, self.what, self.deadline = client, what, deadline
         self.since: float | None = None
-        self._delay = _FIRST_RETRY_S
+        self._delay = FIRST_RETRY_S
 
     def after(self, exc: redis.RedisError) -> None:
         """Wait before the next try (doubling from 0.5 s up to 5 s), logging the first error.
@@ -309,7 +311,7 @@ class _Retry:
                 self.deadline - now,
             )
         time.sleep(self._delay)
-        self._delay = min(self._delay * 2, _LAST_RETRY_S)
+        self._delay = min(self._delay * 2, LAST_RETRY_S)
 
     def done(self) -> None:
         """Log the end of an outage, if there was one."""

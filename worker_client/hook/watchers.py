@@ -18,7 +18,7 @@ from protocol.acl import refused
 from protocol.connection import connect
 from protocol.exceptions import CoordinatorUnavailableError, WrongTokenError
 from protocol.models import FrequencySchedule, ProfilingResult
-from worker_client.hook.session import CoordinatorClient
+from worker_client.hook.session import FIRST_RETRY_S, LAST_RETRY_S, CoordinatorClient
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +27,6 @@ MAX_BLOCK_S = 20.0
 # Every Redis error is an outage to ride through: a restart, a failover, but also a full
 # Redis (OOM under noeviction) or a replica in the middle of a failover (READONLY).
 TRANSIENT_ERRORS = (redis.RedisError,)
-
-
-_FIRST_RETRY_S, _LAST_RETRY_S = 0.5, 5.0
 
 
 class _Outage:
@@ -47,7 +44,7 @@ class _Outage:
         self.since: float | None = None
         self.count = 0  # outages seen so far
         self.refused = False  # this outage includes a refusal (login or ACL), said once
-        self._delay = _FIRST_RETRY_S
+        self._delay = FIRST_RETRY_S
 
     def failed(self, exc: BaseException) -> CoordinatorUnavailableError | None:
         """Note a failed call; returns the error to raise once the outage lasted too long.
@@ -89,12 +86,12 @@ class _Outage:
 
     def backoff(self) -> float:
         """Seconds to wait before the next try: doubling from 0.5 s up to 5 s."""
-        delay, self._delay = self._delay, min(self._delay * 2, _LAST_RETRY_S)
+        delay, self._delay = self._delay, min(self._delay * 2, LAST_RETRY_S)
         return delay
 
     def recovered(self) -> bool:
         """Note a successful call; True if it ended an outage."""
-        self._delay = _FIRST_RETRY_S
+        self._delay = FIRST_RETRY_S
         self.refused = False
         if self.since is None:
             return False
