@@ -20,16 +20,15 @@ from typing import Any
 import redis
 from rq import Queue
 from rq.job import Job, JobStatus
-from rq.registry import StartedJobRegistry
-from rq.timeouts import TimerDeathPenalty
 
+from coordinator.abandoned import fail_abandoned
 from coordinator.health import forget_stale, last_beats
 from coordinator.settings import PerseusSettings
 from protocol import keys, streams
 from protocol.consumers import GroupMembers
 from protocol.job_lifecycle import JobLifecycle
 from protocol.store import JobStore
-from schedulers.planning.plan_runs import expired_executions, settle_runs
+from schedulers.planning.plan_runs import settle_runs
 
 logger = logging.getLogger(__name__)
 
@@ -38,23 +37,6 @@ SWEEP_LIMIT = 1000  # due or idle jobs one sweep looks at, at most
 RECONCILE_PAGE = 100  # jobs per sweep checked for work due but missing from the due set
 CONSUMER_GONE_AFTER_S = 60.0
 """A group consumer whose coordinator has not beaten (nor read) for this long is removed."""
-
-
-class _ExpiredInRedis(StartedJobRegistry):
-    """rq's StartedJobRegistry whose expired tasks are those whose execution Redis let expire.
-
-    rq's own cleanup compares each task's expiry, stamped by its worker's clock, with the
-    caller's clock: a coordinator minutes ahead failed running tasks as abandoned. Here a
-    task is abandoned once its execution key expired (:func:`expired_executions`), and
-    :attr:`expired` keeps the registry entries found so, for the caller to remove.
-    """
-
-    expired: tuple[str, ...] = ()
-
-    def get_expired_job_ids(self, timestamp: float | None = None) -> list[str]:
-        """Ids of the started tasks whose execution expired in Redis (``timestamp`` unused)."""
-        self.expired = tuple(expired_executions(self.connection))
-        return [self.parse_job_id(entry) for entry in self.expired]
 
 
 class Sweeper:
@@ -99,26 +81,16 @@ class Sweeper:
     def _abandoned_tasks(self) -> None:
         """Fail rq tasks whose worker died, as rq does, and end planner runs that died.
 
-        rq's StartedJobRegistry cleanup (under rq's maintenance lock, which workers take for
-        theirs) calls a task abandoned once its heartbeats stopped, here once its execution
-        expired in Redis (:class:`_ExpiredInRedis`); a planning task's failure callback then
-        ends its run. :func:`settle_runs` ends runs rq's records show dead in
-        any other way (a job stopped, canceled, gone).
+        Under rq's maintenance lock, which workers take for theirs, a task is abandoned once
+        its execution expired in Redis (:func:`coordinator.abandoned.fail_abandoned`); a
+        planning task's failure callback then ends its run. :func:`settle_runs` ends runs
+        rq's records show dead in any other way (a job stopped, canceled, gone).
         """
         conn = self.store.conn
         queue = Queue(keys.RQ_QUEUE, connection=conn)
         if queue.acquire_maintenance_lock():
             try:
-                # A timer, not a signal, bounds the failure callbacks: a coordinator may run
-                # on a thread that is not the main one (the demo, tests).
-                registry = _ExpiredInRedis(
-                    keys.RQ_QUEUE, connection=conn, death_penalty_class=TimerDeathPenalty
-                )
-                # rq removes entries scored up to the timestamp, on the workers' clocks: none
-                # here; the entries whose execution expired go below.
-                registry.cleanup(timestamp=-1)
-                if registry.expired:
-                    conn.zrem(registry.key, *registry.expired)
+                fail_abandoned(queue)
             finally:
                 queue.release_maintenance_lock()
         for plan_id, reason in settle_runs(conn, SWEEP_LIMIT):

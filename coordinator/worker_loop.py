@@ -39,6 +39,7 @@ from rq.utils import now
 from rq.version import VERSION as RQ_VERSION
 from rq.worker import BaseWorker, WorkerStatus
 
+from coordinator.abandoned import clean_registries
 from coordinator.tasks import forget_start, queue_start
 from coordinator.worker_names import PROCESS_FIELD, claim_name, process_identity
 from protocol.acl import refused, wrong_user
@@ -85,6 +86,27 @@ class _StopAware:
             born, listed = pipe.execute()[:2]
         if not (born and listed):
             self._register_again()
+
+    def clean_registries(self) -> None:
+        """Run rq's registry maintenance (every ten minutes), judging tasks by Redis's clock.
+
+        rq's own compares the expiry each task's worker stamped with this worker's clock: a
+        worker minutes ahead failed the others' running tasks as abandoned. See
+        :mod:`coordinator.abandoned`; the rest is rq's maintenance as rq does it.
+        """
+        for queue in self.queues:  # type: ignore[attr-defined]
+            if not queue.acquire_maintenance_lock():
+                continue  # another worker (or a coordinator's sweep) is at it
+            try:
+                logger.info("rq worker %s: cleaning registries of queue %s", self.name, queue.name)  # type: ignore[attr-defined]
+                clean_registries(queue, self._exc_handlers)  # type: ignore[attr-defined]
+                worker_registration.clean_worker_registry(queue)
+                intermediate = getattr(queue, "intermediate_queue", None)
+                if intermediate is not None:
+                    intermediate.cleanup(self, queue)
+            finally:
+                queue.release_maintenance_lock()
+        self.last_cleaned_at = now()
 
     def _register_again(self) -> None:
         """Write the worker's record and registry entries again: Redis lost them.

@@ -6,10 +6,12 @@ import threading
 import time
 from datetime import timedelta
 
+import pytest
 import rq.utils
 
 from coordinator.service import Coordinator
 from coordinator.tasks import advance_job
+from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker
 from protocol import keys
 from protocol.deadletter import purge
 from protocol.models import JobConfig, JobInfo, RankInfo
@@ -199,3 +201,44 @@ def test_a_task_that_ends_while_the_registry_is_read_is_not_called_abandoned(r):
     r.zrange = read  # type: ignore[method-assign]
     r.zadd(started.key, {"task-2:e2": time.time() + 60})  # listed, its execution expired
     assert expired_executions(r) == ["task-2:e2"]
+
+
+@pytest.mark.parametrize("worker_class", [PerseusSimpleWorker, PerseusWorker])
+def test_a_worker_minutes_ahead_does_not_fail_another_workers_running_task(
+    r, redis_url, tmp_path, monkeypatch, worker_class
+):
+    """rq's workers clean the registries every ten minutes, on their own clocks.
+
+    A worker whose clock runs 5 minutes ahead must not call another worker's running task
+    abandoned (rq's cleanup moved it to the failed tasks); one whose execution expired in
+    Redis (its worker died) still is.
+    """
+    from rq.executions import Execution
+
+    store = JobStore(r)
+    new_job(store, "slow", delay=8.0)
+    coordinator = Coordinator(r, make_settings(redis_url))
+    coordinator.enqueue_advance("slow")
+    worker = start_perseus(["worker", "--redis-url", redis_url], tmp_path, "worker.log")
+    try:
+        queue = coordinator.queue
+        started = queue.started_job_registry
+        wait_for(lambda: started.get_job_ids(cleanup=False), 30, "the task to start")
+        # A task whose worker died: listed as started, its execution gone from Redis.
+        dead = Execution("e-dead", "task-dead", r)
+        r.zadd(started.key, {"task-dead:e-dead": time.time() + 60})
+        real_time, real_now = time.time, rq.utils.now
+        monkeypatch.setattr(time, "time", lambda: real_time() + 300)
+        monkeypatch.setattr(rq.utils, "now", lambda: real_now() + timedelta(seconds=300))
+        ahead = worker_class([queue], connection=r, name="ahead")
+        ahead.clean_registries()
+        assert queue.failed_job_registry.get_job_ids() == []
+        running = started.get_job_ids(cleanup=False)
+        assert len(running) == 1 and running[0] != "task-dead"  # the live one, as it is
+        assert not r.exists(dead.key)
+        monkeypatch.setattr(time, "time", real_time)
+        monkeypatch.setattr(rq.utils, "now", real_now)
+        wait_for(lambda: store.version("slow") == 1, 30, "version 1")
+    finally:
+        stop([worker])
+    assert queue.failed_job_registry.get_job_ids() == []
