@@ -15,7 +15,6 @@ import redis
 
 from protocol import keys
 from protocol.acl import refused
-from protocol.connection import connect
 from protocol.exceptions import CoordinatorUnavailableError, WrongTokenError
 from protocol.models import FrequencySchedule, ProfilingResult
 from worker_client.hook.session import FIRST_RETRY_S, LAST_RETRY_S, CoordinatorClient
@@ -24,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 MAX_BLOCK_S = 20.0
 """Longest blocking read of an idle schedule watcher (below the socket time-out)."""
+STOP_TIMEOUT_S = 2.0
+"""Longest wait of :meth:`ScheduleWatcher.stop` for its thread to end."""
 # Every Redis error is an outage to ride through: a restart, a failover, but also a full
 # Redis (OOM under noeviction) or a replica in the middle of a failover (READONLY).
 TRANSIENT_ERRORS = (redis.RedisError,)
@@ -114,6 +115,10 @@ class ScheduleWatcher(threading.Thread):
     schedule (which reports nothing new) is not deleted as idle, and checks that Redis still
     has the job (one restarted without persistence has forgotten it: see :attr:`job_lost`).
 
+    Its commands go over connections of its own (:meth:`CoordinatorClient.background_client`),
+    which :meth:`stop` disconnects to end the one in flight: a heartbeat whose reply a silent
+    network dropped does not keep the thread alive past :meth:`stop`.
+
     Args:
         client: Reads schedules.
         job_id: The job.
@@ -148,8 +153,10 @@ class ScheduleWatcher(threading.Thread):
         self.heartbeat_interval = heartbeat_interval
         self._next_beat = time.monotonic()  # the first heartbeat at once: the rank is alive
         self._stop_event = threading.Event()
-        # A dedicated connection: blocking reads must not hold up other callers' commands.
-        self._conn = connect(client.redis_url)
+        # Connections of its own: blocking reads must not hold up other callers' commands, and
+        # stop() ends a command in flight by disconnecting them.
+        self._client = client.background_client()
+        self._conn = self._client.conn
 
     def run(self) -> None:
         """Follow the updates stream until stopped (thread body)."""
@@ -161,10 +168,14 @@ class ScheduleWatcher(threading.Thread):
                 wait = min(MAX_BLOCK_S, max(0.001, self._next_beat - time.monotonic()))
                 updates = {keys.job_updates(self.job_id): last_id}
                 reply = self._conn.xread(updates, block=max(1, int(wait * 1000)))
+                if self._stop_event.is_set():
+                    return
                 # After an outage (or when due) a heartbeat; the outage ends once it went
                 # through: a full Redis (OOM) still serves reads, but refuses the heartbeat.
                 if self.outage.since is not None or time.monotonic() >= self._next_beat:
                     self._beat()
+                    if self._stop_event.is_set():
+                        return
                 self.outage.recovered()
                 for _stream, entries in reply or []:
                     last_id = entries[-1][0].decode()
@@ -222,7 +233,7 @@ class ScheduleWatcher(threading.Thread):
     def _take_newest(self, announced: int) -> None:
         # Only the newest few versions are kept in Redis: a watcher that fell behind fetches
         # the latest one rather than one that may be gone.
-        newest = self.client.latest_version(self.job_id)
+        newest = self._client.latest_version(self.job_id)
         if announced > newest:
             # A publish sets the version and announces it in one script: this entry was
             # written otherwise (on Redis 6.2 a rank's user can) and has no schedule.
@@ -236,22 +247,26 @@ class ScheduleWatcher(threading.Thread):
             )
             if newest <= self._version:
                 return
-        schedule = self.client.fetch_schedule(self.job_id, newest, self.rank)
+        schedule = self._client.fetch_schedule(self.job_id, newest, self.rank)
         with self._lock:
+            if self._stop_event.is_set():  # stopped while it was read: no longer wanted
+                return
             self._pending = schedule
             self._version = newest
 
     def _beat(self) -> None:
         self._next_beat = time.monotonic() + self.heartbeat_interval
         try:
-            exists = self.client.heartbeat(self.job_id, self.rank)
+            exists = self._client.heartbeat(self.job_id, self.rank)
         except WrongTokenError as exc:
+            if self._stop_event.is_set():
+                return
             # Training goes on (as for a lost job); said once, loudly.
             if not self.token_refused:
                 self.token_refused = True
                 logger.error("%s; this rank does not count as alive in `perseus status`", exc)
             return
-        if exists or self.job_lost:
+        if exists or self.job_lost or self._stop_event.is_set():
             return
         self.job_lost = True
         logger.error(
@@ -300,14 +315,33 @@ class ScheduleWatcher(threading.Thread):
             pending, self._pending = self._pending, None
         return pending
 
-    def stop(self) -> None:
-        """Stop following (interrupts a blocked read)."""
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """Stop following; return whether the thread ended within ``timeout`` seconds.
+
+        A command in flight (a blocked read, a heartbeat waiting for a reply that a silent
+        network dropped) ends at once: its connection is closed under it, and it is not
+        retried. The thread then takes nothing more: no schedule, no heartbeat, no log line.
+        Only a thread caught inside a TCP connect to an unreachable host can outlive
+        ``timeout`` (by the connect time-out, then its command's socket time-out); it is a
+        daemon, which neither keeps the process alive nor acts once it wakes.
+        """
         self._stop_event.set()
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + timeout
         while self.is_alive() and time.monotonic() < deadline:
-            self._conn.connection_pool.disconnect()  # wakes the blocked XREAD with an error
+            # Wakes a blocked command with an error (again and again: one may begin between
+            # the thread's last check of the stop event and its command).
+            self._conn.connection_pool.disconnect()
             self.join(timeout=0.1)
-        self._conn.close()
+        self._client.close()
+        if self.is_alive():
+            logger.warning(
+                "rank %d schedule watcher: still in a Redis call %.0f s after stop; left to "
+                "end by itself (it does nothing more)",
+                self.rank,
+                timeout,
+            )
+            return False
+        return True
 
 
 class ResultReporter(threading.Thread):
