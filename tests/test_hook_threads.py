@@ -6,15 +6,17 @@ A silent network (packets dropped, no connection refused) is played by
 
 from __future__ import annotations
 
+import logging
 import time
 
 from protocol import keys
-from protocol.models import JobConfig, JobInfo
+from protocol.exceptions import CoordinatorUnavailableError
+from protocol.models import JobConfig, JobInfo, ProfilingResult
 from protocol.store import JobStore
-from tests.helpers import wait_for
+from tests.helpers import free_ports, result, wait_for
 from tests.silent_proxy import SilentProxy
 from worker_client.hook.session import CoordinatorClient
-from worker_client.hook.watchers import STOP_TIMEOUT_S, ScheduleWatcher
+from worker_client.hook.watchers import STOP_TIMEOUT_S, ResultReporter, ScheduleWatcher
 
 
 def new_job(r, job_id: str) -> None:
@@ -43,3 +45,50 @@ def test_stop_ends_a_watcher_whose_heartbeat_hangs_on_a_silent_network(r, redis_
         assert watcher.error is None and watcher.outage.since is None
         client.close()
     assert r.zcard(keys.job_alive("quiet")) == 0  # no heartbeat got through, before or after
+
+
+def test_results_after_the_reporter_gave_up_are_counted_and_said(caplog):
+    # Nothing listens on the port: every report fails at once, until outage_timeout.
+    client = CoordinatorClient(f"redis://127.0.0.1:{free_ports()[0]}/0")
+    reporter = ResultReporter(client, "job-x", outage_timeout=0.5)
+    with caplog.at_level(logging.WARNING, logger="worker_client.hook.watchers"):
+        reporter.start()
+        reporter.submit(result(0, 1))
+        reporter.join(timeout=30)
+        assert not reporter.is_alive()
+        assert isinstance(reporter.error, CoordinatorUnavailableError)
+        assert reporter.unsent == 1  # the result it was sending
+        reporter.submit(result(0, 2))
+        reporter.submit(result(0, 3))
+        reporter.stop()
+    client.close()
+    assert (reporter.sent, reporter.unsent) == (0, 3)
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert any("1 profiling result(s) of job job-x not sent" in line for line in lines), lines
+    later = [line for line in lines if "the reporter has stopped" in line]
+    assert len(later) == 2 and "3 result(s) not sent so far" in later[-1], lines
+    assert all("\n" not in line for line in lines)
+
+
+class _Broken(CoordinatorClient):
+    """A client whose report fails with what no Redis error is (a bug, say)."""
+
+    def report(self, job_id: str, result: ProfilingResult) -> None:
+        raise ValueError("cannot encode this result")
+
+
+def test_a_reporter_that_fails_unexpectedly_keeps_the_error_and_counts_its_results(
+    redis_url, caplog
+):
+    client = _Broken(redis_url)
+    reporter = ResultReporter(client, "job-y")
+    with caplog.at_level(logging.WARNING, logger="worker_client.hook.watchers"):
+        reporter.start()
+        reporter.submit(result(0, 1))
+        reporter.join(timeout=10)
+        reporter.submit(result(0, 2))
+        reporter.stop()
+    client.close()
+    assert isinstance(reporter.error, ValueError)  # raised by the hook at the next step end
+    assert (reporter.sent, reporter.unsent) == (0, 2)
+    assert "ValueError: cannot encode this result" in caplog.text

@@ -348,7 +348,10 @@ class ResultReporter(threading.Thread):
     """Publishes profiling results from a queue; rides through Redis outages.
 
     Results wait in the queue while Redis is unreachable (one result per schedule version,
-    so the queue stays short) and are sent once it is back, oldest first.
+    so the queue stays short) and are sent once it is back, oldest first. A result is sent
+    or counted in :attr:`unsent`, and said: once the thread has ended (stopped, past
+    ``outage_timeout``, or an unexpected error, kept in :attr:`error`), what it held and
+    every later :meth:`submit` are counted and logged, never dropped silently.
 
     Args:
         client: Sends the results.
@@ -372,19 +375,52 @@ class ResultReporter(threading.Thread):
         self.error: BaseException | None = None
         self.outage = _Outage("result reporter", client.where, outage_timeout)
         self.sent = 0
-        self.unsent = 0  # results given up on at stop (Redis still unreachable)
+        self.unsent = 0  # results not sent: given up on at stop, or after the thread ended
         self._stopping = threading.Event()
         self._flush_deadline = float("inf")
+        self._ended = ""  # why the thread ended, once it has: later results are counted
+        self._ending = threading.Lock()  # orders submit() against the thread's end
 
     def submit(self, result: ProfilingResult) -> None:
-        """Queue a result; returns at once."""
-        self._queue.put(result)
+        """Queue a result; returns at once (counted in :attr:`unsent` if the thread ended)."""
+        with self._ending:
+            if not self._ended:
+                self._queue.put(result)
+                return
+            self.unsent += 1
+            unsent = self.unsent
+        logger.warning(
+            "result reporter: profiling result of schedule version %d (rank %d) of job %s not "
+            "sent: the reporter has stopped (%s); %d result(s) not sent so far",
+            result.schedule_version,
+            result.rank,
+            self.job_id,
+            self._ended,
+            unsent,
+        )
 
     def run(self) -> None:
         """Send queued results until stopped (thread body)."""
-        while (result := self._queue.get()) is not None:
-            if not self._deliver(result):
-                return
+        held = 0  # the result being sent when the thread ends, if any
+        why = "stopped"
+        try:
+            while (result := self._queue.get()) is not None:
+                held = 1
+                if not self._deliver(result):
+                    why = self._why_given_up()
+                    return
+                held = 0
+        except Exception as exc:  # Raised on the training thread at the next step end.
+            self.error = exc
+            why = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._end(held, why)
+
+    def _why_given_up(self) -> str:
+        state = "refusing this client" if self.outage.refused else "unreachable"
+        if self.error is not None:
+            return f"redis at {self.client.where} {state} past outage_timeout"
+        return f"redis at {self.client.where} still {state} {self.flush_timeout:.0f} s after close"
 
     def _deliver(self, result: ProfilingResult) -> bool:
         """Send one result, retrying with backoff; False when this thread must end."""
@@ -398,7 +434,6 @@ class ResultReporter(threading.Thread):
                     return False
                 remaining = self._flush_deadline - time.monotonic()
                 if remaining <= 0:
-                    self._give_up(1)
                     return False
                 # Back off up to 5 s; stop() cuts a wait short, then the flush deadline rules.
                 if not self._stopping.wait(delay):
@@ -410,23 +445,24 @@ class ResultReporter(threading.Thread):
             self.outage.recovered()
             return True
 
-    def _give_up(self, count: int) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            count += item is not None
-        self.unsent = count
-        logger.error(
-            "result reporter: %d profiling result(s) of job %s not sent: redis at %s still "
-            "%s %.0f s after close",
-            count,
-            self.job_id,
-            self.client.where,
-            "refusing this client" if self.outage.refused else "unreachable",
-            self.flush_timeout,
-        )
+    def _end(self, count: int, why: str) -> None:
+        """Count what the thread held and what is queued as unsent; later results likewise."""
+        with self._ending:
+            self._ended = why
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                count += item is not None
+            self.unsent += count
+        if count:
+            logger.error(
+                "result reporter: %d profiling result(s) of job %s not sent: %s",
+                count,
+                self.job_id,
+                why,
+            )
 
     def stop(self) -> None:
         """Send what is queued (for up to ``flush_timeout`` seconds), then stop."""
