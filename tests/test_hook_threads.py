@@ -13,8 +13,10 @@ from protocol import keys
 from protocol.exceptions import CoordinatorUnavailableError
 from protocol.models import JobConfig, JobInfo, ProfilingResult
 from protocol.store import JobStore
-from tests.helpers import free_ports, result, wait_for
+from tests.helpers import free_ports, make_hook, result, run_step, step_until, wait_for
 from tests.silent_proxy import SilentProxy
+from worker_client.gpu.frequency import DryRunFrequencyController
+from worker_client.hook.optimizer import FINISH_TIMEOUT_S
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.watchers import STOP_TIMEOUT_S, ResultReporter, ScheduleWatcher
 
@@ -73,6 +75,9 @@ def test_results_after_the_reporter_gave_up_are_counted_and_said(caplog):
 class _Broken(CoordinatorClient):
     """A client whose report fails with what no Redis error is (a bug, say)."""
 
+    def background_client(self, socket_timeout: float = 30.0) -> CoordinatorClient:
+        return self
+
     def report(self, job_id: str, result: ProfilingResult) -> None:
         raise ValueError("cannot encode this result")
 
@@ -92,3 +97,46 @@ def test_a_reporter_that_fails_unexpectedly_keeps_the_error_and_counts_its_resul
     assert isinstance(reporter.error, ValueError)  # raised by the hook at the next step end
     assert (reporter.sent, reporter.unsent) == (0, 2)
     assert "ValueError: cannot encode this result" in caplog.text
+
+
+def test_close_on_a_silent_network_is_bounded_and_counts_the_result_in_flight(
+    gloo, hook_service, redis_url, caplog
+):
+    _coord, start_worker = hook_service
+    start_worker()
+    with SilentProxy(redis_url) as proxy:
+        hook = make_hook(proxy.url, DryRunFrequencyController(0), report_every=1)
+        try:
+            hook.reporter.flush_timeout = 1.0
+            step_until(hook, lambda: hook.schedule.version == 2, 20, "version 2")
+            wait_for(lambda: hook.reporter.sent == 1, 10, "version 1's result")
+            proxy.silence()
+            run_step(hook)  # version 2's result: its XADD is lost, or it waits behind one
+        finally:
+            started = time.monotonic()
+            hook.close()
+        took = time.monotonic() - started
+    # The flush (1 s), then the result in flight is cut off; the rank is not marked finished.
+    assert took < 1.0 + 2 * STOP_TIMEOUT_S + 1.0, took
+    assert not hook.reporter.is_alive() and not hook.watcher.is_alive()
+    assert (hook.reporter.sent, hook.reporter.unsent) == (1, 1)
+    assert "profiling result(s) of job" in caplog.text and "after close" in caplog.text
+
+
+def test_close_does_not_wait_minutes_to_mark_the_rank_finished_on_a_silent_network(
+    gloo, hook_service, redis_url, caplog
+):
+    _coord, start_worker = hook_service
+    start_worker()
+    with SilentProxy(redis_url) as proxy:
+        hook = make_hook(proxy.url, DryRunFrequencyController(0), report_every=1000)
+        try:
+            run_step(hook)
+            proxy.silence()  # before the watcher could notice: close tries to finish the rank
+        finally:
+            started = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="worker_client.hook.optimizer"):
+                hook.close()
+        took = time.monotonic() - started
+    assert took < STOP_TIMEOUT_S + FINISH_TIMEOUT_S + 2.0, took
+    assert "could not mark job" in caplog.text and "deleted when idle" in caplog.text

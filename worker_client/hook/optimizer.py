@@ -51,6 +51,9 @@ from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
 
 logger = logging.getLogger(__name__)
 
+FINISH_TIMEOUT_S = 5.0
+"""Seconds :meth:`PerseusOptimizer.close` waits for Redis to record the rank finished."""
+
 
 class PerseusOptimizer(Callback):
     """Perseus frequency-plan hook for one rank.
@@ -468,8 +471,8 @@ class PerseusOptimizer(Callback):
         """Record in Redis that this rank is done; once every rank is, the job is finished.
 
         Idempotent (a set of ranks). Never raises: closing must not fail training's last step.
-        Skipped while Redis is unreachable (close does not wait on it): the job is then
-        deleted when idle instead.
+        Skipped while Redis is unreachable, and given up after ``FINISH_TIMEOUT_S`` without
+        a reply (close does not wait on Redis): the job is then deleted when idle instead.
         """
         if self.watcher.outage.since is not None or self.reporter.unsent:
             logger.warning(
@@ -478,9 +481,12 @@ class PerseusOptimizer(Callback):
                 self.job_id,
             )
             return
+        # Over a client that waits FINISH_TIMEOUT_S for a reply, not the registrations' long
+        # socket time-out with redis-py's retries: on a silent network, minutes.
+        finisher = self.client.background_client(socket_timeout=FINISH_TIMEOUT_S)
         try:
             token = self.client.token(self.job_id, self.rank) or ""
-            done = JobLifecycle(self.client.store).finish_rank(self.job_id, self.rank, token)
+            done = JobLifecycle(finisher.store).finish_rank(self.job_id, self.rank, token)
         except (redis.RedisError, PerseusError, ValueError) as exc:
             logger.warning(
                 "rank %d: could not mark job %s finished (%s); it is deleted when idle instead",
@@ -489,5 +495,7 @@ class PerseusOptimizer(Callback):
                 exc,
             )
             return
+        finally:
+            finisher.close()
         if done:
             logger.info("job %s: every rank finished", self.job_id)

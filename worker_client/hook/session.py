@@ -77,16 +77,19 @@ class CoordinatorClient:
         # it. Never logged, never sent as such (results carry a MAC, see protocol.tokens).
         self._tokens: dict[tuple[str, int], str] = {} if tokens is None else tokens
 
-    def background_client(self) -> CoordinatorClient:
+    def background_client(self, socket_timeout: float = SOCKET_TIMEOUT_S) -> CoordinatorClient:
         """A client of the same Redis and tokens, on connections of its own, for a thread.
 
         Its commands (heartbeats, reads, results: never a registration's long ``BLPOP``) time
-        out after the default socket time-out, not ``reply_timeout`` + 30 s, and redis-py does
-        not retry them: the thread retries itself, and its ``stop()`` ends a command in
-        flight, even one whose reply a silent network dropped, by disconnecting the pool
-        (a retry would send it again). Closing it leaves this client's connections alone.
+        out after ``socket_timeout``, not ``reply_timeout`` + 30 s, and redis-py does not
+        retry them: the thread retries itself, and its ``stop()`` ends a command in flight,
+        even one whose reply a silent network dropped, by disconnecting the pool (a retry
+        would send it again). Closing it leaves this client's connections alone.
+
+        Args:
+            socket_timeout: Seconds a command may wait for its reply.
         """
-        conn = connect(self.redis_url)
+        conn = connect(self.redis_url, socket_timeout=socket_timeout)
         conn.set_retry(Retry(NoBackoff(), 0))
         return CoordinatorClient(self.redis_url, self.reply_timeout, self._tokens, conn=conn)
 

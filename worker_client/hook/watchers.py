@@ -106,6 +106,21 @@ class _Outage:
         return True
 
 
+def _interrupt(thread: threading.Thread, client: CoordinatorClient, timeout: float) -> bool:
+    """Disconnect ``client`` under ``thread`` until it ends (``timeout`` s at most), close it.
+
+    Returns whether the thread ended. Its command in flight fails at once (the clients of
+    :meth:`CoordinatorClient.background_client` do not retry), again and again: another may
+    begin between the thread's last check of its stop flag and its command.
+    """
+    deadline = time.monotonic() + timeout
+    while thread.is_alive() and time.monotonic() < deadline:
+        client.conn.connection_pool.disconnect()
+        thread.join(timeout=0.1)
+    client.close()
+    return not thread.is_alive()
+
+
 class ScheduleWatcher(threading.Thread):
     """Follows a job's published versions and keeps the newest schedule for one rank.
 
@@ -326,14 +341,7 @@ class ScheduleWatcher(threading.Thread):
         daemon, which neither keeps the process alive nor acts once it wakes.
         """
         self._stop_event.set()
-        deadline = time.monotonic() + timeout
-        while self.is_alive() and time.monotonic() < deadline:
-            # Wakes a blocked command with an error (again and again: one may begin between
-            # the thread's last check of the stop event and its command).
-            self._conn.connection_pool.disconnect()
-            self.join(timeout=0.1)
-        self._client.close()
-        if self.is_alive():
+        if not _interrupt(self, self._client, timeout):
             logger.warning(
                 "rank %d schedule watcher: still in a Redis call %.0f s after stop; left to "
                 "end by itself (it does nothing more)",
@@ -351,7 +359,9 @@ class ResultReporter(threading.Thread):
     so the queue stays short) and are sent once it is back, oldest first. A result is sent
     or counted in :attr:`unsent`, and said: once the thread has ended (stopped, past
     ``outage_timeout``, or an unexpected error, kept in :attr:`error`), what it held and
-    every later :meth:`submit` are counted and logged, never dropped silently.
+    every later :meth:`submit` are counted and logged, never dropped silently. Results go
+    over connections of its own (:meth:`CoordinatorClient.background_client`), which
+    :meth:`stop` cuts once ``flush_timeout`` has passed.
 
     Args:
         client: Sends the results.
@@ -380,6 +390,7 @@ class ResultReporter(threading.Thread):
         self._flush_deadline = float("inf")
         self._ended = ""  # why the thread ended, once it has: later results are counted
         self._ending = threading.Lock()  # orders submit() against the thread's end
+        self._client = client.background_client()
 
     def submit(self, result: ProfilingResult) -> None:
         """Queue a result; returns at once (counted in :attr:`unsent` if the thread ended)."""
@@ -427,7 +438,7 @@ class ResultReporter(threading.Thread):
         delay = 0.2
         while True:
             try:
-                self.client.report(self.job_id, result)
+                self._client.report(self.job_id, result)
             except TRANSIENT_ERRORS as exc:
                 self.error = self.outage.failed(exc)
                 if self.error is not None:
@@ -465,8 +476,22 @@ class ResultReporter(threading.Thread):
             )
 
     def stop(self) -> None:
-        """Send what is queued (for up to ``flush_timeout`` seconds), then stop."""
+        """Send what is queued (for up to ``flush_timeout`` seconds), then stop.
+
+        Returns within ``flush_timeout`` + :data:`STOP_TIMEOUT_S` seconds: a result still in
+        flight then (its reply lost on a silent network, say) is cut off, and counted in
+        :attr:`unsent` with what is queued behind it. Only a thread caught inside a TCP
+        connect to an unreachable host outlives that (by the connect time-out); it counts
+        and logs what it held when it ends.
+        """
         self._flush_deadline = time.monotonic() + self.flush_timeout
         self._stopping.set()
         self._queue.put(None)
-        self.join(timeout=self.flush_timeout + 5)
+        if self.is_alive():
+            self.join(timeout=self.flush_timeout)
+        if not _interrupt(self, self._client, STOP_TIMEOUT_S):
+            logger.warning(
+                "result reporter: still in a Redis call %.0f s after close; what it holds is "
+                "counted and logged when the call fails",
+                self.flush_timeout + STOP_TIMEOUT_S,
+            )
