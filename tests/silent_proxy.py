@@ -35,6 +35,7 @@ class SilentProxy:
         self._marker: bytes | None = None
         self.silent = threading.Event()
         self.dropped = 0  # bytes dropped from clients while silent
+        self.open = 0  # client connections not closed by their client yet
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -62,6 +63,7 @@ class SilentProxy:
                     upstream.close()
                     return
                 self._sockets += [client, upstream]
+                self.open += 1
             for src, dst, from_client in ((client, upstream, True), (upstream, client, False)):
                 threading.Thread(
                     target=self._pump, args=(src, dst, from_client), daemon=True
@@ -79,6 +81,9 @@ class SilentProxy:
                 dst.sendall(data)
         except OSError:
             pass
+        if from_client:
+            with self._lock:
+                self.open -= 1
         if not self.silent.is_set():  # a silent network does not say that a peer left
             try:
                 dst.shutdown(socket.SHUT_WR)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 import time
 
+import pytest
+
 from protocol import keys
-from protocol.exceptions import CoordinatorUnavailableError
+from protocol.exceptions import CoordinatorUnavailableError, GPUError
 from protocol.models import JobConfig, JobInfo, ProfilingResult
 from protocol.store import JobStore
 from tests.helpers import free_ports, make_hook, result, run_step, step_until, wait_for
@@ -140,3 +142,24 @@ def test_close_does_not_wait_minutes_to_mark_the_rank_finished_on_a_silent_netwo
         took = time.monotonic() - started
     assert took < STOP_TIMEOUT_S + FINISH_TIMEOUT_S + 2.0, took
     assert "could not mark job" in caplog.text and "deleted when idle" in caplog.text
+
+
+class _FailingReset(DryRunFrequencyController):
+    """A controller whose clocks cannot be reset at stop."""
+
+    def stop(self) -> None:
+        super().stop()
+        raise GPUError("cannot reset the clocks of GPU 0")
+
+
+def test_a_close_that_fails_still_stops_and_closes_everything_else(gloo, hook_service, redis_url):
+    _coord, start_worker = hook_service
+    start_worker()
+    with SilentProxy(redis_url) as proxy:  # counts the hook's connections
+        hook = make_hook(proxy.url, _FailingReset(0))
+        run_step(hook)
+        with pytest.raises(GPUError, match="cannot reset the clocks"):
+            hook.close()
+        assert not hook.reporter.is_alive() and not hook.watcher.is_alive()
+        wait_for(lambda: proxy.open == 0, 5, "every connection of the hook closed")
+        hook.close()  # closed already: nothing more to do, nothing raised

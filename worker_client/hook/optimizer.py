@@ -15,6 +15,7 @@ thread turns them into Joules when a report is due, so a source that must wait f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -442,11 +443,30 @@ class PerseusOptimizer(Callback):
         self.close()
 
     def close(self) -> None:
-        """Same as :meth:`on_train_end`; safe to call twice."""
+        """Same as :meth:`on_train_end`; safe to call twice.
+
+        Every step runs even if one before it failed (a clock reset that fails, Ctrl-C in
+        the flush): threads stopped, controller stopped, connections closed; the error is
+        raised once all have run.
+        """
         if self._closed:
             return
         self._closed = True
-        self._builder.shutdown(wait=True)  # Queued results reach the reporter first.
+        with contextlib.ExitStack() as steps:  # run last-pushed first, each whatever happens
+            steps.callback(self.client.close)
+            steps.callback(self._close_energy_source)
+            steps.callback(self.controller.stop)
+            if self._clocks is not None:
+                # Its last requests reach the controller before the controller stops.
+                steps.callback(self._clocks.stop)
+            steps.callback(self._finish_rank)
+            steps.callback(self.watcher.stop)
+            steps.callback(self.reporter.stop)
+            self._flush_results()
+
+    def _flush_results(self) -> None:
+        """Let the results being built reach the reporter; say one whose building failed."""
+        self._builder.shutdown(wait=True)
         if self._build_error is not None:  # no step end follows to raise it
             logger.error(
                 "rank %d: the profiling result of schedule version %d was not sent: building "
@@ -456,16 +476,11 @@ class PerseusOptimizer(Callback):
                 type(self._build_error).__name__,
                 self._build_error,
             )
-        self.reporter.stop()
-        self.watcher.stop()
-        self._finish_rank()
-        if self._clocks is not None:
-            self._clocks.stop()  # its last requests reach the controller before it stops
-        self.controller.stop()
+
+    def _close_energy_source(self) -> None:
         close = getattr(self.energy_source, "close", None)
         if self._owned_source and close is not None:
             close()
-        self.client.close()
 
     def _finish_rank(self) -> None:
         """Record in Redis that this rank is done; once every rank is, the job is finished.
