@@ -163,3 +163,39 @@ def test_a_close_that_fails_still_stops_and_closes_everything_else(gloo, hook_se
         assert not hook.reporter.is_alive() and not hook.watcher.is_alive()
         wait_for(lambda: proxy.open == 0, 5, "every connection of the hook closed")
         hook.close()  # closed already: nothing more to do, nothing raised
+
+
+class _OnceFaultyEnergy:
+    """An energy source whose first energy() fails (a bug of the source, not a glitch)."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def mark(self) -> float:
+        return time.monotonic()
+
+    def energy(self, start_mark: float, end_mark: float) -> float:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("energy source broke")
+        return 1.0
+
+
+def test_training_goes_on_after_a_step_end_raised_a_background_error(gloo, hook_service, redis_url):
+    _coord, start_worker = hook_service
+    start_worker()
+    hook = make_hook(
+        redis_url, DryRunFrequencyController(0), report_every=1, energy_source=_OnceFaultyEnergy()
+    )
+    try:
+        # The first result's building fails on the builder thread; a step end raises it,
+        # after its step ran through.
+        with pytest.raises(RuntimeError, match="energy source broke"):
+            step_until(hook, lambda: False, 10, "the builder's error")
+        steps = hook.steps
+        # The caller may go on: the next step starts at the schedule's first instruction.
+        for _ in range(3):
+            run_step(hook)
+        assert hook.steps == steps + 3
+    finally:
+        hook.close()

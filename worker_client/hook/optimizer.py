@@ -330,6 +330,9 @@ class PerseusOptimizer(Callback):
         if self._clocks is not None and self._clocks.error is not None:
             raise self._clocks.error  # before a step run at wrong clocks could be reported
         in_step = self.order.end_step()
+        # The next step starts at the first instruction, whatever is raised below (a swap
+        # restarts it at the new schedule's).
+        self.order.restart(self.schedule)
         self.steps += 1
         if in_step and self._measuring:
             self._sync()
@@ -368,7 +371,6 @@ class PerseusOptimizer(Callback):
         newer = self.watcher.take()
         if newer is not None:
             self._swap(newer)
-        self.order.restart(self.schedule)
 
     def abandon_step(self) -> None:
         """Forget the step in progress, e.g. one that raised: nothing of it is measured.
@@ -434,6 +436,7 @@ class PerseusOptimizer(Callback):
 
     def _swap(self, schedule: FrequencySchedule) -> None:
         self.schedule = schedule
+        self.order.restart(schedule)
         self.swaps.append((self.steps, schedule.version))
         self._reset_window()
         logger.debug("rank %d: now running schedule version %d", self.rank, schedule.version)
