@@ -15,6 +15,7 @@ thread turns them into Joules when a report is due, so a source that must wait f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -50,6 +51,9 @@ from worker_client.hook.step_order import StepOrder
 from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
 
 logger = logging.getLogger(__name__)
+
+FINISH_TIMEOUT_S = 5.0
+"""Seconds :meth:`PerseusOptimizer.close` waits for Redis to record the rank finished."""
 
 
 class PerseusOptimizer(Callback):
@@ -326,6 +330,9 @@ class PerseusOptimizer(Callback):
         if self._clocks is not None and self._clocks.error is not None:
             raise self._clocks.error  # before a step run at wrong clocks could be reported
         in_step = self.order.end_step()
+        # The next step starts at the first instruction, whatever is raised below (a swap
+        # restarts it at the new schedule's).
+        self.order.restart(self.schedule)
         self.steps += 1
         if in_step and self._measuring:
             self._sync()
@@ -364,7 +371,6 @@ class PerseusOptimizer(Callback):
         newer = self.watcher.take()
         if newer is not None:
             self._swap(newer)
-        self.order.restart(self.schedule)
 
     def abandon_step(self) -> None:
         """Forget the step in progress, e.g. one that raised: nothing of it is measured.
@@ -430,6 +436,7 @@ class PerseusOptimizer(Callback):
 
     def _swap(self, schedule: FrequencySchedule) -> None:
         self.schedule = schedule
+        self.order.restart(schedule)
         self.swaps.append((self.steps, schedule.version))
         self._reset_window()
         logger.debug("rank %d: now running schedule version %d", self.rank, schedule.version)
@@ -439,11 +446,30 @@ class PerseusOptimizer(Callback):
         self.close()
 
     def close(self) -> None:
-        """Same as :meth:`on_train_end`; safe to call twice."""
+        """Same as :meth:`on_train_end`; safe to call twice.
+
+        Every step runs even if one before it failed (a clock reset that fails, Ctrl-C in
+        the flush): threads stopped, controller stopped, connections closed; the error is
+        raised once all have run.
+        """
         if self._closed:
             return
         self._closed = True
-        self._builder.shutdown(wait=True)  # Queued results reach the reporter first.
+        with contextlib.ExitStack() as steps:  # run last-pushed first, each whatever happens
+            steps.callback(self.client.close)
+            steps.callback(self._close_energy_source)
+            steps.callback(self.controller.stop)
+            if self._clocks is not None:
+                # Its last requests reach the controller before the controller stops.
+                steps.callback(self._clocks.stop)
+            steps.callback(self._finish_rank)
+            steps.callback(self.watcher.stop)
+            steps.callback(self.reporter.stop)
+            self._flush_results()
+
+    def _flush_results(self) -> None:
+        """Let the results being built reach the reporter; say one whose building failed."""
+        self._builder.shutdown(wait=True)
         if self._build_error is not None:  # no step end follows to raise it
             logger.error(
                 "rank %d: the profiling result of schedule version %d was not sent: building "
@@ -453,23 +479,18 @@ class PerseusOptimizer(Callback):
                 type(self._build_error).__name__,
                 self._build_error,
             )
-        self.reporter.stop()
-        self.watcher.stop()
-        self._finish_rank()
-        if self._clocks is not None:
-            self._clocks.stop()  # its last requests reach the controller before it stops
-        self.controller.stop()
+
+    def _close_energy_source(self) -> None:
         close = getattr(self.energy_source, "close", None)
         if self._owned_source and close is not None:
             close()
-        self.client.close()
 
     def _finish_rank(self) -> None:
         """Record in Redis that this rank is done; once every rank is, the job is finished.
 
         Idempotent (a set of ranks). Never raises: closing must not fail training's last step.
-        Skipped while Redis is unreachable (close does not wait on it): the job is then
-        deleted when idle instead.
+        Skipped while Redis is unreachable, and given up after ``FINISH_TIMEOUT_S`` without
+        a reply (close does not wait on Redis): the job is then deleted when idle instead.
         """
         if self.watcher.outage.since is not None or self.reporter.unsent:
             logger.warning(
@@ -478,9 +499,12 @@ class PerseusOptimizer(Callback):
                 self.job_id,
             )
             return
+        # Over a client that waits FINISH_TIMEOUT_S for a reply, not the registrations' long
+        # socket time-out with redis-py's retries: on a silent network, minutes.
+        finisher = self.client.background_client(socket_timeout=FINISH_TIMEOUT_S)
         try:
             token = self.client.token(self.job_id, self.rank) or ""
-            done = JobLifecycle(self.client.store).finish_rank(self.job_id, self.rank, token)
+            done = JobLifecycle(finisher.store).finish_rank(self.job_id, self.rank, token)
         except (redis.RedisError, PerseusError, ValueError) as exc:
             logger.warning(
                 "rank %d: could not mark job %s finished (%s); it is deleted when idle instead",
@@ -489,5 +513,7 @@ class PerseusOptimizer(Callback):
                 exc,
             )
             return
+        finally:
+            finisher.close()
         if done:
             logger.info("job %s: every rank finished", self.job_id)

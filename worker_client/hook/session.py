@@ -13,6 +13,8 @@ import uuid
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from protocol import keys
 from protocol.acl import refused
@@ -49,6 +51,8 @@ class CoordinatorClient:
         reply_timeout: Seconds to wait for a registration reply.
         tokens: Where to keep the ranks' tokens, shared with other clients of this process
             (say, one per thread); default: this client's own.
+        conn: The Redis client to use instead of one made here (see
+            :meth:`background_client`).
     """
 
     def __init__(
@@ -56,6 +60,8 @@ class CoordinatorClient:
         redis_url: str,
         reply_timeout: float = 60.0,
         tokens: dict[tuple[str, int], str] | None = None,
+        *,
+        conn: redis.Redis | None = None,
     ) -> None:
         if not reply_timeout > 0:
             raise ValueError(f"reply_timeout must be > 0 seconds, got {reply_timeout}")
@@ -63,11 +69,29 @@ class CoordinatorClient:
         self.where = redact_url(redis_url)  # for messages: never the password
         self.reply_timeout = reply_timeout
         # BLPOP waits up to reply_timeout for a registration's answer: the socket must wait longer.
-        self.conn = connect(redis_url, socket_timeout=reply_timeout + SOCKET_TIMEOUT_S)
+        if conn is None:
+            conn = connect(redis_url, socket_timeout=reply_timeout + SOCKET_TIMEOUT_S)
+        self.conn = conn
         self.store = JobStore(self.conn)
         # (job, rank) -> the token its registration reply gave: results and heartbeats prove
         # it. Never logged, never sent as such (results carry a MAC, see protocol.tokens).
         self._tokens: dict[tuple[str, int], str] = {} if tokens is None else tokens
+
+    def background_client(self, socket_timeout: float = SOCKET_TIMEOUT_S) -> CoordinatorClient:
+        """A client of the same Redis and tokens, on connections of its own, for a thread.
+
+        Its commands (heartbeats, reads, results: never a registration's long ``BLPOP``) time
+        out after ``socket_timeout``, not ``reply_timeout`` + 30 s, and redis-py does not
+        retry them: the thread retries itself, and its ``stop()`` ends a command in flight,
+        even one whose reply a silent network dropped, by disconnecting the pool (a retry
+        would send it again). Closing it leaves this client's connections alone.
+
+        Args:
+            socket_timeout: Seconds a command may wait for its reply.
+        """
+        conn = connect(self.redis_url, socket_timeout=socket_timeout)
+        conn.set_retry(Retry(NoBackoff(), 0))
+        return CoordinatorClient(self.redis_url, self.reply_timeout, self._tokens, conn=conn)
 
     def _request(self, message: RegisterJob | RegisterRank) -> Reply:
         """Send a registration request and wait up to ``reply_timeout`` for its reply.

@@ -15,7 +15,6 @@ import redis
 
 from protocol import keys
 from protocol.acl import refused
-from protocol.connection import connect
 from protocol.exceptions import CoordinatorUnavailableError, WrongTokenError
 from protocol.models import FrequencySchedule, ProfilingResult
 from worker_client.hook.session import FIRST_RETRY_S, LAST_RETRY_S, CoordinatorClient
@@ -24,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 MAX_BLOCK_S = 20.0
 """Longest blocking read of an idle schedule watcher (below the socket time-out)."""
+STOP_TIMEOUT_S = 2.0
+"""Longest wait of :meth:`ScheduleWatcher.stop` for its thread to end."""
 # Every Redis error is an outage to ride through: a restart, a failover, but also a full
 # Redis (OOM under noeviction) or a replica in the middle of a failover (READONLY).
 TRANSIENT_ERRORS = (redis.RedisError,)
@@ -105,6 +106,21 @@ class _Outage:
         return True
 
 
+def _interrupt(thread: threading.Thread, client: CoordinatorClient, timeout: float) -> bool:
+    """Disconnect ``client`` under ``thread`` until it ends (``timeout`` s at most), close it.
+
+    Returns whether the thread ended. Its command in flight fails at once (the clients of
+    :meth:`CoordinatorClient.background_client` do not retry), again and again: another may
+    begin between the thread's last check of its stop flag and its command.
+    """
+    deadline = time.monotonic() + timeout
+    while thread.is_alive() and time.monotonic() < deadline:
+        client.conn.connection_pool.disconnect()
+        thread.join(timeout=0.1)
+    client.close()
+    return not thread.is_alive()
+
+
 class ScheduleWatcher(threading.Thread):
     """Follows a job's published versions and keeps the newest schedule for one rank.
 
@@ -113,6 +129,10 @@ class ScheduleWatcher(threading.Thread):
     and right after an outage, it marks the job active, so that a long run on a converged
     schedule (which reports nothing new) is not deleted as idle, and checks that Redis still
     has the job (one restarted without persistence has forgotten it: see :attr:`job_lost`).
+
+    Its commands go over connections of its own (:meth:`CoordinatorClient.background_client`),
+    which :meth:`stop` disconnects to end the one in flight: a heartbeat whose reply a silent
+    network dropped does not keep the thread alive past :meth:`stop`.
 
     Args:
         client: Reads schedules.
@@ -148,8 +168,10 @@ class ScheduleWatcher(threading.Thread):
         self.heartbeat_interval = heartbeat_interval
         self._next_beat = time.monotonic()  # the first heartbeat at once: the rank is alive
         self._stop_event = threading.Event()
-        # A dedicated connection: blocking reads must not hold up other callers' commands.
-        self._conn = connect(client.redis_url)
+        # Connections of its own: blocking reads must not hold up other callers' commands, and
+        # stop() ends a command in flight by disconnecting them.
+        self._client = client.background_client()
+        self._conn = self._client.conn
 
     def run(self) -> None:
         """Follow the updates stream until stopped (thread body)."""
@@ -161,10 +183,14 @@ class ScheduleWatcher(threading.Thread):
                 wait = min(MAX_BLOCK_S, max(0.001, self._next_beat - time.monotonic()))
                 updates = {keys.job_updates(self.job_id): last_id}
                 reply = self._conn.xread(updates, block=max(1, int(wait * 1000)))
+                if self._stop_event.is_set():
+                    return
                 # After an outage (or when due) a heartbeat; the outage ends once it went
                 # through: a full Redis (OOM) still serves reads, but refuses the heartbeat.
                 if self.outage.since is not None or time.monotonic() >= self._next_beat:
                     self._beat()
+                    if self._stop_event.is_set():
+                        return
                 self.outage.recovered()
                 for _stream, entries in reply or []:
                     last_id = entries[-1][0].decode()
@@ -222,7 +248,7 @@ class ScheduleWatcher(threading.Thread):
     def _take_newest(self, announced: int) -> None:
         # Only the newest few versions are kept in Redis: a watcher that fell behind fetches
         # the latest one rather than one that may be gone.
-        newest = self.client.latest_version(self.job_id)
+        newest = self._client.latest_version(self.job_id)
         if announced > newest:
             # A publish sets the version and announces it in one script: this entry was
             # written otherwise (on Redis 6.2 a rank's user can) and has no schedule.
@@ -236,22 +262,26 @@ class ScheduleWatcher(threading.Thread):
             )
             if newest <= self._version:
                 return
-        schedule = self.client.fetch_schedule(self.job_id, newest, self.rank)
+        schedule = self._client.fetch_schedule(self.job_id, newest, self.rank)
         with self._lock:
+            if self._stop_event.is_set():  # stopped while it was read: no longer wanted
+                return
             self._pending = schedule
             self._version = newest
 
     def _beat(self) -> None:
         self._next_beat = time.monotonic() + self.heartbeat_interval
         try:
-            exists = self.client.heartbeat(self.job_id, self.rank)
+            exists = self._client.heartbeat(self.job_id, self.rank)
         except WrongTokenError as exc:
+            if self._stop_event.is_set():
+                return
             # Training goes on (as for a lost job); said once, loudly.
             if not self.token_refused:
                 self.token_refused = True
                 logger.error("%s; this rank does not count as alive in `perseus status`", exc)
             return
-        if exists or self.job_lost:
+        if exists or self.job_lost or self._stop_event.is_set():
             return
         self.job_lost = True
         logger.error(
@@ -300,21 +330,38 @@ class ScheduleWatcher(threading.Thread):
             pending, self._pending = self._pending, None
         return pending
 
-    def stop(self) -> None:
-        """Stop following (interrupts a blocked read)."""
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """Stop following; return whether the thread ended within ``timeout`` seconds.
+
+        A command in flight (a blocked read, a heartbeat waiting for a reply that a silent
+        network dropped) ends at once: its connection is closed under it, and it is not
+        retried. The thread then takes nothing more: no schedule, no heartbeat, no log line.
+        Only a thread caught inside a TCP connect to an unreachable host can outlive
+        ``timeout`` (by the connect time-out, then its command's socket time-out); it is a
+        daemon, which neither keeps the process alive nor acts once it wakes.
+        """
         self._stop_event.set()
-        deadline = time.monotonic() + 2
-        while self.is_alive() and time.monotonic() < deadline:
-            self._conn.connection_pool.disconnect()  # wakes the blocked XREAD with an error
-            self.join(timeout=0.1)
-        self._conn.close()
+        if not _interrupt(self, self._client, timeout):
+            logger.warning(
+                "rank %d schedule watcher: still in a Redis call %.0f s after stop; left to "
+                "end by itself (it does nothing more)",
+                self.rank,
+                timeout,
+            )
+            return False
+        return True
 
 
 class ResultReporter(threading.Thread):
     """Publishes profiling results from a queue; rides through Redis outages.
 
     Results wait in the queue while Redis is unreachable (one result per schedule version,
-    so the queue stays short) and are sent once it is back, oldest first.
+    so the queue stays short) and are sent once it is back, oldest first. A result is sent
+    or counted in :attr:`unsent`, and said: once the thread has ended (stopped, past
+    ``outage_timeout``, or an unexpected error, kept in :attr:`error`), what it held and
+    every later :meth:`submit` are counted and logged, never dropped silently. Results go
+    over connections of its own (:meth:`CoordinatorClient.background_client`), which
+    :meth:`stop` cuts once ``flush_timeout`` has passed.
 
     Args:
         client: Sends the results.
@@ -338,33 +385,66 @@ class ResultReporter(threading.Thread):
         self.error: BaseException | None = None
         self.outage = _Outage("result reporter", client.where, outage_timeout)
         self.sent = 0
-        self.unsent = 0  # results given up on at stop (Redis still unreachable)
+        self.unsent = 0  # results not sent: given up on at stop, or after the thread ended
         self._stopping = threading.Event()
         self._flush_deadline = float("inf")
+        self._ended = ""  # why the thread ended, once it has: later results are counted
+        self._ending = threading.Lock()  # orders submit() against the thread's end
+        self._client = client.background_client()
 
     def submit(self, result: ProfilingResult) -> None:
-        """Queue a result; returns at once."""
-        self._queue.put(result)
+        """Queue a result; returns at once (counted in :attr:`unsent` if the thread ended)."""
+        with self._ending:
+            if not self._ended:
+                self._queue.put(result)
+                return
+            self.unsent += 1
+            unsent = self.unsent
+        logger.warning(
+            "result reporter: profiling result of schedule version %d (rank %d) of job %s not "
+            "sent: the reporter has stopped (%s); %d result(s) not sent so far",
+            result.schedule_version,
+            result.rank,
+            self.job_id,
+            self._ended,
+            unsent,
+        )
 
     def run(self) -> None:
         """Send queued results until stopped (thread body)."""
-        while (result := self._queue.get()) is not None:
-            if not self._deliver(result):
-                return
+        held = 0  # the result being sent when the thread ends, if any
+        why = "stopped"
+        try:
+            while (result := self._queue.get()) is not None:
+                held = 1
+                if not self._deliver(result):
+                    why = self._why_given_up()
+                    return
+                held = 0
+        except Exception as exc:  # Raised on the training thread at the next step end.
+            self.error = exc
+            why = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._end(held, why)
+
+    def _why_given_up(self) -> str:
+        state = "refusing this client" if self.outage.refused else "unreachable"
+        if self.error is not None:
+            return f"redis at {self.client.where} {state} past outage_timeout"
+        return f"redis at {self.client.where} still {state} {self.flush_timeout:.0f} s after close"
 
     def _deliver(self, result: ProfilingResult) -> bool:
         """Send one result, retrying with backoff; False when this thread must end."""
         delay = 0.2
         while True:
             try:
-                self.client.report(self.job_id, result)
+                self._client.report(self.job_id, result)
             except TRANSIENT_ERRORS as exc:
                 self.error = self.outage.failed(exc)
                 if self.error is not None:
                     return False
                 remaining = self._flush_deadline - time.monotonic()
                 if remaining <= 0:
-                    self._give_up(1)
                     return False
                 # Back off up to 5 s; stop() cuts a wait short, then the flush deadline rules.
                 if not self._stopping.wait(delay):
@@ -376,27 +456,42 @@ class ResultReporter(threading.Thread):
             self.outage.recovered()
             return True
 
-    def _give_up(self, count: int) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            count += item is not None
-        self.unsent = count
-        logger.error(
-            "result reporter: %d profiling result(s) of job %s not sent: redis at %s still "
-            "%s %.0f s after close",
-            count,
-            self.job_id,
-            self.client.where,
-            "refusing this client" if self.outage.refused else "unreachable",
-            self.flush_timeout,
-        )
+    def _end(self, count: int, why: str) -> None:
+        """Count what the thread held and what is queued as unsent; later results likewise."""
+        with self._ending:
+            self._ended = why
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                count += item is not None
+            self.unsent += count
+        if count:
+            logger.error(
+                "result reporter: %d profiling result(s) of job %s not sent: %s",
+                count,
+                self.job_id,
+                why,
+            )
 
     def stop(self) -> None:
-        """Send what is queued (for up to ``flush_timeout`` seconds), then stop."""
+        """Send what is queued (for up to ``flush_timeout`` seconds), then stop.
+
+        Returns within ``flush_timeout`` + :data:`STOP_TIMEOUT_S` seconds: a result still in
+        flight then (its reply lost on a silent network, say) is cut off, and counted in
+        :attr:`unsent` with what is queued behind it. Only a thread caught inside a TCP
+        connect to an unreachable host outlives that (by the connect time-out); it counts
+        and logs what it held when it ends.
+        """
         self._flush_deadline = time.monotonic() + self.flush_timeout
         self._stopping.set()
         self._queue.put(None)
-        self.join(timeout=self.flush_timeout + 5)
+        if self.is_alive():
+            self.join(timeout=self.flush_timeout)
+        if not _interrupt(self, self._client, STOP_TIMEOUT_S):
+            logger.warning(
+                "result reporter: still in a Redis call %.0f s after close; what it holds is "
+                "counted and logged when the call fails",
+                self.flush_timeout + STOP_TIMEOUT_S,
+            )

@@ -122,4 +122,5 @@ class StepAccount:
             "swaps": list(hook.swaps),
             "final_version": hook.schedule.version,
             "reports_sent": hook.reporter.sent,
+            "reports_unsent": hook.reporter.unsent,
         }

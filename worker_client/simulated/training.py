@@ -190,7 +190,8 @@ def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
         ``iter_energy``, ``compute_time``, ``compute_energy``, ``idle_energy`` and
         ``version`` (the schedule version the step ran), ``schedules`` (version as a string ->
         the rank's ``(instruction, MHz)`` pairs), ``swaps``, ``final_version``,
-        ``reports_sent`` (once the hook closed).
+        ``reports_sent`` and ``reports_unsent`` (once the hook closed; results the reporter
+        gave up on, each also logged).
 
     """
     if cfg.sim_gpu_dir is not None:
@@ -252,6 +253,7 @@ def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
         # Counted after close, which sends what the reporter still held (on a loaded machine,
         # a short run's only result may still be queued at its last step end).
         steps["reports_sent"] = hook.reporter.sent
+        steps["reports_unsent"] = hook.reporter.unsent
         record = {"rank": cfg.rank, "pp_rank": cfg.pp_rank, "dp_rank": cfg.dp_rank}
         return {**record, "job_id": hook.job_id, **steps}
     finally:

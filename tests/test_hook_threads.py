@@ -1,0 +1,201 @@
+"""The hook's background threads end when told to, and lose nothing without saying so.
+
+A silent network (packets dropped, no connection refused) is played by
+:class:`~tests.silent_proxy.SilentProxy` in front of the suite's real Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from protocol import keys
+from protocol.exceptions import CoordinatorUnavailableError, GPUError
+from protocol.models import JobConfig, JobInfo, ProfilingResult
+from protocol.store import JobStore
+from tests.helpers import free_ports, make_hook, result, run_step, step_until, wait_for
+from tests.silent_proxy import SilentProxy
+from worker_client.gpu.frequency import DryRunFrequencyController
+from worker_client.hook.optimizer import FINISH_TIMEOUT_S
+from worker_client.hook.session import CoordinatorClient
+from worker_client.hook.watchers import STOP_TIMEOUT_S, ResultReporter, ScheduleWatcher
+
+
+def new_job(r, job_id: str) -> None:
+    """A one-rank job straight in the store."""
+    job = JobInfo(job_id=job_id, pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    JobStore(r).create_job(job, JobConfig(scheduler="x"), "1-0")
+
+
+def test_stop_ends_a_watcher_whose_heartbeat_hangs_on_a_silent_network(r, redis_url):
+    new_job(r, "quiet")
+    with SilentProxy(redis_url) as proxy:
+        # The client's own socket time-out is long (reply_timeout + 30 s): registrations
+        # block for reply_timeout.
+        client = CoordinatorClient(proxy.url, reply_timeout=10)
+        watcher = ScheduleWatcher(client, "quiet", rank=0, version=0, heartbeat_interval=0.2)
+        # The network goes silent as the first heartbeat goes out.
+        proxy.silence_from(keys.job_alive("quiet").encode())
+        watcher.start()
+        wait_for(lambda: proxy.dropped > 0, 10, "the heartbeat dropped by the network")
+        time.sleep(0.2)  # the heartbeat is waiting for its reply
+        started = time.monotonic()
+        watcher.stop()
+        took = time.monotonic() - started
+        assert took < STOP_TIMEOUT_S + 0.5
+        assert not watcher.is_alive(), "the watcher outlived stop()"
+        assert watcher.error is None and watcher.outage.since is None
+        client.close()
+    assert r.zcard(keys.job_alive("quiet")) == 0  # no heartbeat got through, before or after
+
+
+def test_results_after_the_reporter_gave_up_are_counted_and_said(caplog):
+    # Nothing listens on the port: every report fails at once, until outage_timeout.
+    client = CoordinatorClient(f"redis://127.0.0.1:{free_ports()[0]}/0")
+    reporter = ResultReporter(client, "job-x", outage_timeout=0.5)
+    with caplog.at_level(logging.WARNING, logger="worker_client.hook.watchers"):
+        reporter.start()
+        reporter.submit(result(0, 1))
+        reporter.join(timeout=30)
+        assert not reporter.is_alive()
+        assert isinstance(reporter.error, CoordinatorUnavailableError)
+        assert reporter.unsent == 1  # the result it was sending
+        reporter.submit(result(0, 2))
+        reporter.submit(result(0, 3))
+        reporter.stop()
+    client.close()
+    assert (reporter.sent, reporter.unsent) == (0, 3)
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert any("1 profiling result(s) of job job-x not sent" in line for line in lines), lines
+    later = [line for line in lines if "the reporter has stopped" in line]
+    assert len(later) == 2 and "3 result(s) not sent so far" in later[-1], lines
+    assert all("\n" not in line for line in lines)
+
+
+class _Broken(CoordinatorClient):
+    """A client whose report fails with what no Redis error is (a bug, say)."""
+
+    def background_client(self, socket_timeout: float = 30.0) -> CoordinatorClient:
+        return self
+
+    def report(self, job_id: str, result: ProfilingResult) -> None:
+        raise ValueError("cannot encode this result")
+
+
+def test_a_reporter_that_fails_unexpectedly_keeps_the_error_and_counts_its_results(
+    redis_url, caplog
+):
+    client = _Broken(redis_url)
+    reporter = ResultReporter(client, "job-y")
+    with caplog.at_level(logging.WARNING, logger="worker_client.hook.watchers"):
+        reporter.start()
+        reporter.submit(result(0, 1))
+        reporter.join(timeout=10)
+        reporter.submit(result(0, 2))
+        reporter.stop()
+    client.close()
+    assert isinstance(reporter.error, ValueError)  # raised by the hook at the next step end
+    assert (reporter.sent, reporter.unsent) == (0, 2)
+    assert "ValueError: cannot encode this result" in caplog.text
+
+
+def test_close_on_a_silent_network_is_bounded_and_counts_the_result_in_flight(
+    gloo, hook_service, redis_url, caplog
+):
+    _coord, start_worker = hook_service
+    start_worker()
+    with SilentProxy(redis_url) as proxy:
+        hook = make_hook(proxy.url, DryRunFrequencyController(0), report_every=1)
+        try:
+            hook.reporter.flush_timeout = 1.0
+            step_until(hook, lambda: hook.schedule.version == 2, 20, "version 2")
+            wait_for(lambda: hook.reporter.sent == 1, 10, "version 1's result")
+            proxy.silence()
+            run_step(hook)  # version 2's result: its XADD is lost, or it waits behind one
+        finally:
+            started = time.monotonic()
+            hook.close()
+        took = time.monotonic() - started
+    # The flush (1 s), then the result in flight is cut off; the rank is not marked finished.
+    assert took < 1.0 + 2 * STOP_TIMEOUT_S + 1.0, took
+    assert not hook.reporter.is_alive() and not hook.watcher.is_alive()
+    assert (hook.reporter.sent, hook.reporter.unsent) == (1, 1)
+    assert "profiling result(s) of job" in caplog.text and "after close" in caplog.text
+
+
+def test_close_does_not_wait_minutes_to_mark_the_rank_finished_on_a_silent_network(
+    gloo, hook_service, redis_url, caplog
+):
+    _coord, start_worker = hook_service
+    start_worker()
+    with SilentProxy(redis_url) as proxy:
+        hook = make_hook(proxy.url, DryRunFrequencyController(0), report_every=1000)
+        try:
+            run_step(hook)
+            proxy.silence()  # before the watcher could notice: close tries to finish the rank
+        finally:
+            started = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="worker_client.hook.optimizer"):
+                hook.close()
+        took = time.monotonic() - started
+    assert took < STOP_TIMEOUT_S + FINISH_TIMEOUT_S + 2.0, took
+    assert "could not mark job" in caplog.text and "deleted when idle" in caplog.text
+
+
+class _FailingReset(DryRunFrequencyController):
+    """A controller whose clocks cannot be reset at stop."""
+
+    def stop(self) -> None:
+        super().stop()
+        raise GPUError("cannot reset the clocks of GPU 0")
+
+
+def test_a_close_that_fails_still_stops_and_closes_everything_else(gloo, hook_service, redis_url):
+    _coord, start_worker = hook_service
+    start_worker()
+    with SilentProxy(redis_url) as proxy:  # counts the hook's connections
+        hook = make_hook(proxy.url, _FailingReset(0))
+        run_step(hook)
+        with pytest.raises(GPUError, match="cannot reset the clocks"):
+            hook.close()
+        assert not hook.reporter.is_alive() and not hook.watcher.is_alive()
+        wait_for(lambda: proxy.open == 0, 5, "every connection of the hook closed")
+        hook.close()  # closed already: nothing more to do, nothing raised
+
+
+class _OnceFaultyEnergy:
+    """An energy source whose first energy() fails (a bug of the source, not a glitch)."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def mark(self) -> float:
+        return time.monotonic()
+
+    def energy(self, start_mark: float, end_mark: float) -> float:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("energy source broke")
+        return 1.0
+
+
+def test_training_goes_on_after_a_step_end_raised_a_background_error(gloo, hook_service, redis_url):
+    _coord, start_worker = hook_service
+    start_worker()
+    hook = make_hook(
+        redis_url, DryRunFrequencyController(0), report_every=1, energy_source=_OnceFaultyEnergy()
+    )
+    try:
+        # The first result's building fails on the builder thread; a step end raises it,
+        # after its step ran through.
+        with pytest.raises(RuntimeError, match="energy source broke"):
+            step_until(hook, lambda: False, 10, "the builder's error")
+        steps = hook.steps
+        # The caller may go on: the next step starts at the schedule's first instruction.
+        for _ in range(3):
+            run_step(hook)
+        assert hook.steps == steps + 3
+    finally:
+        hook.close()
