@@ -18,7 +18,7 @@ from protocol.store import JobStore
 from tests.helpers import free_ports, make_hook, result, run_step, step_until, wait_for
 from tests.silent_proxy import SilentProxy
 from worker_client.gpu.frequency import DryRunFrequencyController
-from worker_client.hook.optimizer import FINISH_TIMEOUT_S
+from worker_client.hook.joining import FINISH_TIMEOUT_S
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.watchers import STOP_TIMEOUT_S, ResultReporter, ScheduleWatcher
 

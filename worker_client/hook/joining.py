@@ -1,4 +1,4 @@
-"""How a rank joins its job: rank 0 registers the job for every rank, then each rank registers."""
+"""How a rank joins its job (rank 0 registers it for all, then each rank itself), and leaves it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 import torch.distributed as dist
 
 from protocol.exceptions import ConfigError, PerseusError
+from protocol.job_lifecycle import JobLifecycle
 from protocol.models import JobInfo, RankInfo, validate
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import NVML
@@ -22,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a rank waits for the others' hooks before it says what it waits for.
 JOIN_WARNING_S = 30.0
+#: Seconds :func:`finish_rank` waits for Redis to record the rank finished.
+FINISH_TIMEOUT_S = 5.0
 
 
 @contextlib.contextmanager
@@ -192,3 +196,41 @@ def join_job(
             "instruction_energy unset (or True) to measure it"
         )
     return bool(reply.instruction_energy or instruction_energy)
+
+
+def finish_rank(client: CoordinatorClient, job_id: str, rank: int, reachable: bool) -> None:
+    """Record in Redis that ``rank`` is done; once every rank is, the job is finished.
+
+    Idempotent (a set of ranks). Never raises: closing must not fail training's last step.
+    Skipped while Redis is unreachable, and given up after ``FINISH_TIMEOUT_S`` without a
+    reply (close does not wait on Redis): the job is then deleted when idle instead.
+
+    Args:
+        client: The hook's client (its token for the rank proves the rank's identity).
+        job_id: The job.
+        rank: The rank.
+        reachable: Whether the hook's threads last reached Redis (and sent every result).
+    """
+    if not reachable:
+        logger.warning(
+            "rank %d: redis unreachable at close; job %s not marked finished", rank, job_id
+        )
+        return
+    # Over a client that waits FINISH_TIMEOUT_S for a reply, not the registrations' long
+    # socket time-out with redis-py's retries: on a silent network, minutes.
+    finisher = client.background_client(socket_timeout=FINISH_TIMEOUT_S)
+    try:
+        token = client.token(job_id, rank) or ""
+        done = JobLifecycle(finisher.store).finish_rank(job_id, rank, token)
+    except (redis.RedisError, PerseusError, ValueError) as exc:
+        logger.warning(
+            "rank %d: could not mark job %s finished (%s); it is deleted when idle instead",
+            rank,
+            job_id,
+            exc,
+        )
+        return
+    finally:
+        finisher.close()
+    if done:
+        logger.info("job %s: every rank finished", job_id)

@@ -23,13 +23,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-import redis
 import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from protocol.exceptions import ConfigError, JobFailedError, PerseusError, ScheduleError
-from protocol.job_lifecycle import JobLifecycle
+from protocol.exceptions import ConfigError, JobFailedError, ScheduleError
 from protocol.models import FrequencySchedule, ProfilingResult
 from worker_client.hook.callback import Callback
 from worker_client.hook.clock_requests import (
@@ -45,15 +43,12 @@ from worker_client.hook.energy_source import (
     default_energy_source,
     measured_result,
 )
-from worker_client.hook.joining import RankGPU, agree_on_job, join_job
+from worker_client.hook.joining import RankGPU, agree_on_job, finish_rank, join_job
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.step_order import StepOrder
 from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
 
 logger = logging.getLogger(__name__)
-
-FINISH_TIMEOUT_S = 5.0
-"""Seconds :meth:`PerseusOptimizer.close` waits for Redis to record the rank finished."""
 
 
 class PerseusOptimizer(Callback):
@@ -486,34 +481,6 @@ class PerseusOptimizer(Callback):
             close()
 
     def _finish_rank(self) -> None:
-        """Record in Redis that this rank is done; once every rank is, the job is finished.
-
-        Idempotent (a set of ranks). Never raises: closing must not fail training's last step.
-        Skipped while Redis is unreachable, and given up after ``FINISH_TIMEOUT_S`` without
-        a reply (close does not wait on Redis): the job is then deleted when idle instead.
-        """
-        if self.watcher.outage.since is not None or self.reporter.unsent:
-            logger.warning(
-                "rank %d: redis unreachable at close; job %s not marked finished",
-                self.rank,
-                self.job_id,
-            )
-            return
-        # Over a client that waits FINISH_TIMEOUT_S for a reply, not the registrations' long
-        # socket time-out with redis-py's retries: on a silent network, minutes.
-        finisher = self.client.background_client(socket_timeout=FINISH_TIMEOUT_S)
-        try:
-            token = self.client.token(self.job_id, self.rank) or ""
-            done = JobLifecycle(finisher.store).finish_rank(self.job_id, self.rank, token)
-        except (redis.RedisError, PerseusError, ValueError) as exc:
-            logger.warning(
-                "rank %d: could not mark job %s finished (%s); it is deleted when idle instead",
-                self.rank,
-                self.job_id,
-                exc,
-            )
-            return
-        finally:
-            finisher.close()
-        if done:
-            logger.info("job %s: every rank finished", self.job_id)
+        # Read once the reporter and the watcher have stopped: what they could not send counts.
+        reachable = self.watcher.outage.since is None and not self.reporter.unsent
+        finish_rank(self.client, self.job_id, self.rank, reachable)
