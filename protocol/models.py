@@ -288,7 +288,7 @@ class PowerLimitProfile(BaseModel):
     measurements: list[PowerLimitMeasurement] = Field(min_length=1)
     optimal_power_limit: int | None = Field(default=None, ge=1, le=MAX_POWER_LIMIT_W)
     selector: str = ""
-    updated_at: float = 0.0
+    updated_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------
