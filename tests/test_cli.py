@@ -84,7 +84,10 @@ def job(service, redis_url, tmp_path):
 
 def test_target_refuses_negative_unknown_jobs_and_schedulers_without_targets(redis_url, job):
     code, out = perseus("target", job, "-1", "--redis-url", redis_url)
-    assert code == 2 and "must be a positive number of seconds, got -1.0" in out
+    assert (
+        code == 2
+        and "must be a positive number of seconds from 1e-06 to 86400 (a day), got -1.0" in out
+    )
     code, out = perseus("target", "no-such-job", "0.5", "--redis-url", redis_url)
     assert code == 1 and "no-such-job" in out
     code, out = perseus("target", job, "0.5", "--redis-url", redis_url)
