@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.exceptions import ConfigError
+from protocol.numbers import ascii_float, is_ascii_digits
 
 FRONTIER_CSV = "frontier.csv"
 FRONTIER_JSON = "frontier.json"
@@ -159,7 +160,7 @@ class Frontier:
 
     def point(self, plan: str) -> FrontierPoint:
         """Return the point with plan id ``plan`` (``"12"`` and ``"00012"`` both work)."""
-        wanted = plan if plan == ALLMAX else plan_id(int(plan)) if plan.isdigit() else plan
+        wanted = plan if plan == ALLMAX else plan_id(int(plan)) if is_ascii_digits(plan) else plan
         for p in [*self.points, self.allmax]:
             if p.plan == wanted:
                 return p
@@ -245,7 +246,7 @@ def _parse_row(where: str, line: int, row: dict[str, str], expect: str) -> Front
         if not text and optional:
             return None
         try:
-            value = float(text)
+            value = ascii_float(text)  # float() reads Arabic-Indic and full-width digits
         except ValueError:
             raise ConfigError(f"{where}:{line}: field '{name}': not a number: {text!r}") from None
         if not math.isfinite(value):
@@ -253,7 +254,7 @@ def _parse_row(where: str, line: int, row: dict[str, str], expect: str) -> Front
         return value
 
     plan = (row.get("plan") or "").strip()
-    if plan != expect and not (expect == "plan" and plan.isdigit()):
+    if plan != expect and not (expect == "plan" and is_ascii_digits(plan)):
         wanted = "a plan number" if expect == "plan" else repr(expect)
         raise ConfigError(f"{where}:{line}: field 'plan': expected {wanted}, got {plan!r}")
     dominated = (row.get("dominated") or "").strip()
