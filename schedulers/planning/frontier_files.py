@@ -38,6 +38,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from collections.abc import Collection
@@ -152,7 +153,12 @@ class Frontier:
     @property
     def rounding_bound(self) -> float:
         """Most the solver's quantized time differs from ``iteration_time``, seconds."""
-        return float(self.meta.get("rounding_bound", 0.0))
+        value = self.meta.get("rounding_bound", 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ConfigError(
+                f"{self.out_dir / FRONTIER_JSON}: rounding_bound must be a number, got {value!r}"
+            )
+        return float(value)
 
     def path(self, point: FrontierPoint) -> Path:
         """Path of a plan's file."""
@@ -274,8 +280,14 @@ def _parse_row(where: str, line: int, row: dict[str, str], expect: str) -> Front
 
 def _read_rows(path: Path, expect: str) -> list[FrontierPoint]:
     where = str(path)
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from None
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
         missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
             raise ConfigError(
@@ -283,6 +295,8 @@ def _read_rows(path: Path, expect: str) -> list[FrontierPoint]:
                 "(written by an older perseus optimize? run it again)"
             )
         return [_parse_row(where, i, row, expect) for i, row in enumerate(reader, start=2)]
+    except csv.Error as exc:  # e.g. a NUL byte, or a field past csv's size limit
+        raise ConfigError(f"{where}:{reader.line_num}: not CSV: {exc}") from None
 
 
 def load_frontier(out_dir: str | Path) -> Frontier:
@@ -322,4 +336,15 @@ def load_frontier(out_dir: str | Path) -> Frontier:
             meta = json.loads(json_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{json_path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{json_path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+            ) from None
+        except RecursionError:
+            raise ConfigError(f"{json_path}: invalid JSON: nested too deeply") from None
+        if not isinstance(meta, dict):
+            raise ConfigError(
+                f"{json_path}: expected a JSON object (the run's parameters), got "
+                f"{type(meta).__name__}"
+            )
     return Frontier(out_dir=out, points=points, allmax=allmax[0], meta=meta)
