@@ -35,6 +35,7 @@ from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_work
 from protocol import keys
 from protocol.acl import ROLES, acl_file, role_user
 from protocol.cli_options import connect_or_fail, redact_url, redis_url_option, setting_option
+from protocol.constants import MAX_TARGET_ITERATION_S, MIN_TARGET_ITERATION_S
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.scheduler import BUILTIN, resolve_scheduler
 from protocol.store import JobStore
@@ -347,8 +348,12 @@ def target(redis_url: str | None, job_id: str, seconds: float) -> None:
     for an unknown job or a scheduler that takes no target.
     """
     settings = load_settings(redis_url=redis_url)
-    if not seconds > 0:
-        raise click.BadParameter(f"must be a positive number of seconds, got {seconds}")
+    if not MIN_TARGET_ITERATION_S <= seconds <= MAX_TARGET_ITERATION_S:  # also NaN, inf
+        raise click.BadParameter(
+            f"must be a positive number of seconds from {MIN_TARGET_ITERATION_S:g} to "
+            f"{MAX_TARGET_ITERATION_S:g} (a day), got {seconds}",
+            param_hint="SECONDS",
+        )
     store = JobStore(connect_or_fail(settings.redis_url))
     try:
         record = store.get_job(job_id)

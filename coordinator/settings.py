@@ -20,6 +20,11 @@ from protocol.scheduler import check_scheduler_args, resolve_scheduler
 # The longest time a setting may name: Redis refuses an EXPIRE past about 2**63 ms, and a
 # sweep or time-out a year away is a typo.
 _YEAR = 60 * 60 * 24 * 366
+# The shortest interval a setting may name: 1e-300 s made a sweep loop that never slept.
+_MS = 0.001
+# Counts that reach Redis commands (XADD MAXLEN, XTRIM): Redis's integers are 64-bit signed,
+# and a larger one failed every write ("value is out of range") after the start.
+_REDIS_INT = 2**63 - 1
 
 
 class PerseusSettings(BaseSettings):
@@ -80,11 +85,11 @@ class PerseusSettings(BaseSettings):
     dump_dir: str = "./dump"
     max_job_idle_time: int = Field(default=60 * 60 * 24 * 7, ge=1, le=_YEAR)
     finished_retention: float = Field(default=60 * 60 * 24, ge=0, le=_YEAR)
-    start_retention: float = Field(default=60 * 60, gt=0, le=_YEAR)
-    stream_maxlen: int = Field(default=100_000, ge=100)
-    stream_hard_cap: int = Field(default=1_000_000, ge=10)
-    reconcile_interval: float = Field(default=2.0, gt=0, le=_YEAR)
-    stall_timeout: float = Field(default=10.0, gt=0, le=_YEAR)
+    start_retention: float = Field(default=60 * 60, ge=_MS, le=_YEAR)
+    stream_maxlen: int = Field(default=100_000, ge=100, le=_REDIS_INT)
+    stream_hard_cap: int = Field(default=1_000_000, ge=10, le=_REDIS_INT)
+    reconcile_interval: float = Field(default=2.0, ge=_MS, le=_YEAR)
+    stall_timeout: float = Field(default=10.0, ge=_MS, le=_YEAR)
     reply_ttl: int = Field(default=300, ge=1, le=_YEAR)
     job_timeout: int = Field(default=3600, ge=1, le=_YEAR)
     max_entry_bytes: int = Field(default=1_048_576, ge=1024)

@@ -18,6 +18,7 @@ import redis
 from redis.sentinel import MasterNotFoundError, Sentinel
 
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError
+from protocol.numbers import is_ascii_digits
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 CONNECT_TIMEOUT_S = 5.0
@@ -178,13 +179,13 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     hosts = []
     for item in filter(None, hostlist.split(",")):
         host, _, port = item.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"sentinel URL host {item!r} is not host:port")
+        if not host or not is_ascii_digits(port) or not 0 < int(port) < 65536:
+            raise ValueError(f"sentinel URL host {item!r} is not host:port (port 1-65535)")
         hosts.append((host, int(port)))
     path = [p for p in parts.path.split("/") if p]
     if not hosts or not path:
         raise ValueError(f"sentinel URL needs host:port and /service: {redact_url(url)}")
-    if len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+    if len(path) > 2 or (len(path) == 2 and not is_ascii_digits(path[1])):
         raise ValueError(f"sentinel URL path must be /service[/db]: {redact_url(url)}")
     query = parse_qs(parts.query)
     return SentinelURL(

@@ -7,3 +7,10 @@ INSTRUCTIONS: tuple[str, str] = ("forward", "backward")
 
 H100_GRAPHICS_CLOCKS: tuple[int, ...] = tuple(range(1980, 344, -15))
 """An H100's graphics clocks, MHz, highest first: 1980 down to 345 in 15 MHz steps."""
+
+MIN_TARGET_ITERATION_S: float = 1e-6
+"""Shortest target iteration time (``perseus target``), seconds: no pipeline iteration is faster
+than a microsecond, and a smaller number (1e-300) is a typo, not a target."""
+
+MAX_TARGET_ITERATION_S: float = 24 * 60 * 60.0
+"""Longest target iteration time, seconds (a day): a longer one is a typo (1e300)."""

@@ -22,6 +22,7 @@ import redis
 
 from protocol import keys
 from protocol.exceptions import ConfigError
+from protocol.numbers import is_ascii_digits
 from protocol.server_clock import ServerClock
 
 REPLAYABLE_STREAMS = (keys.RESULTS_STREAM, keys.CONTROL_STREAM)
@@ -139,7 +140,7 @@ def _parse(entry_id: bytes | str, fields: dict[bytes, bytes]) -> DeadLetter:
         source_id=text(b"source_id"),
         dead_at=dead_at,
         original={k[len(_ORIG) :]: v for k, v in fields.items() if k.startswith(_ORIG)},
-        size=int(text(b"size")) if text(b"size").isdigit() else None,
+        size=int(text(b"size")) if is_ascii_digits(text(b"size")) else None,
     )
 
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from protocol.constants import MAX_TARGET_ITERATION_S, MIN_TARGET_ITERATION_S
 from protocol.exceptions import ProtocolError
 from protocol.tokens import sign
 
@@ -288,7 +289,7 @@ class PowerLimitProfile(BaseModel):
     measurements: list[PowerLimitMeasurement] = Field(min_length=1)
     optimal_power_limit: int | None = Field(default=None, ge=1, le=MAX_POWER_LIMIT_W)
     selector: str = ""
-    updated_at: float = 0.0
+    updated_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,11 +333,15 @@ class ReportResult(_Model):
 
 
 class SetTarget(_Model):
-    """Ask a job's scheduler to aim at a new iteration time (e.g. a straggler's), seconds."""
+    """Ask a job's scheduler to aim at a new iteration time (e.g. a straggler's), seconds.
+
+    The time lies in ``[MIN_TARGET_ITERATION_S, MAX_TARGET_ITERATION_S]`` (a microsecond to a
+    day): 1e300 or 1e-300 is a typo, and an entry that holds one is dead-lettered.
+    """
 
     kind: Literal["set_target"] = "set_target"
     job_id: str = Field(min_length=1)
-    iteration_time: float = Field(gt=0)
+    iteration_time: float = Field(ge=MIN_TARGET_ITERATION_S, le=MAX_TARGET_ITERATION_S)
 
 
 Message = Annotated[
@@ -424,7 +429,8 @@ def _unpack_raw(data: bytes) -> Any:
         raise ProtocolError(f"not valid msgpack ({type(exc).__name__}: {detail})") from None
 
 
-def _validation_text(exc: ValidationError) -> str:
+def validation_text(exc: ValidationError) -> str:
+    """One line naming each field that is wrong: ``iteration_time: Input should be ...``."""
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
@@ -442,7 +448,7 @@ def validate(cls: type[M], raw: Any) -> M:
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:
-        raise ProtocolError(f"invalid {cls.__name__}: {_validation_text(exc)}") from None
+        raise ProtocolError(f"invalid {cls.__name__}: {validation_text(exc)}") from None
 
 
 def encode_message(
@@ -494,4 +500,4 @@ def decode_message(
         # the job.
         return _MESSAGE_ADAPTER.validate_python(raw, strict=True)
     except ValidationError as exc:
-        raise ProtocolError(f"invalid message: {_validation_text(exc)}") from None
+        raise ProtocolError(f"invalid message: {validation_text(exc)}") from None

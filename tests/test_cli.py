@@ -84,7 +84,10 @@ def job(service, redis_url, tmp_path):
 
 def test_target_refuses_negative_unknown_jobs_and_schedulers_without_targets(redis_url, job):
     code, out = perseus("target", job, "-1", "--redis-url", redis_url)
-    assert code == 2 and "must be a positive number of seconds, got -1.0" in out
+    assert (
+        code == 2
+        and "must be a positive number of seconds from 1e-06 to 86400 (a day), got -1.0" in out
+    )
     code, out = perseus("target", "no-such-job", "0.5", "--redis-url", redis_url)
     assert code == 1 and "no-such-job" in out
     code, out = perseus("target", job, "0.5", "--redis-url", redis_url)
@@ -364,6 +367,22 @@ def test_an_invalid_setting_is_named_with_its_value_on_one_line(redis_url):
         result.output
     )
     assert "errors.pydantic.dev" not in result.output
+
+
+def test_settings_must_be_at_least_a_millisecond_and_counts_fit_redis(redis_url):
+    # 1e-300 s made the sweep loop spin; a MAXLEN past 2**63 failed every XADD at run time.
+    env = {
+        "PERSEUS_RECONCILE_INTERVAL": "1e-300",
+        "PERSEUS_STALL_TIMEOUT": "0.0001",
+        "PERSEUS_STREAM_MAXLEN": "10000000000000000000000",
+        "PERSEUS_STREAM_HARD_CAP": str(2**63),
+    }
+    result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
+    assert result.exit_code == 2, result.output
+    for name in ("RECONCILE_INTERVAL", "STALL_TIMEOUT"):
+        assert f"PERSEUS_{name} = " in result.output
+    assert result.output.count("Input should be greater than or equal to 0.001") == 2
+    assert result.output.count("Input should be less than or equal to 9223372036854775807") == 2
 
 
 def test_settings_must_be_finite_and_within_a_year(redis_url):

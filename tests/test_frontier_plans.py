@@ -8,6 +8,7 @@ serve the same plans from a profile (planned in memory) as from a planner folder
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -162,3 +163,68 @@ def test_a_target_no_plan_meets_gets_the_fastest_plan_and_a_warning(folders, cap
     with caplog.at_level(logging.WARNING, logger="schedulers.frontier"):
         sched.set_target(fastest.iteration_time * 10)  # one that some plan meets: no warning
     assert caplog.text == ""
+
+
+def _copy_chosen(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    plan_frontier(
+        synthetic_profile(2, stride=12), 2, 2, out_dir=out, unit_time=0.002, plans="chosen"
+    )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "words"),
+    [
+        ("frontier.csv", b"\xff\xfeplan,iteration_time", "frontier.csv: not UTF-8 text"),
+        ("frontier.json", b"\xff\xfe{}", "frontier.json: not UTF-8 text"),
+        ("frontier.json", b"[1, 2]", "frontier.json: expected a JSON object"),
+        ("frontier.json", b"[" * 100_000, "frontier.json: invalid JSON: nested too deeply"),
+    ],
+)
+def test_a_frontier_folder_file_that_is_no_text_or_no_object_names_the_file(
+    tmp_path: Path, name: str, content: bytes, words: str
+) -> None:
+    """These ended `perseus choose` and the coordinator's start check with a traceback."""
+    out = _copy_chosen(tmp_path)
+    (out / name).write_bytes(content)
+    with pytest.raises(ConfigError, match=words):
+        load_frontier(out)
+    with pytest.raises(ConfigError, match=words):
+        FrontierScheduler.check_files({"frontier_dir": str(out)})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("num_stages", "2", "frontier.json: num_stages must be a whole number >= 1, got '2'"),
+        ("num_microbatches", True, "num_microbatches must be a whole number >= 1, got True"),
+        ("unit_time", float("nan"), "frontier.json: unit_time must be a number, got nan"),
+        ("p2p_power", -1.0, "p2p_power must be finite and >= 0, got -1.0"),
+        # A billion stages laid out the pipeline until memory ran out.
+        ("num_stages", 10**9, "plans.delta:2: num_stages is '2' but .* says '1000000000'"),
+        ("num_microbatches", 3, "plans.delta:3: num_microbatches is '2' but"),
+    ],
+)
+def test_frontier_json_parameters_are_checked_before_a_plan_is_rebuilt(
+    tmp_path: Path, key: str, value: object, words: str
+) -> None:
+    out = _copy_chosen(tmp_path)
+    meta = json.loads((out / "frontier.json").read_text())
+    meta[key] = value
+    (out / "frontier.json").write_text(json.dumps(meta))
+    fr = load_frontier(out)
+    missing = next(p for p in fr.points if not fr.path(p).exists())
+    with pytest.raises(ConfigError, match=words):
+        plan_from_log(fr, missing)
+    assert not fr.path(missing).exists()
+
+
+def test_a_plan_log_that_is_no_text_names_the_file(tmp_path: Path) -> None:
+    out = _copy_chosen(tmp_path)
+    log = out / PLAN_LOG
+    log.write_bytes(log.read_bytes()[:200] + b"\xff\xfe\n")
+    fr = load_frontier(out)
+    with pytest.raises(ConfigError, match=r"plans\.delta: not UTF-8 text"):
+        plan_from_log(fr, fr.points[-2])

@@ -185,6 +185,19 @@ MALFORMED: list[tuple[str, int, str]] = [
     ("[\n    " + GOOD_STAGE + ",\n    [1980, 1965],\n]\n", 3, "mixes"),
     ("[\n    [1980, 1965],\n    [],\n]\n", 3, "stage 1: empty stage"),
     ("# header: only\n\n[\n]\n", 3, "empty plan"),
+    # The header a planner wrote must agree with the stage lists (a file cut short parsed).
+    (
+        "# num_stages: 4\n[\n    " + GOOD_STAGE + ",\n    " + GOOD_STAGE + ",\n]\n",
+        1,
+        "header 'num_stages' says 4 but the plan has 2 stage lists",
+    ),
+    (
+        "# note\n# num_microbatches: 2\n[\n    " + GOOD_STAGE + ",\n]\n",
+        2,
+        "header 'num_microbatches' says 2 but the plan has 1 microbatches per stage",
+    ),
+    ("# num_stages: two\n[\n    " + GOOD_STAGE + ",\n]\n", 1, "must be a whole number"),
+    ("# num_stages: \u0661\n[\n    " + GOOD_STAGE + ",\n]\n", 1, "must be a whole number"),
 ]
 
 
@@ -199,6 +212,13 @@ def test_malformed_file_names_file_and_line(
     text = str(info.value)
     assert text.startswith(f"{path}:{line}: "), text
     assert message in text
+
+
+def test_a_shape_header_that_agrees_with_the_stage_lists_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "plan.py"
+    write_plan_file(path, _stages(3, 2), {"num_stages": 3, "num_microbatches": 2})
+    plan = read_plan_file(path)
+    assert (plan.num_stages, plan.num_microbatches) == (3, 2)
 
 
 def test_comment_only_file_is_empty_plan(tmp_path: Path) -> None:

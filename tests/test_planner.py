@@ -448,6 +448,23 @@ def test_optimize_warns_about_a_profile_that_can_plan_nothing(tmp_path: Path) ->
     assert "4 of 4 instruction times are under unit_time (0.001 s)" in res.output
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("unit_time", ["1e-9", "1e-300"])
+def test_a_unit_time_too_fine_to_plan_is_refused_before_planning(
+    tmp_path: Path, unit_time: str
+) -> None:
+    """1e-9 s ran for minutes and 1e-300 s for ever: a table entry per unit per instruction."""
+    profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
+    out = tmp_path / "out"
+    args = ["optimize", str(profile), "-s", "2", "-m", "2", "--out", str(out), "--no-plot"]
+    res = CliRunner().invoke(_cli(), [*args, "--unit-time", unit_time])
+    assert res.exit_code == 1, res.output
+    assert f"{profile}: unit time {float(unit_time):g} s is too fine: stage 0 forward" in res.output
+    suggested = float(res.output.rsplit("at least ", 1)[1].split()[0])
+    res = CliRunner().invoke(_cli(), [*args, "--unit-time", str(suggested * 100)])
+    assert res.exit_code == 0, res.output
+
+
 def test_enqueue_runs_on_rq_worker(tmp_path: Path, redis_url: str) -> None:
     from rq import Queue, SimpleWorker
 

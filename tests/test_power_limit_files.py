@@ -159,3 +159,56 @@ def test_import_of_a_profile_redis_cannot_hold_is_a_clean_error_naming_the_field
     assert f"bad power-limit profile {path}: {named}" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert PowerLimitProfileStore(r).load("bert") is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        (
+            '"power_limit": true',
+            "measurements[0].power_limit: Input should be a valid integer (got true)",
+        ),
+        (
+            '"power_limit": "250"',
+            'measurements[0].power_limit: Input should be a valid integer (got "250")',
+        ),
+        ('"energy": false', "measurements[0].energy: Input should be a valid number (got false)"),
+        ('"time": "1.5"', 'measurements[0].time: Input should be a valid number (got "1.5")'),
+    ],
+    ids=["limit true", "limit string", "energy false", "time string"],
+)
+def test_a_boolean_or_string_for_a_number_in_a_profile_file_is_refused_naming_it(
+    r: redis.Redis, redis_url: str, tmp_path: Path, fields: str, named: str
+) -> None:
+    """`"power_limit": true` was read as a 1 W limit (pydantic's lax mode turns true into 1)."""
+    measurement = {"power_limit": "250", "energy": "900.0", "time": "10.0"}  # JSON texts
+    name, value = fields.split(": ")
+    measurement[name.strip('"')] = value
+    inner = ", ".join(f'"{k}": {v}' for k, v in measurement.items())
+    path = tmp_path / "zeus.json"
+    path.write_text(f'{{"measurements": [{{{inner}}}]}}')
+    with pytest.raises(ConfigError) as info:
+        load_profile_file(path)
+    assert str(info.value) == f"bad power-limit profile {path}: {named}"
+    result = CliRunner().invoke(
+        power_limit_group, ["import", str(path), "bert", "--redis-url", redis_url]
+    )
+    assert result.exit_code == 1 and named in result.output, result.output
+    assert PowerLimitProfileStore(r).load("bert") is None
+
+
+@pytest.mark.parametrize("updated_at", ["NaN", "Infinity", "1e400", "-5", "true"])
+def test_a_profile_file_with_an_impossible_time_of_update_is_refused(
+    tmp_path: Path, updated_at: str
+) -> None:
+    path = tmp_path / "zeus.json"
+    path.write_text(
+        '{"measurements": [{"power_limit": 250, "energy": 900.0, "time": 10}], '
+        f'"updated_at": {updated_at}}}'
+    )
+    with pytest.raises(ConfigError, match=rf"^bad power-limit profile {path}: updated_at: "):
+        load_profile_file(path)
+    path.write_text(
+        '{"measurements": [{"power_limit": 250, "energy": 900, "time": 10}], "updated_at": 1}'
+    )
+    assert load_profile_file(path).measurements[0].energy == 900.0  # JSON integers are numbers

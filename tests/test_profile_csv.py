@@ -123,6 +123,15 @@ FULL_HEADER = ",".join(FULL_COLUMNS) + "\n"
         (HEADER + "0,forward,1980,0.1,1\n0,forward,1980,0.2,1\n", 3, "frequency", "duplicate"),
         (FULL_HEADER + "0,0,1,0,0,forward,1980,0.1,1\n", 2, "stage", "pp_rank"),
         (FULL_HEADER + "0,0,x,0,0,forward,1980,0.1,1\n", 2, "pp_rank", "integer"),
+        # int() and float() read any Unicode digit: Arabic-Indic 1980 was 1980 MHz, 0 stage 0.
+        (HEADER + "0,forward,\u0661\u0669\u0668\u0660,0.1,1\n", 2, "frequency", "ASCII"),
+        (HEADER + "\u0660,forward,1980,0.1,1\n", 2, "stage", "ASCII"),
+        (HEADER + "0,forward,1980,\u0660.\u0661,1\n", 2, "time", "ASCII"),
+        (HEADER + "0,forward,1980,0.1,\uff11\uff12\n", 2, "energy", "ASCII"),  # full-width
+        (HEADER + "0,forward,1_980,0.1,1\n", 2, "frequency", "ASCII"),
+        (HEADER + "0,forward,1980,0.1,1_0\n", 2, "energy", "ASCII"),
+        (HEADER + "0,forward,\u00b9\u00b2,0.1,1\n", 2, "frequency", "ASCII"),  # superscripts
+        (FULL_HEADER + "\u0660,0,0,0,0,forward,1980,0.1,1\n", 2, "rank", "ASCII"),
     ],
 )
 def test_bad_input_names_file_line_and_field(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import msgpack
 import pytest
 from click.testing import CliRunner
 from rq import Queue
@@ -16,7 +17,7 @@ from coordinator.settings import PerseusSettings
 from coordinator.tasks import advance_once
 from protocol import keys
 from protocol.constants import H100_GRAPHICS_CLOCKS
-from protocol.exceptions import ProtocolError
+from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import JobConfig, JobInfo, RankInfo, SetTarget
 from protocol.store import JobStore
 from schedulers.planning.choose import select_point
@@ -109,6 +110,43 @@ def test_target_for_unknown_job_and_bad_value(r, redis_url):
     finally:
         coord.stop_event.set()
         coord_thread.join(timeout=5)
+
+
+@pytest.mark.parametrize("seconds", ["1e300", "1e-300", "inf", "nan", "86401", "-0.0"])
+def test_an_impossible_target_is_refused_by_the_cli_and_the_client(r, redis_url, seconds):
+    """1e300 and 1e-300 s were sent as targets: a day at most, a microsecond at least."""
+    result = CliRunner().invoke(main, ["target", "nope", seconds, "--redis-url", redis_url])
+    assert result.exit_code == 2, result.output
+    assert "from 1e-06 to 86400 (a day)" in result.output and "SECONDS" in result.output
+    with pytest.raises(ConfigError, match=r"^bad target for job 'nope': iteration_time: "):
+        CoordinatorClient(redis_url).set_target("nope", float(seconds))
+    for bad in (True, "1.0"):  # True was sent as 1.0 s
+        with pytest.raises(ConfigError, match="iteration_time: Input should be a valid number"):
+            CoordinatorClient(redis_url).set_target("nope", bad)  # type: ignore[arg-type]
+    assert r.xlen(keys.CONTROL_STREAM) == 0
+
+
+def test_a_raw_target_entry_out_of_range_is_dead_lettered_and_the_coordinator_goes_on(r, redis_url):
+    coord = Coordinator(r, PerseusSettings(redis_url=redis_url, scheduler=""))
+    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+    thread.start()
+    try:
+        for seconds in (1e300, 1e-300):  # what a client that checks nothing sends
+            data = msgpack.packb(
+                {"kind": "set_target", "job_id": "nope", "iteration_time": seconds}
+            )
+            r.xadd(keys.CONTROL_STREAM, {"kind": "set_target", "job_id": "nope", "data": data})
+        wait_for(lambda: r.xlen(keys.DEADLETTER_STREAM) == 2, 10, "the dead letters")
+        reasons = [f[b"reason"] for _, f in r.xrange(keys.DEADLETTER_STREAM)]
+        assert b"iteration_time: Input should be less than or equal to 86400" in reasons[0]
+        assert b"iteration_time: Input should be greater than or equal to 0.000001" in reasons[1]
+        CoordinatorClient(redis_url).set_target("nope", 1.5)  # the next entry is still read
+        wait_for(lambda: r.xlen(keys.DEADLETTER_STREAM) == 3, 10, "the third dead letter")
+        assert b"unknown job id 'nope'" in r.xrange(keys.DEADLETTER_STREAM)[-1][1][b"reason"]
+        assert thread.is_alive()
+    finally:
+        coord.stop_event.set()
+        thread.join(timeout=5)
 
 
 def test_a_control_message_handled_after_a_newer_one_is_dead_lettered_not_dropped(r):

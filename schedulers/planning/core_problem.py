@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.constants import INSTRUCTIONS
-from schedulers.planning.cost_model import CostTable, candidate_options, fit_cost_model
+from protocol.exceptions import ConfigError
+from schedulers.planning.cost_model import (
+    CostTable,
+    ExecOption,
+    candidate_options,
+    fit_cost_model,
+)
 from schedulers.planning.pipeline_dag import PipelineShape
 from schedulers.planning.profile_csv import InstructionProfile
 
@@ -152,6 +158,7 @@ def build_problem(
         options = candidate_options(
             [(f, entry[f][0], entry[f][1] - p2p_power * entry[f][0]) for f in kept], unit_time
         )
+        _check_table_width(profile, stage, inst, options, unit_time)
         model, report = fit_cost_model(options, unit_time)
         report["pareto_frequencies"] = len(kept)
         report["profiled_frequencies"] = len(entry)
@@ -170,4 +177,31 @@ def build_problem(
         option_time=option_time,
         option_energy=option_energy,
         fits=fits,
+    )
+
+
+#: Most whole time units between an instruction's fastest and slowest option. The cost table
+#: (and the solver's steps) hold one entry per unit: 1e-9 s units of a 0.1 s instruction made
+#: tens of millions and the planner ran for ever; 1e-300 s never ended.
+MAX_TABLE_UNITS = 1_000_000
+
+
+def _check_table_width(
+    profile: InstructionProfile,
+    stage: int,
+    inst: str,
+    options: list[ExecOption],
+    unit_time: float,
+) -> None:
+    """Raise ConfigError if ``unit_time`` splits one instruction's times into too many units."""
+    quant = [o.quant_time for o in options]
+    width = max(quant) - min(quant)
+    if width <= MAX_TABLE_UNITS:
+        return
+    times = [o.real_time for o in options]
+    finest = 1.01 * (max(times) - min(times)) / MAX_TABLE_UNITS  # 1%: floor() rounds
+    raise ConfigError(
+        f"{profile.path or 'profile'}: unit time {unit_time:g} s is too fine: stage {stage} "
+        f"{inst}'s times ({min(times):g} to {max(times):g} s) span {float(width):.3g} units, "
+        f"at most {MAX_TABLE_UNITS} are planned; use a unit time of at least {finest:.3g} s"
     )

@@ -38,6 +38,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from collections.abc import Collection
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.exceptions import ConfigError
+from protocol.numbers import ascii_float, is_ascii_digits
 
 FRONTIER_CSV = "frontier.csv"
 FRONTIER_JSON = "frontier.json"
@@ -151,7 +153,12 @@ class Frontier:
     @property
     def rounding_bound(self) -> float:
         """Most the solver's quantized time differs from ``iteration_time``, seconds."""
-        return float(self.meta.get("rounding_bound", 0.0))
+        value = self.meta.get("rounding_bound", 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ConfigError(
+                f"{self.out_dir / FRONTIER_JSON}: rounding_bound must be a number, got {value!r}"
+            )
+        return float(value)
 
     def path(self, point: FrontierPoint) -> Path:
         """Path of a plan's file."""
@@ -159,7 +166,7 @@ class Frontier:
 
     def point(self, plan: str) -> FrontierPoint:
         """Return the point with plan id ``plan`` (``"12"`` and ``"00012"`` both work)."""
-        wanted = plan if plan == ALLMAX else plan_id(int(plan)) if plan.isdigit() else plan
+        wanted = plan if plan == ALLMAX else plan_id(int(plan)) if is_ascii_digits(plan) else plan
         for p in [*self.points, self.allmax]:
             if p.plan == wanted:
                 return p
@@ -245,7 +252,7 @@ def _parse_row(where: str, line: int, row: dict[str, str], expect: str) -> Front
         if not text and optional:
             return None
         try:
-            value = float(text)
+            value = ascii_float(text)  # float() reads Arabic-Indic and full-width digits
         except ValueError:
             raise ConfigError(f"{where}:{line}: field '{name}': not a number: {text!r}") from None
         if not math.isfinite(value):
@@ -253,7 +260,7 @@ def _parse_row(where: str, line: int, row: dict[str, str], expect: str) -> Front
         return value
 
     plan = (row.get("plan") or "").strip()
-    if plan != expect and not (expect == "plan" and plan.isdigit()):
+    if plan != expect and not (expect == "plan" and is_ascii_digits(plan)):
         wanted = "a plan number" if expect == "plan" else repr(expect)
         raise ConfigError(f"{where}:{line}: field 'plan': expected {wanted}, got {plan!r}")
     dominated = (row.get("dominated") or "").strip()
@@ -273,8 +280,14 @@ def _parse_row(where: str, line: int, row: dict[str, str], expect: str) -> Front
 
 def _read_rows(path: Path, expect: str) -> list[FrontierPoint]:
     where = str(path)
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from None
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
         missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
             raise ConfigError(
@@ -282,6 +295,8 @@ def _read_rows(path: Path, expect: str) -> list[FrontierPoint]:
                 "(written by an older perseus optimize? run it again)"
             )
         return [_parse_row(where, i, row, expect) for i, row in enumerate(reader, start=2)]
+    except csv.Error as exc:  # e.g. a NUL byte, or a field past csv's size limit
+        raise ConfigError(f"{where}:{reader.line_num}: not CSV: {exc}") from None
 
 
 def load_frontier(out_dir: str | Path) -> Frontier:
@@ -321,4 +336,15 @@ def load_frontier(out_dir: str | Path) -> Frontier:
             meta = json.loads(json_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{json_path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{json_path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+            ) from None
+        except RecursionError:
+            raise ConfigError(f"{json_path}: invalid JSON: nested too deeply") from None
+        if not isinstance(meta, dict):
+            raise ConfigError(
+                f"{json_path}: expected a JSON object (the run's parameters), got "
+                f"{type(meta).__name__}"
+            )
     return Frontier(out_dir=out, points=points, allmax=allmax[0], meta=meta)

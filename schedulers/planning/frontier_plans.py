@@ -25,10 +25,12 @@ log, and :func:`ensure_plan_file` writes it when a command needs the file (``per
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from protocol.exceptions import ConfigError
+from protocol.numbers import ascii_int
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULE_HEADER
 from schedulers.planning.frontier_files import Frontier, FrontierPoint
 from schedulers.planning.pipeline_dag import PipelineShape
@@ -147,6 +149,38 @@ def write_plan_log(
     _write_atomic(path, "\n".join(lines) + "\n")
 
 
+def _check_log_shape(
+    path: Path, json_path: Path, num_stages: int, num_microbatches: int, schedule: str
+) -> None:
+    """The plan log's header must describe the pipeline ``frontier.json`` describes.
+
+    Checked before the pipeline is laid out: an edited ``num_stages`` of a billion made the
+    layout take all memory.
+    """
+    want = {
+        "num_stages": str(num_stages),
+        "num_microbatches": str(num_microbatches),
+        SCHEDULE_HEADER: schedule,
+    }
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for number, raw in enumerate(handle, start=1):
+                line = raw.strip()
+                if number > 1 and not line.startswith("#"):
+                    return
+                key, sep, value = line.lstrip("#").partition(":")
+                key, value = key.strip(), value.strip()
+                if number > 1 and sep and key in want and value != want[key]:
+                    raise ConfigError(
+                        f"{path}:{number}: {key} is {value!r} but {json_path} says "
+                        f"{want[key]!r}; the two files come from different runs"
+                    )
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the plan log: {exc.strerror or exc}") from None
+
+
 def read_plan_clocks(path: Path, index: int, shape: PipelineShape) -> list[int]:
     """Clock per node of plan ``index`` from a ``plans.delta`` file.
 
@@ -161,7 +195,7 @@ def read_plan_clocks(path: Path, index: int, shape: PipelineShape) -> list[int]:
     clocks: list[int] = []
     expected = 0
     with handle:
-        for number, raw in enumerate(handle, start=1):
+        for number, raw in enumerate(_lines(path, handle), start=1):
             line = raw.strip()
             if number == 1:
                 if not line.startswith(_LOG_MAGIC):
@@ -174,14 +208,14 @@ def read_plan_clocks(path: Path, index: int, shape: PipelineShape) -> list[int]:
                 raise ConfigError(f"{path}:{number}: expected plan {expected:05d}, got {plan!r}")
             try:
                 if expected == 0:
-                    clocks = [int(f) for f in fields]
+                    clocks = [ascii_int(f) for f in fields]
                     if len(clocks) != shape.num_nodes:
                         raise ValueError(f"{len(clocks)} clocks for {shape.num_nodes} instructions")
                 for item in fields if expected else ():
                     node, sep, clock = item.partition(":")
-                    if not sep or not 0 <= int(node) < len(clocks):
+                    if not sep or not 0 <= ascii_int(node) < len(clocks):
                         raise ValueError(f"{item!r} is not node:clock with a node of the plan")
-                    clocks[int(node)] = int(clock)
+                    clocks[ascii_int(node)] = ascii_int(clock)
             except ValueError as exc:
                 raise ConfigError(f"{path}:{number}: bad plan line: {exc}") from None
             if expected == index:
@@ -205,9 +239,21 @@ def plan_from_log(frontier: Frontier, point: FrontierPoint) -> PlanFile:
             f"{frontier.out_dir / 'frontier.json'}: missing {', '.join(missing)}; cannot "
             f"rebuild plan {point.plan} from {PLAN_LOG}"
         )
+    json_path = frontier.out_dir / "frontier.json"
+    for key in ("num_stages", "num_microbatches"):
+        if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 1:
+            raise ConfigError(f"{json_path}: {key} must be a whole number >= 1, got {meta[key]!r}")
+    for key in ("unit_time", "p2p_power"):
+        value = meta[key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+            raise ConfigError(f"{json_path}: {key} must be a number, got {value!r}")
+        if not 0 <= value < float("inf"):
+            raise ConfigError(f"{json_path}: {key} must be finite and >= 0, got {value!r}")
     schedule = str(meta.get(SCHEDULE_HEADER, DEFAULT_SCHEDULE))
-    shape = PipelineShape(int(meta["num_stages"]), int(meta["num_microbatches"]), schedule)
-    clocks = read_plan_clocks(frontier.out_dir / PLAN_LOG, point.index, shape)
+    log = frontier.out_dir / PLAN_LOG
+    _check_log_shape(log, json_path, meta["num_stages"], meta["num_microbatches"], schedule)
+    shape = PipelineShape(meta["num_stages"], meta["num_microbatches"], schedule)
+    clocks = read_plan_clocks(log, point.index, shape)
     writer = PlanWriter(shape, clocks)
     header = plan_header(
         point, unit_time=float(meta["unit_time"]), p2p_power=float(meta["p2p_power"]), shape=shape
@@ -238,3 +284,11 @@ def ensure_plan_file(frontier: Frontier, point: FrontierPoint) -> Path:
     writer = PlanWriter(shape, [c for stage in plan.stages for _, c in stage])
     writer.write(path, plan.header, plan.notes[0])
     return path
+
+
+def _lines(path: Path, handle: TextIO) -> Iterator[str]:
+    """The lines of an open text file; bytes that are no UTF-8 are a ConfigError naming it."""
+    try:
+        yield from handle
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason})") from None

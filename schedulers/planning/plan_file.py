@@ -35,6 +35,7 @@ from pathlib import Path
 
 from protocol.constants import INSTRUCTIONS
 from protocol.exceptions import ConfigError
+from protocol.numbers import is_ascii_digits
 from protocol.pipeline_schedules import (
     DEFAULT_SCHEDULE,
     PIPELINE_SCHEDULES,
@@ -181,7 +182,50 @@ def parse_plan_text(text: str, source: str = "<string>") -> PlanFile:
             f"(supported: {', '.join(PIPELINE_SCHEDULES)})"
         )
     stages = _Walker(text, source, schedule).stages(tree.body)
-    return PlanFile(stages=stages, header=header, notes=notes)
+    plan = PlanFile(stages=stages, header=header, notes=notes)
+    _check_shape_header(plan, text, source)
+    return plan
+
+
+# Header keys that state the plan's shape; the stage lists must agree with them.
+_SHAPE_HEADERS = ("num_stages", "num_microbatches")
+
+
+def _check_shape_header(plan: PlanFile, text: str, source: str) -> None:
+    """A ``num_stages`` or ``num_microbatches`` header must be what the stage lists hold.
+
+    A plan cut short (or a stage list pasted in from another plan) still parses; the header
+    its planner wrote is what tells.
+    """
+    found = {"num_stages": plan.num_stages, "num_microbatches": plan.num_microbatches}
+    for key in _SHAPE_HEADERS:
+        value = plan.header.get(key)
+        if value is None:
+            continue
+        line = _header_line(text, key)
+        if not is_ascii_digits(value):
+            raise ConfigError(
+                f"{source}:{line}: header {key!r} must be a whole number, got {value!r}"
+            )
+        if int(value) != found[key]:
+            holds = "stage lists" if key == "num_stages" else "microbatches per stage"
+            raise ConfigError(
+                f"{source}:{line}: header {key!r} says {int(value)} but the plan has "
+                f"{found[key]} {holds}; the file is cut short or its stage lists come from "
+                "another plan"
+            )
+
+
+def _header_line(text: str, key: str) -> int | str:
+    """The line of the last ``# key: value`` comment (the one the header keeps)."""
+    found: int | str = "?"
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            match = _HEADER_RE.match(stripped[1:].strip())
+            if match and match.group(1) == key:
+                found = number
+    return found
 
 
 def write_plan_file(

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from protocol.constants import INSTRUCTIONS
 from protocol.exceptions import ConfigError
+from protocol.numbers import ascii_float, ascii_int
 
 if TYPE_CHECKING:
     from protocol.models import OfflineProfilingResult
@@ -255,9 +256,9 @@ def _fail(path: str, line: int, column: str, problem: str) -> ConfigError:
 
 def _parse_int(path: str, line: int, column: str, text: str, minimum: int) -> int:
     try:
-        value = int(text.strip())
+        value = ascii_int(text)  # int() reads Arabic-Indic and other digits, and "1_200"
     except ValueError:
-        raise _fail(path, line, column, f"not an integer: {text!r}") from None
+        raise _fail(path, line, column, f"not an integer (ASCII digits): {text!r}") from None
     if value < minimum:
         raise _fail(path, line, column, f"must be >= {minimum}, got {value}")
     return value
@@ -265,9 +266,9 @@ def _parse_int(path: str, line: int, column: str, text: str, minimum: int) -> in
 
 def _parse_float(path: str, line: int, column: str, text: str) -> float:
     try:
-        value = float(text.strip())
+        value = ascii_float(text)
     except ValueError:
-        raise _fail(path, line, column, f"not a number: {text!r}") from None
+        raise _fail(path, line, column, f"not a number (ASCII digits): {text!r}") from None
     if not math.isfinite(value):
         raise _fail(path, line, column, f"must be finite, got {text.strip()!r}")
     return value

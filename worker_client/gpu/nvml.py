@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from protocol.exceptions import ConfigError, GPUError
+from protocol.numbers import is_ascii_digits
 
 REAL_NVML = "pynvml"
 # The simulated GPU is loaded by name like NVML, so the GPU layer never imports it.
@@ -37,9 +38,9 @@ def _visible_entries(visible: str, count: int) -> list[str]:
     entries: list[str] = []
     for raw in visible.split(","):
         entry = raw.strip()
-        if entry.isdigit() and int(entry) >= count:
+        if is_ascii_digits(entry) and int(entry) >= count:
             break
-        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+        if not (is_ascii_digits(entry) or entry.startswith(("GPU-", "MIG-"))):
             break
         entries.append(entry)
     return entries
@@ -143,7 +144,7 @@ class NVML:
                 f"{len(entries)} visible (device_id is CUDA's index, as for torch.cuda)"
             )
         entry = entries[ordinal]
-        if entry.isdigit():
+        if is_ascii_digits(entry):
             return int(entry)
         if entry.startswith("MIG-"):
             raise ConfigError(

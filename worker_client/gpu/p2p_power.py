@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from protocol.exceptions import ConfigError, GPUError, PerseusError
+from protocol.numbers import is_ascii_digits
 from worker_client.gpu.energy import EnergyMonitor
 from worker_client.gpu.nvml import REAL_NVML, SIMULATED_NVML
 from worker_client.gpu.nvml_readonly import ReadOnlyNVML, assert_read_only
@@ -157,7 +158,7 @@ def parse_devices(text: str) -> tuple[int, int]:
 
     """
     parts = [p.strip() for p in text.split(",")]
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+    if len(parts) != 2 or not all(is_ascii_digits(p) for p in parts):
         raise ConfigError(
             f"devices must be two GPU indices 'RECEIVER,SENDER' such as 0,1; got {text!r}"
         )

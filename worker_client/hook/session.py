@@ -8,11 +8,13 @@ so that the training thread never waits on Redis, are in :mod:`worker_client.hoo
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 import uuid
 from typing import Any
 
 import redis
+from pydantic import ValidationError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -20,6 +22,7 @@ from protocol import keys
 from protocol.acl import refused
 from protocol.connection import SOCKET_TIMEOUT_S, connect, redact_url
 from protocol.exceptions import (
+    ConfigError,
     CoordinatorUnavailableError,
     PerseusError,
     ProtocolError,
@@ -37,6 +40,7 @@ from protocol.models import (
     SetTarget,
     encode_message,
     unpack,
+    validation_text,
 )
 from protocol.store import JobStore
 
@@ -178,11 +182,23 @@ class CoordinatorClient:
         )
 
     def set_target(self, job_id: str, iteration_time: float) -> None:
-        """Ask the job's scheduler for a new target iteration time."""
-        self.conn.xadd(
-            keys.CONTROL_STREAM,
-            encode_message(SetTarget(job_id=job_id, iteration_time=iteration_time)),
-        )
+        """Ask the job's scheduler for a new target iteration time.
+
+        Raises:
+            ConfigError: ``iteration_time`` is not a number of seconds from
+                ``MIN_TARGET_ITERATION_S`` to ``MAX_TARGET_ITERATION_S`` (True is no time).
+
+        """
+        fields = {"job_id": job_id, "iteration_time": iteration_time}
+        if isinstance(iteration_time, numbers.Real) and not isinstance(iteration_time, bool):
+            fields["iteration_time"] = float(iteration_time)  # 2 or numpy's 2.0 is 2.0 s
+        try:
+            message = SetTarget.model_validate(fields, strict=True)
+        except ValidationError as exc:
+            raise ConfigError(
+                f"bad target for job {job_id!r}: {validation_text(exc)} (got {iteration_time!r})"
+            ) from None
+        self.conn.xadd(keys.CONTROL_STREAM, encode_message(message))
 
     def heartbeat(self, job_id: str, rank: int) -> bool:
         """Mark the job and ``rank`` active; return whether Redis still has the job.

@@ -23,13 +23,21 @@ from protocol.models import PowerLimitProfile
 
 
 def describe_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``measurements[2].energy: Input should be ...``."""
+    """One line per problem: ``measurements[2].energy: Input should be ... (got "1e3")``.
+
+    A value of the wrong type is shown as JSON writes it (``true``, ``"250"``): "should be a
+    valid integer" alone does not tell a user that the file holds a boolean.
+    """
     lines = []
     for error in exc.errors():
         where = ""
         for part in error["loc"]:
             where += f"[{part}]" if isinstance(part, int) else (f".{part}" if where else part)
-        lines.append(f"{where or 'profile'}: {error['msg']}")
+        got = error.get("input")
+        shown = ""
+        if error["type"].endswith("_type") and isinstance(got, (bool, int, float, str)):
+            shown = f" (got {json.dumps(got)[:40]})"
+        lines.append(f"{where or 'profile'}: {error['msg']}{shown}")
     return "; ".join(lines)
 
 
@@ -56,7 +64,8 @@ def parse_profile(text: str | bytes, source: str) -> PowerLimitProfile:
             f"got {type(data).__name__}"
         )
     try:
-        return PowerLimitProfile.model_validate(data)
+        # Strict: a JSON true is no power limit (it was read as 1 W) and "250" no number.
+        return PowerLimitProfile.model_validate(data, strict=True)
     except ValidationError as exc:
         raise ConfigError(
             f"bad power-limit profile {source}: {describe_validation_error(exc)}"

@@ -64,7 +64,7 @@ def _decode(workload: str, raw: Any) -> PowerLimitProfile:
             "decode_responses=False"
         )
     try:
-        return PowerLimitProfile.model_validate(msgpack.unpackb(raw, raw=False))
+        return PowerLimitProfile.model_validate(msgpack.unpackb(raw, raw=False), strict=True)
     except (ValueError, ValidationError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"bad stored power-limit profile of {workload!r}: {exc}") from None
 
