@@ -353,10 +353,10 @@ class PerseusOptimizer(Callback):
         with self._build_lock:
             build_error, self._build_error = self._build_error, None
             remeasure, self._remeasure = self._remeasure, False
+        if remeasure and self._reported:
+            self._reset_window()  # before raising: a caller who goes on measures it again
         if build_error is not None:
             raise build_error
-        if remeasure and self._reported:
-            self._reset_window()
         for worker in (self.watcher, self.reporter):
             if worker.error is not None:
                 raise worker.error
@@ -425,6 +425,9 @@ class PerseusOptimizer(Callback):
         except Exception as exc:  # Raised on the training thread at the next step end.
             with self._build_lock:
                 self._build_error, self._build_error_version = exc, version
+                # Nothing was sent for the version: should training go on, it is measured
+                # again (its job waits for this rank's result).
+                self._remeasure = True
             return
         self._last_result = result
         self.reporter.submit(result)
