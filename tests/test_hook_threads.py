@@ -12,7 +12,7 @@ import time
 import pytest
 
 from protocol import keys
-from protocol.exceptions import CoordinatorUnavailableError, GPUError
+from protocol.exceptions import CoordinatorUnavailableError, GPUError, ProtocolError
 from protocol.models import JobConfig, JobInfo, ProfilingResult
 from protocol.store import JobStore
 from tests.helpers import free_ports, make_hook, result, run_step, step_until, wait_for
@@ -201,3 +201,34 @@ def test_training_goes_on_after_a_step_end_raised_a_background_error(gloo, hook_
         step_until(hook, lambda: hook.schedule.version == 2, 20, "version 2")
     finally:
         hook.close()
+
+
+def test_a_schedule_deleted_between_its_version_and_its_read_ends_no_watcher(r, redis_url):
+    # The watcher reads the job's latest version, then that version's schedule. A job
+    # deleted in between (idle GC, an operator, Redis restarted empty) used to end the
+    # watcher with "no schedule version 1", raised into training; the next heartbeat says
+    # the job is lost instead, and training goes on.
+    new_job(r, "gone")
+    r.set(keys.job_version("gone"), 1)
+    client = CoordinatorClient(redis_url)
+    watcher = ScheduleWatcher(client, "gone", rank=0, version=0, heartbeat_interval=60)
+    read = watcher._client.latest_version
+
+    def read_then_delete(job_id: str) -> int:
+        version = read(job_id)
+        JobStore(r).delete_job(job_id)
+        return version
+
+    watcher._client.latest_version = read_then_delete  # type: ignore[method-assign]
+    watcher._take_newest(1)
+    assert watcher.take() is None
+    # Still there, version and all, but without the schedule: that is no race, but an error.
+    new_job(r, "broken")
+    r.set(keys.job_version("broken"), 1)
+    watcher._client.latest_version = read  # type: ignore[method-assign]
+    other = ScheduleWatcher(client, "broken", rank=0, version=0, heartbeat_interval=60)
+    with pytest.raises(ProtocolError, match="no schedule version 1"):
+        other._take_newest(1)
+    watcher.stop()
+    other.stop()
+    client.close()
