@@ -233,10 +233,12 @@ def result(rank: int, version: int) -> ProfilingResult:
     return ProfilingResult(rank=rank, schedule_version=version, iter_time=[1.0], iter_energy=[2.0])
 
 
-def make_hook(redis_url: str, controller: Any, world_size: int = 1, **kw: Any) -> PerseusOptimizer:
+def make_hook(
+    redis_url: str, controller: Any, world_size: int = 1, rank: int = 0, **kw: Any
+) -> PerseusOptimizer:
     """A one-rank PerseusOptimizer on the simulated GPU."""
     return PerseusOptimizer(
-        rank=0,
+        rank=rank,
         dp_rank=0,
         pp_rank=0,
         tp_rank=0,
