@@ -13,6 +13,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -131,17 +132,35 @@ def coordinator(
         raise click.UsageError(f"{exc}\n{_scheduler_hint(settings.scheduler)}") from None
     # The coordinator's loop is one thread: its client keeps one connection (no pool checkout).
     service = Coordinator(connect_or_fail(settings.redis_url, dedicated=True), settings)
-    signal.signal(signal.SIGTERM, lambda *_: service.stop_event.set())
+    _stop_on_signals(service.stop_event)
     tune_gc()
     where = redact_url(settings.redis_url)
     chosen = settings.scheduler or "none (each job names its own; --scheduler sets a default)"
     click.echo(f"perseus coordinator: scheduler={chosen} redis={where}")
     try:
         service.run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, leaving what a stop would tidy
         pass
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _stop_on_signals(stop_event: threading.Event) -> None:
+    """SIGTERM and a first Ctrl-C stop the loop cleanly; a second Ctrl-C interrupts at once.
+
+    A clean stop handles what was read, leaves the consumer group and forgets the
+    coordinator's record; a KeyboardInterrupt out of the loop skipped all of it, so a
+    coordinator restarted with other settings was refused as if this one still ran. A
+    SIGINT that the coordinator inherited as ignored (started with ``&`` by a script) stays so.
+    """
+
+    def first_interrupt(signum: int, frame: Any) -> None:
+        stop_event.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, first_interrupt)
 
 
 def _on_command_line(param: str) -> bool:
