@@ -37,6 +37,7 @@ from protocol import keys
 from protocol.acl import ROLES, acl_file, role_user
 from protocol.cli_options import connect_or_fail, redact_url, redis_url_option, setting_option
 from protocol.exceptions import ConfigError, PerseusError
+from protocol.job_lifecycle import JobLifecycle
 from protocol.scheduler import BUILTIN, resolve_scheduler
 from protocol.store import JobStore
 from schedulers.instruction_profiler import PROFILE_ARTIFACT
@@ -363,17 +364,25 @@ def target(redis_url: str | None, job_id: str, seconds: float) -> None:
 
     Goes through the control stream like every other input; schedulers that serve a frontier
     switch every rank to the least-energy plan that meets the target in a new version. Fails
-    for an unknown job or a scheduler that takes no target.
+    for an unknown or finished job, or a scheduler that takes no target.
     """
     settings = load_settings(redis_url=redis_url)
     if not seconds > 0:
-        raise click.BadParameter(f"must be a positive number of seconds, got {seconds}")
+        raise click.BadParameter(
+            f"must be a positive number of seconds, got {seconds}", param_hint="SECONDS"
+        )
     store = JobStore(connect_or_fail(settings.redis_url))
     try:
         record = store.get_job(job_id)
         scheduler_cls = resolve_scheduler(record.config.scheduler)
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
+    # A finished job's ranks run nothing more: its scheduler would publish versions for nobody.
+    if JobLifecycle(store).endings([job_id])[job_id].finished:
+        raise click.ClickException(
+            f"job {job_id} is finished (its ranks' hooks closed, or `perseus jobs finish`): "
+            "no rank would run a new target"
+        )
     if not scheduler_cls.takes_target():
         takers = [n for n in sorted(BUILTIN) if _takes_target(n)]
         raise click.ClickException(
