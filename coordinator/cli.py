@@ -13,6 +13,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -37,6 +38,7 @@ from protocol.acl import ROLES, acl_file, role_user
 from protocol.cli_options import connect_or_fail, redact_url, redis_url_option, setting_option
 from protocol.constants import MAX_TARGET_ITERATION_S, MIN_TARGET_ITERATION_S
 from protocol.exceptions import ConfigError, PerseusError
+from protocol.job_lifecycle import JobLifecycle
 from protocol.scheduler import BUILTIN, resolve_scheduler
 from protocol.store import JobStore
 from schedulers.instruction_profiler import PROFILE_ARTIFACT
@@ -132,17 +134,35 @@ def coordinator(
         raise click.UsageError(f"{exc}\n{_scheduler_hint(settings.scheduler)}") from None
     # The coordinator's loop is one thread: its client keeps one connection (no pool checkout).
     service = Coordinator(connect_or_fail(settings.redis_url, dedicated=True), settings)
-    signal.signal(signal.SIGTERM, lambda *_: service.stop_event.set())
+    _stop_on_signals(service.stop_event)
     tune_gc()
     where = redact_url(settings.redis_url)
     chosen = settings.scheduler or "none (each job names its own; --scheduler sets a default)"
     click.echo(f"perseus coordinator: scheduler={chosen} redis={where}")
     try:
         service.run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, leaving what a stop would tidy
         pass
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _stop_on_signals(stop_event: threading.Event) -> None:
+    """SIGTERM and a first Ctrl-C stop the loop cleanly; a second Ctrl-C interrupts at once.
+
+    A clean stop handles what was read, leaves the consumer group and forgets the
+    coordinator's record; a KeyboardInterrupt out of the loop skipped all of it, so a
+    coordinator restarted with other settings was refused as if this one still ran. A
+    SIGINT that the coordinator inherited as ignored (started with ``&`` by a script) stays so.
+    """
+
+    def first_interrupt(signum: int, frame: Any) -> None:
+        stop_event.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, first_interrupt)
 
 
 def _on_command_line(param: str) -> bool:
@@ -345,7 +365,7 @@ def target(redis_url: str | None, job_id: str, seconds: float) -> None:
 
     Goes through the control stream like every other input; schedulers that serve a frontier
     switch every rank to the least-energy plan that meets the target in a new version. Fails
-    for an unknown job or a scheduler that takes no target.
+    for an unknown or finished job, or a scheduler that takes no target.
     """
     settings = load_settings(redis_url=redis_url)
     if not MIN_TARGET_ITERATION_S <= seconds <= MAX_TARGET_ITERATION_S:  # also NaN, inf
@@ -360,6 +380,12 @@ def target(redis_url: str | None, job_id: str, seconds: float) -> None:
         scheduler_cls = resolve_scheduler(record.config.scheduler)
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
+    # A finished job's ranks run nothing more: its scheduler would publish versions for nobody.
+    if JobLifecycle(store).endings([job_id])[job_id].finished:
+        raise click.ClickException(
+            f"job {job_id} is finished (its ranks' hooks closed, or `perseus jobs finish`): "
+            "no rank would run a new target"
+        )
     if not scheduler_cls.takes_target():
         takers = [n for n in sorted(BUILTIN) if _takes_target(n)]
         raise click.ClickException(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -100,6 +102,10 @@ def demo_command(
         engine=engine,
         schedule=schedule,
     )
+    # SIGTERM (kill, timeout, a service manager) stops it as Ctrl-C does: Python's default
+    # ended the process at once, leaving its private Redis and rq worker (sessions of their
+    # own) and its ranks running.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         report = run_demo(config, progress=lambda line: click.echo(line))
     except KeyboardInterrupt:
@@ -107,3 +113,7 @@ def demo_command(
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(format_report(report))
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

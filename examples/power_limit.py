@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-from protocol.exceptions import GPUError
+from protocol.exceptions import ConfigError, GPUError
 from worker_client.gpu.energy import EnergyMonitor
 from worker_client.gpu.nvml import NVML, SIMULATED_NVML
 from worker_client.power_limit.optimizer import (
@@ -75,10 +75,26 @@ def make_selector(args: argparse.Namespace, gpus: int) -> OptimumSelector:
     return ZeusCost(args.eta, world_size=gpus)
 
 
+def gpu_choice(value: str) -> str:
+    """``--gpu``: ``simulated`` or a CUDA index (an argparse error otherwise, not a traceback)."""
+    if value != "simulated" and not value.isdigit():
+        raise argparse.ArgumentTypeError(f"'simulated' or a CUDA index, got {value!r}")
+    return value
+
+
+def positive(value: str) -> int:
+    """A whole number >= 1 (``--epoch-steps 0`` looped for ever, ``--after-steps 0`` failed)."""
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1, got {value!r}")
+    return int(value)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", default="simulated", help="'simulated' or a CUDA index")
+    parser.add_argument(
+        "--gpu", type=gpu_choice, default="simulated", help="'simulated' or a CUDA index"
+    )
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--pl-step", type=int, default=50, help="watts between two limits")
@@ -87,9 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--eta", type=float, default=0.5, help="ZeusCost's eta_knob")
     parser.add_argument("--factor", type=float, default=1.1, help="MaxSlowdownConstraint's")
-    parser.add_argument("--epoch-steps", type=int, default=50, help="steps per epoch")
+    parser.add_argument("--epoch-steps", type=positive, default=50, help="steps per epoch")
     parser.add_argument("--carry-across-epochs", action="store_true")
-    parser.add_argument("--after-steps", type=int, default=5, help="steps run once Done")
+    parser.add_argument("--after-steps", type=positive, default=5, help="steps run once Done")
     parser.add_argument("--profile-path", type=Path, help="profile file to load or write")
     return parser.parse_args(argv)
 
@@ -152,19 +168,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(message)s", stream=sys.stdout)  # in order with print()
     logging.getLogger("worker_client.power_limit").setLevel(logging.INFO)
     args = parse_args(argv)
-    if args.gpu != "simulated":
-        try:
+    try:
+        if args.gpu != "simulated":
+            try:
+                return run(args)
+            except GPUError as exc:
+                print(f"--gpu {args.gpu}: {exc}", file=sys.stderr)
+                print("(without a GPU, run this example with --gpu simulated)", file=sys.stderr)
+                return 1
+        if os.environ.get("PERSEUS_SIM_GPU_DIR"):
             return run(args)
-        except GPUError as exc:
-            print(f"--gpu {args.gpu}: {exc}", file=sys.stderr)
-            print("(without a GPU, run this example with --gpu simulated)", file=sys.stderr)
-            return 1
-    if os.environ.get("PERSEUS_SIM_GPU_DIR"):
-        return run(args)
-    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # tmpfs: fast state files
-    with tempfile.TemporaryDirectory(prefix="perseus-sim-gpu-", dir=shm) as state:
-        os.environ["PERSEUS_SIM_GPU_DIR"] = state
-        return run(args)
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # tmpfs: fast state files
+        with tempfile.TemporaryDirectory(prefix="perseus-sim-gpu-", dir=shm) as state:
+            os.environ["PERSEUS_SIM_GPU_DIR"] = state
+            return run(args)
+    except ConfigError as exc:  # an option the optimizer refuses (it names the argument)
+        print(f"power_limit.py: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

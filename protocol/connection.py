@@ -9,12 +9,14 @@ without one unless ``sentinel_password`` is given as a query parameter.
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.sentinel import MasterNotFoundError, Sentinel
 
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError
@@ -49,6 +51,36 @@ class _TLSConnection(redis.SSLConnection):
         wrapped = super()._wrap_socket_with_ssl(sock)
         wrapped.settimeout(self.socket_timeout)
         return wrapped
+
+
+def _check_url(url: str, connection_class: type) -> None:
+    """Refuse what redis-py would silently ignore in ``url``, or fail on with a traceback later.
+
+    redis-py takes a database path that is not a number (``redis://host:6379/abc``) as
+    database 0, and passes every query parameter to the connection, so a misspelt one
+    (``?ssl_ca_cert=``) raised a ``TypeError`` at the first command.
+
+    Raises:
+        ValueError: The message names the part of the URL that is wrong.
+    """
+    parts = urlsplit(url)
+    if parts.scheme in ("redis", "rediss") and parts.path not in ("", "/"):
+        if not re.fullmatch(r"/\d+", parts.path):
+            raise ValueError(
+                f"the database {parts.path[1:]!r} in the URL's path is not a number "
+                "(redis://host:6379/0 selects database 0)"
+            )
+    accepted = set(URL_QUERY_ARGUMENT_PARSERS)
+    for cls in connection_class.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            accepted.update(inspect.signature(init).parameters)
+    unknown = sorted(set(parse_qs(parts.query)) - accepted)
+    if unknown:
+        raise ValueError(
+            f"unknown query parameter(s) {', '.join(unknown)} (a redis-py connection "
+            "setting such as db, ssl_ca_certs or ssl_certfile)"
+        )
 
 
 def connect(
@@ -94,6 +126,7 @@ def connect(
                 socket_connect_timeout=connect_timeout,
                 health_check_interval=30,
             )
+            _check_url(url, conn.connection_pool.connection_class)
             if conn.connection_pool.connection_class is redis.SSLConnection:
                 conn.connection_pool.connection_class = _TLSConnection  # nothing connected yet
         if ping:

@@ -104,15 +104,23 @@ def subprocess_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]
 
 
 def start_perseus(
-    args: Iterable[str], tmp_path: Path, log: str, env: dict[str, str] | None = None
+    args: Iterable[str],
+    tmp_path: Path,
+    log: str,
+    env: dict[str, str] | None = None,
+    python: bool = False,
 ) -> subprocess.Popen:
     """Start ``perseus ARGS`` (e.g. ``worker --simple``), logging to ``tmp_path/log``.
 
     The process gets a session of its own, so that killing its group reaches an rq work horse.
+    ``python``: ``args`` are the interpreter's own (``-c CODE ...``), not ``perseus``'s.
     """
     out = open(tmp_path / log, "a")
+    command = (
+        [sys.executable, *args] if python else [sys.executable, "-m", "coordinator.cli", *args]
+    )
     return subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", *args],
+        command,
         env=subprocess_env(tmp_path, **(env or {})),
         cwd=ROOT,
         stdout=out,
@@ -233,10 +241,12 @@ def result(rank: int, version: int) -> ProfilingResult:
     return ProfilingResult(rank=rank, schedule_version=version, iter_time=[1.0], iter_energy=[2.0])
 
 
-def make_hook(redis_url: str, controller: Any, world_size: int = 1, **kw: Any) -> PerseusOptimizer:
+def make_hook(
+    redis_url: str, controller: Any, world_size: int = 1, rank: int = 0, **kw: Any
+) -> PerseusOptimizer:
     """A one-rank PerseusOptimizer on the simulated GPU."""
     return PerseusOptimizer(
-        rank=0,
+        rank=rank,
         dp_rank=0,
         pp_rank=0,
         tp_rank=0,

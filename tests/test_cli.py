@@ -102,6 +102,20 @@ def test_dump_into_a_file_is_a_clear_error(redis_url, job, tmp_path):
     assert code == 2 and "exists and is not a folder" in out and "Traceback" not in out
 
 
+def test_a_redis_url_with_a_bad_database_or_query_parameter_is_one_line(redis_url):
+    # redis-py took /abc as database 0 (a shared server's data, silently), and passed a
+    # misspelt query parameter to the connection: a TypeError traceback at the first command.
+    code, out = perseus("status", "--redis-url", "redis://127.0.0.1:1/abc")
+    assert code == 1 and "the database 'abc' in the URL's path is not a number" in out
+    sep = "&" if "?" in redis_url else "?"
+    for command in (("status",), ("deadletter", "list"), ("jobs", "list")):
+        code, out = perseus(*command, "--redis-url", f"{redis_url}{sep}ssl_ca_cert=/ca.pem")
+        assert code == 1, out
+        assert "unknown query parameter(s) ssl_ca_cert" in out and "Traceback" not in out
+    code, out = perseus("status", "--redis-url", f"{redis_url}{sep}db=0&socket_timeout=5")
+    assert code == 0, out
+
+
 def test_coordinator_without_scheduler_settings_starts(redis_url, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "coordinator", "--redis-url", redis_url],

@@ -5,13 +5,14 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
 import redis
 
 from coordinator.resilience import ensure_groups
 from coordinator.service import Coordinator
 from protocol import keys
 from protocol.models import ReportResult, encode_message
-from tests.helpers import make_settings, result, start_perseus, wait_for
+from tests.helpers import make_settings, result, start_perseus, stop, wait_for
 
 
 def consumers(r: redis.Redis) -> set[str]:
@@ -26,14 +27,26 @@ def consumers(r: redis.Redis) -> set[str]:
     return names
 
 
-def test_a_coordinator_stopped_cleanly_leaves_the_consumer_group(r, redis_url, tmp_path):
-    """A real `perseus coordinator` process, stopped with SIGTERM as a service manager does."""
+# Started as a terminal would (SIGINT at its default, not ignored as `&` in a script leaves it).
+WITH_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'coordinator.cli', *sys.argv[1:]])"
+)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_coordinator_stopped_cleanly_leaves_the_consumer_group(r, redis_url, tmp_path, signum):
+    """A real `perseus coordinator` process, stopped by a service manager or by Ctrl-C.
+
+    Ctrl-C used to end the loop with a KeyboardInterrupt: no consumer left the group and the
+    coordinator's record stayed, so one restarted with other settings was refused.
+    """
     args = ["coordinator", "--redis-url", redis_url, "--scheduler", "tests.toy_schedulers:StepDown"]
-    proc = start_perseus(args, tmp_path, "coordinator.log")
+    proc = start_perseus(["-c", WITH_SIGINT, *args], tmp_path, "coordinator.log", python=True)
     try:
         (name,) = wait_for(lambda: consumers(r), 30, "the coordinator to join the group")
         assert name.endswith(f"-{proc.pid}")
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         assert proc.wait(timeout=15) == 0
     finally:
         if proc.poll() is None:
@@ -41,6 +54,14 @@ def test_a_coordinator_stopped_cleanly_leaves_the_consumer_group(r, redis_url, t
             proc.wait()
     assert consumers(r) == set(), (tmp_path / "coordinator.log").read_text()[-2000:]
     assert "left the consumer group" in (tmp_path / "coordinator.log").read_text()
+    assert not r.hexists(keys.COORDINATORS, name)
+    # So a coordinator with other settings starts at once.
+    args = ["coordinator", "--redis-url", redis_url, "--scheduler", "tests.toy_schedulers:Broken"]
+    other = start_perseus(args, tmp_path, "other.log")
+    try:
+        wait_for(lambda: consumers(r), 30, "a coordinator with other settings to start")
+    finally:
+        stop([other])
 
 
 def test_the_sweep_removes_a_dead_coordinators_consumer_once_nothing_is_pending(r, redis_url):

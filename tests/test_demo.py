@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from click.testing import CliRunner
 
 from coordinator.cli import main
@@ -78,8 +79,13 @@ def test_demo_rejects_bad_arguments():
     assert result.exit_code == 2 and "--microbatches" in result.output
 
 
-def test_ctrl_c_shuts_everything_down(tmp_path):
-    """Ctrl-C (SIGINT to the terminal's process group) mid-profiling leaves nothing running."""
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM"])
+def test_ctrl_c_shuts_everything_down(tmp_path, how):
+    """Ctrl-C (SIGINT to the terminal's process group) mid-profiling leaves nothing running.
+
+    So does SIGTERM to the demo's process alone (kill, timeout): it used to end the demo at
+    once, leaving its private Redis, rq worker and ranks running.
+    """
     import contextlib
     import os
     import re
@@ -125,7 +131,10 @@ def test_ctrl_c_shuts_everything_down(tmp_path):
     assert match, lines
     redis_dir = match.group(1)
     time.sleep(2)  # ranks, coordinator and worker are busy profiling
-    os.killpg(proc.pid, signal.SIGINT)
+    if how == "Ctrl-C":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 1 and "Aborted!" in output, output
     assert "Traceback" not in output, output

@@ -86,3 +86,31 @@ def test_power_limit_example_without_a_driver_says_to_use_the_simulated_gpu(tmp_
     assert "Traceback" not in out.stderr, out.stderr
     assert "--gpu 0: NVML nvmlInit failed" in out.stderr
     assert "--gpu simulated" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--warmup-steps", "0"], "power_limit.py: error: warmup_steps must be an integer >= 1"),
+        (["--eta", "2"], "power_limit.py: error: eta_knob must be a number in [0, 1], got 2.0"),
+        (["--profile-path", "no/such/folder/p.json"], "its folder 'no/such/folder' does not"),
+        (["--gpu", "first"], "argument --gpu: 'simulated' or a CUDA index, got 'first'"),
+        (["--epoch-steps", "0"], "argument --epoch-steps: a whole number >= 1, got '0'"),
+        (["--after-steps", "0"], "argument --after-steps: a whole number >= 1, got '0'"),
+    ],
+    ids=["warmup-steps", "eta", "profile-path", "gpu", "epoch-steps", "after-steps"],
+)
+def test_power_limit_example_refuses_a_bad_option_in_one_line(tmp_path, args, says):
+    # A refused option was a ConfigError traceback; --epoch-steps 0 looped for ever and
+    # --after-steps 0 failed an assertion.
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "power_limit.py"), "--gpu", "simulated", *args],
+        env=subprocess_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert says in out.stderr.strip().splitlines()[-1]

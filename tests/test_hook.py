@@ -9,7 +9,12 @@ import time
 import pytest
 
 from protocol import keys
-from protocol.exceptions import CoordinatorUnavailableError, PerseusError, ScheduleError
+from protocol.exceptions import (
+    ConfigError,
+    CoordinatorUnavailableError,
+    PerseusError,
+    ScheduleError,
+)
 from protocol.store import JobStore
 from tests.helpers import make_hook, run_step, step_until, wait_for
 from worker_client.gpu.frequency import DryRunFrequencyController
@@ -118,6 +123,17 @@ def test_a_short_schedule_timeout_bounds_the_registration_wait_too(gloo, redis_u
 def test_invalid_job_is_refused_before_anything_starts(gloo, redis_url):
     with pytest.raises(PerseusError, match="world_size=3"):
         make_hook(redis_url, DryRunFrequencyController(0), world_size=3)
+
+
+def test_rank_and_world_size_must_fit_the_process_group(gloo, r, redis_url):
+    # A local rank passed as the global one left no rank 0 to register the job: every rank
+    # failed with "rank 0 could not register the job: None".
+    with pytest.raises(ConfigError, match=r"rank=1 but this process is rank 0 of torch"):
+        make_hook(redis_url, DryRunFrequencyController(0), rank=1)
+    # A world_size larger than the group: the job would wait for ranks that never come.
+    with pytest.raises(ConfigError, match=r"world_size=2 but torch.distributed's default group"):
+        make_hook(redis_url, DryRunFrequencyController(0), world_size=2)
+    assert not r.keys("perseus:job:*")  # no job registered
 
 
 def test_heartbeats_keep_a_quiet_job_from_idle_deletion(gloo, hook_service, r, redis_url):

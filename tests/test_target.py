@@ -87,6 +87,15 @@ def test_target_through_redis_switches_plan(r, redis_url, frontier_dir, source):
         assert store.schedule(job_id, 2, 3).frequencies == second.frequencies
         assert store.journal(job_id)[-1].controls_upto == 1
         assert [m.iteration_time for m in store.controls(job_id)] == [straggler]
+
+        # Once the job is finished no rank runs another version: a target is refused, not
+        # turned into versions for nobody.
+        result = CliRunner().invoke(main, ["jobs", "finish", job_id, "--redis-url", redis_url])
+        assert result.exit_code == 0, result.output
+        result = CliRunner().invoke(main, ["target", job_id, "1.0", "--redis-url", redis_url])
+        assert result.exit_code == 1 and f"job {job_id} is finished" in result.output
+        sent = r.xrange(keys.CONTROL_STREAM)  # nothing after the first target (or trimmed)
+        assert not sent or sent[-1][0] == r.xrange(keys.job_control(job_id))[-1][0]
     finally:
         coord.stop_event.set()
         thread.join(timeout=5)

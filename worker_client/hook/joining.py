@@ -95,6 +95,27 @@ class RankGPU:
             self.controller.stop()
 
 
+def group_mismatch(rank: int, world_size: int) -> ConfigError | None:
+    """Why ``rank`` and ``world_size`` do not fit torch.distributed's default group, if they do not.
+
+    Rank 0 of the group registers the job and every rank of the group joins the collectives
+    below, so the hook's ``rank`` must be the group's rank and ``world_size`` its size: a
+    local rank given as ``rank`` left no rank 0 to register, and a ``world_size`` larger than
+    the group left the job waiting for ranks that never come.
+    """
+    if rank != dist.get_rank():
+        return ConfigError(
+            f"rank={rank} but this process is rank {dist.get_rank()} of torch.distributed's "
+            "default group: pass the global rank (dist.get_rank()), not a local one"
+        )
+    if world_size != dist.get_world_size():
+        return ConfigError(
+            f"world_size={world_size} but torch.distributed's default group has "
+            f"{dist.get_world_size()} rank(s): every rank of the group takes part in the job"
+        )
+    return None
+
+
 def agree_on_job(
     client: CoordinatorClient,
     rank: int,
@@ -125,16 +146,20 @@ def agree_on_job(
         job_metadata: Optional tag appended to the job id.
         scheduler: A built-in scheduler for this job instead of the coordinator's default.
         scheduler_args: Arguments of ``scheduler``.
-        local_error: What stops this rank from training, if anything.
+        local_error: What stops this rank from training, if anything; ``rank`` or
+            ``world_size`` that do not fit torch.distributed's default group stop it too.
 
     Returns:
         The job id.
 
     Raises:
         Exception: ``local_error`` itself, on its rank.
+        ConfigError: ``rank`` or ``world_size`` do not fit torch.distributed's default group.
         PerseusError: Another rank had a ``local_error``, or rank 0 could not register the
             job (the message says which and why).
     """
+    if local_error is None:
+        local_error = group_mismatch(rank, world_size)
     reasons: list[Any] = [None] * dist.get_world_size()
     mine = f"{type(local_error).__name__}: {local_error}" if local_error is not None else None
     with _said_if_slow(rank, JOIN_WARNING_S):
