@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
-from protocol.cli_options import redis_url_option
+from protocol.cli_options import redact_url, redis_url_option
 from protocol.exceptions import PerseusError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
 
@@ -102,16 +103,24 @@ def demo_command(
         engine=engine,
         schedule=schedule,
     )
+    if click.get_current_context().get_parameter_source("redis_url") == ParameterSource.ENVIRONMENT:
+        # Exported for the services (README), it would send the demo's jobs there unseen.
+        click.echo(
+            f"using the Redis of PERSEUS_REDIS_URL ({redact_url(str(redis_url))}), not a "
+            "private one (unset it for that)"
+        )
     # SIGTERM (kill, timeout, a service manager) stops it as Ctrl-C does: Python's default
     # ended the process at once, leaving its private Redis and rq worker (sessions of their
     # own) and its ranks running.
-    signal.signal(signal.SIGTERM, _interrupt)
+    before = signal.signal(signal.SIGTERM, _interrupt)
     try:
         report = run_demo(config, progress=lambda line: click.echo(line))
     except KeyboardInterrupt:
         raise click.Abort() from None
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
+    finally:
+        signal.signal(signal.SIGTERM, before)  # a caller's own (the demo run in-process)
     click.echo(format_report(report))
 
 

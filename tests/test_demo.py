@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 
 import pytest
 from click.testing import CliRunner
@@ -12,7 +13,7 @@ from coordinator.demo import DemoConfig, ProfileWatcher, format_report, run_demo
 from coordinator.health import last_beats
 from protocol.connection import connect
 from protocol.store import JobStore
-from tests.helpers import TOY_SCHEDULER, new_job, start_perseus, stop, wait_for
+from tests.helpers import TOY_SCHEDULER, free_ports, new_job, start_perseus, stop, wait_for
 
 
 def test_small_demo_saves_what_the_planner_predicts(tmp_path, redis_url, monkeypatch):
@@ -77,6 +78,24 @@ def test_demo_rejects_bad_arguments():
     assert result.exit_code == 2 and "at least 2 stages" in result.output
     result = CliRunner().invoke(main, ["demo", "--microbatches", "0"])
     assert result.exit_code == 2 and "--microbatches" in result.output
+
+
+def test_a_demo_that_uses_perseus_redis_url_says_so():
+    # Exported for the services (README), the variable sent the demo to that Redis unseen.
+    handler = signal.getsignal(signal.SIGTERM)
+    port = free_ports()[0]
+    url = f"redis://:secret@127.0.0.1:{port}/0"
+    result = CliRunner().invoke(main, ["demo"], env={"PERSEUS_REDIS_URL": url})
+    assert result.exit_code == 1
+    first = result.output.splitlines()[0]
+    assert "PERSEUS_REDIS_URL" in first and f"127.0.0.1:{port}" in first, result.output
+    assert "secret" not in result.output
+    assert f"cannot reach Redis at redis://:***@127.0.0.1:{port}/0" in result.output
+    # Given on the command line, it is what the user asked for: nothing more said.
+    flag = CliRunner().invoke(main, ["demo", "--redis-url", url])
+    assert "PERSEUS_REDIS_URL" not in flag.output
+    # Run in-process, the demo leaves this process's SIGTERM handling as it found it.
+    assert signal.getsignal(signal.SIGTERM) is handler
 
 
 @pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM"])
