@@ -35,7 +35,13 @@ from coordinator.status import SILENT_AFTER_S, format_snapshot, snapshot
 from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_workers
 from protocol import keys
 from protocol.acl import ROLES, acl_file, role_user
-from protocol.cli_options import connect_or_fail, redact_url, redis_url_option, setting_option
+from protocol.cli_options import (
+    FiniteFloatRange,
+    connect_or_fail,
+    redact_url,
+    redis_url_option,
+    setting_option,
+)
 from protocol.constants import MAX_TARGET_ITERATION_S, MIN_TARGET_ITERATION_S
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.job_lifecycle import JobLifecycle
@@ -258,14 +264,14 @@ def worker(
     "--silent-after",
     default=SILENT_AFTER_S,
     show_default=True,
-    type=click.FloatRange(min=1),
+    type=FiniteFloatRange(min=1),
     help="Seconds without a heartbeat after which a rank counts as silent.",
 )
 @click.option(
     "--interval",
     default=2.0,
     show_default=True,
-    type=click.FloatRange(min=0.1),
+    type=FiniteFloatRange(min=0.1),
     help="Seconds between refreshes with --watch.",
 )
 def status(

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 import click
 
 from coordinator.cli_common import connect_settings
-from protocol.cli_options import redis_url_option
+from protocol.cli_options import FiniteFloatRange, redis_url_option
 from protocol.deadletter import (
     DeadLetter,
     get_dead_letter,
@@ -90,7 +90,7 @@ def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_
 @click.argument("entry_ids", nargs=-1)
 @click.option(
     "--older-than",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=None,
     help="Delete dead letters older than this many seconds.",
 )

@@ -129,8 +129,9 @@ def agree_settings(
         differ = [k for k in shared if theirs.get(k) != shared[k]]
         if differ:
             detail = "; ".join(f"{k}: {theirs.get(k)!r} there, {shared[k]!r} here" for k in differ)
+            ago = max(0.0, now - at)  # a beat stamped after ``now`` was read: not "-0.0 s"
             raise ConfigError(
-                f"coordinator {name} (running: last round {now - at:.1f} s ago) has other "
+                f"coordinator {name} (running: last round {ago:.1f} s ago) has other "
                 f"settings; coordinators sharing a Redis must agree. {detail}"
             )
     conn.hset(keys.COORDINATOR_SETTINGS, consumer, settings_json(shared))
@@ -142,7 +143,8 @@ def host_idle_s(conn: redis.Redis, hostname: str, now: float) -> float | None:
     None when no coordinator of that host has beaten (none started, or forgotten).
     """
     prefix = f"{hostname}-"
-    ages = [now - t for name, t in last_beats(conn).items() if name.startswith(prefix)]
+    # A beat stamped after ``now`` was read is 0 s old (not "-0.0 s ago").
+    ages = [max(0.0, now - t) for name, t in last_beats(conn).items() if name.startswith(prefix)]
     return min(ages) if ages else None
 
 

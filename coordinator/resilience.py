@@ -27,17 +27,29 @@ def check_redis_version(version: str) -> None:
         raise ConfigError(f"perseus-mq needs Redis >= {need}; this server runs {version}")
 
 
-def ensure_groups(conn: redis.Redis) -> None:
-    """Create the consumer group on every input stream (from the start, so nothing is missed)."""
+def ensure_groups(conn: redis.Redis, consumer: str | None = None) -> None:
+    """Create the consumer group on every input stream (from the start, so nothing is missed).
+
+    Args:
+        conn: A service user's connection.
+        consumer: Also make this coordinator a member on every stream (``XGROUP
+            CREATECONSUMER``). A blocking read adds no member until an entry comes, so after
+            the group was re-created ``perseus status`` counted no consumer on a stream that
+            this coordinator served.
+    """
     for stream in keys.INPUT_STREAMS:
         try:
             conn.xgroup_create(stream, keys.COORDINATOR_GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        if consumer is not None:
+            conn.xgroup_createconsumer(stream, keys.COORDINATOR_GROUP, consumer)
 
 
-def prepare_server(conn: redis.Redis, redis_version: str | None = None) -> None:
+def prepare_server(
+    conn: redis.Redis, redis_version: str | None = None, consumer: str | None = None
+) -> None:
     """Set up the input streams' consumer groups and, on Redis 7, the ranks' functions.
 
     The ranks' user on Redis 7 may run no script of its own. Run at start, and again when
@@ -46,8 +58,9 @@ def prepare_server(conn: redis.Redis, redis_version: str | None = None) -> None:
     Args:
         conn: A service user's connection.
         redis_version: The server's ``redis_version``, if read already.
+        consumer: The coordinator's consumer name: a member of the group on every stream.
     """
-    ensure_groups(conn)
+    ensure_groups(conn, consumer)
     version = redis_version or str(conn.info("server")["redis_version"])
     rank_functions.install(conn, version)
 

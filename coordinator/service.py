@@ -138,7 +138,7 @@ class Coordinator:
                 backoff.failed(exc)
                 continue
             try:
-                prepare_server(self.conn)
+                prepare_server(self.conn, consumer=self.consumer)
             except redis.RedisError as exc:
                 backoff.failed(exc)
         self._drain()
@@ -161,7 +161,7 @@ class Coordinator:
         version = str(self.conn.info("server")["redis_version"])
         check_redis_version(version)
         agree_settings(self.conn, self.consumer, self.settings.shared(), self.store.server_time())
-        prepare_server(self.conn, version)
+        prepare_server(self.conn, version, self.consumer)
         logger.info("coordinator %s consuming %s", self.consumer, ", ".join(keys.INPUT_STREAMS))
         # Our own unacknowledged entries first (we may be a restart under the same name).
         self._consume("0", block_ms=None)

@@ -42,6 +42,7 @@ from rq.worker import BaseWorker, WorkerStatus
 from coordinator.abandoned import clean_registries
 from coordinator.tasks import forget_start, queue_start
 from coordinator.worker_names import PROCESS_FIELD, claim_name, process_identity
+from coordinator.worker_outage import OutageLog
 from protocol.acl import refused, wrong_user
 from protocol.exceptions import ConfigError
 
@@ -58,6 +59,12 @@ class _StopAware:
     # rq doubles its reconnect wait up to 60 s: after a long outage a worker could sleep up to
     # a minute with Redis back. Schedules should follow within seconds.
     max_connection_wait_time = 5.0
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        # rq logs an ERROR per failed reconnect (each 1-5 s, and each 2 s from its pubsub
+        # thread): one line per outage instead, and one when Redis answers again.
+        self.log: Any = OutageLog(self.log, self.name)  # type: ignore[attr-defined]
 
     def serialize(self) -> dict[str, Any]:
         """The record rq keeps of the worker, and which process it is (see :func:`claim_name`)."""
@@ -84,6 +91,7 @@ class _StopAware:
             pipe.sismember(worker_registration.REDIS_WORKER_KEYS, self.key)  # type: ignore[attr-defined]
             super().heartbeat(timeout, pipeline=pipe)  # type: ignore[misc]
             born, listed = pipe.execute()[:2]
+        self.log.answered()
         if not (born and listed):
             self._register_again()
 

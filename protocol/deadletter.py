@@ -14,6 +14,7 @@ longer waiting, and a replayed ``register_job`` would create a job nobody runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -232,18 +233,20 @@ def purge(
     ``XTRIM MINID``. With neither argument every dead letter goes (the stream is deleted).
 
     Raises:
-        ConfigError: Both selections given, or a negative age.
+        ConfigError: Both selections given, or a negative or not finite age.
     """
     if entry_ids is not None and older_than_s is not None:
         raise ConfigError("purge either entry ids or entries older than a time, not both")
     if entry_ids is not None:
         return int(conn.xdel(keys.DEADLETTER_STREAM, *entry_ids)) if entry_ids else 0
     if older_than_s is not None:
-        if older_than_s < 0:
-            raise ConfigError(f"older_than_s must be >= 0, got {older_than_s}")
+        if not 0 <= older_than_s < math.inf:
+            raise ConfigError(f"older_than_s must be finite and >= 0, got {older_than_s}")
         # Entry ids are the server's time: compare with its clock, not this machine's.
         now = ServerClock.of(conn).now() if now is None else now
         cutoff_ms = int((now - older_than_s) * 1000)
+        if cutoff_ms <= 0:  # older than the epoch: none (and Redis refuses a negative MINID)
+            return 0
         return int(conn.xtrim(keys.DEADLETTER_STREAM, minid=f"{cutoff_ms}-0", approximate=False))
     count = int(conn.xlen(keys.DEADLETTER_STREAM))
     conn.delete(keys.DEADLETTER_STREAM)

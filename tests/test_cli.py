@@ -426,3 +426,23 @@ def test_status_shows_rq_suspended_until_resumed(r, redis_url):
         resume(r)
     code, out = perseus("status", "--redis-url", redis_url)
     assert code == 0 and "SUSPENDED" not in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status", "--silent-after", "nan"],
+        ["status", "--watch", "--interval", "nan"],
+        ["status", "--watch", "--interval", "inf"],
+        ["optimize", "--unit-time", "nan"],
+        ["optimize", "--p2p-power", "nan"],
+        ["profile-p2p", "--seconds", "nan"],
+        ["profile-p2p", "--sim-blocking-power", "inf"],
+    ],
+)
+def test_number_options_refuse_nan_and_infinity_naming_the_option(args):
+    # click's FloatRange lets NaN through (every comparison with it is false): --interval nan
+    # ended `perseus status --watch` in a traceback from time.sleep.
+    outcome = CliRunner().invoke(main, args)
+    assert outcome.exit_code == 2, outcome.output
+    assert "finite" in outcome.output and args[-2] in outcome.output, outcome.output

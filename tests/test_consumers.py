@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import pytest
@@ -85,3 +86,32 @@ def test_the_sweep_removes_a_dead_coordinators_consumer_once_nothing_is_pending(
     assert r.xlen(keys.DEADLETTER_STREAM) == 1
     live.sweep()
     assert consumers(r) == {"live-1"}  # the one whose coordinator beats stays
+
+
+def members(r: redis.Redis, stream: str) -> set[str]:
+    """Members of the coordinators' group on ``stream`` (none while it has no group)."""
+    try:
+        rows = r.xinfo_consumers(stream, keys.COORDINATOR_GROUP)
+    except redis.ResponseError:
+        return set()
+    return {row["name"].decode() for row in rows}
+
+
+def test_a_coordinator_rejoins_every_stream_after_redis_lost_its_group(r, redis_url):
+    """Redis restarted without persistence: `perseus status` counted no consumer on the
+    registrations and control streams, while the coordinator served them, until an entry came.
+    """
+    coordinator = Coordinator(r, make_settings(redis_url), consumer="c-1")
+    thread = threading.Thread(target=coordinator.run, kwargs={"block_ms": 50})
+    thread.start()
+    try:
+        wait_for(lambda: all(members(r, s) == {"c-1"} for s in keys.INPUT_STREAMS), 10, "join")
+        r.delete(*keys.INPUT_STREAMS)  # what a restart without persistence leaves
+        # An entry on one stream only: its read finds the group gone, and it is re-created.
+        r.xadd(keys.RESULTS_STREAM, encode_message(ReportResult(job_id="x", result=result(0, 1))))
+        wait_for(lambda: r.xlen(keys.DEADLETTER_STREAM) == 1, 10, "the entry's dead letter")
+        for stream in keys.INPUT_STREAMS:
+            assert members(r, stream) == {"c-1"}, stream
+    finally:
+        coordinator.stop_event.set()
+        thread.join()

@@ -70,3 +70,16 @@ def test_settings_are_recorded_again_after_redis_lost_its_data(r, redis_url):
     finally:
         first.stop_event.set()
         thread.join(10)
+
+
+def test_a_beat_stamped_just_after_the_check_reads_no_negative_age(r, redis_url):
+    # The running coordinator beat a few ms after the starting one took the server's time:
+    # "last round -0.0 s ago".
+    now = time.time()
+    first = make_settings(redis_url, "tests.toy_schedulers:StepDown")
+    agree_settings(r, "host-a-1", first.shared(), now)
+    beat(r, "host-a-1", now + 0.004)
+    other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
+    with pytest.raises(ConfigError) as caught:
+        agree_settings(r, "host-b-1", other.shared(), now)
+    assert "(running: last round 0.0 s ago)" in str(caught.value)

@@ -167,3 +167,16 @@ def test_an_oversize_dead_letter_says_why_it_cannot_be_replayed(r, redis_url):
     assert code == 1, out
     assert f"dead letter {entry_id} was an entry of 5021 bytes, over max_entry_bytes" in out
     assert "only entries of" not in out  # it did come from a replayable stream
+
+
+def test_purge_older_than_refuses_nan_and_infinity_and_keeps_what_is_younger(r, redis_url):
+    # NaN and infinity passed click's range check and ended in a traceback (int() of them);
+    # 1e300 s made a negative MINID, which Redis refused, in a traceback too.
+    r.xadd(keys.DEADLETTER_STREAM, {"reason": "x"})
+    for value in ("nan", "inf", "-inf"):
+        code, out = cli("deadletter", "purge", "--older-than", value, "--redis-url", redis_url)
+        assert code == 2, out
+        assert "Traceback" not in out and "--older-than" in out and "finite" in out, out
+    code, out = cli("deadletter", "purge", "--older-than", "1e300", "--redis-url", redis_url)
+    assert code == 0 and "deleted 0 dead letter(s)" in out, out
+    assert r.xlen(keys.DEADLETTER_STREAM) == 1

@@ -17,7 +17,7 @@ import click
 import redis
 
 from protocol import keys
-from protocol.cli_options import connect_or_fail, redact_url, redis_url_option
+from protocol.cli_options import FiniteFloatRange, connect_or_fail, redact_url, redis_url_option
 from protocol.connection import DEFAULT_REDIS_URL
 from protocol.exceptions import PerseusError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
@@ -96,14 +96,14 @@ def _redis_watch_hint(url: str, key: str) -> str:
 )
 @click.option(
     "--p2p-power",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=0.0,
     show_default=True,
     help="GPU power while blocked on P2P communication, W.",
 )
 @click.option(
     "--unit-time",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=0.001,
     show_default=True,
     help="Solver time unit, s. Instruction times are rounded down to it; the solver takes one "

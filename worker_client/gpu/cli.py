@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from protocol.cli_options import FiniteFloatRange
 from protocol.exceptions import ConfigError, PerseusError
 from worker_client.gpu.p2p_power import P2PPowerResult, measure_p2p_power, parse_devices
 
@@ -41,7 +42,7 @@ def _devices(ctx: click.Context, param: click.Parameter, value: str) -> tuple[in
 )
 @click.option(
     "--seconds",
-    type=click.FloatRange(min=0, min_open=True, max=3600),
+    type=FiniteFloatRange(min=0, min_open=True, max=3600),
     default=2.0,
     show_default=True,
     help="How long the receiver blocks per repeat. Longer is more accurate: an H100's energy "
@@ -70,14 +71,14 @@ def _devices(ctx: click.Context, param: click.Parameter, value: str) -> tuple[in
 )
 @click.option(
     "--sample-interval",
-    type=click.FloatRange(min=0.001, max=1.0),
+    type=FiniteFloatRange(min=0.001, max=1.0),
     default=0.02,
     show_default=True,
     help="Seconds between the energy monitor's NVML reads.",
 )
 @click.option(
     "--sim-blocking-power",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=None,
     help="Blocking power of the simulated GPU, W (--gpu simulated only; default: its own).",
 )
