@@ -232,3 +232,24 @@ def test_a_schedule_deleted_between_its_version_and_its_read_ends_no_watcher(r, 
     watcher.stop()
     other.stop()
     client.close()
+
+
+def test_a_training_rank_holds_two_redis_connections(gloo, hook_service, redis_url):
+    """The watcher's and the reporter's: the one that joined the job is not kept idle.
+
+    Each thread has connections of its own; the client that registered the rank kept its
+    pooled connection open, idle, for the whole run: a third connection per rank (at
+    Redis's default maxclients of 10000, about 3300 ranks instead of 5000).
+    """
+    _coord, start_worker = hook_service
+    start_worker()
+    with SilentProxy(redis_url) as proxy:
+        hook = make_hook(proxy.url, DryRunFrequencyController(0), report_every=1)
+        try:
+            step_until(hook, lambda: hook.schedule.version == 2, 20, "version 2")
+            wait_for(lambda: hook.reporter.sent >= 1, 10, "a result sent")
+            time.sleep(0.2)  # a connection the proxy saw close is counted once it closed
+            assert proxy.open == 2
+        finally:
+            hook.close()
+        wait_for(lambda: proxy.open == 0, 5, "every connection of the hook closed")

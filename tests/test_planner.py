@@ -29,6 +29,7 @@ from protocol import keys
 from protocol.exceptions import ConfigError
 from protocol.models import JobInfo, RankInfo
 from schedulers.planning.choose import choose_plan, parse_policy
+from schedulers.planning.core_problem import MAX_TABLE_UNITS
 from schedulers.planning.frontier_files import load_frontier
 from schedulers.planning.pipeline_dag import PipelineShape, one_f_one_b_order
 from schedulers.planning.plan_file import read_plan_file
@@ -463,6 +464,24 @@ def test_a_unit_time_too_fine_to_plan_is_refused_before_planning(
     suggested = float(res.output.rsplit("at least ", 1)[1].split()[0])
     res = CliRunner().invoke(_cli(), [*args, "--unit-time", str(suggested * 100)])
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("unit_time", [1e-9, 1e-320])
+def test_the_unit_time_a_refusal_suggests_fits_every_instruction(
+    tmp_path: Path, unit_time: float
+) -> None:
+    """It named a unit for the first instruction refused; a wider one was refused next.
+
+    1e-320 s (a time / unit past the largest float) raised OverflowError instead.
+    """
+    profile = synthetic_profile(2, stride=12)
+    with pytest.raises(ConfigError, match="is too fine") as refused:
+        plan_frontier(profile, 2, 2, out_dir=tmp_path / "out", unit_time=unit_time)
+    suggested = float(str(refused.value).rsplit("at least ", 1)[1].split()[0])
+    for (stage, inst), entry in profile.table.items():
+        times = [entry[f][0] for f in pareto_frequencies(entry)]
+        width = math.floor(max(times) / suggested) - math.floor(min(times) / suggested)
+        assert width <= MAX_TABLE_UNITS, (stage, inst, width)
 
 
 def test_enqueue_runs_on_rq_worker(tmp_path: Path, redis_url: str) -> None:

@@ -233,3 +233,34 @@ def test_a_target_the_scheduler_refuses_is_logged_and_the_job_goes_on(r, caplog)
     with caplog.at_level(logging.WARNING, logger="coordinator.replay"):
         rebuilt = LiveSchedulers().get(store, store.job_state("picky"))
     assert rebuilt.scheduler.targets == [2.0] and "refused" not in caplog.text
+
+
+def test_a_target_logged_before_the_bounds_is_replayed_not_a_job_failure(r, caplog):
+    """A job's control log holds what was accepted when it was appended; replays feed it.
+
+    Targets were only checked to be > 0 before the microsecond-to-a-day bounds: a job that
+    took one outside them (its scheduler refused it, or planned for it) must not fail when a
+    worker (an upgraded one, say) rebuilds its scheduler from the log.
+    """
+    store = JobStore(r)
+    job = JobInfo(job_id="old", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    store.create_job(job, JobConfig(scheduler="tests.toy_schedulers:RefusesSlowTargets"), "1-1")
+    clocks = list(H100_GRAPHICS_CLOCKS)
+    store.add_rank(
+        job, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=clocks)
+    )
+    cache = LiveSchedulers()
+    assert advance_once(store, "old", cache) == 1
+    # As an earlier version appended them: no bounds but > 0.
+    for seconds, entry in ((1e-9, "7-0"), (1e300, "8-0")):
+        logged = SetTarget.model_construct(job_id="old", iteration_time=seconds)
+        assert store.add_control(logged, entry)
+    assert [m.iteration_time for m in store.controls("old")] == [1e-9, 1e300]
+    with caplog.at_level(logging.WARNING, logger="coordinator.replay"):
+        advance_once(store, "old", cache)
+    assert store.job_error("old") == ""
+    assert "target of 1e+300 s refused, the job goes on" in caplog.text
+    # A worker that rebuilds the scheduler replays both: the same targets as the first.
+    rebuilt = LiveSchedulers().get(store, store.job_state("old"))
+    assert rebuilt.scheduler.targets == cache.get(store, store.job_state("old")).scheduler.targets
+    assert rebuilt.scheduler.targets == [1e-9]

@@ -15,6 +15,7 @@ the difference is the instruction's own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,15 +153,19 @@ def build_problem(
     option_time: list[list[float]] = []
     option_energy: list[list[float]] = []
     fits: dict[str, dict[str, Any]] = {}
+    kept = {key: pareto_frequencies(profile.table[key], p2p_power) for key in keys}
+    spans = {key: [profile.table[key][f][0] for f in kept[key]] for key in keys}
+    finest = _finest_unit(spans)
     for stage, inst in keys:
         entry = profile.table[(stage, inst)]
-        kept = pareto_frequencies(entry, p2p_power)
+        _check_unit_time(profile, stage, inst, spans[(stage, inst)], unit_time, finest)
         options = candidate_options(
-            [(f, entry[f][0], entry[f][1] - p2p_power * entry[f][0]) for f in kept], unit_time
+            [(f, entry[f][0], entry[f][1] - p2p_power * entry[f][0]) for f in kept[(stage, inst)]],
+            unit_time,
         )
-        _check_table_width(profile, stage, inst, options, unit_time)
+        _check_table_width(profile, stage, inst, options, unit_time, finest)
         model, report = fit_cost_model(options, unit_time)
-        report["pareto_frequencies"] = len(kept)
+        report["pareto_frequencies"] = len(kept[(stage, inst)])
         report["profiled_frequencies"] = len(entry)
         fits[f"{stage}/{inst}"] = report
         tables.append(CostTable(options, model))
@@ -186,20 +191,56 @@ def build_problem(
 MAX_TABLE_UNITS = 1_000_000
 
 
+def _finest_unit(times: dict[tuple[int, str], list[float]]) -> float:
+    """The finest unit time that keeps every instruction's table within ``MAX_TABLE_UNITS``.
+
+    From the instructions' candidate times (the options kept at any unit time are among
+    them): a table spans at most ``span / unit + 1`` units, 1% spare covers the ``+ 1``.
+    """
+    return max(1.01 * (max(t) - min(t)) / MAX_TABLE_UNITS for t in times.values())
+
+
+def _check_unit_time(
+    profile: InstructionProfile,
+    stage: int,
+    inst: str,
+    times: list[float],
+    unit_time: float,
+    finest: float,
+) -> None:
+    """Raise ConfigError if ``unit_time`` makes an instruction's time no finite number of units.
+
+    Checked before the times are quantized: ``int(t // 1e-320)`` raises OverflowError.
+    """
+    if all(math.isfinite(t / unit_time) for t in times):
+        return
+    # At least one that counts this time in MAX_TABLE_UNITS (finest is 0 for one clock).
+    works = max(finest, 1.01 * max(times) / MAX_TABLE_UNITS)
+    raise ConfigError(
+        f"{profile.path or 'profile'}: unit time {unit_time:g} s is too fine: stage {stage} "
+        f"{inst}'s time of {max(times):g} s is no finite number of units; use a unit time "
+        f"of at least {works:.3g} s"
+    )
+
+
 def _check_table_width(
     profile: InstructionProfile,
     stage: int,
     inst: str,
     options: list[ExecOption],
     unit_time: float,
+    finest: float,
 ) -> None:
-    """Raise ConfigError if ``unit_time`` splits one instruction's times into too many units."""
+    """Raise ConfigError if ``unit_time`` splits one instruction's times into too many units.
+
+    The unit time it names (``finest``, from :func:`_finest_unit`) fits every instruction,
+    not only this one: another one's wider times would be refused next.
+    """
     quant = [o.quant_time for o in options]
     width = max(quant) - min(quant)
     if width <= MAX_TABLE_UNITS:
         return
     times = [o.real_time for o in options]
-    finest = 1.01 * (max(times) - min(times)) / MAX_TABLE_UNITS  # 1%: floor() rounds
     raise ConfigError(
         f"{profile.path or 'profile'}: unit time {unit_time:g} s is too fine: stage {stage} "
         f"{inst}'s times ({min(times):g} to {max(times):g} s) span {float(width):.3g} units, "

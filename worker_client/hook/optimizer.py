@@ -210,6 +210,9 @@ class PerseusOptimizer(Callback):
                 owned_source.close()
             self.client.close()
             raise
+        # Joined: from here on only the threads below talk to Redis, on connections of their
+        # own (two per rank, not three).
+        self.client.release_idle()
         self._owned_source = owned_source is not None
         self.energy_source: EnergySource = energy_source
         self.controller: FrequencySetter = gpu.controller

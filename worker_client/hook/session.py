@@ -297,6 +297,14 @@ class CoordinatorClient:
             for _stream, entries in reply or []:
                 last_id = entries[-1][0].decode()
 
+    def release_idle(self) -> None:
+        """Close the connections this client holds but is not using; it reconnects if used.
+
+        A rank's hook joins over this client, then talks to Redis only from its threads,
+        over connections of their own: kept open, this one would idle for the whole run.
+        """
+        self.conn.connection_pool.disconnect(inuse_connections=False)
+
     def close(self) -> None:
         """Close the connection pool."""
         self.conn.close()
