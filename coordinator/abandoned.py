@@ -30,7 +30,7 @@ class _ExpiredInRedis(StartedJobRegistry):
 
     def get_expired_job_ids(self, timestamp: float | None = None) -> list[str]:
         """Ids of the started tasks whose execution expired in Redis (``timestamp`` unused)."""
-        self.expired = tuple(expired_executions(self.connection))
+        self.expired = tuple(expired_executions(self.connection, self.name))
         return [self.parse_job_id(entry) for entry in self.expired]
 
 

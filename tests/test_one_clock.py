@@ -242,3 +242,18 @@ def test_a_worker_minutes_ahead_does_not_fail_another_workers_running_task(
     finally:
         stop([worker])
     assert queue.failed_job_registry.get_job_ids() == []
+
+
+def test_abandoned_tasks_are_found_on_the_queue_cleaned(r):
+    # fail_abandoned and the workers' cleanup take any queue; the expired executions were
+    # looked up on perseus's queue whatever the queue, so another queue's stayed listed.
+    from rq import Queue
+    from rq.registry import StartedJobRegistry
+
+    from coordinator.abandoned import fail_abandoned
+
+    other = Queue("other", connection=r)
+    started = StartedJobRegistry("other", connection=r)
+    r.zadd(started.key, {"task-3:e3": time.time() + 60})  # its execution expired
+    fail_abandoned(other)
+    assert r.zcard(started.key) == 0

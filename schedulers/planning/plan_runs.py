@@ -42,7 +42,7 @@ def end_run(conn: Any, plan_id: str, reason: str) -> bool:
     return bool(ended)
 
 
-def expired_executions(conn: Any) -> list[str]:
+def expired_executions(conn: Any, queue: str = keys.RQ_QUEUE) -> list[str]:
     """The started rq tasks whose execution Redis let expire: their worker stopped beating.
 
     rq scores each entry of its StartedJobRegistry with the time its execution expires on the
@@ -52,6 +52,10 @@ def expired_executions(conn: Any) -> list[str]:
     heartbeat renewing it, so it tells a dead worker's task from a live one whatever the
     machines' clocks say.
 
+    Args:
+        conn: The Redis connection.
+        queue: The rq queue whose started tasks to look at.
+
     Returns:
         The registry's entries (``<job id>:<execution id>``) whose execution key is gone.
     """
@@ -59,7 +63,7 @@ def expired_executions(conn: Any) -> list[str]:
     from rq.registry import StartedJobRegistry
     from rq.utils import as_text, parse_composite_key
 
-    started = StartedJobRegistry(keys.RQ_QUEUE, connection=conn)
+    started = StartedJobRegistry(queue, connection=conn)
     entries = [as_text(entry) for entry in conn.zrange(started.key, 0, -1)]
     if not entries:
         return []
