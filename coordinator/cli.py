@@ -36,12 +36,12 @@ from coordinator.worker_loop import PerseusSimpleWorker, PerseusWorker, run_work
 from protocol import keys
 from protocol.acl import ROLES, acl_file, role_user
 from protocol.cli_options import (
-    FiniteFloatRange,
     connect_or_fail,
     redact_url,
     redis_url_option,
     setting_option,
 )
+from protocol.cli_types import FiniteFloatRange
 from protocol.constants import MAX_TARGET_ITERATION_S, MIN_TARGET_ITERATION_S
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.job_lifecycle import JobLifecycle

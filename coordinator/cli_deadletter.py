@@ -9,7 +9,8 @@ from datetime import datetime, timezone
 import click
 
 from coordinator.cli_common import connect_settings
-from protocol.cli_options import FiniteFloatRange, redis_url_option
+from protocol.cli_options import redis_url_option
+from protocol.cli_types import FiniteFloatRange
 from protocol.deadletter import (
     DeadLetter,
     get_dead_letter,

@@ -40,13 +40,13 @@ from protocol import deadletter, keys, streams
 from protocol.acl import wrong_user
 from protocol.consumers import GroupMembers
 from protocol.exceptions import DuplicateEntryError, PerseusError, UnknownJobError
+from protocol.job_record import make_job_id
 from protocol.models import (
     RegisterJob,
     RegisterRank,
     Reply,
     ReportResult,
     decode_message,
-    make_job_id,
     pack,
 )
 from protocol.scheduler import resolve_scheduler

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 import msgpack
 
@@ -110,3 +111,23 @@ def stored_result(data: bytes, trusted: bool = False) -> ProfilingResult:
     if trusted:
         return ProfilingResult.model_construct(**raw)
     return validate(ProfilingResult, raw)
+
+
+def make_job_id(job: JobInfo, scheduler_name: str, entry_id: str) -> str:
+    """Build a readable, unique job id from the registration's stream entry id.
+
+    Stream entry ids (``<ms>-<seq>``) are unique and increasing within a stream, so two jobs
+    registered in the same second (or millisecond) still get different ids. Zeus's ids
+    (second resolution only) collide in that case.
+
+    Example: ``2026-11-23-00-05-12.345+dp2+pp4+tp1+PointSolution3D+bert``.
+    """
+    ms_text, _, seq_text = entry_id.partition("-")
+    ms, seq = int(ms_text), int(seq_text or 0)
+    stamp = datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d-%H-%M-%S")
+    stamp += f".{ms % 1000:03d}" + (f".{seq}" if seq else "")
+    parts = [stamp, f"dp{job.dp_degree}", f"pp{job.pp_degree}", f"tp{job.tp_degree}"]
+    parts.append(scheduler_name)
+    if job.job_metadata:
+        parts.append(job.job_metadata)
+    return "+".join(parts)

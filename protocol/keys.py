@@ -4,7 +4,7 @@ All names start with ``perseus:`` and use ``:`` as separator so that they read w
 ``redis-cli`` (``SCAN 0 MATCH perseus:* COUNT 1000``). The README's "Redis key layout" table
 documents each of them; keep the two in sync.
 
-Job ids never contain ``:`` (see :func:`protocol.models.make_job_id`), so a key such as
+Job ids never contain ``:`` (see :func:`protocol.job_record.make_job_id`), so a key such as
 ``perseus:job:<job_id>:schedule:3`` splits unambiguously.
 """
 

@@ -9,7 +9,6 @@ that pydantic reports the field that is wrong.
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgpack
@@ -64,26 +63,6 @@ class JobInfo(_Model):
                 "letters, digits, '.', '_' or '-' (it becomes part of Redis key names)"
             )
         return self
-
-
-def make_job_id(job: JobInfo, scheduler_name: str, entry_id: str) -> str:
-    """Build a readable, unique job id from the registration's stream entry id.
-
-    Stream entry ids (``<ms>-<seq>``) are unique and increasing within a stream, so two jobs
-    registered in the same second (or millisecond) still get different ids. Zeus's ids
-    (second resolution only) collide in that case.
-
-    Example: ``2026-11-23-00-05-12.345+dp2+pp4+tp1+PointSolution3D+bert``.
-    """
-    ms_text, _, seq_text = entry_id.partition("-")
-    ms, seq = int(ms_text), int(seq_text or 0)
-    stamp = datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d-%H-%M-%S")
-    stamp += f".{ms % 1000:03d}" + (f".{seq}" if seq else "")
-    parts = [stamp, f"dp{job.dp_degree}", f"pp{job.pp_degree}", f"tp{job.tp_degree}"]
-    parts.append(scheduler_name)
-    if job.job_metadata:
-        parts.append(job.job_metadata)
-    return "+".join(parts)
 
 
 class RankInfo(_Model):
@@ -342,6 +321,18 @@ class SetTarget(_Model):
     kind: Literal["set_target"] = "set_target"
     job_id: str = Field(min_length=1)
     iteration_time: float = Field(ge=MIN_TARGET_ITERATION_S, le=MAX_TARGET_ITERATION_S)
+
+
+class LoggedTarget(SetTarget):
+    """A target as a job's control log holds it: checked when it was appended, not now.
+
+    Every worker that rebuilds a job's scheduler replays the log, and must feed it what the
+    scheduler got then. A target appended before :class:`SetTarget` had its bounds (only
+    > 0 was checked: 1e-9 or 1e300 s, which the scheduler refused or planned for) is
+    replayed as it stands, not taken for a corrupt entry that fails the job.
+    """
+
+    iteration_time: float = Field(gt=0)
 
 
 Message = Annotated[

@@ -18,7 +18,6 @@ from typing import Any
 
 import msgpack
 import redis
-from pydantic import Field
 from redis.client import Pipeline
 
 from protocol import keys
@@ -28,6 +27,7 @@ from protocol.models import (
     JobConfig,
     JobInfo,
     JournalEntry,
+    LoggedTarget,
     ProfilingResult,
     RankInfo,
     SetTarget,
@@ -45,18 +45,6 @@ logger = logging.getLogger(__name__)
 _GC_INDEXES = (keys.FINISHED_JOBS, keys.STARTING_JOBS)
 KEEP_SCHEDULES = 4
 """Schedule versions kept per job: the latest and a few before it, for slow readers."""
-
-
-class _LoggedTarget(SetTarget):
-    """A target as a job's control log holds it: checked when it was appended, not now.
-
-    Every worker that rebuilds a job's scheduler replays the log, and must feed it what the
-    scheduler got then. A target appended before :class:`SetTarget` had its bounds (only
-    > 0 was checked: 1e-9 or 1e300 s, which the scheduler refused or planned for) is
-    replayed as it stands, not taken for a corrupt entry that fails the job.
-    """
-
-    iteration_time: float = Field(gt=0)
 
 
 class JobStore(WorkerStore):
@@ -475,7 +463,7 @@ class JobStore(WorkerStore):
     def controls(self, job_id: str, start: int = 0) -> list[SetTarget]:
         """Control messages of a job from the ``start``-th on, in arrival order.
 
-        Read with the checks they passed when appended (see :class:`_LoggedTarget`).
+        Read with the checks they passed when appended (see :class:`LoggedTarget`).
         """
         entries = self.conn.xrange(keys.job_control(job_id))
-        return [unpack(_LoggedTarget, fields[b"data"]) for _, fields in entries[start:]]
+        return [unpack(LoggedTarget, fields[b"data"]) for _, fields in entries[start:]]

@@ -17,7 +17,8 @@ import click
 import redis
 
 from protocol import keys
-from protocol.cli_options import FiniteFloatRange, connect_or_fail, redact_url, redis_url_option
+from protocol.cli_options import connect_or_fail, redact_url, redis_url_option
+from protocol.cli_types import FiniteFloatRange
 from protocol.connection import DEFAULT_REDIS_URL
 from protocol.exceptions import PerseusError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from protocol.cli_options import FiniteFloatRange
+from protocol.cli_types import FiniteFloatRange
 from protocol.exceptions import ConfigError, PerseusError
 from worker_client.gpu.p2p_power import P2PPowerResult, measure_p2p_power, parse_devices
 
