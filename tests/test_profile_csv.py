@@ -95,6 +95,33 @@ def test_columns_in_any_order_and_case(tmp_path: Path) -> None:
     assert prof.table[(0, "forward")] == {1980: (0.01, 5.0)}
 
 
+def test_other_columns_are_ignored(tmp_path: Path) -> None:
+    """The Perseus docs take any CSV that has the reference columns (lowtime reads it by name).
+
+    A pandas ``to_csv`` without ``index=False`` adds a nameless index column; a profiler may add
+    its own (``power``). Both forms read as if those columns were not there.
+    """
+    path = tmp_path / "p.csv"
+    path.write_text(
+        ",stage,instruction,frequency,time,energy,power\n"
+        "0,0,forward,1980,0.01,5.0,500\n1,0,backward,1980,0.02,9.0,450\n"
+    )
+    prof = read_profile_csv(path, num_stages=1)
+    assert not prof.full_form
+    assert prof.table == {(0, "forward"): {1980: (0.01, 5.0)}, (0, "backward"): {1980: (0.02, 9.0)}}
+    path.write_text(
+        "host," + ",".join(FULL_COLUMNS) + ",,\n"
+        "a,0,0,0,0,0,forward,1980,0.01,5.0,x,y\nb,0,0,0,0,0,backward,1980,0.02,9.0,x,y\n"
+    )
+    prof = read_profile_csv(path)
+    assert prof.full_form
+    assert prof.table[(0, "backward")] == {1980: (0.02, 9.0)}
+    # A row must still have one field per header column.
+    path.write_text(",stage,instruction,frequency,time,energy\n0,forward,1980,0.01,5.0\n")
+    with pytest.raises(ConfigError, match=r"p\.csv:2: expected 6 fields"):
+        read_profile_csv(path)
+
+
 def _write(tmp_path: Path, text: str, name: str = "bad.csv") -> Path:
     path = tmp_path / name
     path.write_text(text)
@@ -109,7 +136,12 @@ FULL_HEADER = ",".join(FULL_COLUMNS) + "\n"
     ("text", "line", "field", "words"),
     [
         ("stage,instruction,frequency,time\n0,forward,1980,0.1\n", 1, "energy", "missing"),
-        (HEADER.replace("energy", "joules"), 1, "joules", "unknown"),
+        (
+            HEADER.replace("energy", "joules"),
+            1,
+            "energy",
+            "missing column(s) ['energy'] (columns ['joules'] are not read)",
+        ),
         ("rank,stage,instruction,frequency,time,energy\n", 1, "dp_rank", "missing"),
         (HEADER + "0,forward,1980,0.1,1\n0,forward,fast,0.1,1\n", 3, "frequency", "integer"),
         (HEADER + "0,forward,1980,abc,1\n", 2, "time", "not a number"),

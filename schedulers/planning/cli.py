@@ -153,7 +153,8 @@ def optimize_command(
     """Compute every Pareto-optimal frequency plan of a pipeline from a PROFILE CSV.
 
     PROFILE has columns stage,instruction,frequency,time,energy (or the per-rank form with
-    rank,dp_rank,pp_rank,tp_rank in front). Then pick a plan with `perseus choose DIR`.
+    rank,dp_rank,pp_rank,tp_rank in front; other columns are ignored). Then pick a plan with
+    `perseus choose DIR`.
     """
     try:
         prof = read_profile_csv(profile, num_stages=stages)

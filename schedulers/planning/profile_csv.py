@@ -1,6 +1,7 @@
 """Read and write instruction profile CSV files (the planner's input).
 
-Two forms are accepted, told apart by the header (columns may come in any order):
+Two forms are accepted, told apart by the header (columns may come in any order, and other
+columns are ignored, as the Perseus docs allow any CSV that has the reference columns):
 
 * short, as in the Perseus docs: ``stage,instruction,frequency,time,energy``;
 * full, one row per rank: ``rank,dp_rank,pp_rank,tp_rank,stage,instruction,frequency,time,energy``
@@ -275,17 +276,24 @@ def _parse_float(path: str, line: int, column: str, text: str) -> float:
 
 
 def _check_header(path: str, header: list[str]) -> tuple[str, ...]:
+    """Normalise the header's names; raise ConfigError if a needed column is missing or doubled.
+
+    Columns the planner does not read (a spreadsheet's index column, a ``power`` column) are
+    kept in the returned names, so that rows still split by position, and are ignored: the
+    Perseus docs take any CSV that has the reference columns.
+    """
     names = [h.strip().lower() for h in header]
     full = any(n in RANK_COLUMNS for n in names)
     expected = FULL_COLUMNS if full else SHORT_COLUMNS
-    unknown = [n for n in names if n not in expected]
+    others = [n for n in names if n not in expected]
     missing = [n for n in expected if n not in names]
-    dupes = sorted({n for n in names if names.count(n) > 1})
+    dupes = sorted({n for n in names if n in expected and names.count(n) > 1})
     form = ",".join(expected)
-    if unknown:
-        raise _fail(path, 1, unknown[0], f"unknown header column(s) {unknown}; expected {form}")
     if missing:
-        raise _fail(path, 1, missing[0], f"header is missing column(s) {missing}; expected {form}")
+        ignored = f" (columns {others} are not read)" if others else ""
+        raise _fail(
+            path, 1, missing[0], f"header is missing column(s) {missing}{ignored}; expected {form}"
+        )
     if dupes:
         raise _fail(path, 1, dupes[0], "column appears more than once in the header")
     return tuple(names)
