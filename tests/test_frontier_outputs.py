@@ -249,3 +249,25 @@ def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path: Path) -> No
     (out / "frontier.png").mkdir()  # where choose --plot draws
     res = CliRunner().invoke(_cli(), ["choose", str(out), "--plot"])
     assert res.exit_code == 1 and f"Error: {out / 'frontier.png'}: Is a directory" in res.output
+
+
+def test_the_rounding_statement_holds_for_every_plan(tmp_path: Path) -> None:
+    """What `perseus optimize` and frontier.json say about quant_time is true of each plan.
+
+    The real time exceeds the solver's by less than rounding_bound; the other way there is no
+    bound (an instruction runs at the slowest clock that fits its solver duration, which can be
+    much faster when clocks are far apart). Both used to say "differ by less than".
+    """
+    profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=24, base_forward_time=0.05)
+    out = tmp_path / "out"
+    said = _optimize(profile, out, "--unit-time", "0.002")
+    fr = load_frontier(out)
+    unit, bound = fr.meta["unit_time"], fr.rounding_bound
+    for point in fr.points:
+        assert point.iteration_time - point.quant_time * unit < bound
+    assert any(p.quant_time * unit - p.iteration_time > bound for p in fr.points)
+    assert "exceeds quant_time * unit_time by less than rounding_bound" in fr.meta["iteration_time"]
+    assert "differ" not in fr.meta["iteration_time"]
+    rounding = next(line for line in said.splitlines() if line.startswith("rounding:"))
+    assert f"these times exceed its quantized ones by < {bound:.4f} s" in rounding
+    assert "differ" not in rounding

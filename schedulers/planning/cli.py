@@ -217,9 +217,10 @@ def optimize_command(
     )
     click.echo(f"times:          {TIMES_NOTE}")
     click.echo(
-        f"rounding:       the solver rounds instruction times down to {unit_time:g} s; its "
-        f"quantized times differ from these by < {result.rounding_bound:.4f} s "
-        f"({meta['max_path_instructions']} instructions on the longest path)"
+        f"rounding:       the solver rounds instruction times down to {unit_time:g} s; these "
+        f"times exceed its quantized ones by < {result.rounding_bound:.4f} s "
+        f"({meta['max_path_instructions']} instructions on the longest path) and may be "
+        "shorter (each instruction gets the slowest clock within its solver time)"
     )
     if plot:
         from schedulers.planning.plots import plot_run  # matplotlib: only when plotting

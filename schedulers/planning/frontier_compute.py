@@ -57,8 +57,9 @@ def _quantize(t: float, unit_time: float) -> int:
 #: What every ``iteration_time`` shown to users is (``frontier.json`` records it).
 ITERATION_TIME_NOTE = (
     "longest dependency path with the profile's unrounded instruction times at the plan's "
-    "clocks, seconds; the solver works in whole unit_time steps (quant_time), which differ "
-    "from it by less than rounding_bound"
+    "clocks, seconds; the solver works in whole unit_time steps (quant_time): iteration_time "
+    "exceeds quant_time * unit_time by less than rounding_bound, and may be well below it "
+    "(each instruction runs at the slowest clock that fits its solver duration)"
 )
 
 

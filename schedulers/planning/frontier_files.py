@@ -15,8 +15,10 @@
   - ``energy_with_p2p``: ``energy`` plus ``p2p_power`` times the time the GPUs spend blocked
     on communication, ``num_stages * iteration_time - sum of instruction times``, J;
   - ``quant_time``: the solver's internal iteration time, in units of ``unit_time`` (each
-    instruction's time rounded *down*), so ``quant_time * unit_time`` differs from
-    ``iteration_time`` by less than ``rounding_bound`` (see ``frontier.json``);
+    instruction's time rounded *down*), so ``iteration_time`` exceeds ``quant_time *
+    unit_time`` by less than ``rounding_bound`` (see ``frontier.json``); it may also be well
+    below it, as lowtime gives each instruction the slowest clock that fits its solver
+    duration, and durations fall between clocks;
   - ``model_cost``: the fitted cost models' total (what the solver minimises), J;
   - ``dominated``: ``1`` if another plan is no slower and uses no more energy
     (``energy_with_p2p``), one of them strictly, or if the plan repeats an earlier plan's

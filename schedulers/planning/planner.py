@@ -20,10 +20,12 @@ clock), :func:`plan_frontier`
    point and the solver's ``k``-th step is plan ``k``, so a larger number means a shorter
    iteration.
 
-Times: the solver rounds each instruction's time *down* to whole units, so its quantized
-iteration time (``quant_time``) differs from the real longest path by less than
-``L * unit_time``, where ``L`` is the most instructions on any dependency path
-(``rounding_bound`` in ``frontier.json``). Users see one time per plan, ``iteration_time``:
+Times: the solver rounds each instruction's time *down* to whole units, so the real longest
+path exceeds its quantized iteration time (``quant_time``) by less than ``L * unit_time``,
+where ``L`` is the most instructions on any dependency path (``rounding_bound`` in
+``frontier.json``). The other way there is no such bound: the solver's durations fall between
+clocks, and each instruction runs at the slowest clock that fits its duration (lowtime's
+``get_knob_for``), which can be much faster. Users see one time per plan, ``iteration_time``:
 the real longest path with the profile's times at the plan's clocks (also for ``allmax``).
 """
 
