@@ -33,7 +33,8 @@ transition. The first ``wait_steps`` step begins are ignored (e.g. a first step 
 kernels).
 A known profile (``profile_path`` that exists, Zeus's file format or perseus-mq's, or a Redis
 ``profile_store`` entry for ``workload``) skips profiling: the selector picks from the stored
-measurements and the state starts as Done. :meth:`~GlobalPowerLimitOptimizer.close` (also at
+measurements and the state starts as Done (a ``profile_path`` not there yet is written from the
+Redis entry, as profiling would have written it). :meth:`~GlobalPowerLimitOptimizer.close` (also at
 interpreter exit) restores the maximum limit; training may go on after it, the next step
 resumes where the optimizer was (a limit being profiled starts over, or stays paused with
 ``carry_across_epochs``).
@@ -241,6 +242,9 @@ class GlobalPowerLimitOptimizer:
             logger.info("using a stored power-limit profile: %s", _watts(optimal))
             self.state = Done(optimal_power_limit=optimal)
             self._set_power_limit(optimal)
+            if self.profile_path is not None and not self.profile_path.exists():
+                # Found in the Redis store: the file is still written, as profiling writes it.
+                self._save_profile(stamp=False, store=False)
         else:
             # A GPU left low (e.g. by a crashed job) would run the wait steps low.
             self._set_power_limit(self.max_power_limit_mw)
@@ -467,13 +471,20 @@ class GlobalPowerLimitOptimizer:
                 logger.warning("%s; profiling again (the new profile replaces it)", exc)
         return None
 
-    def _save_profile(self) -> None:
-        self._profiled_at = time.time()
+    def _save_profile(self, stamp: bool = True, store: bool = True) -> None:
+        """Write the profile to ``profile_path`` and the Redis store (those given).
+
+        Args:
+            stamp: Date the profile now (it was just measured).
+            store: Write the Redis store too (not when the profile came from there).
+        """
+        if stamp:
+            self._profiled_at = time.time()
         profile = self.profile()
         assert profile is not None
         if self.profile_path is not None:
             save_profile_file(profile, self.profile_path)
-        if self.profile_store is not None and self.workload is not None:
+        if store and self.profile_store is not None and self.workload is not None:
             try:
                 self.profile_store.save(self.workload, profile)
             except CoordinatorUnavailableError as exc:
