@@ -445,6 +445,31 @@ def test_optimizer_with_redis_store(training: ReplayTraining, r: redis.Redis) ->
     assert describe(third.state) == "Ready(300,2)"
 
 
+def test_a_profile_from_redis_is_still_saved_to_a_missing_profile_path(
+    training: ReplayTraining, r: redis.Redis, tmp_path: Path
+) -> None:
+    # Zeus: a profile_path that does not exist gets the profile once it is known. Redis
+    # having the profile skips the profiling, not the file.
+    store = PowerLimitProfileStore(r)
+    first = make(training, profile_store=store, workload="bert", optimum_selector=Energy())
+    run_steps(first, training, 17)
+    stored = store.load("bert")
+    assert stored is not None
+
+    path = tmp_path / "profile.json"
+    second = make(
+        training, profile_store=store, workload="bert", optimum_selector=Time(), profile_path=path
+    )
+    assert describe(second.state) == "Done(300)"
+    written = json.loads(path.read_text())
+    assert written["measurements"] == [m.model_dump() for m in stored.measurements]
+    assert written["optimal_power_limit"] == 300  # this run's selector's choice
+    assert written["selector"] == "Time()"
+    assert written["updated_at"] == stored.updated_at  # when it was measured
+    after = store.load("bert")  # the store keeps what it had
+    assert after is not None and after.optimal_power_limit == 200
+
+
 def test_an_unreadable_stored_profile_is_profiled_again_and_replaced(
     training: ReplayTraining, r: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:

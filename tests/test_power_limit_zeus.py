@@ -27,7 +27,7 @@ from worker_client.power_limit.selectors import (
     Time,
     ZeusCost,
 )
-from worker_client.power_limit.states import Profiling, Ready, Warmup
+from worker_client.power_limit.states import Done, Profiling, Ready, Warmup
 
 # Power limit (W) -> (step time s, power per GPU W); 160 W is the GPUs' minimum.
 TABLE = {
@@ -275,3 +275,28 @@ def test_states_count_down_as_zeus_does(training: ReplayTraining) -> None:
     assert seen[53] == Warmup(current_power_limit=250_000, steps=9)
     opt.on_epoch_end()
     assert opt.state == Ready(next_power_limit=250_000, steps=1)
+
+
+# A deliberate difference -----------------------------------------------------------------------
+def test_default_zeus_cost_counts_every_ranks_gpus(training: ReplayTraining) -> None:
+    # Energy is summed over ranks, so the default's MaxPower counts every rank's GPUs: two
+    # ranks of one GPU choose what one rank of two GPUs chooses from the same measurements.
+    one_rank = make(training)
+    run_steps(one_rank, training, 17)
+
+    fake.reset(num_gpus=2, min_limit_mw=160_000, max_limit_mw=300_000)
+    rank0 = ReplayTraining(TABLE, [0])
+    two_ranks = GlobalPowerLimitOptimizer(
+        ReplayMonitor(rank0),
+        wait_steps=1,
+        warmup_steps=WARMUP,
+        profile_steps=PROFILE,
+        pl_step=50,
+        restore_on_exit=False,
+        reducer=lambda seconds, joules: (seconds, 2 * joules),  # a twin rank on GPU 1
+    )
+    run_steps(two_ranks, rank0, 17)
+    assert two_ranks.measurements == one_rank.measurements
+    assert repr(two_ranks.optimum_selector) == "ZeusCost(eta_knob=0.5, world_size=2)"
+    assert one_rank.state == two_ranks.state  # Done(250 W); world_size=1 chose 200 W
+    assert two_ranks.state == Done(optimal_power_limit=250_000)

@@ -4,8 +4,9 @@
 start at their maximum limit. Going down ``range(max, min - 1, -pl_step)`` (milliwatts, so the
 minimum is profiled only if the ladder lands on it), it runs ``warmup_steps`` training steps at
 each limit and then measures ``profile_steps`` steps in one monitor window. Once every limit is
-measured, an :class:`OptimumSelector` (default ``ZeusCost(0.5, world_size=number of monitored
-GPUs)``) picks the limit that training keeps.
+measured, an :class:`OptimumSelector` (default ``ZeusCost(0.5, world_size=number of GPUs
+measured)``: the monitored GPUs of every rank, whose energy the measurements sum) picks the
+limit that training keeps.
 
 States (``optimizer.state``; limits in milliwatts as in Zeus), driven by the
 :meth:`~GlobalPowerLimitOptimizer.on_step_begin` and
@@ -33,7 +34,8 @@ transition. The first ``wait_steps`` step begins are ignored (e.g. a first step 
 kernels).
 A known profile (``profile_path`` that exists, Zeus's file format or perseus-mq's, or a Redis
 ``profile_store`` entry for ``workload``) skips profiling: the selector picks from the stored
-measurements and the state starts as Done. :meth:`~GlobalPowerLimitOptimizer.close` (also at
+measurements and the state starts as Done (a ``profile_path`` not there yet is written from the
+Redis entry, as profiling would have written it). :meth:`~GlobalPowerLimitOptimizer.close` (also at
 interpreter exit) restores the maximum limit; training may go on after it, the next step
 resumes where the optimizer was (a limit being profiled starts over, or stays paused with
 ``carry_across_epochs``).
@@ -125,8 +127,9 @@ class GlobalPowerLimitOptimizer:
     Args:
         monitor: Measurement windows over the GPUs whose power limit is optimized
             (``monitor.gpu_indices``), e.g. an :class:`~worker_client.gpu.energy.EnergyMonitor`.
-        optimum_selector: How to choose the limit (default ``ZeusCost(0.5, world_size=
-            len(monitor.gpu_indices))``).
+        optimum_selector: How to choose the limit (default ``ZeusCost(0.5, world_size=the
+            monitored GPUs of all ranks)``, counted with ``reducer`` when the limit is chosen;
+            Zeus counts only this rank's ``len(monitor.gpu_indices)``).
         wait_steps: Step begins to ignore before profiling starts (>= 0).
         warmup_steps: Steps run at each limit before its window begins (>= 1).
         profile_steps: Steps measured at each limit (>= 1).
@@ -205,6 +208,8 @@ class GlobalPowerLimitOptimizer:
         if nvml_indices is None:
             nvml_indices = [self.nvml.cuda_to_nvml(i) for i in self.gpu_indices]
         self._nvml_of = dict(zip(self.gpu_indices, nvml_indices, strict=True))
+        # The default's world_size is set to every rank's GPUs when the limit is chosen.
+        self._default_selector = optimum_selector is None
         self.optimum_selector = optimum_selector or ZeusCost(
             eta_knob=0.5, world_size=len(self.gpu_indices)
         )
@@ -241,6 +246,9 @@ class GlobalPowerLimitOptimizer:
             logger.info("using a stored power-limit profile: %s", _watts(optimal))
             self.state = Done(optimal_power_limit=optimal)
             self._set_power_limit(optimal)
+            if self.profile_path is not None and not self.profile_path.exists():
+                # Found in the Redis store: the file is still written, as profiling writes it.
+                self._save_profile(stamp=False, store=False)
         else:
             # A GPU left low (e.g. by a crashed job) would run the wait steps low.
             self._set_power_limit(self.max_power_limit_mw)
@@ -443,6 +451,12 @@ class GlobalPowerLimitOptimizer:
         self.current_power_limit = milliwatts
 
     def _compute_optimal_power_limit(self) -> int:
+        if self._default_selector:
+            # Energy is summed over the ranks' GPUs, so MaxPower must count all of them: Zeus's
+            # len(monitor.gpu_indices) made 2 ranks x 1 GPU choose otherwise than 1 x 2. Every
+            # rank gets here together (its last window, or the profile all ranks load).
+            _, gpus = self.reducer(0.0, float(len(self.gpu_indices)))
+            self.optimum_selector = ZeusCost(eta_knob=0.5, world_size=max(1, round(gpus)))
         chosen = self.optimum_selector.select(self.measurements) * 1000
         clamped = min(max(chosen, self.min_power_limit_mw), self.max_power_limit_mw)
         if clamped != chosen:
@@ -467,13 +481,20 @@ class GlobalPowerLimitOptimizer:
                 logger.warning("%s; profiling again (the new profile replaces it)", exc)
         return None
 
-    def _save_profile(self) -> None:
-        self._profiled_at = time.time()
+    def _save_profile(self, stamp: bool = True, store: bool = True) -> None:
+        """Write the profile to ``profile_path`` and the Redis store (those given).
+
+        Args:
+            stamp: Date the profile now (it was just measured).
+            store: Write the Redis store too (not when the profile came from there).
+        """
+        if stamp:
+            self._profiled_at = time.time()
         profile = self.profile()
         assert profile is not None
         if self.profile_path is not None:
             save_profile_file(profile, self.profile_path)
-        if self.profile_store is not None and self.workload is not None:
+        if store and self.profile_store is not None and self.workload is not None:
             try:
                 self.profile_store.save(self.workload, profile)
             except CoordinatorUnavailableError as exc:

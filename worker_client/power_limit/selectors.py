@@ -72,7 +72,8 @@ class ZeusCost(OptimumSelector):
     ``MaxPower`` is the largest profiled power limit times ``world_size``: the second term
     prices time as energy drawn at full power by ``world_size`` GPUs, so ``eta`` trades
     energy (1) for time (0). The optimizer's default is ``ZeusCost(0.5, world_size=number of
-    GPUs its monitor measures)``, as in Zeus.
+    GPUs measured)``, every rank's (Zeus counts one rank's monitor while summing all ranks'
+    energy).
 
     Args:
         eta_knob: Weight of energy, in [0, 1].
