@@ -26,6 +26,7 @@ JOB = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
         ("PointSolution", {"solution_path": "/etc/passwd"}, "solution_path"),
         ("PointSolution3D", {"solution_path": "/etc/hostname"}, "solution_path"),
         ("FrontierScheduler", {"frontier_dir": "/proc/self"}, "frontier_dir"),
+        ("FrontierScheduler", {"profile": "/etc/hostname", "microbatches": 2}, "profile"),
         ("InstructionProfiler", {"microbatches": 2, "out_path": "../x.csv"}, "out_path"),
         ("InstructionProfiler", {"microbatches": 2, "then": {"out_dir": "/tmp/x"}}, "then"),
     ],
