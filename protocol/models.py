@@ -57,7 +57,7 @@ class JobInfo(_Model):
                 f"world_size={self.world_size} but pp_degree*dp_degree*tp_degree = "
                 f"{self.pp_degree}*{self.dp_degree}*{self.tp_degree} = {product}"
             )
-        if self.job_metadata is not None and not _METADATA_RE.match(self.job_metadata):
+        if self.job_metadata is not None and not _METADATA_RE.fullmatch(self.job_metadata):
             raise ValueError(
                 f"job_metadata={self.job_metadata!r} must be 1-64 characters of "
                 "letters, digits, '.', '_' or '-' (it becomes part of Redis key names)"

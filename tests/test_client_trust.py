@@ -11,7 +11,15 @@ from pydantic import ValidationError
 from protocol import keys
 from protocol.deadletter import list_dead_letters
 from protocol.exceptions import ProtocolError
-from protocol.models import JobInfo, ProfilingResult, RankInfo, unpack
+from protocol.models import (
+    JobInfo,
+    ProfilingResult,
+    RankInfo,
+    RegisterJob,
+    Reply,
+    encode_message,
+    unpack,
+)
 from protocol.store import JobStore
 from schedulers.planning.plan_file import write_plan_file
 from tests.helpers import drain, register, result, wait_for
@@ -50,6 +58,26 @@ def test_a_job_may_send_its_plan_as_data(service, redis_url, tmp_path):
     client = CoordinatorClient(redis_url, reply_timeout=10)
     args = {"plan_text": plan.read_text(), "solution_path": None}
     assert client.register_job(JOB, "PointSolution", args).endswith("+PointSolution")
+
+
+@pytest.mark.parametrize("metadata", ["bert\n", "a" * 64 + "\n"])
+def test_job_metadata_with_a_trailing_line_break_is_refused(service, r, redis_url, metadata):
+    """1-64 letters, digits, '.', '_' or '-': a regex's ``$`` also matched before a final newline.
+
+    The tag goes into the job id and every key name of the job.
+    """
+    with pytest.raises(ValidationError, match="job_metadata"):
+        JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1, job_metadata=metadata)
+    # A client that skips the check: the coordinator refuses it, and no job is created.
+    sneaky = JobInfo.model_construct(**(JOB.model_dump() | {"job_metadata": metadata}))
+    request = RegisterJob.model_construct(request_id="sneaky", job=sneaky, scheduler_args={})
+    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(request, wait_s=10.0))
+    answer = r.blpop([keys.reply_key("sneaky")], timeout=10)
+    assert answer is not None, "no reply to the registration"
+    reply = unpack(Reply, answer[1])
+    assert not reply.ok and "job_metadata" in reply.error
+    assert r.zcard(keys.JOBS_INDEX) == 0
+    assert not list(r.scan_iter(match=f"{keys.PREFIX}:job:*"))
 
 
 MEASURED = ("iter_time", "iter_energy", "time_breakdown", "energy_breakdown")
