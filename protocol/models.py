@@ -118,7 +118,7 @@ class FrequencySchedule(_Model):
     def _check(self) -> FrequencySchedule:
         for i, (name, freq) in enumerate(self.frequencies):
             if name not in _GOOD_NAMES:
-                if not _INSTRUCTION_RE.match(name):
+                if not _INSTRUCTION_RE.fullmatch(name):
                     raise ValueError(f"frequencies[{i}]: bad instruction name {name!r}")
                 if len(_GOOD_NAMES) < 1024:
                     _GOOD_NAMES.add(name)

@@ -268,3 +268,13 @@ def test_write_rejects_invalid_stages(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="empty plan"):
         write_plan_file(path, [], {})
     assert not path.exists()
+
+
+def test_an_instruction_name_with_a_trailing_line_break_is_refused():
+    # ``$`` also matches before a final line break: "forward\n" passed the name check.
+    from pydantic import ValidationError
+
+    from protocol.models import FrequencySchedule
+
+    with pytest.raises(ValidationError, match="bad instruction name"):
+        FrequencySchedule(rank=0, frequencies=[("forward\n", 1000)])

@@ -212,3 +212,12 @@ def test_a_profile_file_with_an_impossible_time_of_update_is_refused(
         '{"measurements": [{"power_limit": 250, "energy": 900, "time": 10}], "updated_at": 1}'
     )
     assert load_profile_file(path).measurements[0].energy == 900.0  # JSON integers are numbers
+
+
+def test_a_workload_name_with_a_trailing_line_break_is_refused():
+    # ``$`` also matches before a final line break: "bert\n" became part of a key name.
+    from worker_client.power_limit.store import check_workload
+
+    assert check_workload("bert") == "bert"
+    with pytest.raises(ConfigError, match="workload name"):
+        check_workload("bert\n")

@@ -32,7 +32,7 @@ _WORKLOAD_RE = re.compile(r"^[A-Za-z0-9._+/-]{1,128}$")
 
 def check_workload(workload: str) -> str:
     """Return ``workload`` if it is a valid name, else raise ConfigError."""
-    if not _WORKLOAD_RE.match(workload):
+    if not _WORKLOAD_RE.fullmatch(workload):
         raise ConfigError(
             f"workload name {workload!r} must be 1-128 characters of letters, digits and '._+/-'"
         )
