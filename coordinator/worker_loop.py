@@ -428,6 +428,10 @@ def run_workers(
             signal.signal(sig, request_stop)
         if stop.wait(pause) or not wait_for_redis(worker.connection, stop):
             return restarts
+        # An outage that this worker logged (its pubsub thread, its wait for a task) ends
+        # here: the next worker's log knows nothing of it.
+        if isinstance(worker.log, OutageLog):
+            worker.log.answered()
         # Its death may not have been recorded during the outage; without it, rq refuses a
         # new worker of the same name.
         with contextlib.suppress(redis.RedisError):
