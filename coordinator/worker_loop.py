@@ -382,12 +382,20 @@ def run_workers(
     pause = 0.0
     stop = threading.Event()
     claimed = False  # the name is ours: later workers of this loop re-register it
+    worker: PerseusWorker | PerseusSimpleWorker | None = None
 
     def request_stop(signum: int, frame: Any) -> None:
+        # Also the next worker's, until its work() installs rq's handlers: a stop asked for
+        # between the wait for Redis and then was lost, and that worker served on.
         stop.set()
+        if worker is not None:
+            worker.stop_requested = True
+            worker._stop_requested = True  # rq's flag, checked before each wait for a task
 
     while True:
         worker = make_worker()
+        if stop.is_set():  # asked for while it was being made
+            return restarts
         started = time.monotonic()
         try:
             if not claimed:
@@ -428,6 +436,10 @@ def run_workers(
             signal.signal(sig, request_stop)
         if stop.wait(pause) or not wait_for_redis(worker.connection, stop):
             return restarts
+        # An outage that this worker logged (its pubsub thread, its wait for a task) ends
+        # here: the next worker's log knows nothing of it.
+        if isinstance(worker.log, OutageLog):
+            worker.log.answered()
         # Its death may not have been recorded during the outage; without it, rq refuses a
         # new worker of the same name.
         with contextlib.suppress(redis.RedisError):

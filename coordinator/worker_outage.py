@@ -41,6 +41,9 @@ class OutageLog(logging.LoggerAdapter):
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
         """Log as rq asked, except a reconnect error while an outage is already logged."""
         if msg != RQ_RECONNECT_MSG or len(args) < 2:
+            # The record names rq's line (%(funcName)s, %(lineno)d), not this method: one
+            # frame more than logging skips on its own (Python 3.11; 3.10 names this one).
+            kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
             self.logger.log(level, msg, *args, **kwargs)
             return
         with self._lock:

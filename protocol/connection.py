@@ -16,7 +16,6 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
-from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.sentinel import MasterNotFoundError, Sentinel
 
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError
@@ -65,21 +64,29 @@ def _check_url(url: str, connection_class: type) -> None:
     """
     parts = urlsplit(url)
     if parts.scheme in ("redis", "rediss") and parts.path not in ("", "/"):
-        if not re.fullmatch(r"/\d+", parts.path):
+        if not re.fullmatch(r"/[0-9]+", parts.path):
             raise ValueError(
                 f"the database {parts.path[1:]!r} in the URL's path is not a number "
                 "(redis://host:6379/0 selects database 0)"
             )
-    accepted = set(URL_QUERY_ARGUMENT_PARSERS)
+    # What the connection pool hands on: its own size, and what the connection class takes.
+    # Not every name redis-py parses: ``timeout`` is its BlockingConnectionPool's, ``ssl_*``
+    # a TLS connection's, ``socket_keepalive`` a TCP one's; elsewhere each is the TypeError.
+    accepted = {"max_connections"}
     for cls in connection_class.__mro__:
         init = cls.__dict__.get("__init__")
         if init is not None:
-            accepted.update(inspect.signature(init).parameters)
+            for param in inspect.signature(init).parameters.values():
+                if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+                    accepted.add(param.name)
+    accepted.discard("self")
     unknown = sorted(set(parse_qs(parts.query)) - accepted)
     if unknown:
+        hint = "a redis-py connection setting such as db, socket_timeout or ssl_ca_certs"
+        if parts.scheme != "rediss" and any(name.startswith("ssl_") for name in unknown):
+            hint = "TLS settings need a rediss:// URL"
         raise ValueError(
-            f"unknown query parameter(s) {', '.join(unknown)} (a redis-py connection "
-            "setting such as db, ssl_ca_certs or ssl_certfile)"
+            f"unknown query parameter(s) {', '.join(unknown)} for a {parts.scheme}:// URL ({hint})"
         )
 
 

@@ -20,6 +20,8 @@ from rq import Queue
 from coordinator.cli import main
 from coordinator.settings import unknown_variables
 from protocol import keys
+from protocol.connection import connect
+from protocol.exceptions import ConfigError
 from protocol.models import JobInfo
 from schedulers.planning.plan_file import write_plan_file
 from tests.helpers import ROOT, subprocess_env, wait_for
@@ -114,6 +116,25 @@ def test_a_redis_url_with_a_bad_database_or_query_parameter_is_one_line(redis_ur
         assert "unknown query parameter(s) ssl_ca_cert" in out and "Traceback" not in out
     code, out = perseus("status", "--redis-url", f"{redis_url}{sep}db=0&socket_timeout=5")
     assert code == 0, out
+
+
+def test_a_query_parameter_redis_py_parses_but_the_connection_does_not_take_is_refused(redis_url):
+    # redis-py parses ?timeout= (its BlockingConnectionPool's) and ?ssl_check_hostname= (a TLS
+    # connection's) in any URL and hands them to the connection: on a plain one, the TypeError
+    # traceback at the first command that the check of query parameters is there to prevent.
+    sep = "&" if "?" in redis_url else "?"
+    for name, value in (("timeout", "5"), ("ssl_check_hostname", "false")):
+        with pytest.raises(ConfigError, match=rf"unknown query parameter\(s\) {name} "):
+            connect(f"{redis_url}{sep}{name}={value}", ping=True)
+    code, out = perseus("status", "--redis-url", f"{redis_url}{sep}ssl_ca_certs=/ca.pem")
+    assert code == 1 and "TLS settings need a rediss:// URL" in out, out
+    # Database digits are ASCII ones (redis-py read an Arabic-Indic one as database 1).
+    with pytest.raises(ConfigError, match="in the URL's path is not a number"):
+        connect("redis://127.0.0.1:1/\u0661")
+    # What redis-py's connection takes still passes, TLS settings with rediss:// too.
+    taken = "db=0&socket_timeout=5&health_check_interval=10&protocol=3&max_connections=8"
+    connect(f"{redis_url}{sep}{taken}&client_name=t", ping=True).close()
+    connect("rediss://127.0.0.1:1/0?ssl_cert_reqs=none&ssl_check_hostname=false").close()
 
 
 def test_coordinator_without_scheduler_settings_starts(redis_url, tmp_path):

@@ -1,0 +1,55 @@
+"""A stop asked for while `perseus worker` starts a fresh rq worker after an outage.
+
+Between the wait for Redis and rq's work loop (which installs rq's own signal handlers), a
+SIGTERM or Ctrl-C reaches :func:`coordinator.worker_loop.run_workers`'s handler. It only set an
+event that nobody looked at any more: the fresh worker went on taking tasks until it was
+killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+import redis
+from rq import Queue
+
+from coordinator.worker_loop import PerseusSimpleWorker, run_workers
+
+
+@pytest.mark.parametrize("when", ["made", "bootstrap"])
+def test_a_stop_while_the_next_worker_starts_stops_it(redis_url, when):
+    conn = redis.Redis.from_url(redis_url)
+    queue = Queue("restartstop", connection=conn)
+    task = queue.enqueue("os.getpid")
+    made: list[PerseusSimpleWorker] = []
+
+    class QuitsOnce(PerseusSimpleWorker):
+        def work(self, *args: Any, **kw: Any) -> bool:
+            if self is made[0]:  # its work loop ends on an outage
+                raise redis.ConnectionError("Redis went away")
+            # Not stopped, it would serve for ever: a few idle seconds end the test as well.
+            return bool(super().work(*args, max_idle_time=3, **kw))
+
+        def bootstrap(self, *args: Any, **kw: Any) -> None:
+            if when == "bootstrap":  # in work(), before rq installs its handlers
+                os.kill(os.getpid(), signal.SIGTERM)
+            super().bootstrap(*args, **kw)
+
+    def make() -> PerseusSimpleWorker:
+        if made and when == "made":
+            os.kill(os.getpid(), signal.SIGTERM)
+        made.append(QuitsOnce([queue], connection=conn, name="restartstop"))
+        return made[-1]
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        restarts = run_workers(make)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert restarts == 1
+    assert len(made) == 2
+    assert queue.count == 1 and task.get_status() == "queued"  # the stopped worker took none
