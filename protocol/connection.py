@@ -204,7 +204,8 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     """Parse ``redis+sentinel://[user:pw@]h1:p1[,h2:p2...]/service[/db][?sentinel_password=..]``.
 
     Raises:
-        ValueError: The URL names no host, no service, a bad port or a bad db.
+        ValueError: The URL names no host, no service, a bad port or a bad db, or has a
+            query parameter other than ``sentinel_password``.
 
     """
     scheme, sep, rest = url.partition("://")
@@ -227,7 +228,13 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         raise ValueError(f"sentinel URL needs host:port and /service: {redact_url(url)}")
     if len(path) > 2 or (len(path) == 2 and not is_ascii_digits(path[1])):
         raise ValueError(f"sentinel URL path must be /service[/db]: {redact_url(url)}")
-    query = parse_qs(parts.query)
+    query = parse_qs(parts.query, keep_blank_values=True)
+    unused = sorted(set(query) - {"sentinel_password"})
+    if unused:  # read by nothing: a setting that would do nothing, unsaid (or a misspelling)
+        raise ValueError(
+            f"sentinel URL parameter(s) {', '.join(unused)} not supported: a sentinel URL "
+            "takes only ?sentinel_password="
+        )
     return SentinelURL(
         hosts=tuple(hosts),
         service=path[0],

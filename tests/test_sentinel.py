@@ -163,3 +163,19 @@ def test_no_sentinel_answering_is_one_short_line():
     message = str(caught.value)
     assert "no sentinel at 127.0.0.1:1 answered with a master for 'mymaster'" in message
     assert len(message) < 200 and "secret" not in message
+
+
+def test_a_sentinel_url_parameter_that_is_not_used_is_refused_by_name():
+    # Only sentinel_password is read: ?socket_timeout=5 or ?ssl_cert_reqs=none did nothing,
+    # unsaid, and a misspelt sentinel_pasword sent no password.
+    url = "redis+sentinel://a:26379/mymaster?sentinel_password=pw"
+    assert parse_sentinel_url(url).sentinel_password == "pw"
+    for query, named in (
+        ("socket_timeout=5", "socket_timeout"),
+        ("sentinel_pasword=pw", "sentinel_pasword"),
+        ("ssl_cert_reqs=none&sentinel_password=pw", "ssl_cert_reqs"),
+        ("verbose", "verbose"),
+    ):
+        with pytest.raises(ValueError, match=named) as caught:
+            parse_sentinel_url(f"rediss+sentinel://a:26379/mymaster?{query}")
+        assert "pw" not in str(caught.value).replace("sentinel_pasword", "")
