@@ -7,6 +7,8 @@ A silent network (packets dropped, no connection refused) is played by
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,7 +17,16 @@ from protocol import keys
 from protocol.exceptions import CoordinatorUnavailableError, GPUError, ProtocolError
 from protocol.models import JobConfig, JobInfo, ProfilingResult
 from protocol.store import JobStore
-from tests.helpers import free_ports, make_hook, result, run_step, step_until, wait_for
+from tests.helpers import (
+    ROOT,
+    free_ports,
+    make_hook,
+    result,
+    run_step,
+    step_until,
+    subprocess_env,
+    wait_for,
+)
 from tests.silent_proxy import SilentProxy
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.hook.joining import FINISH_TIMEOUT_S
@@ -253,3 +264,25 @@ def test_a_training_rank_holds_two_redis_connections(gloo, hook_service, redis_u
         finally:
             hook.close()
         wait_for(lambda: proxy.open == 0, 5, "every connection of the hook closed")
+
+
+def test_a_script_that_ends_without_close_sends_its_results_and_finishes_its_rank(
+    hook_service, r, redis_url, tmp_path
+):
+    # Zeus's hook has no close(): a script written for it ends without one. The hook's threads
+    # are daemons, so without the hook's exit handler its queued results and the rank's
+    # finished mark went down with the interpreter.
+    _coord, start_worker = hook_service
+    start_worker()
+    command = [sys.executable, "-m", "tests.exit_without_close", redis_url, str(free_ports()[0])]
+    done = subprocess.run(
+        command, env=subprocess_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    job_id, version = done.stdout.split()
+    # Marked before the process ended (each mark carries its rank's proof after the colon).
+    assert r.zscore(keys.FINISHED_JOBS, job_id) is not None
+    assert [m.partition(b":")[0] for m in r.smembers(keys.job_finished(job_id))] == [b"0"]
+    results = keys.job_results(job_id, int(version))
+    wait_for(lambda: r.hexists(results, "0"), 10, "the last result stored by the coordinator")
+    assert "closing the hook at exit (close() was not called)" in done.stderr

@@ -15,6 +15,7 @@ thread turns them into Joules when a report is due, so a source that must wait f
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
@@ -23,18 +24,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from protocol.exceptions import ConfigError, JobFailedError, ScheduleError
+from protocol.exceptions import JobFailedError, ScheduleError
 from protocol.models import FrequencySchedule, ProfilingResult
 from worker_client.hook.callback import Callback
 from worker_client.hook.clock_requests import (
     ClockRequester,
     FrequencySetter,
     Marker,
-    cuda_marker,
     cuda_sync,
 )
 from worker_client.hook.energy_source import (
@@ -44,6 +43,7 @@ from worker_client.hook.energy_source import (
     measured_result,
 )
 from worker_client.hook.joining import RankGPU, agree_on_job, finish_rank, join_job
+from worker_client.hook.options import check_options
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.step_order import StepOrder
 from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
@@ -149,20 +149,10 @@ class PerseusOptimizer(Callback):
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Create PerseusOptimizer after torch.distributed.init_process_group")
-        if clock_sync not in ("wait", "events"):
-            raise ValueError(f"clock_sync must be 'wait' or 'events', got {clock_sync!r}")
-        if clock_sync == "events" and marker_fn is None:
-            if not torch.cuda.is_available():
-                raise ConfigError("clock_sync='events' needs CUDA events (or a marker_fn)")
-            marker_fn = cuda_marker
-        if report_every < 1:
-            raise ValueError(f"report_every must be >= 1, got {report_every}")
-        if outage_timeout is not None and outage_timeout <= 0:
-            raise ValueError(f"outage_timeout must be > 0 seconds or None, got {outage_timeout}")
-        if heartbeat_interval <= 0:
-            raise ValueError(f"heartbeat_interval must be > 0 seconds, got {heartbeat_interval}")
-        if not schedule_timeout > 0:
-            raise ValueError(f"schedule_timeout must be > 0 seconds, got {schedule_timeout}")
+        marker_fn = check_options(
+            report_every, schedule_timeout, outage_timeout, heartbeat_interval, clock_sync,
+            marker_fn,
+        )  # fmt: skip
         self.rank, self.dp_rank, self.pp_rank, self.tp_rank = rank, dp_rank, pp_rank, tp_rank
         self.device_id = device_id
         self.report_every = report_every
@@ -247,6 +237,9 @@ class PerseusOptimizer(Callback):
         self._closed = False
         self._frequency: int | None = None  # the clock last requested
         self.syncs = 0  # GPU synchronizations so far (each costs a pipeline bubble)
+        # A script that ends without close() (Zeus's hook has none) still sends its queued
+        # results and marks its rank finished: the threads are daemons, so nothing else would.
+        atexit.register(self._close_at_exit)
 
     @property
     def job_error(self) -> str:
@@ -456,6 +449,7 @@ class PerseusOptimizer(Callback):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._close_at_exit)
         with contextlib.ExitStack() as steps:  # run last-pushed first, each whatever happens
             steps.callback(self.client.close)
             steps.callback(self._close_energy_source)
@@ -467,6 +461,13 @@ class PerseusOptimizer(Callback):
             steps.callback(self.watcher.stop)
             steps.callback(self.reporter.stop)
             self._flush_results()
+
+    def _close_at_exit(self) -> None:
+        logger.info("rank %d: closing the hook at exit (close() was not called)", self.rank)
+        try:
+            self.close()
+        except Exception:  # the interpreter is going down: say it, never mask its exit status
+            logger.exception("rank %d: closing the hook at exit failed", self.rank)
 
     def _flush_results(self) -> None:
         """Let the results being built reach the reporter; say one whose building failed."""
