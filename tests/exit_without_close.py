@@ -1,29 +1,55 @@
 """Run by tests/test_hook_threads.py: a training script that ends without calling close().
 
-Usage: python -m tests.exit_without_close REDIS_URL PORT. Prints the job id and the schedule
-version of the result it built last, then ends as a script that forgot ``close()`` does.
+Usage: python -m tests.exit_without_close REDIS_URL PORT MODE. MODE ``main``: the hook runs in
+this process; ``mp-fork``: in a child started by multiprocessing's fork (which skips atexit);
+``os-fork``: here, and a plain fork of this process exits through ``sys.exit`` (with a copy
+of the hook) before this one does. Prints the job id and the schedule version of the result
+built last (``os-fork``: also whether the fork's exit marked the rank finished), then ends
+as a script that forgot ``close()`` does.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import os
 import sys
 
+import redis
 import torch.distributed as dist
 
+from protocol import keys
 from tests.helpers import make_hook, step_until
 from worker_client.gpu.frequency import DryRunFrequencyController
 
 
-def main() -> None:
+def train(url: str, port: str, fork_after: bool = False) -> None:
+    """Join a one-rank job, train until a result is built, print it; no close()."""
     logging.basicConfig(level=logging.INFO)
-    url, port = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     hook = make_hook(url, DryRunFrequencyController(0), report_every=1)
     step_until(hook, lambda: hook._last_result is not None, 60, "a result built")
     last = hook._last_result
     assert last is not None
-    print(hook.job_id, last.schedule_version, flush=True)
+    print(hook.job_id, last.schedule_version, end="", flush=True)
+    if fork_after:
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)  # runs the exit handlers this process inherited
+        os.waitpid(child, 0)
+        marked = redis.Redis.from_url(url).exists(keys.job_finished(hook.job_id))
+        print(f" fork-marked-finished={bool(marked)}", end="", flush=True)
+    print(flush=True)
+
+
+def main() -> None:
+    url, port, mode = sys.argv[1:4]
+    if mode == "mp-fork":
+        child = mp.get_context("fork").Process(target=train, args=(url, port))
+        child.start()
+        child.join()
+        sys.exit(child.exitcode)
+    train(url, port, fork_after=mode == "os-fork")
 
 
 if __name__ == "__main__":

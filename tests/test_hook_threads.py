@@ -266,23 +266,28 @@ def test_a_training_rank_holds_two_redis_connections(gloo, hook_service, redis_u
         wait_for(lambda: proxy.open == 0, 5, "every connection of the hook closed")
 
 
+@pytest.mark.parametrize("mode", ["main", "mp-fork", "os-fork"])
 def test_a_script_that_ends_without_close_sends_its_results_and_finishes_its_rank(
-    hook_service, r, redis_url, tmp_path
+    hook_service, r, redis_url, tmp_path, mode
 ):
     # Zeus's hook has no close(): a script written for it ends without one. The hook's threads
     # are daemons, so without the hook's exit handler its queued results and the rank's
-    # finished mark went down with the interpreter.
+    # finished mark went down with the interpreter. A rank in a child forked by
+    # multiprocessing ends without atexit; a plain fork's exit must not close the parent's hook.
     _coord, start_worker = hook_service
     start_worker()
-    command = [sys.executable, "-m", "tests.exit_without_close", redis_url, str(free_ports()[0])]
+    port = str(free_ports()[0])
+    command = [sys.executable, "-m", "tests.exit_without_close", redis_url, port, mode]
     done = subprocess.run(
         command, env=subprocess_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    job_id, version = done.stdout.split()
+    job_id, version, *fork = done.stdout.split()
+    if mode == "os-fork":
+        assert fork == ["fork-marked-finished=False"]
     # Marked before the process ended (each mark carries its rank's proof after the colon).
     assert r.zscore(keys.FINISHED_JOBS, job_id) is not None
     assert [m.partition(b":")[0] for m in r.smembers(keys.job_finished(job_id))] == [b"0"]
     results = keys.job_results(job_id, int(version))
     wait_for(lambda: r.hexists(results, "0"), 10, "the last result stored by the coordinator")
-    assert "closing the hook at exit (close() was not called)" in done.stderr
+    assert done.stderr.count("closing the hook at exit (close() was not called)") == 1

@@ -15,13 +15,14 @@ thread turns them into Joules when a report is due, so a source that must wait f
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.util import Finalize
 from typing import Any, Literal
 
 import torch.distributed as dist
@@ -239,7 +240,10 @@ class PerseusOptimizer(Callback):
         self.syncs = 0  # GPU synchronizations so far (each costs a pipeline bubble)
         # A script that ends without close() (Zeus's hook has none) still sends its queued
         # results and marks its rank finished: the threads are daemons, so nothing else would.
-        atexit.register(self._close_at_exit)
+        # multiprocessing's exit finalizers run at interpreter exit and also in its children,
+        # forked ones too (which skip atexit); never in a fork of this process (see below).
+        self._pid = os.getpid()
+        self._at_exit = Finalize(None, self._close_at_exit, exitpriority=10)
 
     @property
     def job_error(self) -> str:
@@ -449,7 +453,7 @@ class PerseusOptimizer(Callback):
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._close_at_exit)
+        self._at_exit.cancel()
         with contextlib.ExitStack() as steps:  # run last-pushed first, each whatever happens
             steps.callback(self.client.close)
             steps.callback(self._close_energy_source)
@@ -463,6 +467,8 @@ class PerseusOptimizer(Callback):
             self._flush_results()
 
     def _close_at_exit(self) -> None:
+        if os.getpid() != self._pid:
+            return  # a fork's copy: the rank trains on in this hook's own process
         logger.info("rank %d: closing the hook at exit (close() was not called)", self.rank)
         try:
             self.close()
