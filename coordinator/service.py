@@ -27,6 +27,7 @@ from coordinator.advance_queue import enqueue, record_enqueued
 from coordinator.completion import CompletionGuess
 from coordinator.envelope import Message, check_envelope
 from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat, forget
+from coordinator.intake import Decoded, Entry, Pending, decode_ahead, screen
 from coordinator.job_config import check_job_limits, job_config
 from coordinator.outcome import Outcome, log_lost
 from coordinator.read_ahead import InputReader
@@ -36,7 +37,7 @@ from coordinator.resilience import Backoff, check_redis_version, prepare_server
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
 from coordinator.trust import ResultKeys
-from protocol import deadletter, keys, streams
+from protocol import keys, streams
 from protocol.acl import wrong_user
 from protocol.consumers import GroupMembers
 from protocol.exceptions import DuplicateEntryError, PerseusError, UnknownJobError
@@ -46,7 +47,6 @@ from protocol.models import (
     RegisterRank,
     Reply,
     ReportResult,
-    decode_message,
     pack,
 )
 from protocol.scheduler import resolve_scheduler
@@ -186,9 +186,9 @@ class Coordinator:
         return handled
 
     def _consume(self, start: str, block_ms: int | None) -> int:
-        batch: list[tuple[str, str, dict[bytes, bytes] | None]]
+        batch: list[Entry]
         batch = list(self.reader.read(start, block_ms))
-        decoded: dict[tuple[str, str], Message | Exception] = {}
+        decoded: Decoded = {}
         results = sum(s == keys.RESULTS_STREAM for s, _, _ in batch)
         for _ in range(_TOP_UPS if block_ms is not None and results else 0):
             # A blocked read returns with the first result of a burst (every rank reports at
@@ -196,7 +196,7 @@ class Coordinator:
             if results >= _BATCH:
                 break  # A full batch already (and XREADGROUP refuses a count of 0).
             # Decoded while Redis still takes in the rest of the burst, not after all of it.
-            self._decode_ahead(batch, decoded)
+            decode_ahead(batch, decoded, self.settings.max_entry_bytes)
             if self._guess.completes_all(decoded.values(), self.records):
                 break  # Nothing more of this burst can come: no read that finds nothing.
             more = self.conn.xreadgroup(
@@ -214,22 +214,6 @@ class Coordinator:
         ahead = block_ms if start == ">" and block_ms is not None else None
         return self.handle_batch(batch, decoded, read_ahead=ahead)
 
-    def _decode_ahead(
-        self,
-        entries: list[tuple[str, str, dict[bytes, bytes] | None]],
-        decoded: dict[tuple[str, str], Message | Exception],
-    ) -> None:
-        """Decode the entries not decoded yet into ``decoded`` (what failed: its error)."""
-        for stream, entry_id, fields in entries:
-            if (stream, entry_id) in decoded or fields is None:
-                continue
-            if deadletter.entry_size(fields) > self.settings.max_entry_bytes:
-                continue  # handle_batch refuses it before decoding
-            try:
-                decoded[(stream, entry_id)] = decode_message(fields)
-            except (PerseusError, ValueError) as exc:
-                decoded[(stream, entry_id)] = exc
-
     def _claim_stale(self) -> int:
         handled = 0
         for stream in keys.INPUT_STREAMS:
@@ -240,7 +224,7 @@ class Coordinator:
                 logger.info("claimed stale entry %s %s", stream, entry_id)
             log_lost(stream, claimed.deleted)  # Redis 7; the claim counted them
             self.lost += len(claimed.deleted)
-            batch: list[tuple[str, str, dict[bytes, bytes] | None]]
+            batch: list[Entry]
             batch = [(stream, e, f) for e, f in claimed.entries]
             # Redis 6.2: pending but trimmed away; counted and logged as lost, and acknowledged.
             batch += [(stream, e, None) for e in claimed.gone]
@@ -254,8 +238,8 @@ class Coordinator:
 
     def handle_batch(
         self,
-        entries: list[tuple[str, str, dict[bytes, bytes] | None]],
-        decoded: dict[tuple[str, str], Message | Exception] | None = None,
+        entries: list[Entry],
+        decoded: Decoded | None = None,
         read_ahead: int | None = None,
     ) -> int:
         """Process entries read together, in at most four round trips whatever their number.
@@ -270,7 +254,7 @@ class Coordinator:
         Args:
             entries: (stream, entry id, fields) as read.
             decoded: Messages (or decoding errors) of some entries, decoded already; an
-                entry in it counts as within ``max_entry_bytes`` (:meth:`_decode_ahead`
+                entry in it counts as within ``max_entry_bytes`` (:func:`decode_ahead`
                 decodes no larger one).
             read_ahead: A lone store write (one script call: a registration, say) is sent
                 with the next blocking read of new entries, which blocks this long
@@ -283,35 +267,13 @@ class Coordinator:
             return 0
         # Activity stamps and dead letters: the server's clock, like heartbeats.
         outcome = Outcome(now=self.store.clock.now())
-        pending: list[tuple[str, str, dict[bytes, bytes], Message]] = []
-        for stream, entry_id, fields in entries:
-            outcome.acks.setdefault(stream, []).append(entry_id)
-            if not fields:  # XADD needs a field: none means the entry is gone
-                outcome.lost.setdefault(stream, []).append(entry_id)
-                continue
-            known = decoded.get((stream, entry_id)) if decoded else None
-            # Decoded ahead means sized already: _decode_ahead skips the oversize ones.
-            size = 0 if known is not None else deadletter.entry_size(fields)
-            if size > self.settings.max_entry_bytes:
-                # Refused before decoding: a huge msgpack payload costs memory to unpack.
-                reason = (
-                    f"entry of {size} bytes is over max_entry_bytes="
-                    f"{self.settings.max_entry_bytes} (PERSEUS_MAX_ENTRY_BYTES)"
-                )
-                outcome.dead(stream, entry_id, fields, reason, oversize=True)
-                continue
-            try:
-                if isinstance(known, Exception):
-                    raise known
-                pending.append((stream, entry_id, fields, known or decode_message(fields)))
-            except (PerseusError, ValueError) as exc:
-                outcome.dead(stream, entry_id, fields, str(exc) or type(exc).__name__)
+        pending = screen(entries, decoded, outcome, self.settings.max_entry_bytes)
         jobs = self.records.load(m.job_id for *_, m in pending if not isinstance(m, RegisterJob))
         self.result_keys.load(
             [(m.job_id, m.result.rank) for *_, m in pending if isinstance(m, ReportResult)]
         )
         batch = self.store.batch()
-        queued: list[tuple[str, str, dict[bytes, bytes], Message]] = []
+        queued: list[Pending] = []
         now = outcome.now
         for stream, entry_id, fields, message in pending:
             try:

@@ -56,17 +56,25 @@ def _check_url(url: str, connection_class: type) -> None:
     """Refuse what redis-py would silently ignore in ``url``, or fail on with a traceback later.
 
     redis-py takes a database path that is not a number (``redis://host:6379/abc``) as
-    database 0, and passes every query parameter to the connection, so a misspelt one
-    (``?ssl_ca_cert=``) raised a ``TypeError`` at the first command.
+    database 0, drops every slash from it (``/1/2`` is database 12), and passes every query
+    parameter to the connection, so a misspelt one (``?ssl_ca_cert=``) raised a ``TypeError``
+    at the first command, while one without a value (``?ssl_ca_cert``) was dropped unsaid.
+    The path is empty, ``/``, or ``/N`` with one optional trailing slash (``/0/``).
 
     Raises:
         ValueError: The message names the part of the URL that is wrong.
     """
     parts = urlsplit(url)
     if parts.scheme in ("redis", "rediss") and parts.path not in ("", "/"):
-        if not re.fullmatch(r"/[0-9]+", parts.path):
+        segments = parts.path[1:].removesuffix("/").split("/")
+        if len(segments) > 1 or not segments[0]:
             raise ValueError(
-                f"the database {parts.path[1:]!r} in the URL's path is not a number "
+                f"the URL's path {parts.path!r} is not /DB (one database number, as in "
+                "redis://host:6379/0)"
+            )
+        if not is_ascii_digits(segments[0]):
+            raise ValueError(
+                f"the database {segments[0]!r} in the URL's path is not a number "
                 "(redis://host:6379/0 selects database 0)"
             )
     # What the connection pool hands on: its own size, and what the connection class takes.
@@ -80,13 +88,21 @@ def _check_url(url: str, connection_class: type) -> None:
                 if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
                     accepted.add(param.name)
     accepted.discard("self")
-    unknown = sorted(set(parse_qs(parts.query)) - accepted)
+    # keep_blank_values: redis-py drops ``?name`` and ``?name=`` unsaid; refused here by name.
+    query = parse_qs(parts.query, keep_blank_values=True)
+    unknown = sorted(set(query) - accepted)
     if unknown:
         hint = "a redis-py connection setting such as db, socket_timeout or ssl_ca_certs"
         if parts.scheme != "rediss" and any(name.startswith("ssl_") for name in unknown):
             hint = "TLS settings need a rediss:// URL"
         raise ValueError(
             f"unknown query parameter(s) {', '.join(unknown)} for a {parts.scheme}:// URL ({hint})"
+        )
+    blank = sorted(name for name, values in query.items() if not any(values))
+    if blank:
+        raise ValueError(
+            f"query parameter(s) {', '.join(blank)} without a value (redis-py would ignore "
+            "them): give one, as in ?socket_timeout=5, or leave the parameter out"
         )
 
 

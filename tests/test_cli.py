@@ -137,6 +137,32 @@ def test_a_query_parameter_redis_py_parses_but_the_connection_does_not_take_is_r
     connect("rediss://127.0.0.1:1/0?ssl_cert_reqs=none&ssl_check_hostname=false").close()
 
 
+def test_a_query_parameter_without_a_value_is_refused_by_name() -> None:
+    # redis-py's parse_qs drops ?name and ?name= unsaid: a misspelt ?ssl_ca_cert passed.
+    for query in ("?foo", "?foo=", "?socket_timeout=5&foo"):
+        with pytest.raises(ConfigError, match=r"unknown query parameter\(s\) foo for a redis://"):
+            connect(f"redis://127.0.0.1:1/0{query}")
+    # A setting the connection takes, but with no value, would do nothing as well.
+    with pytest.raises(ConfigError, match=r"query parameter\(s\) socket_timeout without a value"):
+        connect("redis://127.0.0.1:1/0?socket_timeout=")
+    connect("redis://127.0.0.1:1/0?socket_timeout=5").close()
+
+
+def test_a_database_path_takes_one_trailing_slash_and_nothing_else() -> None:
+    # redis-py reads /0/ as database 0 (it drops every slash): accepted as it is.
+    for path, db in (("/0/", 0), ("/3/", 3), ("/3", 3), ("/", 0), ("", 0)):
+        client = connect(f"redis://127.0.0.1:1{path}")
+        assert client.connection_pool.connection_kwargs.get("db", 0) == db, path
+        client.close()
+    # redis-py reads /1/2 as database 12: refused, naming the path, the password hidden.
+    for path in ("/1/2", "/1/2/", "/0//", "//"):
+        with pytest.raises(ConfigError, match=f"the URL's path '{path}' is not /DB") as caught:
+            connect(f"redis://user:s3cret@127.0.0.1:1{path}")
+        assert "s3cret" not in str(caught.value) and "user:***@" in str(caught.value)
+    with pytest.raises(ConfigError, match="the database 'abc' in the URL's path is not a number"):
+        connect("redis://127.0.0.1:1/abc/")
+
+
 def test_coordinator_without_scheduler_settings_starts(redis_url, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "coordinator", "--redis-url", redis_url],

@@ -57,6 +57,12 @@ from protocol.exceptions import (
 )
 from protocol.models import PowerLimitMeasurement, PowerLimitProfile
 from worker_client.gpu.nvml import NVML
+from worker_client.power_limit.limits import (
+    common_range,
+    format_watts,
+    power_limit_ladder,
+    set_power_limit,
+)
 from worker_client.power_limit.monitor import Reducer, WindowMonitor, torch_distributed_reducer
 from worker_client.power_limit.profile import load_profile_file, save_profile_file
 from worker_client.power_limit.selectors import (
@@ -81,7 +87,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = [  # re-exported: the selectors (selectors.py), monitor.py and protocol.models
+__all__ = [  # re-exported: the selectors (selectors.py), monitor.py, limits.py, protocol.models
     "Done",
     "Energy",
     "GlobalPowerLimitOptimizer",
@@ -103,20 +109,6 @@ __all__ = [  # re-exported: the selectors (selectors.py), monitor.py and protoco
     "save_profile_file",
     "torch_distributed_reducer",
 ]
-
-
-def power_limit_ladder(max_mw: int, min_mw: int, pl_step: int) -> list[int]:
-    """Zeus's profiled limits (mW): ``max_mw`` down by ``pl_step`` W, none below ``min_mw``."""
-    return list(range(max_mw, min_mw - 1, -pl_step * 1000))
-
-
-def _watts(milliwatts: int) -> str:
-    return f"{milliwatts / 1000:g} W"
-
-
-def _is_permission_error(exc: GPUError) -> bool:
-    text = str(exc).lower()
-    return "no permission" in text or "insufficient permission" in text
 
 
 class GlobalPowerLimitOptimizer:
@@ -230,7 +222,7 @@ class GlobalPowerLimitOptimizer:
         self._profiled_at = 0.0  # unix time the profile was made (0: unknown)
         self.current_power_limit: int | None = None  # mW, the last one set
 
-        self.min_power_limit_mw, self.max_power_limit_mw = self._limit_range()
+        self.min_power_limit_mw, self.max_power_limit_mw = common_range(self.nvml, self._nvml_of)
         self.power_limits = power_limit_ladder(
             self.max_power_limit_mw, self.min_power_limit_mw, pl_step
         )
@@ -243,7 +235,7 @@ class GlobalPowerLimitOptimizer:
             self.measurements = list(profile.measurements)
             self._profiled_at = profile.updated_at
             optimal = self._compute_optimal_power_limit()
-            logger.info("using a stored power-limit profile: %s", _watts(optimal))
+            logger.info("using a stored power-limit profile: %s", format_watts(optimal))
             self.state = Done(optimal_power_limit=optimal)
             self._set_power_limit(optimal)
             if self.profile_path is not None and not self.profile_path.exists():
@@ -302,7 +294,7 @@ class GlobalPowerLimitOptimizer:
     def on_epoch_end(self) -> None:
         """Mark the end of an epoch: interrupt the limit being profiled, back to the maximum."""
         if isinstance(self.state, Warmup | Profiling):
-            limit = _watts(self.state.current_power_limit)
+            limit = format_watts(self.state.current_power_limit)
             logger.info(
                 "epoch ended while profiling %s (%s)",
                 limit,
@@ -416,38 +408,13 @@ class GlobalPowerLimitOptimizer:
             self.state = Warmup(current_power_limit=following, steps=self.warmup_steps)
             return
         optimal = self._compute_optimal_power_limit()
-        logger.info("profiling done; optimal power limit %s", _watts(optimal))
+        logger.info("profiling done; optimal power limit %s", format_watts(optimal))
         self.state = Done(optimal_power_limit=optimal)
         self._set_power_limit(optimal)
         self._save_profile()
 
-    def _limit_range(self) -> tuple[int, int]:
-        ranges = {i: self.nvml.power_limit_constraints_mw(n) for i, n in self._nvml_of.items()}
-        if len(set(ranges.values())) > 1:
-            listed = ", ".join(f"GPU {i}: {lo}-{hi} mW" for i, (lo, hi) in ranges.items())
-            raise ConfigError(
-                f"power limit ranges differ across the monitored GPUs ({listed}); one "
-                "optimizer needs GPUs of one kind (monitor them with one optimizer each)"
-            )
-        return ranges[self.gpu_indices[0]]
-
     def _set_power_limit(self, milliwatts: int) -> None:
-        for i, n in self._nvml_of.items():
-            # Reading needs no privilege: write (root or CAP_SYS_ADMIN) only what changes, so
-            # a job whose optimum is the current limit never needs the privilege at all.
-            if self.nvml.power_limit_mw(n) == milliwatts:
-                continue
-            try:
-                self.nvml.set_power_limit_mw(n, milliwatts)
-            except GPUError as exc:
-                if not _is_permission_error(exc):
-                    raise
-                raise GPUError(
-                    f"not allowed to set GPU {i}'s power limit to {_watts(milliwatts)}: "
-                    "nvmlDeviceSetPowerManagementLimit needs root or the CAP_SYS_ADMIN "
-                    "capability (run training as root, or grant CAP_SYS_ADMIN, e.g. "
-                    f"`docker run --cap-add SYS_ADMIN`); NVML said: {exc}"
-                ) from None
+        set_power_limit(self.nvml, self._nvml_of, milliwatts)
         self.current_power_limit = milliwatts
 
     def _compute_optimal_power_limit(self) -> int:
@@ -462,8 +429,8 @@ class GlobalPowerLimitOptimizer:
         if clamped != chosen:
             logger.warning(
                 "profile's limit %s is outside this GPU's range; using %s",
-                _watts(chosen),
-                _watts(clamped),
+                format_watts(chosen),
+                format_watts(clamped),
             )
         return clamped
 

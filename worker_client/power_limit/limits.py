@@ -1,0 +1,61 @@
+"""The GPU power limits an optimizer profiles and sets: their ladder, range and NVML writes."""
+
+from __future__ import annotations
+
+from protocol.exceptions import ConfigError, GPUError
+from worker_client.gpu.nvml import NVML
+
+
+def power_limit_ladder(max_mw: int, min_mw: int, pl_step: int) -> list[int]:
+    """Zeus's profiled limits (mW): ``max_mw`` down by ``pl_step`` W, none below ``min_mw``."""
+    return list(range(max_mw, min_mw - 1, -pl_step * 1000))
+
+
+def format_watts(milliwatts: int) -> str:
+    """A limit for a message: ``250 W``."""
+    return f"{milliwatts / 1000:g} W"
+
+
+def _is_permission_error(exc: GPUError) -> bool:
+    text = str(exc).lower()
+    return "no permission" in text or "insufficient permission" in text
+
+
+def common_range(nvml: NVML, nvml_of: dict[int, int]) -> tuple[int, int]:
+    """The (min, max) power limit in mW that the GPUs ``nvml_of`` maps to NVML share.
+
+    Raises:
+        ConfigError: Their ranges differ (one optimizer needs GPUs of one kind).
+    """
+    ranges = {i: nvml.power_limit_constraints_mw(n) for i, n in nvml_of.items()}
+    if len(set(ranges.values())) > 1:
+        listed = ", ".join(f"GPU {i}: {lo}-{hi} mW" for i, (lo, hi) in ranges.items())
+        raise ConfigError(
+            f"power limit ranges differ across the monitored GPUs ({listed}); one "
+            "optimizer needs GPUs of one kind (monitor them with one optimizer each)"
+        )
+    return ranges[next(iter(nvml_of))]
+
+
+def set_power_limit(nvml: NVML, nvml_of: dict[int, int], milliwatts: int) -> None:
+    """Set every GPU of ``nvml_of`` (monitor index -> NVML index) to ``milliwatts``.
+
+    Raises:
+        GPUError: NVML failed; without the privilege, the message says which one is needed.
+    """
+    for i, n in nvml_of.items():
+        # Reading needs no privilege: write (root or CAP_SYS_ADMIN) only what changes, so
+        # a job whose optimum is the current limit never needs the privilege at all.
+        if nvml.power_limit_mw(n) == milliwatts:
+            continue
+        try:
+            nvml.set_power_limit_mw(n, milliwatts)
+        except GPUError as exc:
+            if not _is_permission_error(exc):
+                raise
+            raise GPUError(
+                f"not allowed to set GPU {i}'s power limit to {format_watts(milliwatts)}: "
+                "nvmlDeviceSetPowerManagementLimit needs root or the CAP_SYS_ADMIN "
+                "capability (run training as root, or grant CAP_SYS_ADMIN, e.g. "
+                f"`docker run --cap-add SYS_ADMIN`); NVML said: {exc}"
+            ) from None
