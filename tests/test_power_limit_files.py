@@ -197,6 +197,40 @@ def test_a_boolean_or_string_for_a_number_in_a_profile_file_is_refused_naming_it
     assert PowerLimitProfileStore(r).load("bert") is None
 
 
+def test_a_limit_written_as_a_whole_float_is_that_limit(
+    training: ReplayTraining, tmp_path: Path
+) -> None:
+    """`"power_limit": 300.0` (hand-edited, another tool's writer) is 300 W, as Zeus reads it."""
+    path = tmp_path / "edited.json"
+    path.write_text(
+        '{"measurements": [{"power_limit": 300.0, "energy": 1000.0, "time": 10.0}, '
+        '{"power_limit": 2.5e2, "energy": 900.0, "time": 10.2}], "optimal_power_limit": 250.0}'
+    )
+    profile = load_profile_file(path)
+    assert [m.power_limit for m in profile.measurements] == [300, 250]
+    assert all(type(m.power_limit) is int for m in profile.measurements)
+    assert profile.optimal_power_limit == 250 and type(profile.optimal_power_limit) is int
+    opt = make(training, profile_path=path, optimum_selector=MaxSlowdownConstraint(1.05))
+    assert opt.state == Done(optimal_power_limit=250_000)
+    assert training.step_limits == []  # no profiling
+    for written, named in (
+        ("300.5", "measurements[0].power_limit: Input should be a valid integer (got 300.5)"),
+        ("-0.0", "measurements[0].power_limit: Input should be greater than or equal to 1"),
+    ):
+        path.write_text(
+            f'{{"measurements": [{{"power_limit": {written}, "energy": 1.0, "time": 1.0}}]}}'
+        )
+        with pytest.raises(ConfigError) as info:
+            load_profile_file(path)
+        assert str(info.value) == f"bad power-limit profile {path}: {named}"
+    path.write_text(
+        '{"measurements": [{"power_limit": 300, "energy": 1.0, "time": 1.0}], '
+        '"optimal_power_limit": 300.5}'
+    )
+    with pytest.raises(ConfigError, match=r": optimal_power_limit: .*valid integer \(got 300.5\)"):
+        load_profile_file(path)
+
+
 @pytest.mark.parametrize("updated_at", ["NaN", "Infinity", "1e400", "-5", "true"])
 def test_a_profile_file_with_an_impossible_time_of_update_is_refused(
     tmp_path: Path, updated_at: str

@@ -41,6 +41,34 @@ def describe_validation_error(exc: ValidationError) -> str:
     return "; ".join(lines)
 
 
+def _whole_number(value: object) -> object:
+    """``300.0`` as ``300``; any other value as it is (strict validation judges it)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _whole_watts(data: dict[str, object]) -> dict[str, object]:
+    """``data`` with limits written as integral floats (``300.0``) made integers.
+
+    Zeus writes whole watts as JSON integers, but a hand-edited profile or another tool's may
+    write ``300.0``: the same limit. ``300.5``, ``true`` and ``"300"`` stay as they are, for
+    strict validation to refuse by name.
+    """
+    data = dict(data)
+    if "optimal_power_limit" in data:
+        data["optimal_power_limit"] = _whole_number(data["optimal_power_limit"])
+    measurements = data.get("measurements")
+    if isinstance(measurements, list):
+        data["measurements"] = [
+            {**m, "power_limit": _whole_number(m["power_limit"])}
+            if isinstance(m, dict) and "power_limit" in m
+            else m
+            for m in measurements
+        ]
+    return data
+
+
 def parse_profile(text: str | bytes, source: str) -> PowerLimitProfile:
     """Parse a JSON profile (Zeus's or perseus-mq's); ConfigError names ``source`` and the spot."""
     try:
@@ -65,7 +93,7 @@ def parse_profile(text: str | bytes, source: str) -> PowerLimitProfile:
         )
     try:
         # Strict: a JSON true is no power limit (it was read as 1 W) and "250" no number.
-        return PowerLimitProfile.model_validate(data, strict=True)
+        return PowerLimitProfile.model_validate(_whole_watts(data), strict=True)
     except ValidationError as exc:
         raise ConfigError(
             f"bad power-limit profile {source}: {describe_validation_error(exc)}"
