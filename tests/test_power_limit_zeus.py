@@ -300,3 +300,28 @@ def test_default_zeus_cost_counts_every_ranks_gpus(training: ReplayTraining) -> 
     assert repr(two_ranks.optimum_selector) == "ZeusCost(eta_knob=0.5, world_size=2)"
     assert one_rank.state == two_ranks.state  # Done(250 W); world_size=1 chose 200 W
     assert two_ranks.state == Done(optimal_power_limit=250_000)
+
+
+def test_every_zeus_callback_event_is_taken(training: ReplayTraining) -> None:
+    """Zeus's optimizer is a ``zeus.callback.Callback``: a ``CallbackSet`` loop calls all seven.
+
+    ``on_train_begin``, ``on_evaluate(metric)`` and ``on_train_end`` were missing here, so a
+    Zeus training loop failed with AttributeError at its first line.
+    """
+    opt = make(training, optimum_selector=MaxSlowdownConstraint(1.05))
+    opt.on_train_begin()
+    for _epoch in range(4):
+        opt.on_epoch_begin()
+        for _ in range(7):
+            opt.on_step_begin()
+            training.step()
+            opt.on_step_end()
+        opt.on_epoch_end()
+        training.idle(1.0)
+        opt.on_evaluate(0.5)
+    assert opt.state == Done(optimal_power_limit=250_000)
+    assert profiled(opt) == [300, 250, 200] and limits_now() == [250, 250]
+    opt.on_train_end()  # as the HF callback's on_train_end: the maximum limit is restored
+    assert limits_now() == [300, 300]
+    opt.on_step_begin()  # training goes on: back to the optimum
+    assert limits_now() == [250, 250]

@@ -57,6 +57,7 @@ from protocol.exceptions import (
 )
 from protocol.models import PowerLimitMeasurement, PowerLimitProfile
 from worker_client.gpu.nvml import NVML
+from worker_client.power_limit.callback import Callback
 from worker_client.power_limit.monitor import Reducer, WindowMonitor, torch_distributed_reducer
 from worker_client.power_limit.profile import load_profile_file, save_profile_file
 from worker_client.power_limit.selectors import (
@@ -119,7 +120,7 @@ def _is_permission_error(exc: GPUError) -> bool:
     return "no permission" in text or "insufficient permission" in text
 
 
-class GlobalPowerLimitOptimizer:
+class GlobalPowerLimitOptimizer(Callback):
     """Profile power limits during training and keep the best one (see the module docstring).
 
     The first seven arguments are Zeus's, with Zeus's defaults and meaning.
@@ -293,12 +294,6 @@ class GlobalPowerLimitOptimizer:
             self._end_window(state.current_power_limit)
             self._finish_limit(state.current_power_limit)
 
-    def on_step_end(self) -> None:
-        """Mark the end of a training step (nothing to do)."""
-
-    def on_epoch_begin(self) -> None:
-        """Mark the beginning of an epoch (nothing to do)."""
-
     def on_epoch_end(self) -> None:
         """Mark the end of an epoch: interrupt the limit being profiled, back to the maximum."""
         if isinstance(self.state, Warmup | Profiling):
@@ -313,6 +308,10 @@ class GlobalPowerLimitOptimizer:
             if self._stall.stalled(self.state):
                 steps = None if self.carry_across_epochs else self.warmup_steps + self.profile_steps
                 logger.warning(self._stall.message(limit, steps))
+
+    def on_train_end(self) -> None:
+        """Mark the end of training: :meth:`close` (as the HF callback's ``on_train_end``)."""
+        self.close()
 
     def close(self) -> None:
         """Restore the maximum power limit on every GPU (idempotent; also runs at exit).
