@@ -255,3 +255,27 @@ def test_a_workload_name_with_a_trailing_line_break_is_refused():
     assert check_workload("bert") == "bert"
     with pytest.raises(ConfigError, match="workload name"):
         check_workload("bert\n")
+
+
+def test_a_profile_file_that_cannot_be_written_after_profiling_is_a_warning(
+    training: ReplayTraining, r: redis.Redis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Training goes on at the optimum and Redis still gets the profile.
+
+    The OSError (disk full, a read-only mount, here a folder that took the file's name) ended
+    training with a traceback once every limit was measured, before Redis got the profile.
+    """
+    path = tmp_path / "profile.json"
+    store = PowerLimitProfileStore(r)
+    opt = make(training, profile_path=path, profile_store=store, workload="bert")
+    path.mkdir()
+    with caplog.at_level("WARNING", logger="worker_client.power_limit"):
+        run_steps(opt, training, 12)
+    assert opt.state == Done(optimal_power_limit=250_000)
+    assert fake.STATE.gpus[0].limit_mw == 250_000
+    assert training.step_limits[-1] == 250  # training went on at the optimum
+    warned = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+    assert len(warned) == 1 and f"cannot write the power-limit profile {path}: " in warned[0]
+    stored = store.load("bert")
+    assert stored is not None and stored.measurements == opt.measurements
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

@@ -59,7 +59,7 @@ from protocol.models import PowerLimitMeasurement, PowerLimitProfile
 from worker_client.gpu.nvml import NVML
 from worker_client.power_limit.callback import Callback
 from worker_client.power_limit.monitor import Reducer, WindowMonitor, torch_distributed_reducer
-from worker_client.power_limit.profile import load_profile_file, save_profile_file
+from worker_client.power_limit.profile import load_profile_file, save_or_warn, save_profile_file
 from worker_client.power_limit.selectors import (
     Energy,
     MaxSlowdownConstraint,
@@ -492,7 +492,7 @@ class GlobalPowerLimitOptimizer(Callback):
         profile = self.profile()
         assert profile is not None
         if self.profile_path is not None:
-            save_profile_file(profile, self.profile_path)
+            save_or_warn(profile, self.profile_path)  # an OSError is a warning
         if store and self.profile_store is not None and self.workload is not None:
             try:
                 self.profile_store.save(self.workload, profile)

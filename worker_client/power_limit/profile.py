@@ -11,6 +11,7 @@ store (:mod:`worker_client.power_limit.store`) keeps the same model
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 from datetime import datetime, timezone
@@ -20,6 +21,8 @@ from pydantic import ValidationError
 
 from protocol.exceptions import ConfigError
 from protocol.models import PowerLimitProfile
+
+logger = logging.getLogger(__name__)
 
 
 def describe_validation_error(exc: ValidationError) -> str:
@@ -140,6 +143,23 @@ def save_profile_file(profile: PowerLimitProfile, path: str | Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_or_warn(profile: PowerLimitProfile, path: str | Path) -> None:
+    """:func:`save_profile_file`, where a file that cannot be written is a warning.
+
+    For the optimizer, once profiling ends: the file only saves the next run's profiling, so
+    a full disk or a read-only mount must not end the training that goes on at the optimum.
+    """
+    try:
+        save_profile_file(profile, path)
+    except OSError as exc:
+        logger.warning(
+            "cannot write the power-limit profile %s: %s; training goes on (a next run given "
+            "this profile_path profiles again)",
+            path,
+            exc,
+        )
 
 
 def format_time(unix: float) -> str:
