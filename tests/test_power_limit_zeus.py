@@ -13,9 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from pydantic import BaseModel, PositiveFloat, PositiveInt
 
+from protocol.exceptions import ConfigError
 from protocol.models import PowerLimitMeasurement
 from tests import fake_nvml_power as fake
 from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, limits_now, limits_set, run_steps
@@ -24,6 +26,7 @@ from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer
 from worker_client.power_limit.selectors import (
     Energy,
     MaxSlowdownConstraint,
+    OptimumSelector,
     Time,
     ZeusCost,
 )
@@ -325,3 +328,39 @@ def test_every_zeus_callback_event_is_taken(training: ReplayTraining) -> None:
     assert limits_now() == [300, 300]
     opt.on_step_begin()  # training goes on: back to the optimum
     assert limits_now() == [250, 250]
+
+
+class Returns(OptimumSelector):
+    """A user's selector that returns ``value`` whatever was measured."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def select(self, measurements: Any) -> Any:
+        return self.value
+
+
+@pytest.mark.parametrize("value", [250.0, np.float64(250.0), np.int64(250)])
+def test_a_selector_returning_a_whole_number_of_another_type_sets_that_limit(
+    training: ReplayTraining, value: object
+) -> None:
+    """Zeus's ``Done`` (a pydantic int) takes 250.0; NVML's ``c_uint`` refused a float."""
+    opt = make(training, optimum_selector=Returns(value))
+    run_steps(opt, training, 17)
+    assert opt.state == Done(optimal_power_limit=250_000)
+    assert type(opt.state.optimal_power_limit) is int
+    assert [type(mw) for _, mw in fake.STATE.set_calls] == [int] * len(fake.STATE.set_calls)
+    assert limits_now() == [250, 250]
+
+
+@pytest.mark.parametrize("value", [251.5, None, "250", True, float("nan")])
+def test_a_selector_returning_no_whole_number_is_a_config_error_naming_it(
+    training: ReplayTraining, value: object
+) -> None:
+    opt = make(training, optimum_selector=Returns(value))
+    with pytest.raises(ConfigError) as info:
+        run_steps(opt, training, 17)
+    assert str(info.value) == (
+        f"optimum_selector Returns(value={value!r}) returned {value!r}, not a power limit in "
+        "whole watts"
+    )

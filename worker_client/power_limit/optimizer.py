@@ -66,6 +66,7 @@ from worker_client.power_limit.selectors import (
     OptimumSelector,
     Time,
     ZeusCost,
+    chosen_limit,
 )
 from worker_client.power_limit.states import (
     Done,
@@ -456,7 +457,7 @@ class GlobalPowerLimitOptimizer(Callback):
             # rank gets here together (its last window, or the profile all ranks load).
             _, gpus = self.reducer(0.0, float(len(self.gpu_indices)))
             self.optimum_selector = ZeusCost(eta_knob=0.5, world_size=max(1, round(gpus)))
-        chosen = self.optimum_selector.select(self.measurements) * 1000
+        chosen = chosen_limit(self.optimum_selector, self.measurements) * 1000
         clamped = min(max(chosen, self.min_power_limit_mw), self.max_power_limit_mw)
         if clamped != chosen:
             logger.warning(
