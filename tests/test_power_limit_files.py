@@ -197,6 +197,40 @@ def test_a_boolean_or_string_for_a_number_in_a_profile_file_is_refused_naming_it
     assert PowerLimitProfileStore(r).load("bert") is None
 
 
+def test_a_limit_written_as_a_whole_float_is_that_limit(
+    training: ReplayTraining, tmp_path: Path
+) -> None:
+    """`"power_limit": 300.0` (hand-edited, another tool's writer) is 300 W, as Zeus reads it."""
+    path = tmp_path / "edited.json"
+    path.write_text(
+        '{"measurements": [{"power_limit": 300.0, "energy": 1000.0, "time": 10.0}, '
+        '{"power_limit": 2.5e2, "energy": 900.0, "time": 10.2}], "optimal_power_limit": 250.0}'
+    )
+    profile = load_profile_file(path)
+    assert [m.power_limit for m in profile.measurements] == [300, 250]
+    assert all(type(m.power_limit) is int for m in profile.measurements)
+    assert profile.optimal_power_limit == 250 and type(profile.optimal_power_limit) is int
+    opt = make(training, profile_path=path, optimum_selector=MaxSlowdownConstraint(1.05))
+    assert opt.state == Done(optimal_power_limit=250_000)
+    assert training.step_limits == []  # no profiling
+    for written, named in (
+        ("300.5", "measurements[0].power_limit: Input should be a valid integer (got 300.5)"),
+        ("-0.0", "measurements[0].power_limit: Input should be greater than or equal to 1"),
+    ):
+        path.write_text(
+            f'{{"measurements": [{{"power_limit": {written}, "energy": 1.0, "time": 1.0}}]}}'
+        )
+        with pytest.raises(ConfigError) as info:
+            load_profile_file(path)
+        assert str(info.value) == f"bad power-limit profile {path}: {named}"
+    path.write_text(
+        '{"measurements": [{"power_limit": 300, "energy": 1.0, "time": 1.0}], '
+        '"optimal_power_limit": 300.5}'
+    )
+    with pytest.raises(ConfigError, match=r": optimal_power_limit: .*valid integer \(got 300.5\)"):
+        load_profile_file(path)
+
+
 @pytest.mark.parametrize("updated_at", ["NaN", "Infinity", "1e400", "-5", "true"])
 def test_a_profile_file_with_an_impossible_time_of_update_is_refused(
     tmp_path: Path, updated_at: str
@@ -221,3 +255,27 @@ def test_a_workload_name_with_a_trailing_line_break_is_refused():
     assert check_workload("bert") == "bert"
     with pytest.raises(ConfigError, match="workload name"):
         check_workload("bert\n")
+
+
+def test_a_profile_file_that_cannot_be_written_after_profiling_is_a_warning(
+    training: ReplayTraining, r: redis.Redis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Training goes on at the optimum and Redis still gets the profile.
+
+    The OSError (disk full, a read-only mount, here a folder that took the file's name) ended
+    training with a traceback once every limit was measured, before Redis got the profile.
+    """
+    path = tmp_path / "profile.json"
+    store = PowerLimitProfileStore(r)
+    opt = make(training, profile_path=path, profile_store=store, workload="bert")
+    path.mkdir()
+    with caplog.at_level("WARNING", logger="worker_client.power_limit"):
+        run_steps(opt, training, 12)
+    assert opt.state == Done(optimal_power_limit=250_000)
+    assert fake.STATE.gpus[0].limit_mw == 250_000
+    assert training.step_limits[-1] == 250  # training went on at the optimum
+    warned = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+    assert len(warned) == 1 and f"cannot write the power-limit profile {path}: " in warned[0]
+    stored = store.load("bert")
+    assert stored is not None and stored.measurements == opt.measurements
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

@@ -13,9 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from pydantic import BaseModel, PositiveFloat, PositiveInt
 
+from protocol.exceptions import ConfigError
 from protocol.models import PowerLimitMeasurement
 from tests import fake_nvml_power as fake
 from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, limits_now, limits_set, run_steps
@@ -24,6 +26,7 @@ from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer
 from worker_client.power_limit.selectors import (
     Energy,
     MaxSlowdownConstraint,
+    OptimumSelector,
     Time,
     ZeusCost,
 )
@@ -300,3 +303,64 @@ def test_default_zeus_cost_counts_every_ranks_gpus(training: ReplayTraining) -> 
     assert repr(two_ranks.optimum_selector) == "ZeusCost(eta_knob=0.5, world_size=2)"
     assert one_rank.state == two_ranks.state  # Done(250 W); world_size=1 chose 200 W
     assert two_ranks.state == Done(optimal_power_limit=250_000)
+
+
+def test_every_zeus_callback_event_is_taken(training: ReplayTraining) -> None:
+    """Zeus's optimizer is a ``zeus.callback.Callback``: a ``CallbackSet`` loop calls all seven.
+
+    ``on_train_begin``, ``on_evaluate(metric)`` and ``on_train_end`` were missing here, so a
+    Zeus training loop failed with AttributeError at its first line.
+    """
+    opt = make(training, optimum_selector=MaxSlowdownConstraint(1.05))
+    opt.on_train_begin()
+    for _epoch in range(4):
+        opt.on_epoch_begin()
+        for _ in range(7):
+            opt.on_step_begin()
+            training.step()
+            opt.on_step_end()
+        opt.on_epoch_end()
+        training.idle(1.0)
+        opt.on_evaluate(0.5)
+    assert opt.state == Done(optimal_power_limit=250_000)
+    assert profiled(opt) == [300, 250, 200] and limits_now() == [250, 250]
+    opt.on_train_end()  # as the HF callback's on_train_end: the maximum limit is restored
+    assert limits_now() == [300, 300]
+    opt.on_step_begin()  # training goes on: back to the optimum
+    assert limits_now() == [250, 250]
+
+
+class Returns(OptimumSelector):
+    """A user's selector that returns ``value`` whatever was measured."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def select(self, measurements: Any) -> Any:
+        return self.value
+
+
+@pytest.mark.parametrize("value", [250.0, np.float64(250.0), np.int64(250)])
+def test_a_selector_returning_a_whole_number_of_another_type_sets_that_limit(
+    training: ReplayTraining, value: object
+) -> None:
+    """Zeus's ``Done`` (a pydantic int) takes 250.0; NVML's ``c_uint`` refused a float."""
+    opt = make(training, optimum_selector=Returns(value))
+    run_steps(opt, training, 17)
+    assert opt.state == Done(optimal_power_limit=250_000)
+    assert type(opt.state.optimal_power_limit) is int
+    assert [type(mw) for _, mw in fake.STATE.set_calls] == [int] * len(fake.STATE.set_calls)
+    assert limits_now() == [250, 250]
+
+
+@pytest.mark.parametrize("value", [251.5, None, "250", True, float("nan")])
+def test_a_selector_returning_no_whole_number_is_a_config_error_naming_it(
+    training: ReplayTraining, value: object
+) -> None:
+    opt = make(training, optimum_selector=Returns(value))
+    with pytest.raises(ConfigError) as info:
+        run_steps(opt, training, 17)
+    assert str(info.value) == (
+        f"optimum_selector Returns(value={value!r}) returned {value!r}, not a power limit in "
+        "whole watts"
+    )

@@ -57,6 +57,7 @@ from protocol.exceptions import (
 )
 from protocol.models import PowerLimitMeasurement, PowerLimitProfile
 from worker_client.gpu.nvml import NVML
+from worker_client.power_limit.callback import Callback
 from worker_client.power_limit.limits import (
     common_range,
     format_watts,
@@ -64,13 +65,14 @@ from worker_client.power_limit.limits import (
     set_power_limit,
 )
 from worker_client.power_limit.monitor import Reducer, WindowMonitor, torch_distributed_reducer
-from worker_client.power_limit.profile import load_profile_file, save_profile_file
+from worker_client.power_limit.profile import load_profile_file, save_or_warn, save_profile_file
 from worker_client.power_limit.selectors import (
     Energy,
     MaxSlowdownConstraint,
     OptimumSelector,
     Time,
     ZeusCost,
+    chosen_limit,
 )
 from worker_client.power_limit.states import (
     Done,
@@ -111,7 +113,7 @@ __all__ = [  # re-exported: the selectors (selectors.py), monitor.py, limits.py,
 ]
 
 
-class GlobalPowerLimitOptimizer:
+class GlobalPowerLimitOptimizer(Callback):
     """Profile power limits during training and keep the best one (see the module docstring).
 
     The first seven arguments are Zeus's, with Zeus's defaults and meaning.
@@ -285,12 +287,6 @@ class GlobalPowerLimitOptimizer:
             self._end_window(state.current_power_limit)
             self._finish_limit(state.current_power_limit)
 
-    def on_step_end(self) -> None:
-        """Mark the end of a training step (nothing to do)."""
-
-    def on_epoch_begin(self) -> None:
-        """Mark the beginning of an epoch (nothing to do)."""
-
     def on_epoch_end(self) -> None:
         """Mark the end of an epoch: interrupt the limit being profiled, back to the maximum."""
         if isinstance(self.state, Warmup | Profiling):
@@ -305,6 +301,10 @@ class GlobalPowerLimitOptimizer:
             if self._stall.stalled(self.state):
                 steps = None if self.carry_across_epochs else self.warmup_steps + self.profile_steps
                 logger.warning(self._stall.message(limit, steps))
+
+    def on_train_end(self) -> None:
+        """Mark the end of training: :meth:`close` (as the HF callback's ``on_train_end``)."""
+        self.close()
 
     def close(self) -> None:
         """Restore the maximum power limit on every GPU (idempotent; also runs at exit).
@@ -424,7 +424,7 @@ class GlobalPowerLimitOptimizer:
             # rank gets here together (its last window, or the profile all ranks load).
             _, gpus = self.reducer(0.0, float(len(self.gpu_indices)))
             self.optimum_selector = ZeusCost(eta_knob=0.5, world_size=max(1, round(gpus)))
-        chosen = self.optimum_selector.select(self.measurements) * 1000
+        chosen = chosen_limit(self.optimum_selector, self.measurements) * 1000
         clamped = min(max(chosen, self.min_power_limit_mw), self.max_power_limit_mw)
         if clamped != chosen:
             logger.warning(
@@ -460,7 +460,7 @@ class GlobalPowerLimitOptimizer:
         profile = self.profile()
         assert profile is not None
         if self.profile_path is not None:
-            save_profile_file(profile, self.profile_path)
+            save_or_warn(profile, self.profile_path)  # an OSError is a warning
         if store and self.profile_store is not None and self.workload is not None:
             try:
                 self.profile_store.save(self.workload, profile)

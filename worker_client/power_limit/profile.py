@@ -11,6 +11,7 @@ store (:mod:`worker_client.power_limit.store`) keeps the same model
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 from datetime import datetime, timezone
@@ -20,6 +21,8 @@ from pydantic import ValidationError
 
 from protocol.exceptions import ConfigError
 from protocol.models import PowerLimitProfile
+
+logger = logging.getLogger(__name__)
 
 
 def describe_validation_error(exc: ValidationError) -> str:
@@ -39,6 +42,34 @@ def describe_validation_error(exc: ValidationError) -> str:
             shown = f" (got {json.dumps(got)[:40]})"
         lines.append(f"{where or 'profile'}: {error['msg']}{shown}")
     return "; ".join(lines)
+
+
+def _whole_number(value: object) -> object:
+    """``300.0`` as ``300``; any other value as it is (strict validation judges it)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _whole_watts(data: dict[str, object]) -> dict[str, object]:
+    """``data`` with limits written as integral floats (``300.0``) made integers.
+
+    Zeus writes whole watts as JSON integers, but a hand-edited profile or another tool's may
+    write ``300.0``: the same limit. ``300.5``, ``true`` and ``"300"`` stay as they are, for
+    strict validation to refuse by name.
+    """
+    data = dict(data)
+    if "optimal_power_limit" in data:
+        data["optimal_power_limit"] = _whole_number(data["optimal_power_limit"])
+    measurements = data.get("measurements")
+    if isinstance(measurements, list):
+        data["measurements"] = [
+            {**m, "power_limit": _whole_number(m["power_limit"])}
+            if isinstance(m, dict) and "power_limit" in m
+            else m
+            for m in measurements
+        ]
+    return data
 
 
 def parse_profile(text: str | bytes, source: str) -> PowerLimitProfile:
@@ -65,7 +96,7 @@ def parse_profile(text: str | bytes, source: str) -> PowerLimitProfile:
         )
     try:
         # Strict: a JSON true is no power limit (it was read as 1 W) and "250" no number.
-        return PowerLimitProfile.model_validate(data, strict=True)
+        return PowerLimitProfile.model_validate(_whole_watts(data), strict=True)
     except ValidationError as exc:
         raise ConfigError(
             f"bad power-limit profile {source}: {describe_validation_error(exc)}"
@@ -112,6 +143,23 @@ def save_profile_file(profile: PowerLimitProfile, path: str | Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_or_warn(profile: PowerLimitProfile, path: str | Path) -> None:
+    """:func:`save_profile_file`, where a file that cannot be written is a warning.
+
+    For the optimizer, once profiling ends: the file only saves the next run's profiling, so
+    a full disk or a read-only mount must not end the training that goes on at the optimum.
+    """
+    try:
+        save_profile_file(profile, path)
+    except OSError as exc:
+        logger.warning(
+            "cannot write the power-limit profile %s: %s; training goes on (a next run given "
+            "this profile_path profiles again)",
+            path,
+            exc,
+        )
 
 
 def format_time(unix: float) -> str:

@@ -128,3 +128,19 @@ class MaxSlowdownConstraint(OptimumSelector):
         highest = max(m.power_limit for m in measurements)
         baseline = next(m.time for m in measurements if m.power_limit == highest)
         return min(m.power_limit for m in measurements if m.time <= self.factor * baseline)
+
+
+def chosen_limit(selector: OptimumSelector, measurements: Sequence[PowerLimitMeasurement]) -> int:
+    """``selector``'s pick (W) as an int; a user's selector may return ``250.0`` or numpy's.
+
+    Raises:
+        ConfigError: The selector returned no whole number of watts (NVML takes integers).
+    """
+    value = selector.select(measurements)
+    if _is_integer(value):
+        return int(value)
+    if _is_number(value) and float(value).is_integer():  # NaN and infinities are not
+        return int(value)
+    raise ConfigError(
+        f"optimum_selector {selector!r} returned {value!r}, not a power limit in whole watts"
+    )
