@@ -59,7 +59,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from worker_client.hook.callback import Callback  # noqa: E402
+from worker_client.callback import Callback  # noqa: E402
 from worker_client.hook.optimizer import PerseusOptimizer  # noqa: E402
 
 STAGES, MICROBATCHES = 4, 8

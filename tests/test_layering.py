@@ -6,6 +6,7 @@ the groups listed for it, nothing else of the project:
 - ``protocol``: key names, models, exceptions, the job store, the scheduler contract.
 - ``schedulers.planning``: the offline tool chain (profile CSV, DAG, planner, plan files).
 - ``schedulers``: the schedulers rq workers run.
+- ``worker_client``: the training-loop callback interface both optimizers subclass.
 - ``worker_client.gpu``: NVML facades, frequency controller, energy measurement.
 - ``worker_client.hook``: the training hook and its Redis session.
 - ``worker_client.power_limit``: the power-limit optimizer.
@@ -46,8 +47,8 @@ ALLOWED: dict[str, set[str]] = {
     "schedulers.planning": {"protocol"},
     "schedulers": {"protocol", "schedulers.planning"},
     "worker_client.gpu": {"protocol"},
-    "worker_client.hook": {"protocol", "worker_client.gpu"},
-    "worker_client.power_limit": {"protocol", "worker_client.gpu"},
+    "worker_client.hook": {"protocol", "worker_client", "worker_client.gpu"},
+    "worker_client.power_limit": {"protocol", "worker_client", "worker_client.gpu"},
     "worker_client.simulated": {
         "protocol",
         "schedulers.planning",
@@ -61,11 +62,12 @@ ALLOWED: dict[str, set[str]] = {
         "worker_client.hook",
     },
     "coordinator": {"protocol", "schedulers", "schedulers.planning"},
-    "worker_client": set(),  # the package's __init__ only
+    "worker_client": set(),  # the package's __init__ and the callback interface
     "top": {
         "protocol",
         "schedulers",
         "schedulers.planning",
+        "worker_client",
         "worker_client.gpu",
         "worker_client.hook",
         "worker_client.power_limit",

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from protocol.exceptions import JobFailedError, ScheduleError
 from protocol.models import FrequencySchedule, ProfilingResult
-from worker_client.hook.callback import Callback
+from worker_client.callback import Callback
 from worker_client.hook.clock_requests import (
     ClockRequester,
     FrequencySetter,

@@ -56,8 +56,8 @@ from protocol.exceptions import (
     ProtocolError,
 )
 from protocol.models import PowerLimitMeasurement, PowerLimitProfile
+from worker_client.callback import Callback
 from worker_client.gpu.nvml import NVML
-from worker_client.power_limit.callback import Callback
 from worker_client.power_limit.limits import (
     common_range,
     format_watts,

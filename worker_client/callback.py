@@ -1,13 +1,15 @@
-"""The training-loop callback interface: every hook is a no-op unless overridden."""
+"""The training-loop callback interface (Zeus's ``zeus.callback.Callback``): every event a no-op.
+
+``PerseusOptimizer`` and ``GlobalPowerLimitOptimizer`` both subclass it, as Zeus's do: a loop
+written for Zeus (through a ``CallbackSet``, say) calls every event on every callback, including
+those a callback has nothing to do at.
+"""
 
 from __future__ import annotations
 
 
 class Callback:
-    """Base class of perseus-mq's training hooks.
-
-    Call the hooks from your training loop; override only the ones you need.
-    """
+    """Training events; a subclass overrides those it acts on."""
 
     def on_train_begin(self) -> None:
         """Training starts."""
@@ -26,6 +28,9 @@ class Callback:
 
     def on_step_end(self) -> None:
         """A training step ends."""
+
+    def on_evaluate(self, metric: float) -> None:
+        """The model was evaluated and scored ``metric``."""
 
     def on_instruction_begin(self, name: str) -> None:
         """A pipeline instruction (e.g. ``forward``, ``backward``) starts."""
