@@ -545,6 +545,32 @@ fake.run_steps(opt, training, 3)
     assert out.stdout.strip() == "limits [250000, 300000]"
 
 
+def test_a_plain_fork_that_exits_leaves_the_power_limit_alone() -> None:
+    # A plain fork leaving through sys.exit runs the exit handlers it inherited: the
+    # optimizer's restored the maximum limit there, under its parent training at the optimum.
+    script = """
+import atexit, os, sys
+from tests import fake_nvml_power as fake
+from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer
+fake.reset(num_gpus=1, min_limit_mw=160_000, max_limit_mw=300_000)
+atexit.register(lambda: print(os.getpid() == parent, [mw for _, mw in fake.STATE.set_calls]))
+training = fake.ReplayTraining({300: (0.1, 280.0), 250: (0.1, 240.0)}, [0])
+opt = GlobalPowerLimitOptimizer(fake.ReplayMonitor(training), wait_steps=0, warmup_steps=1,
+                                profile_steps=1, pl_step=50)
+fake.run_steps(opt, training, 3)
+parent = os.getpid()
+if os.fork() == 0:
+    sys.exit(0)
+os.wait()
+"""
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True
+    )
+    # The fork's NVML calls (a copy of the fake's record) first, then the parent's at its exit.
+    assert out.stdout.splitlines() == ["False [250000]", "True [250000, 300000]"]
+
+
 def test_cli_import_export_zeus_files(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
     zeus_file = tmp_path / "zeus.json"
     rows = [{"power_limit": pl, "energy": e, "time": t} for pl, (t, e) in RESULTS.items()]

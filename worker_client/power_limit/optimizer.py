@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -216,6 +217,7 @@ class GlobalPowerLimitOptimizer(Callback):
         self.workload = workload
         self.reducer: Reducer = reducer or torch_distributed_reducer
         self._restore_on_exit = restore_on_exit
+        self._pid = os.getpid()  # whose exit restores the maximum (see _close_at_exit)
         self._closed = False
         self._stall = StallWatch()
         # The measured part of the limit being profiled: windows paused over epoch ends add up.
@@ -247,7 +249,7 @@ class GlobalPowerLimitOptimizer(Callback):
             # A GPU left low (e.g. by a crashed job) would run the wait steps low.
             self._set_power_limit(self.max_power_limit_mw)
         if restore_on_exit:
-            atexit.register(self.close)
+            atexit.register(self._close_at_exit)
 
     # --- training hooks ---------------------------------------------------------------------
     def on_step_begin(self) -> None:
@@ -315,7 +317,7 @@ class GlobalPowerLimitOptimizer(Callback):
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         state = self.state
         if isinstance(state, Warmup | Profiling):
             try:
@@ -352,10 +354,14 @@ class GlobalPowerLimitOptimizer(Callback):
         else:
             self.monitor.end_window(name, cancel=True)  # type: ignore[call-arg]
 
+    def _close_at_exit(self) -> None:
+        if os.getpid() == self._pid:  # never in a plain fork: its parent trains on at the limit
+            self.close()
+
     def _reopen(self) -> None:
         self._closed = False
         if self._restore_on_exit:
-            atexit.register(self.close)
+            atexit.register(self._close_at_exit)
         if isinstance(self.state, Done):
             self._set_power_limit(self.state.optimal_power_limit)
 
