@@ -279,3 +279,38 @@ def test_a_profile_file_that_cannot_be_written_after_profiling_is_a_warning(
     stored = store.load("bert")
     assert stored is not None and stored.measurements == opt.measurements
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+class _BrokenSelector:
+    """A user's selector with a bug."""
+
+    def select(self, measurements: Any) -> int:
+        raise ZeroDivisionError("a bug in the user's selector")
+
+
+def test_a_selector_that_fails_after_profiling_loses_no_measurement(
+    training: ReplayTraining, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Its error is raised, and every limit's measurement is kept, in the file and in Redis.
+
+    They were lost with the error: the next run profiled every limit again.
+    """
+    path = tmp_path / "profile.json"
+    store = PowerLimitProfileStore(r)
+    opt = make(
+        training,
+        optimum_selector=_BrokenSelector(),
+        profile_path=path,
+        profile_store=store,
+        workload="bert",
+    )
+    with pytest.raises(ZeroDivisionError, match="a bug in the user's selector"):
+        run_steps(opt, training, 12)
+    measured = load_profile_file(path)
+    assert measured.measurements == opt.measurements and len(measured.measurements) == 3
+    assert measured.optimal_power_limit is None
+    stored = store.load("bert")
+    assert stored is not None and stored.measurements == opt.measurements
+    # With the selector mended, the next start chooses from the file without profiling again.
+    again = make(training, optimum_selector=ZeusCost(eta_knob=0.5), profile_path=path)
+    assert again.state == Done(optimal_power_limit=250_000)

@@ -413,7 +413,13 @@ class GlobalPowerLimitOptimizer(Callback):
             self._set_power_limit(following)
             self.state = Warmup(current_power_limit=following, steps=self.warmup_steps)
             return
-        optimal = self._compute_optimal_power_limit()
+        try:
+            optimal = self._compute_optimal_power_limit()
+        except Exception:
+            # Every limit is measured: a selector that fails (a user's) must not lose that. Kept
+            # without an optimum; the next start's selector chooses from it.
+            self._save_profile(measured_only=True)
+            raise
         logger.info("profiling done; optimal power limit %s", format_watts(optimal))
         self.state = Done(optimal_power_limit=optimal)
         self._set_power_limit(optimal)
@@ -454,16 +460,25 @@ class GlobalPowerLimitOptimizer(Callback):
                 logger.warning("%s; profiling again (the new profile replaces it)", exc)
         return None
 
-    def _save_profile(self, stamp: bool = True, store: bool = True) -> None:
+    def _save_profile(
+        self, stamp: bool = True, store: bool = True, measured_only: bool = False
+    ) -> None:
         """Write the profile to ``profile_path`` and the Redis store (those given).
 
         Args:
             stamp: Date the profile now (it was just measured).
             store: Write the Redis store too (not when the profile came from there).
+            measured_only: The measurements without an optimum (none was chosen).
         """
         if stamp:
             self._profiled_at = time.time()
         profile = self.profile()
+        if measured_only:
+            profile = PowerLimitProfile(
+                measurements=self.measurements,
+                selector=repr(self.optimum_selector),
+                updated_at=self._profiled_at,
+            )
         assert profile is not None
         if self.profile_path is not None:
             save_or_warn(profile, self.profile_path)  # an OSError is a warning
