@@ -29,6 +29,7 @@ from tests.fake_nvml_power import (
     run_steps,
 )
 from tests.fake_nvml_power import describe_state as describe
+from tests.helpers import subprocess_env
 from worker_client.gpu.nvml import NVML
 from worker_client.power_limit.cli import power_limit_group
 from worker_client.power_limit.hf import HFGlobalPowerLimitOptimizer
@@ -44,6 +45,7 @@ from worker_client.power_limit.optimizer import (
     power_limit_ladder,
     torch_distributed_reducer,
 )
+from worker_client.power_limit.profile import save_profile_file
 from worker_client.power_limit.store import PowerLimitProfileStore
 
 # Power limit (W) -> (step time s, power per GPU W) of the fake GPUs (160-300 W).
@@ -318,8 +320,10 @@ def test_reducer_is_pluggable(training: ReplayTraining) -> None:
 
     opt = make(training, reducer=reducer, optimum_selector=Energy())
     run_steps(opt, training, 17)
-    assert len(calls) == len(LADDER)
-    for call, pl in zip(calls, LADDER, strict=True):
+    # First, whether any rank lacks a profile (this one does: energy 1, summed), then each limit.
+    assert calls[0] == (0.0, 1.0)
+    assert len(calls) == 1 + len(LADDER)
+    for call, pl in zip(calls[1:], LADDER, strict=True):
         assert call == pytest.approx(expected(pl))
     assert opt.measurements[0].time == pytest.approx(expected(300)[0] + 1.0)
     assert opt.measurements[0].energy == pytest.approx(expected(300)[1] * 4)
@@ -569,6 +573,46 @@ os.wait()
     )
     # The fork's NVML calls (a copy of the fake's record) first, then the parent's at its exit.
     assert out.stdout.splitlines() == ["False [250000]", "True [250000, 300000]"]
+
+
+def test_ranks_that_disagree_on_a_stored_profile_all_profile_again(tmp_path: Path) -> None:
+    # Rank 0 finds a profile, rank 1 none (a node's local disk, a Redis store one rank could
+    # not reach): rank 0 skipped to Done while rank 1 profiled, so their collectives no longer
+    # paired up and rank 1 waited in its next all-reduce for ever.
+    save_profile_file(
+        PowerLimitProfile(
+            measurements=[
+                PowerLimitMeasurement(power_limit=pl, time=t, energy=e)
+                for pl, (t, e) in RESULTS.items()
+            ]
+        ),
+        tmp_path / "found.json",
+    )
+    init = tmp_path / "pg"
+    root = Path(__file__).resolve().parent.parent
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.power_limit_rank", str(rank), str(init), str(path)],
+            cwd=root,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, path in enumerate([tmp_path / "found.json", tmp_path / "missing.json"])
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+            outputs.append((out, err))
+    finally:
+        for proc in procs:
+            proc.kill()
+    # Both profiled every limit (3 of them) and chose the same limit.
+    assert [out.split() for out, _ in outputs] == [["Done(250)", "3"], ["Done(250)", "3"]]
+    assert "another rank found no power-limit profile" in outputs[0][1]
 
 
 def test_cli_import_export_zeus_files(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:

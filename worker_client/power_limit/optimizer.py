@@ -137,8 +137,9 @@ class GlobalPowerLimitOptimizer(Callback):
         nvml: NVML facade for the power limits (default: ``monitor.nvml`` or the real one).
         profile_store: Redis store of profiles shared across runs (needs ``workload``).
         workload: Name of the workload in ``profile_store``.
-        reducer: Combines this rank's (time, energy) with the other ranks'; default
-            :func:`torch_distributed_reducer`.
+        reducer: Combines this rank's (time, energy) with the other ranks' (max of times,
+            sum of energies); default :func:`torch_distributed_reducer`. Also called once at
+            construction, to count the ranks that found no profile.
         restore_on_exit: Register :meth:`close` to run at interpreter exit.
 
     Raises:
@@ -235,6 +236,12 @@ class GlobalPowerLimitOptimizer(Callback):
         self.state: State = Ready(next_power_limit=self.power_limits[0], steps=wait_steps + 1)
 
         profile = self._load_profile()
+        # Every rank takes the same road (profiling's windows are collectives): a profile is
+        # used only where every rank found one (the reducer's sum counts the ranks without).
+        _, missing = self.reducer(0.0, float(profile is None))
+        if profile is not None and missing > 0:
+            logger.warning("another rank found no power-limit profile: every rank profiles")
+            profile = None
         if profile is not None:
             self.measurements = list(profile.measurements)
             self._profiled_at = profile.updated_at
