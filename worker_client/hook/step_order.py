@@ -28,9 +28,10 @@ class StepOrder:
         self._iter: Iterator[tuple[str, int]] = iter(schedule.frequencies)
 
     def begin_step(self) -> None:
-        """A step begins (a step begun again starts clean)."""
+        """A step begins (a step begun again starts clean, at the first instruction)."""
         self.in_step = True
         self.open = None
+        self.restart(self.schedule)
 
     def begin(self, name: str) -> int:
         """Instruction ``name`` begins: return its planned clock.
