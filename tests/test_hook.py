@@ -125,6 +125,22 @@ def test_a_step_begun_again_starts_at_the_first_instruction(gloo, hook_service, 
         hook.close()
 
 
+def test_a_step_ended_without_being_begun_says_so(gloo, hook_service, redis_url):
+    """It said the schedule still expected the step's first instruction."""
+    _coord, start_worker = hook_service
+    start_worker()
+    hook = make_hook(redis_url, DryRunFrequencyController(0))
+    try:
+        run_step(hook)
+        message = r"on_step_end\(\), but no step is open: call on_step_begin\(\) first"
+        with pytest.raises(ScheduleError, match=message):
+            hook.on_step_end()
+        run_step(hook)  # the next step runs as usual
+        assert hook.steps == 2
+    finally:
+        hook.close()
+
+
 def test_first_schedule_timeout_is_clear(gloo, hook_service, redis_url):
     # No worker runs: the coordinator registers the job but nobody computes a schedule.
     with pytest.raises(CoordinatorUnavailableError, match="are `perseus worker` processes running"):
