@@ -7,6 +7,7 @@ database via FLUSHDB, so point it at a throwaway instance.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -27,6 +28,23 @@ from tests.helpers import (
     start_perseus,
     stop,
 )
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_put_back() -> Iterator[None]:
+    """Put back the SIGINT and SIGTERM handlers a test changed in the pytest process.
+
+    rq's worker (run in-process by some tests) and the coordinator's command install their
+    own and leave them: Ctrl-C then only asked a worker long gone to stop, and the suite ran on.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session")

@@ -231,6 +231,29 @@ def test_a_side_process_that_never_starts_names_the_likely_cause(
         FrequencyController(0, FAKE, start_timeout=1.0)
 
 
+def test_a_side_process_that_exits_at_start_names_the_likely_cause(tmp_path: Path) -> None:
+    """A script without the ``__main__`` guard: its side process re-runs it and exits at once.
+
+    The error said only "side process exited unexpectedly (exit code 1)".
+    """
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from worker_client.gpu.frequency import FrequencyController\n"
+        f"FrequencyController(0, {SIM!r}, start_timeout=60)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        env=subprocess_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert "side process exited unexpectedly (exit code 1)" in last, run.stderr
+    assert 'if __name__ == "__main__":' in last, last
+
+
 def test_dry_run_records_and_changes_nothing(fake_log: Path, tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
     with DryRunFrequencyController(3, log_path=path) as ctrl:

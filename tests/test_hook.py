@@ -104,6 +104,43 @@ def test_hooks_called_out_of_order_say_what_was_expected(gloo, hook_service, red
         hook.on_step_begin()
 
 
+def test_a_step_begun_again_starts_at_the_first_instruction(gloo, hook_service, redis_url):
+    """A step given up halfway (a CUDA OOM the loop catches, say) and begun again.
+
+    The step went on from where the abandoned one stopped: its first instruction was refused
+    as if the training loop ran too few microbatches.
+    """
+    _coord, start_worker = hook_service
+    start_worker()
+    hook = make_hook(redis_url, DryRunFrequencyController(0))
+    try:
+        hook.on_step_begin()
+        hook.on_instruction_begin("forward")
+        hook.on_instruction_end("forward")
+        run_step(hook)  # begun again, without on_step_end: the whole schedule from the start
+        assert hook.steps == 1
+        run_step(hook)
+        assert hook.steps == 2
+    finally:
+        hook.close()
+
+
+def test_a_step_ended_without_being_begun_says_so(gloo, hook_service, redis_url):
+    """It said the schedule still expected the step's first instruction."""
+    _coord, start_worker = hook_service
+    start_worker()
+    hook = make_hook(redis_url, DryRunFrequencyController(0))
+    try:
+        run_step(hook)
+        message = r"on_step_end\(\), but no step is open: call on_step_begin\(\) first"
+        with pytest.raises(ScheduleError, match=message):
+            hook.on_step_end()
+        run_step(hook)  # the next step runs as usual
+        assert hook.steps == 2
+    finally:
+        hook.close()
+
+
 def test_first_schedule_timeout_is_clear(gloo, hook_service, redis_url):
     # No worker runs: the coordinator registers the job but nobody computes a schedule.
     with pytest.raises(CoordinatorUnavailableError, match="are `perseus worker` processes running"):

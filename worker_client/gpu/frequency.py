@@ -131,6 +131,12 @@ def _side_process(
 
 
 # --- parent side -------------------------------------------------------------------------------
+_SPAWN_NOTE = (
+    "Its side process is started with multiprocessing's 'spawn', which imports the training "
+    'script again: a script whose code is not under `if __name__ == "__main__":`'
+)
+
+
 class FrequencyController:
     """Sets one GPU's graphics clock through a side process that owns NVML.
 
@@ -194,14 +200,16 @@ class FrequencyController:
         if not self._status.poll(timeout):
             raise GPUError(
                 f"frequency controller for GPU {self.device_index} did not start in {timeout}s. "
-                "Its side process is started with multiprocessing's 'spawn', which imports the "
-                "training script again: a script whose code is not under `if __name__ == "
-                '"__main__":` runs (and waits in) its training there instead'
+                f"{_SPAWN_NOTE} runs (and waits in) its training there instead"
             )
         self._read_status()
         if self.graphics_clocks:
             return
+        # Gone before saying a word (no NVML error of its own): it died importing the script.
+        died_silent = self._child_gone and len(self._errors) == 1 and self._process.exitcode == 1
         reason = "; ".join(self._errors) or f"exit code {self._process.exitcode}"
+        if died_silent:
+            reason += f" (see its traceback above). {_SPAWN_NOTE} fails there"
         self._errors.clear()
         raise GPUError(f"frequency controller for GPU {self.device_index} failed: {reason}")
 

@@ -28,9 +28,10 @@ class StepOrder:
         self._iter: Iterator[tuple[str, int]] = iter(schedule.frequencies)
 
     def begin_step(self) -> None:
-        """A step begins (a step begun again starts clean)."""
+        """A step begins (a step begun again starts clean, at the first instruction)."""
         self.in_step = True
         self.open = None
+        self.restart(self.schedule)
 
     def begin(self, name: str) -> int:
         """Instruction ``name`` begins: return its planned clock.
@@ -72,9 +73,10 @@ class StepOrder:
         """The step ends: return whether one was open.
 
         Raises:
-            ScheduleError: An instruction is still open, or the schedule expects more.
+            ScheduleError: No step is open (while the schedule has instructions), an
+                instruction is still open, or the schedule expects more.
         """
-        if self.open is not None:
+        if self.open is not None or (not self.in_step and self.schedule.frequencies):
             raise self._misuse("on_step_end()")
         leftover = next(self._iter, None)
         if leftover is not None:
