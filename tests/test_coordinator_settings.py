@@ -63,7 +63,13 @@ def test_settings_are_recorded_again_after_redis_lost_its_data(r, redis_url):
     try:
         wait_for(lambda: r.hexists(keys.COORDINATOR_SETTINGS, first.consumer))
         r.flushall()  # what the running coordinator sees of a restart without persistence
-        wait_for(lambda: r.hexists(keys.COORDINATOR_SETTINGS, first.consumer), 10)
+        # Both: a FLUSHALL that lands inside a beat's pipeline leaves its settings without its
+        # beat until the next round.
+        wait_for(
+            lambda: r.hexists(keys.COORDINATOR_SETTINGS, first.consumer)
+            and r.hexists(keys.COORDINATORS, first.consumer),
+            10,
+        )
         other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
         with pytest.raises(ConfigError, match=f"coordinator {first.consumer} \\(running"):
             agree_settings(r, "host-c-1", other.shared(), time.time())
