@@ -13,7 +13,7 @@ from pydantic_settings import SettingsError
 
 from coordinator.settings import PerseusSettings, unknown_variables
 from protocol.acl import role_user
-from protocol.cli_options import connect_or_fail
+from protocol.cli_options import connect_or_fail, note_default_url
 from protocol.exceptions import PerseusError
 
 
@@ -62,6 +62,8 @@ def load_settings(**overrides: Any) -> PerseusSettings:
     """
     check_variables()
     given = {k: v for k, v in overrides.items() if v is not None}
+    if "redis_url" not in given and "PERSEUS_REDIS_URL" not in os.environ:
+        note_default_url()
     try:
         return PerseusSettings(**given)
     except ValidationError as exc:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import click
@@ -63,6 +64,25 @@ def setting_option(
     )
 
 
+#: Variables other tools read a Redis URL from (redis-py users, rq's CLI); perseus does not.
+FOREIGN_URL_VARIABLES = ("REDIS_URL", "RQ_REDIS_URL")
+
+
+def note_default_url(environ: Mapping[str, str] = os.environ) -> None:
+    """On stderr: the default URL is used although another tool's URL variable is set.
+
+    Call it where no ``--redis-url`` or ``PERSEUS_REDIS_URL`` was given. Without it such a
+    command read the default Redis unsaid (``perseus status`` said "jobs: 0").
+    """
+    found = [name for name in FOREIGN_URL_VARIABLES if environ.get(name)]
+    if found:
+        click.echo(
+            f"note: {found[0]} is set, but perseus reads only --redis-url or PERSEUS_REDIS_URL: "
+            f"using {DEFAULT_REDIS_URL}",
+            err=True,
+        )
+
+
 def connect_or_fail(
     url: str | None, socket_timeout: float | None = 30.0, dedicated: bool = False
 ) -> redis.Redis:
@@ -90,7 +110,9 @@ def connect_or_fail(
 
 
 __all__ = [
+    "FOREIGN_URL_VARIABLES",
     "connect_or_fail",
+    "note_default_url",
     "redact_url",
     "redis_url_option",
     "setting_option",

@@ -18,9 +18,10 @@ from click.testing import CliRunner
 from rq import Queue
 
 from coordinator.cli import main
+from coordinator.cli_common import load_settings
 from coordinator.settings import unknown_variables
 from protocol import keys
-from protocol.connection import connect
+from protocol.connection import DEFAULT_REDIS_URL, connect
 from protocol.exceptions import ConfigError
 from protocol.models import JobInfo
 from schedulers.planning.plan_file import write_plan_file
@@ -493,3 +494,21 @@ def test_number_options_refuse_nan_and_infinity_naming_the_option(args):
     outcome = CliRunner().invoke(main, args)
     assert outcome.exit_code == 2, outcome.output
     assert "finite" in outcome.output and args[-2] in outcome.output, outcome.output
+
+
+def test_another_tools_url_variable_is_named_when_the_default_redis_is_used(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # REDIS_URL (redis-py users' habit, rq's --url default) is not read: a command without
+    # --redis-url or PERSEUS_REDIS_URL went to localhost unsaid ("jobs: 0" from status).
+    monkeypatch.setenv("REDIS_URL", "redis://elsewhere:6379/0")
+    monkeypatch.delenv("PERSEUS_REDIS_URL", raising=False)
+    assert load_settings().redis_url == DEFAULT_REDIS_URL
+    assert capsys.readouterr().err == (
+        "note: REDIS_URL is set, but perseus reads only --redis-url or PERSEUS_REDIS_URL: "
+        f"using {DEFAULT_REDIS_URL}\n"
+    )
+    load_settings(redis_url="redis://given:6379/0")
+    monkeypatch.setenv("PERSEUS_REDIS_URL", "redis://given:6379/0")
+    load_settings()
+    assert capsys.readouterr().err == ""  # a URL was given: nothing to say

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from protocol.cli_options import redis_url_option
+from protocol.cli_options import note_default_url, redis_url_option
 from protocol.connection import DEFAULT_REDIS_URL
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
 from worker_client.power_limit.profile import (
@@ -31,6 +31,8 @@ _redis_url_option = redis_url_option(default_help=f"Default: {DEFAULT_REDIS_URL}
 
 
 def _store(redis_url: str | None) -> PowerLimitProfileStore:
+    if redis_url is None:
+        note_default_url()
     return PowerLimitProfileStore.from_url(redis_url or DEFAULT_REDIS_URL)
 
 
