@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.util import Finalize
 from pathlib import Path
@@ -133,6 +134,24 @@ def _side_process(
 
 
 # --- parent side -------------------------------------------------------------------------------
+_side_processes: weakref.WeakSet[Any] = weakref.WeakSet()  # every controller's, while it lives
+
+
+def _forget_side_processes() -> None:
+    """In a plain fork of a trainer: its side processes are the parent's, not the fork's.
+
+    multiprocessing counts them among the fork's children (it resets that set only in children
+    of its own), so a fork leaving through ``sys.exit`` terminated the parent's side processes
+    (daemons) at its exit: the parent's next clock request raised.
+    """
+    children = getattr(mp.process, "_children", None)
+    if isinstance(children, set):
+        children.difference_update(_side_processes)
+
+
+os.register_at_fork(after_in_child=_forget_side_processes)
+
+
 class FrequencyController:
     """Sets one GPU's graphics clock through a side process that owns NVML.
 
@@ -181,6 +200,7 @@ class FrequencyController:
             daemon=True,
         )
         self._process.start()
+        _side_processes.add(self._process)
         child_end.close()  # so that the child's exit reads as EOF here
         commands_end.close()  # so that closing ours reads as EOF there
         # Stopped at interpreter exit by multiprocessing's exit function (also at the end of a
