@@ -167,6 +167,37 @@ def test_side_process_resets_when_parent_goes(fake_log: Path, ending: str) -> No
     ]
 
 
+def test_a_plain_fork_that_exits_leaves_the_parents_side_process_alone(fake_log: Path) -> None:
+    # multiprocessing counted the parent's side process among a plain fork's children: the
+    # fork leaving through sys.exit terminated it (a daemon) and failed to join it, with
+    # tracebacks, and the parent's next request raised "has exited".
+    script = (
+        "import os, sys\n"
+        "from worker_client.gpu.frequency import FrequencyController\n"
+        f"c = FrequencyController(0, {FAKE!r})\n"
+        "c.set_frequency(1500)\n"
+        "c.flush()\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    sys.exit(0)\n"
+        "os.waitpid(child, 0)\n"
+        "c.set_frequency(1200)\n"
+        "c.flush()\n"
+        "c.stop()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert writes(fake_log)[1:] == [
+        ("nvmlDeviceSetGpuLockedClocks", [0, 1500, 1500]),
+        ("nvmlDeviceSetGpuLockedClocks", [0, 1200, 1200]),
+        ("nvmlDeviceResetGpuLockedClocks", [0]),
+        ("nvmlDeviceResetMemoryLockedClocks", [0]),
+    ]
+
+
 def test_a_trainer_that_ends_with_os_exit_leaks_no_semaphore(fake_log: Path) -> None:
     # Simulated ranks end with os._exit (torch's threads can hang interpreter teardown): a
     # multiprocessing.Queue's named semaphores outlived them, and the resource tracker warned.

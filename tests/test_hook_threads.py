@@ -17,6 +17,7 @@ from protocol import keys
 from protocol.exceptions import CoordinatorUnavailableError, GPUError, ProtocolError
 from protocol.models import JobConfig, JobInfo, ProfilingResult
 from protocol.store import JobStore
+from tests.fake_nvml import read_log
 from tests.helpers import (
     ROOT,
     free_ports,
@@ -291,3 +292,29 @@ def test_a_script_that_ends_without_close_sends_its_results_and_finishes_its_ran
     results = keys.job_results(job_id, int(version))
     wait_for(lambda: r.hexists(results, "0"), 10, "the last result stored by the coordinator")
     assert done.stderr.count("closing the hook at exit (close() was not called)") == 1
+
+
+def test_at_exit_the_hook_hands_its_last_clock_requests_over_before_the_controller_stops(
+    hook_service, r, redis_url, tmp_path
+):
+    # The controller stopped itself at exit (its own atexit handler) before the hook's exit
+    # close ran: the clock requests still waiting for their markers then failed ("clock
+    # request of 1980 MHz failed: frequency controller for GPU 0 is stopped").
+    _coord, start_worker = hook_service
+    start_worker()
+    log = tmp_path / "nvml.jsonl"
+    command = [sys.executable, "-m", "tests.exit_without_close", redis_url]
+    done = subprocess.run(
+        [*command, str(free_ports()[0]), "events-nvml"],
+        env=subprocess_env(tmp_path, FAKE_NVML_LOG=str(log)),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "failed" not in done.stderr, done.stderr
+    assert done.stderr.count("closing the hook at exit") == 1
+    writes = [name for name, _ in read_log(log) if "Set" in name or "Reset" in name]
+    # Requests the side process had not applied when told to stop are dropped: clocks reset.
+    assert writes[-2:] == ["nvmlDeviceResetGpuLockedClocks", "nvmlDeviceResetMemoryLockedClocks"]

@@ -17,7 +17,6 @@ requested clocks, for machines whose clocks must not change.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
@@ -25,7 +24,9 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import weakref
 from multiprocessing.connection import Connection
+from multiprocessing.util import Finalize
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any, Literal
@@ -37,6 +38,8 @@ from worker_client.gpu.nvml import NVML, REAL_NVML, SIMULATED_NVML
 logger = logging.getLogger(__name__)
 
 _PARENT_CHECK_S = 0.5  # how often an idle side process checks that its parent lives
+# multiprocessing exit finalizers run highest first; PerseusOptimizer's exit close is 10.
+STOP_AT_EXIT_PRIORITY = 5
 
 # Clocks the dry-run controller reports when no NVML module is given (a measured H100).
 _H100_MEMORY_CLOCK = 2619
@@ -137,6 +140,24 @@ _SPAWN_NOTE = (
 )
 
 
+_side_processes: weakref.WeakSet[Any] = weakref.WeakSet()  # every controller's, while it lives
+
+
+def _forget_side_processes() -> None:
+    """In a plain fork of a trainer: its side processes are the parent's, not the fork's.
+
+    multiprocessing counts them among the fork's children (it resets that set only in children
+    of its own), so a fork leaving through ``sys.exit`` terminated the parent's side processes
+    (daemons) at its exit: the parent's next clock request raised.
+    """
+    children = getattr(mp.process, "_children", None)
+    if isinstance(children, set):
+        children.difference_update(_side_processes)
+
+
+os.register_at_fork(after_in_child=_forget_side_processes)
+
+
 class FrequencyController:
     """Sets one GPU's graphics clock through a side process that owns NVML.
 
@@ -185,10 +206,14 @@ class FrequencyController:
             daemon=True,
         )
         self._process.start()
+        _side_processes.add(self._process)
         child_end.close()  # so that the child's exit reads as EOF here
         commands_end.close()  # so that closing ours reads as EOF there
-        # Registered after multiprocessing's own exit hook, hence run before it (LIFO).
-        atexit.register(self._stop_at_exit)
+        # Stopped at interpreter exit by multiprocessing's exit function (also at the end of a
+        # multiprocessing child, which skips atexit): before it terminates its daemonic
+        # children (this side process), and after the hook's own exit close (priority 10),
+        # which hands its last clock requests over first. Never in a fork of this process.
+        self._at_exit = Finalize(None, self._stop_at_exit, exitpriority=STOP_AT_EXIT_PRIORITY)
         try:
             self._wait_ready(start_timeout)
         except BaseException:
@@ -327,7 +352,7 @@ class FrequencyController:
         if self._stopped:
             return
         self._stopped = True
-        atexit.unregister(self._stop_at_exit)
+        self._at_exit.cancel()
         if self._process.is_alive():
             with contextlib.suppress(OSError):  # full, or the side process is gone
                 self._commands.send(("stop",))

@@ -43,10 +43,10 @@ resumes where the optimizer was (a limit being profiled starts over, or stays pa
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import time
+from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -219,6 +219,7 @@ class GlobalPowerLimitOptimizer(Callback):
         self.reducer: Reducer = reducer or torch_distributed_reducer
         self._restore_on_exit = restore_on_exit
         self._pid = os.getpid()  # whose exit restores the maximum (see _close_at_exit)
+        self._at_exit: Finalize | None = None  # also run in a forked multiprocessing child
         self._closed = False
         self._stall = StallWatch()
         # The measured part of the limit being profiled: windows paused over epoch ends add up.
@@ -256,7 +257,7 @@ class GlobalPowerLimitOptimizer(Callback):
             # A GPU left low (e.g. by a crashed job) would run the wait steps low.
             self._set_power_limit(self.max_power_limit_mw)
         if restore_on_exit:
-            atexit.register(self._close_at_exit)
+            self._at_exit = Finalize(None, self._close_at_exit, exitpriority=0)
 
     # --- training hooks ---------------------------------------------------------------------
     def on_step_begin(self) -> None:
@@ -324,7 +325,8 @@ class GlobalPowerLimitOptimizer(Callback):
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._close_at_exit)
+        if self._at_exit is not None:
+            self._at_exit.cancel()
         state = self.state
         if isinstance(state, Warmup | Profiling):
             try:
@@ -368,7 +370,7 @@ class GlobalPowerLimitOptimizer(Callback):
     def _reopen(self) -> None:
         self._closed = False
         if self._restore_on_exit:
-            atexit.register(self._close_at_exit)
+            self._at_exit = Finalize(None, self._close_at_exit, exitpriority=0)
         if isinstance(self.state, Done):
             self._set_power_limit(self.state.optimal_power_limit)
 
