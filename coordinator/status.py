@@ -98,13 +98,29 @@ def snapshot(conn: redis.Redis, silent_after: float = SILENT_AFTER_S) -> dict[st
         "rq": {
             "queue": keys.RQ_QUEUE,
             "queued": queue.count,
-            "workers": len(worker_registration.get_keys(queue=queue)),
+            "workers": _live_workers(conn, queue),
             "failed": queue.failed_job_registry.get_job_count(cleanup=False),
             # `rq suspend`: workers take no task, so no job gets a new version meanwhile.
             # rq's is_suspended sends a MULTI, which a read-only operator may not.
             "suspended": bool(conn.exists(WORKERS_SUSPENDED)),
         },
     }
+
+
+def _live_workers(conn: redis.Redis, queue: Queue) -> int:
+    """The queue's workers whose rq record still exists.
+
+    A worker killed with SIGKILL stays in rq's worker sets after its record expired, until a
+    worker's registry maintenance (every 10 minutes) drops it: counted only while it has one,
+    as `rq info` counts. One round trip, no MULTI (a read-only operator may not).
+    """
+    names = sorted(worker_registration.get_keys(queue=queue))
+    if not names:
+        return 0
+    with conn.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.exists(name)
+        return sum(bool(n) for n in pipe.execute())
 
 
 def _liveness(

@@ -407,9 +407,15 @@ def run_workers(
             # outage kept this loop's previous worker from recording its death.
             if isinstance(exc, ConfigError):
                 raise
-            claim_name(worker)  # raises the error that names the key and what to do
-            # Taken over (the record was this process's own): start a fresh worker at once.
-            continue
+            try:
+                claim_name(worker)  # raises the error that names the key and what to do
+            except redis.RedisError as err:
+                # Redis still refuses writes (OOM, read-only): take the name back once it
+                # takes them, as after any other outage, rather than end the process.
+                logger.warning("rq worker %s could not take back its name: %s", worker.name, err)
+            else:
+                # Taken over (the record was this process's own): start a fresh worker at once.
+                continue
         except redis.exceptions.NoPermissionError as exc:
             if restarts == 0:  # Never ran: not an outage that ended it.
                 raise wrong_user(f"rq worker {worker.name}", exc) from None

@@ -35,14 +35,16 @@ def _read(path: str) -> str | None:
         return None
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """Fields of /proc/<pid>/stat after the command (which may hold spaces), [] if none."""
+    stat = _read(f"/proc/{pid}/stat")
+    return [] if stat is None else stat.rpartition(")")[2].split()
+
+
 def _start_ticks(pid: int) -> str | None:
     """The start time of process ``pid`` in clock ticks since boot (/proc), None if none."""
-    stat = _read(f"/proc/{pid}/stat")
-    if stat is None:
-        return None
-    # Fields after the command (which may hold spaces, in parentheses); starttime is field 22.
-    fields = stat.rpartition(")")[2].split()
-    return fields[19] if len(fields) > 19 else None
+    fields = _stat_fields(pid)
+    return fields[19] if len(fields) > 19 else None  # starttime is field 22
 
 
 def process_identity(pid: int | None = None) -> str | None:
@@ -84,6 +86,8 @@ def process_gone(identity: str) -> bool:
         return True
     except PermissionError:
         pass  # it exists (another user's): its start time tells whether it is the same one
+    if _stat_fields(pid)[:1] in (["Z"], ["X"]):
+        return True  # ended, not yet reaped by its parent (a SIGKILLed worker, for a moment)
     start = _start_ticks(pid)
     # Unreadable (/proc mounted hidepid, say): it may be alive. A new start time: PID reused.
     return start is not None and start != parts[3]

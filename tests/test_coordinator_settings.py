@@ -66,8 +66,10 @@ def test_settings_are_recorded_again_after_redis_lost_its_data(r, redis_url):
         # Both: a FLUSHALL that lands inside a beat's pipeline leaves its settings without its
         # beat until the next round.
         wait_for(
-            lambda: r.hexists(keys.COORDINATOR_SETTINGS, first.consumer)
-            and r.hexists(keys.COORDINATORS, first.consumer),
+            lambda: (
+                r.hexists(keys.COORDINATOR_SETTINGS, first.consumer)
+                and r.hexists(keys.COORDINATORS, first.consumer)
+            ),
             10,
         )
         other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from rq.worker import SimpleWorker
 
@@ -157,3 +158,22 @@ def test_the_loop_takes_back_its_own_name_after_an_outage_kept_its_death_unrecor
     # Failed on Redis; rq refused the name (its record still live); taken back; ran.
     assert len(calls) == 3 and restarts == 1
     assert "is an earlier worker of this process whose death was not recorded" in caplog.text
+
+
+def test_a_killed_worker_not_yet_reaped_counts_as_dead():
+    """Right after SIGKILL the process is a zombie until its parent reaps it (PID 1 took about
+    a second here): `perseus worker --name N` restarted at once was refused for 8 minutes."""
+    from coordinator import worker_names
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        identity = worker_names.process_identity(proc.pid)
+        assert identity is not None and not worker_names.process_gone(identity)
+        os.kill(proc.pid, signal.SIGKILL)
+        # Not reaped: Popen waits only when asked to.
+        stat = Path(f"/proc/{proc.pid}/stat")
+        wait_for(lambda: stat.read_text().rpartition(")")[2].split()[0] == "Z", 10, "a zombie")
+        assert worker_names.process_gone(identity)
+    finally:
+        proc.kill()
+        proc.wait()

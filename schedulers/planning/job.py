@@ -172,8 +172,16 @@ def run_planning_job(
         conn = job.connection
     else:
         raise ConfigError("run_planning_job needs redis_url when not run by an rq worker")
+    import time
+
     key = keys.plan_key(plan_id)
-    conn.hset(key, mapping={"state": "running", "message": "starting", "out_dir": out_dir})
+    pipe = conn.pipeline()
+    pipe.hset(key, mapping={"state": "running", "message": "starting", "out_dir": out_dir})
+    # A run that had ended and runs again (`rq requeue`): live again, so the sweep watches it
+    # and its record does not expire while it runs.
+    pipe.persist(key)
+    pipe.zadd(keys.PLANS_ACTIVE, {plan_id: time.time()}, nx=True)
+    pipe.execute()
     last = [-1.0]
 
     def report(fraction: float, message: str) -> None:
