@@ -7,6 +7,7 @@ import multiprocessing as mp
 import socket
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +18,8 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, Sche
 from coordinator.service import Coordinator
 from protocol.constants import H100_GRAPHICS_CLOCKS
 from protocol.exceptions import ConfigError, ScheduleError
-from protocol.pipeline_schedules import stage_actions
+from protocol.models import FrequencySchedule
+from protocol.pipeline_schedules import stage_actions, stage_order
 from protocol.store import JobStore
 from schedulers.planning.plan_file import write_plan_file
 from tests.helpers import make_hook, make_settings, start_perseus, stop, wait_for
@@ -311,3 +313,26 @@ def test_a_hook_for_another_stage_is_refused(gloo, hook_service, redis_url):
             PerseusPipeline(schedule, hook, report_every=3)
     finally:
         hook.close()
+
+
+@pytest.mark.parametrize(("kind", "micro"), [("1f1b", 8), ("gpipe", 4)])
+def test_a_later_stage_names_the_served_schedule_it_got(kind: str, micro: int) -> None:
+    # The last of 2 stages runs Schedule1F1B with 4 microbatches; the plan served to it is
+    # another schedule's or microbatch count's order *for that stage*.
+    pipeline = object.__new__(PerseusPipeline)
+    pipeline.schedule = object.__new__(Schedule1F1B)
+    pipeline.kind, pipeline.num_stages, pipeline.stage_index, pipeline.num_microbatches = (
+        "1f1b",
+        2,
+        1,
+        4,
+    )
+    pipeline._names = [name for name, _ in stage_actions("1f1b", 2, 4, 1)]
+    pipeline._checked_version = -1
+    served = [(name, 1980) for name in stage_order(kind, 2, micro, 1)]
+    pipeline.hook = SimpleNamespace(  # type: ignore[assignment]
+        rank=1, schedule=FrequencySchedule(rank=1, frequencies=served, version=3)
+    )
+    what = f"{micro} microbatches in 1f1b order" if kind == "1f1b" else "gpipe order"
+    with pytest.raises(ScheduleError, match=f"runs {2 * micro} instructions in {what}, but"):
+        pipeline._check_served_order()

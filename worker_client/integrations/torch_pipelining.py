@@ -42,8 +42,8 @@ from torch.distributed.pipelining.schedules import (
 from protocol.exceptions import ConfigError, ScheduleError
 from protocol.pipeline_schedules import (
     PIPELINE_SCHEDULES,
-    schedules_matching,
     stage_actions,
+    stage_order,
 )
 from worker_client.hook.optimizer import PerseusOptimizer
 
@@ -255,8 +255,14 @@ class PerseusPipeline:
         names = [name for name, _ in served.frequencies]
         if names != self._names:
             cls = type(self.schedule).__name__
-            others = schedules_matching([names], num_stages=self.num_stages)
             micro = names.count("forward")
+            # This rank's stage, not stage 0: a later stage's order differs from the first's.
+            others = [
+                kind
+                for kind in PIPELINE_SCHEDULES
+                if micro >= 1
+                and names == stage_order(kind, self.num_stages, micro, self.stage_index)
+            ]
             if others and micro != self.num_microbatches:
                 what = f"{micro} microbatches in {others[0]} order"
             elif others:
