@@ -364,3 +364,38 @@ def test_a_selector_returning_no_whole_number_is_a_config_error_naming_it(
         f"optimum_selector Returns(value={value!r}) returned {value!r}, not a power limit in "
         "whole watts"
     )
+
+
+def test_hf_callback_takes_every_trainer_event_in_the_trainers_order(
+    training: ReplayTraining,
+) -> None:
+    # transformers' Trainer (4.4x) calls every TrainerCallback event; without transformers
+    # installed the callback's stand-in base must have them too.
+    cb = HFGlobalPowerLimitOptimizer(
+        ReplayMonitor(training),
+        wait_steps=1,
+        warmup_steps=WARMUP,
+        profile_steps=PROFILE,
+        pl_step=50,
+        restore_on_exit=False,
+    )
+    a = (None, None, None)
+    cb.on_init_end(*a)
+    cb.on_train_begin(*a, model=None)
+    for _ in range(3):
+        cb.on_epoch_begin(*a)
+        for _ in range(1 + WARMUP + PROFILE + 1):
+            cb.on_step_begin(*a)
+            training.step()
+            cb.on_substep_end(*a)
+            cb.on_pre_optimizer_step(*a)
+            cb.on_optimizer_step(*a)
+            cb.on_step_end(*a)
+            cb.on_log(*a, logs={})
+        cb.on_epoch_end(*a)
+        cb.on_prediction_step(*a)
+        cb.on_evaluate(*a, metrics={})
+        cb.on_save(*a)
+    cb.on_train_end(*a)
+    assert profiled(cb.optimizer) == [300, 250, 200]
+    assert limits_now() == [300, 300]

@@ -24,7 +24,15 @@ try:
 except ImportError:  # transformers is optional
 
     class _CallbackBase:  # type: ignore[no-redef]
-        """Stand-in for ``transformers.TrainerCallback``."""
+        """Stand-in for ``transformers.TrainerCallback``: every event, doing nothing."""
+
+        def _ignore(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            """An event this callback does not use."""
+
+        on_init_end = on_train_begin = on_train_end = on_epoch_begin = on_epoch_end = _ignore
+        on_step_begin = on_step_end = on_substep_end = on_pre_optimizer_step = _ignore
+        on_optimizer_step = on_evaluate = on_predict = on_save = on_log = _ignore
+        on_prediction_step = _ignore
 
 
 class HFGlobalPowerLimitOptimizer(_CallbackBase):
