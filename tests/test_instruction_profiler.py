@@ -501,6 +501,9 @@ def test_simulated_training_wall_clock_waits_for_the_slow_stage(
     for rec in records:
         measured = statistics.median(rec["iter_time"])
         # Real sleeping and real waits on gloo messages: wall time tracks the critical path
-        # (plus a few ms of per-instruction overhead), well above stage 0's own work.
-        assert measured == pytest.approx(makespan, rel=0.05)
+        # (0.96 s), plus per-instruction overhead that a loaded 2-core machine stretches to
+        # ~50 ms (1.01-1.02 s seen there): far from the busiest stage's own work (0.72 s) and
+        # from all stages' work in series (1.2 s), and well above stage 0's own.
+        assert makespan * 0.97 <= measured <= makespan * 1.12
+        assert measured < compute[0][0] + compute[1][0]
         assert measured > compute[0][0] * 1.5
