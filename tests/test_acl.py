@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -514,3 +515,28 @@ def test_a_full_redis_7_is_an_outage_for_the_function_load_not_a_refusal(caplog)
         assert "could not load" not in caplog.text
         conn.config_set("maxmemory", "0")
         assert rank_functions.install(conn, version)
+
+
+def test_rq_info_reads_as_the_operator_and_a_named_queue_needs_the_service(acl_server, tmp_path):
+    # `rq info QUEUE` cleans that queue's registries as it counts them (ZREMRANGEBYSCORE), a
+    # write: the read-only operator gets `rq info`, the README says to name a queue as the
+    # service user.
+    _server, port = acl_server
+    worker = start_perseus(["worker", "--redis-url", url_of(port, "service")], tmp_path, "w.log")
+    try:
+        svc = redis.Redis.from_url(url_of(port, "service"))
+        wait_for(lambda: svc.scard("rq:workers") == 1, 30, "the rq worker to register")
+
+        def rq_info(role: str, *args: str) -> subprocess.CompletedProcess:
+            command = [sys.executable, "-m", "rq.cli", "info", "-u", url_of(port, role), *args]
+            return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+        listed = rq_info("operator")
+        assert listed.returncode == 0, listed.stderr
+        assert "1 workers" in listed.stdout and keys.RQ_QUEUE in listed.stdout, listed.stdout
+        named = rq_info("operator", keys.RQ_QUEUE)
+        assert named.returncode != 0 and "zremrangebyscore" in named.stderr, named.stderr
+        named = rq_info("service", keys.RQ_QUEUE)
+        assert named.returncode == 0 and "1 workers" in named.stdout, named.stderr
+    finally:
+        stop([worker])
