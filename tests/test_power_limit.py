@@ -316,14 +316,17 @@ def test_reducer_is_pluggable(training: ReplayTraining) -> None:
 
     def reducer(t: float, e: float) -> tuple[float, float]:
         calls.append((t, e))
+        if len(calls) <= 2:  # construction's: the ladder's mark (max, min) agrees
+            return t, e * 4
         return t + 1.0, e * 4
 
     opt = make(training, reducer=reducer, optimum_selector=Energy())
     run_steps(opt, training, 17)
-    # First, whether any rank lacks a profile (this one does: energy 1, summed), then each limit.
-    assert calls[0] == (0.0, 1.0)
-    assert len(calls) == 1 + len(LADDER)
-    for call, pl in zip(calls[1:], LADDER, strict=True):
+    # First the ladder's mark (max, then min as max of its negative) and whether any rank
+    # lacks a profile (this one does: energy 1, summed), then each limit.
+    assert calls[0][0] == -calls[1][0] > 0 and (calls[0][1], calls[1][1]) == (0.0, 1.0)
+    assert len(calls) == 2 + len(LADDER)
+    for call, pl in zip(calls[2:], LADDER, strict=True):
         assert call == pytest.approx(expected(pl))
     assert opt.measurements[0].time == pytest.approx(expected(300)[0] + 1.0)
     assert opt.measurements[0].energy == pytest.approx(expected(300)[1] * 4)

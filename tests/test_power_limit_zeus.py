@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from protocol.exceptions import ConfigError
 from protocol.models import PowerLimitMeasurement
 from tests import fake_nvml_power as fake
 from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, limits_now, limits_set, run_steps
+from tests.helpers import subprocess_env
 from worker_client.power_limit.hf import HFGlobalPowerLimitOptimizer
 from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer
 from worker_client.power_limit.selectors import (
@@ -152,6 +155,47 @@ def test_gpus_with_different_limit_ranges_are_refused() -> None:
     training = ReplayTraining(TABLE, [0, 1])
     with pytest.raises(ValueError, match="range"):
         make(training)
+
+
+def test_ranks_whose_gpus_have_different_limit_ranges_are_refused(tmp_path: Path) -> None:
+    # Rank 0's GPU goes to 300 W, rank 1's to 250 W: each rank walked its own ladder, so the
+    # all-reduce of rank 1's 250 W window paired with rank 0's 300 W one (a "250 W"
+    # measurement holding 300 W energy), rank 1 chose from 2 limits and went on training while
+    # rank 0 waited in the all-reduce of its third limit. Every rank now refuses at once.
+    init = tmp_path / "pg"
+    root = Path(__file__).resolve().parent.parent
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.power_limit_rank",
+                str(rank),
+                str(init),
+                str(tmp_path / f"profile{rank}.json"),
+                str(max_w),
+            ],
+            cwd=root,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, max_w in enumerate([300, 250])
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            proc.kill()
+    for out in outputs:
+        assert out.startswith("ConfigError: "), outputs
+        assert "different power limits" in out
+    assert "300 W down to 200 W" in outputs[0] and "250 W down to 200 W" in outputs[1]
 
 
 def test_limits_are_not_rounded_to_whole_watts() -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from protocol.exceptions import ConfigError, GPUError
 from worker_client.gpu.nvml import NVML
+from worker_client.power_limit.monitor import Reducer
 
 
 def power_limit_ladder(max_mw: int, min_mw: int, pl_step: int) -> list[int]:
@@ -14,6 +17,38 @@ def power_limit_ladder(max_mw: int, min_mw: int, pl_step: int) -> list[int]:
 def format_watts(milliwatts: int) -> str:
     """A limit for a message: ``250 W``."""
     return f"{milliwatts / 1000:g} W"
+
+
+def _ladder_mark(ladder: list[int]) -> float:
+    """A 40-bit number naming ``ladder``: exact in a float64, so a reducer carries it intact."""
+    digest = hashlib.sha256(",".join(map(str, ladder)).encode()).digest()
+    return float(int.from_bytes(digest[:5], "big"))
+
+
+def ranks_without_profile(ladder: list[int], pl_step: int, found: bool, reducer: Reducer) -> int:
+    """How many ranks found no stored profile; refuse ranks that would profile other limits.
+
+    Profiling pairs every rank's window of a limit in one all-reduce, so every rank must walk
+    the same ladder: GPUs with another power limit range (or another ``pl_step``) would pair
+    one rank's 250 W window with another's 300 W one and leave the rank with more limits
+    waiting for ever. Two reductions (max and min of the ladder's mark, the count of ranks
+    without a profile), which every rank runs, so all of them decide alike.
+
+    Raises:
+        ConfigError: Some rank must profile and the ranks' ladders differ (on every rank).
+    """
+    mark = _ladder_mark(ladder)
+    highest, _ = reducer(mark, 0.0)
+    lowest, missing = reducer(-mark, float(not found))
+    if missing > 0 and highest != -lowest:
+        raise ConfigError(
+            "the ranks would profile different power limits (this rank: "
+            f"{format_watts(ladder[0])} down to {format_watts(ladder[-1])} in {pl_step} W "
+            f"steps, {len(ladder)} limits): their GPUs' power limit ranges or their pl_step "
+            "differ, and each limit is measured by all ranks together; give every rank GPUs "
+            "of one kind and the same pl_step"
+        )
+    return round(missing)
 
 
 def _is_permission_error(exc: GPUError) -> bool:

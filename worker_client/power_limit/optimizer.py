@@ -63,6 +63,7 @@ from worker_client.power_limit.limits import (
     common_range,
     format_watts,
     power_limit_ladder,
+    ranks_without_profile,
     set_power_limit,
 )
 from worker_client.power_limit.monitor import Reducer, WindowMonitor, torch_distributed_reducer
@@ -138,8 +139,8 @@ class GlobalPowerLimitOptimizer(Callback):
         profile_store: Redis store of profiles shared across runs (needs ``workload``).
         workload: Name of the workload in ``profile_store``.
         reducer: Combines this rank's (time, energy) with the other ranks' (max of times,
-            sum of energies); default :func:`torch_distributed_reducer`. Also called once at
-            construction, to count the ranks that found no profile.
+            sum of energies); default :func:`torch_distributed_reducer`. Also called twice at
+            construction: the ranks that found no profile, and whether all profile one ladder.
         restore_on_exit: Register :meth:`close` to run at interpreter exit.
 
     Raises:
@@ -238,8 +239,8 @@ class GlobalPowerLimitOptimizer(Callback):
 
         profile = self._load_profile()
         # Every rank takes the same road (profiling's windows are collectives): a profile is
-        # used only where every rank found one (the reducer's sum counts the ranks without).
-        _, missing = self.reducer(0.0, float(profile is None))
+        # used only where every rank found one, and ranks that profile walk one ladder.
+        missing = ranks_without_profile(self.power_limits, pl_step, bool(profile), self.reducer)
         if profile is not None and missing > 0:
             logger.warning("another rank found no power-limit profile: every rank profiles")
             profile = None
