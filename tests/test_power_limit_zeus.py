@@ -157,31 +157,20 @@ def test_gpus_with_different_limit_ranges_are_refused() -> None:
         make(training)
 
 
-def test_ranks_whose_gpus_have_different_limit_ranges_are_refused(tmp_path: Path) -> None:
-    # Rank 0's GPU goes to 300 W, rank 1's to 250 W: each rank walked its own ladder, so the
-    # all-reduce of rank 1's 250 W window paired with rank 0's 300 W one (a "250 W"
-    # measurement holding 300 W energy), rank 1 chose from 2 limits and went on training while
-    # rank 0 waited in the all-reduce of its third limit. Every rank now refuses at once.
+def run_two_ranks(tmp_path: Path, *rank_args: list[str]) -> list[str]:
+    """Run tests/power_limit_rank.py as ranks 0 and 1 of a gloo group; their outputs."""
     init = tmp_path / "pg"
     root = Path(__file__).resolve().parent.parent
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.power_limit_rank",
-                str(rank),
-                str(init),
-                str(tmp_path / f"profile{rank}.json"),
-                str(max_w),
-            ],
+            [sys.executable, "-m", "tests.power_limit_rank", str(rank), str(init), *args],
             cwd=root,
             env=subprocess_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for rank, max_w in enumerate([300, 250])
+        for rank, args in enumerate(rank_args)
     ]
     outputs = []
     try:
@@ -192,10 +181,37 @@ def test_ranks_whose_gpus_have_different_limit_ranges_are_refused(tmp_path: Path
     finally:
         for proc in procs:
             proc.kill()
+    return outputs
+
+
+def test_ranks_whose_gpus_have_different_limit_ranges_are_refused(tmp_path: Path) -> None:
+    # Rank 0's GPU goes to 300 W, rank 1's to 250 W: each rank walked its own ladder, so the
+    # all-reduce of rank 1's 250 W window paired with rank 0's 300 W one (a "250 W"
+    # measurement holding 300 W energy), rank 1 chose from 2 limits and went on training while
+    # rank 0 waited in the all-reduce of its third limit. Every rank now refuses at once.
+    outputs = run_two_ranks(
+        tmp_path,
+        *(
+            [str(tmp_path / f"profile{rank}.json"), str(max_w)]
+            for rank, max_w in [(0, 300), (1, 250)]
+        ),
+    )
     for out in outputs:
         assert out.startswith("ConfigError: "), outputs
         assert "different power limits" in out
     assert "300 W down to 200 W" in outputs[0] and "250 W down to 200 W" in outputs[1]
+
+
+def test_a_bad_profile_file_on_one_rank_stops_every_rank_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    # Rank 0's node holds a profile file that is no profile, rank 1's none (local disks):
+    # rank 0 raised before the construction's all-reduce, and rank 1 waited in it for ever.
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    outputs = run_two_ranks(tmp_path, [str(bad)], [str(tmp_path / "none.json")])
+    assert outputs[0].startswith("ConfigError: ") and "bad.json" in outputs[0], outputs
+    assert outputs[1].startswith("ConfigError: 1 other rank(s) could not start"), outputs
 
 
 def test_limits_are_not_rounded_to_whole_watts() -> None:

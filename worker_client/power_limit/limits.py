@@ -25,20 +25,46 @@ def _ladder_mark(ladder: list[int]) -> float:
     return float(int.from_bytes(digest[:5], "big"))
 
 
-def ranks_without_profile(ladder: list[int], pl_step: int, found: bool, reducer: Reducer) -> int:
-    """How many ranks found no stored profile; refuse ranks that would profile other limits.
+def ranks_without_profile(
+    ladder: list[int],
+    pl_step: int,
+    found: bool,
+    reducer: Reducer,
+    failure: ConfigError | GPUError | None = None,
+) -> int:
+    """How many ranks found no stored profile; refuse ranks that failed or differ.
 
-    Profiling pairs every rank's window of a limit in one all-reduce, so every rank must walk
-    the same ladder: GPUs with another power limit range (or another ``pl_step``) would pair
-    one rank's 250 W window with another's 300 W one and leave the rank with more limits
-    waiting for ever. Two reductions (max and min of the ladder's mark, the count of ranks
-    without a profile), which every rank runs, so all of them decide alike.
+    Every rank calls this, with the same reductions, so all of them decide alike; a rank that
+    raised alone would leave the others waiting for ever in profiling's collectives. The
+    first reduction sums the ranks that failed to start (a bad profile file on one node's
+    disk, say): each raises, this one with its own error. Profiling pairs every rank's window
+    of a limit in one all-reduce, so every rank must walk the same ladder: GPUs with another
+    power limit range (or another ``pl_step``) would pair one rank's 250 W window with
+    another's 300 W one and leave the rank with more limits waiting for ever. The second
+    reduction compares the ladders (max and min of a mark of each) and counts the ranks
+    without a profile.
+
+    Args:
+        ladder: This rank's limits, mW, highest first (empty if it failed).
+        pl_step: The step between them, W.
+        found: This rank found a stored profile.
+        reducer: The all-reduce (max of the first value, sum of the second).
+        failure: What stopped this rank, if anything.
 
     Raises:
-        ConfigError: Some rank must profile and the ranks' ladders differ (on every rank).
+        ConfigError: Some rank must profile and the ranks' ladders differ, or another rank
+            failed (on every rank).
+        GPUError: This rank's own failure, if it was one.
     """
     mark = _ladder_mark(ladder)
-    highest, _ = reducer(mark, 0.0)
+    highest, failed = reducer(mark, float(failure is not None))
+    if failure is not None:
+        raise failure
+    if failed > 0:
+        raise ConfigError(
+            f"{round(failed)} other rank(s) could not start their power-limit optimizer (their "
+            "own error says why): no rank profiles"
+        )
     lowest, missing = reducer(-mark, float(not found))
     if missing > 0 and highest != -lowest:
         raise ConfigError(

@@ -54,7 +54,6 @@ from protocol.exceptions import (
     ConfigError,
     CoordinatorUnavailableError,
     GPUError,
-    ProtocolError,
 )
 from protocol.models import PowerLimitMeasurement, PowerLimitProfile
 from worker_client.callback import Callback
@@ -67,7 +66,12 @@ from worker_client.power_limit.limits import (
     set_power_limit,
 )
 from worker_client.power_limit.monitor import Reducer, WindowMonitor, torch_distributed_reducer
-from worker_client.power_limit.profile import load_profile_file, save_or_warn, save_profile_file
+from worker_client.power_limit.profile import (
+    load_profile,
+    load_profile_file,
+    save_or_warn,
+    save_profile_file,
+)
 from worker_client.power_limit.selectors import (
     Energy,
     MaxSlowdownConstraint,
@@ -229,18 +233,29 @@ class GlobalPowerLimitOptimizer(Callback):
         self._profiled_at = 0.0  # unix time the profile was made (0: unknown)
         self.current_power_limit: int | None = None  # mW, the last one set
 
-        self.min_power_limit_mw, self.max_power_limit_mw = common_range(self.nvml, self._nvml_of)
-        self.power_limits = power_limit_ladder(
-            self.max_power_limit_mw, self.min_power_limit_mw, pl_step
+        # One rank's failure here (its GPUs, its profile file) is every rank's: the others
+        # would otherwise wait for ever in the collectives below.
+        failure: ConfigError | GPUError | None = None
+        profile: PowerLimitProfile | None = None
+        self.power_limits: list[int] = []
+        try:
+            self.min_power_limit_mw, self.max_power_limit_mw = common_range(
+                self.nvml, self._nvml_of
+            )
+            self.power_limits = power_limit_ladder(
+                self.max_power_limit_mw, self.min_power_limit_mw, pl_step
+            )
+            profile = load_profile(self.profile_path, self.profile_store, self.workload)
+        except (ConfigError, GPUError) as exc:
+            failure = exc
+        # Every rank takes the same road (profiling's windows are collectives): a profile is
+        # used only where every rank found one, and ranks that profile walk one ladder.
+        missing = ranks_without_profile(
+            self.power_limits, pl_step, profile is not None, self.reducer, failure
         )
         self.measurements: list[PowerLimitMeasurement] = []
         # The first wait_steps step begins are ignored; the next one sets the first limit.
         self.state: State = Ready(next_power_limit=self.power_limits[0], steps=wait_steps + 1)
-
-        profile = self._load_profile()
-        # Every rank takes the same road (profiling's windows are collectives): a profile is
-        # used only where every rank found one, and ranks that profile walk one ladder.
-        missing = ranks_without_profile(self.power_limits, pl_step, bool(profile), self.reducer)
         if profile is not None and missing > 0:
             logger.warning("another rank found no power-limit profile: every rank profiles")
             profile = None
@@ -455,20 +470,6 @@ class GlobalPowerLimitOptimizer(Callback):
                 format_watts(clamped),
             )
         return clamped
-
-    def _load_profile(self) -> PowerLimitProfile | None:
-        if self.profile_path is not None and self.profile_path.exists():
-            return load_profile_file(self.profile_path)
-        if self.profile_store is not None and self.workload is not None:
-            try:
-                return self.profile_store.load(self.workload)
-            except CoordinatorUnavailableError as exc:  # Redis only saves time: go on without
-                logger.warning("cannot load the stored power-limit profile: %s", exc)
-            except ProtocolError as exc:
-                # A cache entry that cannot be read is a miss: every rank reads the same one,
-                # so all profile again, and the new profile replaces it.
-                logger.warning("%s; profiling again (the new profile replaces it)", exc)
-        return None
 
     def _save_profile(
         self, stamp: bool = True, store: bool = True, measured_only: bool = False

@@ -16,11 +16,15 @@ import os
 import secrets
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from protocol.exceptions import ConfigError
+from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
 from protocol.models import PowerLimitProfile
+
+if TYPE_CHECKING:
+    from worker_client.power_limit.store import PowerLimitProfileStore
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +120,30 @@ def load_profile_file(path: str | Path) -> PowerLimitProfile:
     except OSError as exc:
         raise ConfigError(f"cannot read power-limit profile {path}: {exc}") from None
     return parse_profile(text, str(path))
+
+
+def load_profile(
+    path: Path | None, store: PowerLimitProfileStore | None, workload: str | None
+) -> PowerLimitProfile | None:
+    """The profile in the file at ``path`` if there is one, else ``workload``'s in ``store``.
+
+    Redis only saves profiling time: an unreachable store, or an entry that cannot be read
+    (every rank reads the same one, so all profile again and replace it), is a warning and
+    no profile.
+
+    Raises:
+        ConfigError: The file exists but is no profile (its error names the file and field).
+    """
+    if path is not None and path.exists():
+        return load_profile_file(path)
+    if store is not None and workload is not None:
+        try:
+            return store.load(workload)
+        except CoordinatorUnavailableError as exc:
+            logger.warning("cannot load the stored power-limit profile: %s", exc)
+        except ProtocolError as exc:
+            logger.warning("%s; profiling again (the new profile replaces it)", exc)
+    return None
 
 
 def save_profile_file(profile: PowerLimitProfile, path: str | Path) -> None:
