@@ -227,6 +227,29 @@ def test_limits_are_not_rounded_to_whole_watts() -> None:
     assert profiled(opt) == [250, 200, 150, 100]
 
 
+def test_a_chosen_limit_is_set_as_measured_not_as_its_whole_watts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Measured at 150,500 mW and recorded as 150 W: setting 150,000 mW ran the GPU at a limit
+    # nobody measured, and a choice of the lowest (100 W) was "outside this GPU's range".
+    fake.reset(num_gpus=1, min_limit_mw=100_500, max_limit_mw=250_500)
+    for best in (150, 100):
+        energies = {250: 90.0, 200: 80.0, 150: 70.0, 100: 75.0 if best == 150 else 60.0}
+        path = tmp_path / f"profile{best}.json"
+        rows = [{"power_limit": w, "energy": e, "time": 1.0} for w, e in energies.items()]
+        path.write_text(json.dumps({"measurements": rows}))
+        opt = GlobalPowerLimitOptimizer(
+            ReplayMonitor(ReplayTraining({}, [0])),
+            Energy(),
+            profile_path=path,
+            restore_on_exit=False,
+        )
+        assert opt.state == Done(optimal_power_limit=best * 1000 + 500)
+        assert [gpu.limit_mw for gpu in fake.STATE.gpus] == [best * 1000 + 500]
+        assert opt.profile().optimal_power_limit == best  # type: ignore[union-attr]
+    assert "outside this GPU's range" not in caplog.text
+
+
 # 9 ---------------------------------------------------------------------------------------------
 def test_hf_wrapper_takes_the_optimizers_arguments() -> None:
     wrapper = inspect.signature(HFGlobalPowerLimitOptimizer.__init__).parameters

@@ -239,12 +239,9 @@ class GlobalPowerLimitOptimizer(Callback):
         profile: PowerLimitProfile | None = None
         self.power_limits: list[int] = []
         try:
-            self.min_power_limit_mw, self.max_power_limit_mw = common_range(
-                self.nvml, self._nvml_of
-            )
-            self.power_limits = power_limit_ladder(
-                self.max_power_limit_mw, self.min_power_limit_mw, pl_step
-            )
+            low, high = common_range(self.nvml, self._nvml_of)
+            self.min_power_limit_mw, self.max_power_limit_mw = low, high
+            self.power_limits = power_limit_ladder(high, low, pl_step)
             profile = load_profile(self.profile_path, self.profile_store, self.workload)
         except (ConfigError, GPUError) as exc:
             failure = exc
@@ -461,7 +458,9 @@ class GlobalPowerLimitOptimizer(Callback):
             # rank gets here together (its last window, or the profile all ranks load).
             _, gpus = self.reducer(0.0, float(len(self.gpu_indices)))
             self.optimum_selector = ZeusCost(eta_knob=0.5, world_size=max(1, round(gpus)))
-        chosen = chosen_limit(self.optimum_selector, self.measurements) * 1000
+        watts = chosen_limit(self.optimum_selector, self.measurements)
+        # Measured at a limit of the ladder, recorded in whole watts: set the one measured.
+        chosen = next((mw for mw in self.power_limits if mw // 1000 == watts), watts * 1000)
         clamped = min(max(chosen, self.min_power_limit_mw), self.max_power_limit_mw)
         if clamped != chosen:
             logger.warning(
