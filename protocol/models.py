@@ -237,6 +237,10 @@ larger one in a profile file passed validation, then failed to pack for Redis (m
 64 bits at most) with a traceback."""
 
 
+MAX_UNIX_TIME = 253402300799.0
+"""The last second of the year 9999 (UTC): a later time is a typo that datetime cannot show."""
+
+
 class PowerLimitMeasurement(BaseModel):
     """Time and energy of ``profile_steps`` training steps at one power limit.
 
@@ -268,7 +272,7 @@ class PowerLimitProfile(BaseModel):
     measurements: list[PowerLimitMeasurement] = Field(min_length=1)
     optimal_power_limit: int | None = Field(default=None, ge=1, le=MAX_POWER_LIMIT_W)
     selector: str = ""
-    updated_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    updated_at: float = Field(default=0.0, ge=0, le=MAX_UNIX_TIME, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------
