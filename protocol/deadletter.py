@@ -22,6 +22,7 @@ from typing import Any
 import redis
 
 from protocol import keys
+from protocol.constants import MAX_UNIX_TIME
 from protocol.exceptions import ConfigError
 from protocol.numbers import is_ascii_digits
 from protocol.server_clock import ServerClock
@@ -93,7 +94,7 @@ class DeadLetter:
     reason: str
     source_stream: str
     source_id: str
-    dead_at: float
+    dead_at: float  # unix time it was dead-lettered; 0: unknown (none, or none a date can show)
     original: dict[bytes, bytes]
     size: int | None = None  # set when the entry was oversize and only its head was kept
 
@@ -133,6 +134,8 @@ def _parse(entry_id: bytes | str, fields: dict[bytes, bytes]) -> DeadLetter:
     try:
         dead_at = float(text(b"dead_at") or 0)
     except ValueError:
+        dead_at = 0.0
+    if not 0 <= dead_at <= MAX_UNIX_TIME:  # NaN included: a time no one can show (0: unknown)
         dead_at = 0.0
     return DeadLetter(
         entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,

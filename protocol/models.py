@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from protocol.constants import MAX_TARGET_ITERATION_S, MIN_TARGET_ITERATION_S
+from protocol.constants import MAX_TARGET_ITERATION_S, MAX_UNIX_TIME, MIN_TARGET_ITERATION_S
 from protocol.exceptions import ProtocolError
 from protocol.tokens import sign
 
@@ -235,10 +235,6 @@ MAX_POWER_LIMIT_W = (2**32 - 1) // 1000
 """The largest limit NVML can express (an unsigned 32-bit count of milliwatts), in Watts. A
 larger one in a profile file passed validation, then failed to pack for Redis (msgpack takes
 64 bits at most) with a traceback."""
-
-
-MAX_UNIX_TIME = 253402300799.0
-"""The last second of the year 9999 (UTC): a later time is a typo that datetime cannot show."""
 
 
 class PowerLimitMeasurement(BaseModel):

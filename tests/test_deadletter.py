@@ -180,3 +180,21 @@ def test_purge_older_than_refuses_nan_and_infinity_and_keeps_what_is_younger(r, 
     code, out = cli("deadletter", "purge", "--older-than", "1e300", "--redis-url", redis_url)
     assert code == 0 and "deleted 0 dead letter(s)" in out, out
     assert r.xlen(keys.DEADLETTER_STREAM) == 1
+
+
+@pytest.mark.parametrize("dead_at", ["1e999", "nan", "-inf", "1e300", "-1e12"])
+def test_a_dead_letter_whose_time_cannot_be_shown_is_listed_at_an_unknown_time(
+    r, redis_url, dead_at
+):
+    """A dead letter added by hand with such a ``dead_at`` ended `perseus deadletter list`
+    with datetime's OverflowError (or ValueError) traceback, so no dead letter could be read;
+    ``--json`` printed ``Infinity`` or ``NaN``, which is no JSON."""
+    fields = {"reason": "by hand", "source_stream": keys.RESULTS_STREAM, "source_id": "1-1"}
+    entry_id = r.xadd(keys.DEADLETTER_STREAM, {**fields, "dead_at": dead_at}).decode()
+    code, out = cli("deadletter", "list", "--redis-url", redis_url)
+    assert code == 0, out
+    assert f"{entry_id}  ?  {keys.RESULTS_STREAM} 1-1" in out and "by hand" in out
+    code, out = cli("deadletter", "list", "--json", "--redis-url", redis_url)
+    assert code == 0, out
+    [row] = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} in {out}"))
+    assert row["dead_at"] == 0.0
