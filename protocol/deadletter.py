@@ -111,7 +111,9 @@ class DeadLetter:
     @property
     def replayable(self) -> bool:
         """Whether :func:`replay` accepts it (results and control messages, kept whole)."""
-        return self.source_stream in REPLAYABLE_STREAMS and self.size is None
+        return (
+            self.source_stream in REPLAYABLE_STREAMS and self.size is None and bool(self.original)
+        )
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly fields (the original data stays in Redis)."""
@@ -205,14 +207,14 @@ def replay(conn: redis.Redis, letter: DeadLetter) -> str | None:
             f"dead letter {letter.entry_id} was an entry of {letter.size} bytes, over "
             "max_entry_bytes: only its head was kept, so it cannot be replayed"
         )
+    if not letter.original:  # one added by hand: --all skips it (not replayable)
+        raise ConfigError(f"dead letter {letter.entry_id} has no original fields to replay")
     if not letter.replayable:
         raise ConfigError(
             f"dead letter {letter.entry_id} came from {letter.source_stream or 'nowhere'}; only "
             f"entries of {', '.join(REPLAYABLE_STREAMS)} can be replayed (a registration's "
             "client got the error and is no longer waiting)"
         )
-    if not letter.original:
-        raise ConfigError(f"dead letter {letter.entry_id} has no original fields to replay")
     fields = [part for item in letter.original.items() for part in item]
     script = conn.register_script(_REPLAY)
     new_id = script(
