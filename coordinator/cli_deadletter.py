@@ -46,7 +46,11 @@ def deadletter_list(redis_url: str | None, count: int, as_json: bool) -> None:
     if not letters:
         click.echo("no dead letters")
     for d in letters:
-        when = datetime.fromtimestamp(d.dead_at, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        when = (
+            datetime.fromtimestamp(d.dead_at, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            if d.dead_at
+            else "?"  # not recorded, or no time (an entry added by hand)
+        )
         mark = "" if d.replayable else "  (not replayable)"
         source = f"{d.source_stream or '?'} {d.source_id or '?'}"
         click.echo(f"{d.entry_id}  {when}  {source}  {d.kind or '?'}  {d.job_id or '-'}{mark}")

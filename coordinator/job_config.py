@@ -25,6 +25,15 @@ def job_config(settings: PerseusSettings, message: RegisterJob) -> JobConfig:
     """
     dump_dir = settings.dump_dir if settings.dump_data else ""
     if message.scheduler is None:
+        # Arguments go with the scheduler a job names: without one they were dropped unsaid
+        # and the job ran the coordinator's scheduler with the coordinator's arguments.
+        sent = sorted(k for k, v in message.scheduler_args.items() if v is not None)
+        if sent:
+            raise ProtocolError(
+                f"scheduler_args {sent} sent without a scheduler: a job's arguments go with "
+                "the scheduler it names (PerseusOptimizer's scheduler=); the coordinator's "
+                "default scheduler takes the coordinator's arguments (PERSEUS_SCHEDULER_ARGS)"
+            )
         if not settings.scheduler:
             raise ProtocolError(
                 "this coordinator has no default scheduler (PERSEUS_SCHEDULER is empty): "

@@ -14,3 +14,7 @@ than a microsecond, and a smaller number (1e-300) is a typo, not a target."""
 
 MAX_TARGET_ITERATION_S: float = 24 * 60 * 60.0
 """Longest target iteration time, seconds (a day): a longer one is a typo (1e300)."""
+
+MAX_UNIX_TIME: float = 253402300799.0
+"""The last second of the year 9999 (UTC), as a unix time: a later time (1e300) is a typo that
+datetime cannot show."""

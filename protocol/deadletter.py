@@ -22,6 +22,7 @@ from typing import Any
 import redis
 
 from protocol import keys
+from protocol.constants import MAX_UNIX_TIME
 from protocol.exceptions import ConfigError
 from protocol.numbers import is_ascii_digits
 from protocol.server_clock import ServerClock
@@ -93,7 +94,7 @@ class DeadLetter:
     reason: str
     source_stream: str
     source_id: str
-    dead_at: float
+    dead_at: float  # unix time it was dead-lettered; 0: unknown (none, or none a date can show)
     original: dict[bytes, bytes]
     size: int | None = None  # set when the entry was oversize and only its head was kept
 
@@ -110,7 +111,9 @@ class DeadLetter:
     @property
     def replayable(self) -> bool:
         """Whether :func:`replay` accepts it (results and control messages, kept whole)."""
-        return self.source_stream in REPLAYABLE_STREAMS and self.size is None
+        return (
+            self.source_stream in REPLAYABLE_STREAMS and self.size is None and bool(self.original)
+        )
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly fields (the original data stays in Redis)."""
@@ -133,6 +136,8 @@ def _parse(entry_id: bytes | str, fields: dict[bytes, bytes]) -> DeadLetter:
     try:
         dead_at = float(text(b"dead_at") or 0)
     except ValueError:
+        dead_at = 0.0
+    if not 0 <= dead_at <= MAX_UNIX_TIME:  # NaN included: a time no one can show (0: unknown)
         dead_at = 0.0
     return DeadLetter(
         entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
@@ -202,14 +207,14 @@ def replay(conn: redis.Redis, letter: DeadLetter) -> str | None:
             f"dead letter {letter.entry_id} was an entry of {letter.size} bytes, over "
             "max_entry_bytes: only its head was kept, so it cannot be replayed"
         )
+    if not letter.original:  # one added by hand: --all skips it (not replayable)
+        raise ConfigError(f"dead letter {letter.entry_id} has no original fields to replay")
     if not letter.replayable:
         raise ConfigError(
             f"dead letter {letter.entry_id} came from {letter.source_stream or 'nowhere'}; only "
             f"entries of {', '.join(REPLAYABLE_STREAMS)} can be replayed (a registration's "
             "client got the error and is no longer waiting)"
         )
-    if not letter.original:
-        raise ConfigError(f"dead letter {letter.entry_id} has no original fields to replay")
     fields = [part for item in letter.original.items() for part in item]
     script = conn.register_script(_REPLAY)
     new_id = script(

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from protocol.constants import MAX_TARGET_ITERATION_S, MIN_TARGET_ITERATION_S
+from protocol.constants import MAX_TARGET_ITERATION_S, MAX_UNIX_TIME, MIN_TARGET_ITERATION_S
 from protocol.exceptions import ProtocolError
 from protocol.tokens import sign
 
@@ -268,7 +268,7 @@ class PowerLimitProfile(BaseModel):
     measurements: list[PowerLimitMeasurement] = Field(min_length=1)
     optimal_power_limit: int | None = Field(default=None, ge=1, le=MAX_POWER_LIMIT_W)
     selector: str = ""
-    updated_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    updated_at: float = Field(default=0.0, ge=0, le=MAX_UNIX_TIME, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -180,3 +180,36 @@ def test_purge_older_than_refuses_nan_and_infinity_and_keeps_what_is_younger(r, 
     code, out = cli("deadletter", "purge", "--older-than", "1e300", "--redis-url", redis_url)
     assert code == 0 and "deleted 0 dead letter(s)" in out, out
     assert r.xlen(keys.DEADLETTER_STREAM) == 1
+
+
+@pytest.mark.parametrize("dead_at", ["1e999", "nan", "-inf", "1e300", "-1e12"])
+def test_a_dead_letter_whose_time_cannot_be_shown_is_listed_at_an_unknown_time(
+    r, redis_url, dead_at
+):
+    """A dead letter added by hand with such a ``dead_at`` ended `perseus deadletter list`
+    with datetime's OverflowError (or ValueError) traceback, so no dead letter could be read;
+    ``--json`` printed ``Infinity`` or ``NaN``, which is no JSON."""
+    fields = {"reason": "by hand", "source_stream": keys.RESULTS_STREAM, "source_id": "1-1"}
+    entry_id = r.xadd(keys.DEADLETTER_STREAM, {**fields, "dead_at": dead_at}).decode()
+    code, out = cli("deadletter", "list", "--redis-url", redis_url)
+    assert code == 0, out
+    assert f"{entry_id}  ?  {keys.RESULTS_STREAM} 1-1" in out and "by hand" in out
+    code, out = cli("deadletter", "list", "--json", "--redis-url", redis_url)
+    assert code == 0, out
+    [row] = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} in {out}"))
+    assert row["dead_at"] == 0.0
+
+
+def test_replay_all_passes_over_a_dead_letter_without_original_fields(r, redis_url):
+    """A dead letter of the results stream without ``orig:`` fields (added by hand) counted
+    as replayable: `replay --all` stopped at it with an error and left the letters after it."""
+    source = {"source_stream": keys.RESULTS_STREAM, "source_id": "1-1", "dead_at": "1"}
+    empty = r.xadd(keys.DEADLETTER_STREAM, {"reason": "by hand", **source}).decode()
+    whole = r.xadd(keys.DEADLETTER_STREAM, {"reason": "r", **source, "orig:data": b"x"}).decode()
+    code, out = cli("deadletter", "list", "--redis-url", redis_url)
+    assert f"{empty}  1970-01-01 00:00:01  {keys.RESULTS_STREAM} 1-1  ?  -  (not replayable)" in out
+    code, out = cli("deadletter", "replay", "--all", "--redis-url", redis_url)
+    assert code == 0 and f"{whole} -> {keys.RESULTS_STREAM}" in out, out
+    assert [i.decode() for i, _ in r.xrange(keys.DEADLETTER_STREAM)] == [empty]
+    code, out = cli("deadletter", "replay", empty, "--redis-url", redis_url)
+    assert code == 1 and f"dead letter {empty} has no original fields to replay" in out, out

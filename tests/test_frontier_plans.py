@@ -19,6 +19,7 @@ from protocol.exceptions import ConfigError
 from protocol.models import JobInfo, RankInfo
 from schedulers.frontier import FrontierScheduler
 from schedulers.planning.choose import choose_plan, select_point
+from schedulers.planning.cli import choose_command
 from schedulers.planning.frontier_files import load_frontier
 from schedulers.planning.frontier_plans import PLAN_LOG, ensure_plan_file, plan_from_log
 from schedulers.planning.plan_file import read_plan_file, write_plan_file
@@ -228,3 +229,32 @@ def test_a_plan_log_that_is_no_text_names_the_file(tmp_path: Path) -> None:
     fr = load_frontier(out)
     with pytest.raises(ConfigError, match=r"plans\.delta: not UTF-8 text"):
         plan_from_log(fr, fr.points[-2])
+
+
+@pytest.mark.parametrize(
+    ("row", "words"),
+    [
+        # `perseus choose` wrote the missing plan file where the column pointed: outside DIR.
+        ("00001,0.2,1.0,1.0,100,1.0,0,../../x.py", "field 'file': expected 'freqs_pipeline_0"),
+        ("00001,0.2,1.0,1.0,100,1.0,0,/tmp/x.py", "field 'file': expected 'freqs_pipeline_00001"),
+        # A negative time was chosen as the no-slowdown plan ("iteration time: -1.0000 s").
+        ("00001,-1,1.0,1.0,100,1.0,0,freqs_pipeline_00001.py", "field 'iteration_time': negative"),
+        ("00001,0.2,-1.0,1.0,100,1.0,0,freqs_pipeline_00001.py", "field 'energy': negative"),
+        # Two rows for one plan were read without a word (which one counts?).
+        (
+            "00000,0.2,1.0,1.0,100,1.0,0,freqs_pipeline_00000.py",
+            "field 'plan': plan 00000 again \\(first at line 2\\)",
+        ),
+    ],
+)
+def test_a_frontier_csv_row_out_of_place_names_line_and_field(
+    tmp_path: Path, row: str, words: str
+) -> None:
+    out = _copy_chosen(tmp_path)
+    lines = (out / "frontier.csv").read_text().splitlines()
+    lines[2] = row
+    (out / "frontier.csv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=f"frontier.csv:3: {words}"):
+        load_frontier(out)
+    res = CliRunner().invoke(choose_command, [str(out), "--policy", "deadline 0.3"])
+    assert res.exit_code == 1 and "frontier.csv:3: field" in res.output, res.output

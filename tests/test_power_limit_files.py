@@ -314,3 +314,38 @@ def test_a_selector_that_fails_after_profiling_loses_no_measurement(
     # With the selector mended, the next start chooses from the file without profiling again.
     again = make(training, optimum_selector=ZeusCost(eta_knob=0.5), profile_path=path)
     assert again.state == Done(optimal_power_limit=250_000)
+
+
+def test_an_update_time_past_year_9999_is_refused_naming_it(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """`"updated_at": 1e300` was imported, then `perseus power-limit show` (the list and the
+    profile) ended with a traceback: datetime's OverflowError formatting the time."""
+    path = tmp_path / "zeus.json"
+    path.write_text(
+        '{"measurements": [{"power_limit": 300, "energy": 1, "time": 1}], "updated_at": 1e300}'
+    )
+    runner = CliRunner()
+    result = runner.invoke(
+        power_limit_group, ["import", str(path), "bert", "--redis-url", redis_url]
+    )
+    assert result.exit_code == 1, result.output
+    assert f"bad power-limit profile {path}: updated_at: Input should be less than" in (
+        result.output
+    )
+    assert PowerLimitProfileStore(r).load("bert") is None
+    result = runner.invoke(power_limit_group, ["show", "--file", str(path)])
+    assert result.exit_code == 1 and "updated_at" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_show_lists_a_stored_profile_whose_time_is_out_of_range(
+    r: redis.Redis, redis_url: str
+) -> None:
+    """A workload indexed at a time datetime cannot show (stored before updated_at had a
+    bound) made `perseus power-limit show` fail for every workload with a traceback."""
+    PowerLimitProfileStore(r).save("bert", PowerLimitProfile(measurements=MEASURED[:1]))
+    r.zadd("perseus:powerlimit:index", {"bert": 1e300})
+    result = CliRunner().invoke(power_limit_group, ["show", "--redis-url", redis_url])
+    assert result.exit_code == 0, result.output
+    assert "bert" in result.output and "out of range" in result.output

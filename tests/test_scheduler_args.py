@@ -8,16 +8,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from click.testing import CliRunner
 
 from coordinator.cli import main
 from coordinator.job_config import job_config
-from protocol.exceptions import ConfigError
+from protocol import keys
+from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import JobInfo, RegisterJob
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
 from schedulers.planning.plan_file import write_plan_file
 from schedulers.planning.profile_csv import write_profile_rows
 from tests.helpers import make_settings
+from worker_client.hook.session import CoordinatorClient
 
 PROFILE_ROWS = [
     (stage, inst, freq, (0.01 if inst == "forward" else 0.02) * 1980 / freq, 1.0)
@@ -240,3 +243,21 @@ def test_missing_arguments_are_named_and_an_empty_set_reads_as_none_given() -> N
     )
     with pytest.raises(ConfigError, match=r"^invalid scheduler_args \['bogus', 'microbatches'\]"):
         check_scheduler_args("InstructionProfiler", {"microbatches": 4, "bogus": 1})
+
+
+def test_a_job_sending_arguments_without_a_scheduler_is_refused_not_run_without_them(
+    service: Any, r: redis.Redis, redis_url: str
+) -> None:
+    """Arguments sent without a scheduler were dropped without a word: the job registered
+    and ran the coordinator's default scheduler with the coordinator's arguments."""
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    job = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    with pytest.raises(ProtocolError) as info:
+        client.register_job(job, None, {"microbatches": 8})
+    words = "scheduler_args ['microbatches'] sent without a scheduler"
+    assert words in str(info.value)
+    dead = r.xrange(keys.DEADLETTER_STREAM)
+    assert words.encode() in dead[-1][1][b"reason"]
+    assert not r.zcard(keys.JOBS_INDEX)
+    # No arguments (or an empty set) still gets the coordinator's scheduler and arguments.
+    assert client.register_job(job, None, {})

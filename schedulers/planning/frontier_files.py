@@ -259,6 +259,8 @@ def _parse_row(where: str, line: int, row: dict[str, str], expect: str) -> Front
             raise ConfigError(f"{where}:{line}: field '{name}': not a number: {text!r}") from None
         if not math.isfinite(value):
             raise ConfigError(f"{where}:{line}: field '{name}': not finite: {text!r}")
+        if value < 0 and name != "model_cost":  # times and energies (a fit's cost may not)
+            raise ConfigError(f"{where}:{line}: field '{name}': negative: {text!r}")
         return value
 
     plan = (row.get("plan") or "").strip()
@@ -268,6 +270,12 @@ def _parse_row(where: str, line: int, row: dict[str, str], expect: str) -> Front
     dominated = (row.get("dominated") or "").strip()
     if dominated not in ("0", "1"):
         raise ConfigError(f"{where}:{line}: field 'dominated': expected 0 or 1, got {dominated!r}")
+    # The plan's own file in this folder: `perseus choose` writes it there when it is missing,
+    # so '../x' or '/x' made it write outside the folder.
+    file = (row.get("file") or "").strip()
+    own = "" if plan == ALLMAX else plan_file_name(int(plan))
+    if file != own:
+        raise ConfigError(f"{where}:{line}: field 'file': expected {own!r}, got {file!r}")
     return FrontierPoint(
         plan=plan if plan == ALLMAX else plan_id(int(plan)),
         iteration_time=float(number("iteration_time") or 0.0),
@@ -275,7 +283,7 @@ def _parse_row(where: str, line: int, row: dict[str, str], expect: str) -> Front
         energy_with_p2p=float(number("energy_with_p2p") or 0.0),
         quant_time=int(number("quant_time") or 0),
         model_cost=number("model_cost", optional=True),
-        file=(row.get("file") or "").strip(),
+        file=file,
         dominated=dominated == "1",
     )
 
@@ -296,7 +304,18 @@ def _read_rows(path: Path, expect: str) -> list[FrontierPoint]:
                 f"{where}:1: header is missing column(s) {missing} "
                 "(written by an older perseus optimize? run it again)"
             )
-        return [_parse_row(where, i, row, expect) for i, row in enumerate(reader, start=2)]
+        points: list[FrontierPoint] = []
+        lines: dict[str, int] = {}
+        for i, row in enumerate(reader, start=2):
+            point = _parse_row(where, i, row, expect)
+            if point.plan in lines:
+                raise ConfigError(
+                    f"{where}:{i}: field 'plan': plan {point.plan} again (first at line "
+                    f"{lines[point.plan]})"
+                )
+            lines[point.plan] = i
+            points.append(point)
+        return points
     except csv.Error as exc:  # e.g. a NUL byte, or a field past csv's size limit
         raise ConfigError(f"{where}:{reader.line_num}: not CSV: {exc}") from None
 

@@ -191,10 +191,18 @@ def save_or_warn(profile: PowerLimitProfile, path: str | Path) -> None:
 
 
 def format_time(unix: float) -> str:
-    """``2026-11-23 10:00:00 UTC``, or ``?`` for an unknown time (0)."""
+    """``2026-11-23 10:00:00 UTC``, or ``?`` for an unknown time (0).
+
+    A time datetime cannot show (an index score written before ``updated_at`` had a bound)
+    reads ``1e+300 (out of range)``, not a traceback that ends the whole listing.
+    """
     if not unix:
         return "?"
-    return datetime.fromtimestamp(unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        when = datetime.fromtimestamp(unix, tz=timezone.utc)
+    except (OverflowError, OSError, ValueError):
+        return f"{unix:g} (out of range)"
+    return when.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
