@@ -96,7 +96,7 @@ def train(redis_url: str, plan_text: str) -> None:
         world_size=1,
         redis_url=redis_url,
         job_metadata="example",
-        scheduler="PointSolution",  # leave out to get the coordinator's --scheduler
+        scheduler="PointSolution",  # leave out, with scheduler_args, for the coordinator's own
         scheduler_args={"plan_text": plan_text},
         nvml_module="worker_client.simulated.gpu",  # "pynvml" on a real GPU
         controller="dry-run",  # "nvml" to really lock clocks (needs root)

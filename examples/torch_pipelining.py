@@ -81,7 +81,7 @@ def train(rank: int, init_method: str, redis_url: str, schedule_name: str, plan_
         schedule,
         redis_url=redis_url,
         job_metadata="example-pipelining",
-        scheduler="PointSolution",  # leave out to get the coordinator's --scheduler
+        scheduler="PointSolution",  # leave out, with scheduler_args, for the coordinator's own
         scheduler_args={"plan_text": plan_text},
         nvml_module="worker_client.simulated.gpu",  # "pynvml" on a real GPU
         controller="dry-run",  # "nvml" to really lock clocks (needs root)
