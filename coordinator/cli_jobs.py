@@ -10,8 +10,9 @@ import click
 from coordinator.cli_common import connect_settings
 from protocol import keys
 from protocol.cli_options import redis_url_option
+from protocol.exceptions import ProtocolError
 from protocol.job_lifecycle import JobLifecycle
-from protocol.job_record import unknown_job
+from protocol.job_record import parse_version, unknown_job
 from protocol.store import JobStore
 
 
@@ -23,15 +24,28 @@ def job_rows(store: JobStore) -> list[dict[str, Any]]:
     now = store.server_time()
     listed = store.list_jobs()
     ids = [job_id for job_id, _ in listed]
-    records = store.get_jobs(ids)
+    problems: dict[str, str] = {}
+    records = store.get_jobs(ids, problems)
     with store.conn.pipeline(transaction=False) as pipe:
         for job_id in ids:
             pipe.get(keys.job_version(job_id))
-        versions = [int(v or 0) for v in pipe.execute()]
+        versions = []
+        for job_id, raw in zip(ids, pipe.execute(raise_on_error=False), strict=True):
+            try:
+                if isinstance(raw, Exception):
+                    raise ProtocolError(f"job {job_id}: its version key: {raw}")
+                versions.append(parse_version(job_id, raw))
+            except ProtocolError as exc:
+                problems.setdefault(job_id, str(exc))
+                versions.append(0)
     endings = JobLifecycle(store).endings(ids)
     rows = []
     for (job_id, last_active), version in zip(listed, versions, strict=True):
         record = records.get(job_id)
+        if job_id in problems:
+            # Keys someone else overwrote (on Redis 6.2 ranks may): named, not hidden.
+            rows.append(_unreadable(job_id, problems[job_id], now - last_active))
+            continue
         if record is None:
             continue  # Deleted while we looked.
         ending = endings[job_id]
@@ -56,6 +70,21 @@ def job_rows(store: JobStore) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _unreadable(job_id: str, problem: str, idle_s: float) -> dict[str, Any]:
+    """A row of :func:`job_rows` for a job whose keys cannot be read; ``error`` says why."""
+    return {
+        "job_id": job_id,
+        "state": "unreadable",
+        "world_size": 0,
+        "version": 0,
+        "age_s": 0.0,
+        "idle_s": round(idle_s, 1),
+        "ranks_finished": 0,
+        "finished_at": None,
+        "error": problem,
+    }
 
 
 def _duration(seconds: float) -> str:
@@ -95,6 +124,7 @@ def jobs_list(redis_url: str | None, as_json: bool) -> None:
             f"{row['job_id']:<{width}} {row['state']:<9} {row['world_size']:>5} "
             f"{row['version']:>4} {_duration(row['age_s']):>7} {_duration(row['idle_s']):>7} "
             f"{row['ranks_finished']}/{row['world_size']}"
+            + (f"  {row['error']}" if row["state"] == "unreadable" else "")
         )
 
 

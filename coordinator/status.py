@@ -9,11 +9,11 @@ from rq import Queue, worker_registration
 from rq.suspension import WORKERS_SUSPENDED
 
 from protocol import keys, streams
-from protocol.exceptions import PerseusError
+from protocol.exceptions import PerseusError, UnknownJobError
 from protocol.job_lifecycle import Ending, JobLifecycle
 from protocol.job_record import JobRecord
 from protocol.models import ProfilingResult
-from protocol.store import JobStore
+from protocol.store import JobStore, wrong_type
 from schedulers.planning.plan_runs import LIVE_STATES, rq_death
 
 
@@ -54,42 +54,24 @@ def snapshot(conn: redis.Redis, silent_after: float = SILENT_AFTER_S) -> dict[st
     now = store.server_time()  # heartbeats and activity stamps are the server's clock
     listed = store.list_jobs()
     endings = JobLifecycle(store).endings(job_id for job_id, _ in listed)
-    jobs = []
+    jobs, unreadable = [], []
     for job_id, last_active in listed:
         try:
-            record = store.get_job(job_id)
-        except PerseusError:
+            job = _job(store, job_id, now - last_active, now, silent_after, endings[job_id])
+        except UnknownJobError:
+            continue  # Deleted while we looked.
+        except (PerseusError, redis.ResponseError) as exc:
+            if isinstance(exc, redis.ResponseError) and not wrong_type(exc):
+                raise
+            # Keys someone else overwrote (on Redis 6.2 ranks may): named, not hidden.
+            unreadable.append({"job_id": job_id, "problem": str(exc)})
             continue
-        version = store.version(job_id)
-        world = record.info.world_size
-        summaries = store.summaries(job_id) if version else {}
-        first = _figures(store, job_id, 1, world, summaries) if version else None
-        # The newest version all ranks reported for (the latest one may still be running).
-        latest = None
-        for v in (version, version - 1):
-            if v > 1 and latest is None:
-                latest = _figures(store, job_id, v, world, summaries)
-        jobs.append(
-            {
-                "job_id": job_id,
-                "scheduler": record.config.scheduler,
-                "ranks": store.rank_count(job_id),
-                "world_size": record.info.world_size,
-                "version": version,
-                "results_for_version": store.result_count(job_id, version) if version else 0,
-                "idle_s": round(now - last_active, 1),
-                "error": record.error,
-                "first": first,
-                "latest": latest,
-                "ranks_finished": endings[job_id].ranks_finished,
-                "finished_at": endings[job_id].finished_at,
-                **_liveness(store, record, version, now, silent_after, endings[job_id]),
-            }
-        )
+        jobs.append(job)
     queue = Queue(keys.RQ_QUEUE, connection=conn)
     lost = streams.lost_counts(conn)
     return {
         "jobs": jobs,
+        "unreadable": unreadable,
         "plans": _planner_runs(conn),
         "streams": [
             _stream_info(conn, s, lost) for s in (*keys.INPUT_STREAMS, keys.DEADLETTER_STREAM)
@@ -104,6 +86,37 @@ def snapshot(conn: redis.Redis, silent_after: float = SILENT_AFTER_S) -> dict[st
             # rq's is_suspended sends a MULTI, which a read-only operator may not.
             "suspended": bool(conn.exists(WORKERS_SUSPENDED)),
         },
+    }
+
+
+def _job(
+    store: JobStore, job_id: str, idle_s: float, now: float, silent_after: float, ending: Ending
+) -> dict[str, Any]:
+    """One job's row of :func:`snapshot`."""
+    record = store.get_job(job_id)
+    version = store.version(job_id)
+    world = record.info.world_size
+    summaries = store.summaries(job_id) if version else {}
+    first = _figures(store, job_id, 1, world, summaries) if version else None
+    # The newest version all ranks reported for (the latest one may still be running).
+    latest = None
+    for v in (version, version - 1):
+        if v > 1 and latest is None:
+            latest = _figures(store, job_id, v, world, summaries)
+    return {
+        "job_id": job_id,
+        "scheduler": record.config.scheduler,
+        "ranks": store.rank_count(job_id),
+        "world_size": record.info.world_size,
+        "version": version,
+        "results_for_version": store.result_count(job_id, version) if version else 0,
+        "idle_s": round(idle_s, 1),
+        "error": record.error,
+        "first": first,
+        "latest": latest,
+        "ranks_finished": ending.ranks_finished,
+        "finished_at": ending.finished_at,
+        **_liveness(store, record, version, now, silent_after, ending),
     }
 
 
@@ -249,7 +262,10 @@ def _planner_runs(conn: redis.Redis, limit: int = 20) -> list[dict[str, Any]]:
 
 def format_snapshot(snap: dict[str, Any]) -> str:
     """Human-readable tables of :func:`snapshot`."""
-    lines = [f"jobs: {len(snap['jobs'])}"]
+    unreadable = snap.get("unreadable", [])
+    lines = [
+        f"jobs: {len(snap['jobs'])}" + (f" (+{len(unreadable)} unreadable)" if unreadable else "")
+    ]
     if snap["jobs"]:
         width = max(len("JOB ID"), *(len(job["job_id"]) for job in snap["jobs"]))
         lines.append(
@@ -274,6 +290,8 @@ def format_snapshot(snap: dict[str, Any]) -> str:
                 f"{job['version']:>4} {job['results_for_version']:>4}/{job['world_size']:<3} "
                 f"{job['idle_s']:>8}  {detail}"
             )
+    for job in unreadable:
+        lines.append(f"  {job['job_id']}  UNREADABLE: {job['problem']}")
     if snap.get("plans"):
         lines.append(f"planner runs: {len(snap['plans'])}")
         for run in snap["plans"]:

@@ -14,7 +14,8 @@ the Redis server's (heartbeats and activity stamps are), read once per sweep.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -26,8 +27,9 @@ from coordinator.health import forget_stale, last_beats
 from coordinator.settings import PerseusSettings
 from protocol import keys, streams
 from protocol.consumers import GroupMembers
+from protocol.exceptions import PerseusError
 from protocol.job_lifecycle import JobLifecycle
-from protocol.store import JobStore
+from protocol.store import JobStore, wrong_type
 from schedulers.planning.plan_runs import settle_runs
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,21 @@ SWEEP_LIMIT = 1000  # due or idle jobs one sweep looks at, at most
 RECONCILE_PAGE = 100  # jobs per sweep checked for work due but missing from the due set
 CONSUMER_GONE_AFTER_S = 60.0
 """A group consumer whose coordinator has not beaten (nor read) for this long is removed."""
+
+
+@contextmanager
+def passing_over(job_id: str) -> Iterator[None]:
+    """Log a job whose keys cannot be read and go on: one job stops no sweep.
+
+    Services write a job's keys, but on Redis 6.2 a rank may replace those it reads (SET: see
+    :mod:`protocol.acl`), with garbage or another type.
+    """
+    try:
+        yield
+    except (PerseusError, ValueError, redis.ResponseError) as exc:
+        if isinstance(exc, redis.ResponseError) and not wrong_type(exc):
+            raise  # NOPERM and the like: the coordinator's own problem, not the job's
+        logger.error("job %s: %s; the sweep passes over it", job_id, exc)
 
 
 class Sweeper:
@@ -73,8 +90,9 @@ class Sweeper:
         for job_id in self.store.mark_due(page):
             logger.debug("job %s: due, and now in the due set", job_id)
         for job_id in self.store.due_jobs(SWEEP_LIMIT):
-            if self._stalled(job_id, now, settings.stall_timeout):
-                enqueue(job_id)
+            with passing_over(job_id):
+                if self._stalled(job_id, now, settings.stall_timeout):
+                    enqueue(job_id)
         self._abandoned_tasks()
         return deleted
 
@@ -99,11 +117,12 @@ class Sweeper:
     def _delete_idle(self, now: float, idle_time: int) -> list[str]:
         deleted = []
         for job_id in self.store.idle_jobs(idle_time, now, SWEEP_LIMIT):
-            if self._stamp_set_back(job_id, now - idle_time) is not None:
-                continue
-            if self.store.delete_job(job_id, idle_before=now - idle_time):
-                deleted.append(job_id)
-                logger.info("deleted job %s: idle for more than %d s", job_id, idle_time)
+            with passing_over(job_id):
+                if self._stamp_set_back(job_id, now - idle_time) is not None:
+                    continue
+                if self.store.delete_job(job_id, idle_before=now - idle_time):
+                    deleted.append(job_id)
+                    logger.info("deleted job %s: idle for more than %d s", job_id, idle_time)
         return deleted
 
     def _stamp_set_back(self, job_id: str, cutoff: float) -> float | None:
@@ -137,37 +156,39 @@ class Sweeper:
         deleted = []
         retention = settings.finished_retention
         for job_id in self.lifecycle.finished_before(now - retention, SWEEP_LIMIT):
-            if not self.lifecycle.finish_proven(job_id):
-                self.store.conn.zrem(keys.FINISHED_JOBS, job_id)
-                if self.lifecycle.finish_proven(job_id):
-                    # Its last rank finished meanwhile (its mark found ours in place): put back.
-                    self.store.conn.zadd(keys.FINISHED_JOBS, {job_id: now}, nx=True)
+            with passing_over(job_id):
+                if not self.lifecycle.finish_proven(job_id):
+                    self.store.conn.zrem(keys.FINISHED_JOBS, job_id)
+                    if self.lifecycle.finish_proven(job_id):
+                        # Its last rank finished meanwhile (its mark found ours in place): put back.
+                        self.store.conn.zadd(keys.FINISHED_JOBS, {job_id: now}, nx=True)
+                        continue
+                    logger.warning(
+                        "job %s: marked finished in %s without the proof of each of its ranks "
+                        "(written by someone else, a rank of another job?); mark removed",
+                        job_id,
+                        keys.FINISHED_JOBS,
+                    )
                     continue
-                logger.warning(
-                    "job %s: marked finished in %s without the proof of each of its ranks "
-                    "(written by someone else, a rank of another job?); mark removed",
-                    job_id,
-                    keys.FINISHED_JOBS,
-                )
-                continue
-            if self.store.delete_job(job_id):
-                deleted.append(job_id)
-                logger.info("deleted job %s: finished more than %g s ago", job_id, retention)
+                if self.store.delete_job(job_id):
+                    deleted.append(job_id)
+                    logger.info("deleted job %s: finished more than %g s ago", job_id, retention)
         cutoff = now - settings.start_retention
         for job_id in self.lifecycle.starting_before(cutoff, SWEEP_LIMIT):
-            last = self._stamp_set_back(job_id, cutoff)
-            if last is not None:
-                # Looked at again start_retention after its verified activity.
-                self.store.conn.zadd(keys.STARTING_JOBS, {job_id: last}, xx=True)
-                continue
-            if self.lifecycle.collect_unstarted(job_id, idle_before=cutoff):
-                deleted.append(job_id)
-                logger.info(
-                    "deleted job %s: no schedule version, and idle for more than %g s "
-                    "(start_retention)",
-                    job_id,
-                    settings.start_retention,
-                )
+            with passing_over(job_id):
+                last = self._stamp_set_back(job_id, cutoff)
+                if last is not None:
+                    # Looked at again start_retention after its verified activity.
+                    self.store.conn.zadd(keys.STARTING_JOBS, {job_id: last}, xx=True)
+                    continue
+                if self.lifecycle.collect_unstarted(job_id, idle_before=cutoff):
+                    deleted.append(job_id)
+                    logger.info(
+                        "deleted job %s: no schedule version, and idle for more than %g s "
+                        "(start_retention)",
+                        job_id,
+                        settings.start_retention,
+                    )
         return deleted
 
     def _stalled(self, job_id: str, now: float, stall_timeout: float) -> bool:

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 
 import msgpack
 
-from protocol.exceptions import UnknownJobError
+from protocol.exceptions import ProtocolError, UnknownJobError
 from protocol.models import JobConfig, JobInfo, JournalEntry, ProfilingResult, validate
 
 
@@ -37,22 +37,52 @@ class JobRecord:
 
     @classmethod
     def from_hash(cls, raw: dict[bytes, bytes]) -> JobRecord:
-        """Build a record from the job's info hash as HGETALL returns it."""
-        fields = {k.decode(): v.decode() for k, v in raw.items()}
-        info = JobInfo(
-            job_id=fields["job_id"],
-            pp_degree=int(fields["pp_degree"]),
-            dp_degree=int(fields["dp_degree"]),
-            tp_degree=int(fields["tp_degree"]),
-            world_size=int(fields["world_size"]),
-            job_metadata=fields["job_metadata"] or None,
-        )
-        config = JobConfig(
-            scheduler=fields["scheduler"],
-            scheduler_args=json.loads(fields["scheduler_args"]),
-            dump_dir=fields["dump_dir"],
-        )
+        """Build a record from the job's info hash as HGETALL returns it.
+
+        Raises:
+            ProtocolError: A field is missing or unreadable (the hash was written by someone
+                else: on Redis 6.2 a rank can replace what it reads); the error names it.
+        """
+        fields = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
+        name = "job_id"
+        try:
+            info = JobInfo(
+                job_id=fields[name],
+                pp_degree=int(fields[(name := "pp_degree")]),
+                dp_degree=int(fields[(name := "dp_degree")]),
+                tp_degree=int(fields[(name := "tp_degree")]),
+                world_size=int(fields[(name := "world_size")]),
+                job_metadata=fields[(name := "job_metadata")] or None,
+            )
+            config = JobConfig(
+                scheduler=fields[(name := "scheduler")],
+                scheduler_args=json.loads(fields[(name := "scheduler_args")]),
+                dump_dir=fields[(name := "dump_dir")],
+            )
+        except KeyError:
+            raise ProtocolError(
+                f"job info of {fields.get('job_id', '?')!r} has no {name!r}"
+            ) from None
+        except ValueError as exc:  # int(), JSON, or the models' own checks
+            raise ProtocolError(
+                f"job info of {fields.get('job_id', '?')!r}: field {name!r} is unreadable "
+                f"({str(exc).splitlines()[0]})"
+            ) from None
         return cls(info=info, config=config, fields=fields)
+
+
+def parse_version(job_id: str, raw: bytes | None) -> int:
+    """A job's version key as stored (0 if absent).
+
+    Raises:
+        ProtocolError: It holds no version (written by someone else: on Redis 6.2 a rank can
+            replace the keys it reads).
+    """
+    if raw is None:
+        return 0
+    if raw.isdigit() and len(raw) < 19:  # ASCII digits only: bytes.isdigit
+        return int(raw)
+    raise ProtocolError(f"job {job_id}: its version key holds {raw[:40]!r}, not a version")
 
 
 @dataclass(frozen=True)

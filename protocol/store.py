@@ -21,8 +21,8 @@ import redis
 from redis.client import Pipeline
 
 from protocol import keys
-from protocol.exceptions import WrongTokenError
-from protocol.job_record import JobRecord, JobState, stored_result, unknown_job
+from protocol.exceptions import ProtocolError, WrongTokenError
+from protocol.job_record import JobRecord, JobState, parse_version, stored_result, unknown_job
 from protocol.models import (
     JobConfig,
     JobInfo,
@@ -45,6 +45,16 @@ logger = logging.getLogger(__name__)
 _GC_INDEXES = (keys.FINISHED_JOBS, keys.STARTING_JOBS)
 KEEP_SCHEDULES = 4
 """Schedule versions kept per job: the latest and a few before it, for slow readers."""
+
+
+def wrong_type(exc: BaseException) -> bool:
+    """Whether Redis refused a command because a key holds another type (WRONGTYPE).
+
+    Services write a job's keys with their types; on Redis 6.2 a rank may replace those it
+    reads (SET, see :mod:`protocol.acl`). Readers that must go on past one job (the sweep,
+    ``perseus status``) treat this as that job's problem; any other refusal is theirs.
+    """
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE")
 
 
 class JobStore(WorkerStore):
@@ -89,17 +99,34 @@ class JobStore(WorkerStore):
             raise unknown_job(job_id)
         return JobRecord.from_hash(raw)
 
-    def get_jobs(self, job_ids: Iterable[str]) -> dict[str, JobRecord | None]:
-        """Load several jobs in one round trip (None for those that do not exist)."""
+    def get_jobs(
+        self, job_ids: Iterable[str], problems: dict[str, str] | None = None
+    ) -> dict[str, JobRecord | None]:
+        """Load several jobs in one round trip (None for those that do not exist).
+
+        Args:
+            job_ids: The jobs.
+            problems: Where to put, instead of raising, why a job's record is unreadable
+                (keys someone else overwrote: on Redis 6.2 ranks may); its value is None.
+        """
         ids = list(dict.fromkeys(job_ids))
         if not ids:
             return {}
         with self.conn.pipeline(transaction=False) as pipe:
             for job_id in ids:
                 pipe.hgetall(keys.job_info(job_id))
-            raws = pipe.execute()
-        pairs = zip(ids, raws, strict=True)
-        return {j: JobRecord.from_hash(raw) if raw else None for j, raw in pairs}
+            raws = pipe.execute(raise_on_error=problems is None)
+        records: dict[str, JobRecord | None] = {}
+        for job_id, raw in zip(ids, raws, strict=True):
+            try:
+                if isinstance(raw, Exception):
+                    raise ProtocolError(f"job info of {job_id!r}: {raw}")
+                records[job_id] = JobRecord.from_hash(raw) if raw else None
+            except ProtocolError as exc:
+                if problems is None:
+                    raise
+                problems[job_id], records[job_id] = str(exc), None
+        return records
 
     def job_state(
         self,
@@ -242,11 +269,20 @@ class JobStore(WorkerStore):
         and of the heartbeats that carry their rank's proof (:meth:`ranks_heard`).
         """
         names = ("created_at", "active_at", "published_at")
-        stamps = self.conn.hmget(keys.job_info(job_id), list(names))
+        try:
+            stamps = self.conn.hmget(keys.job_info(job_id), list(names))
+        except redis.ResponseError as exc:
+            if not wrong_type(exc):
+                raise
+            return None  # Replaced by something else (see wrong_type): no job left to keep.
         if stamps[0] is None:  # every job has its creation time
             return None
         times = [float(t) for t in stamps if t]
-        times += self.ranks_heard(job_id).values()
+        try:
+            times += self.ranks_heard(job_id).values()
+        except redis.ResponseError as exc:
+            if not wrong_type(exc):
+                raise  # Heartbeats replaced by something else prove nothing.
         return max(times, default=0.0)
 
     def server_time(self) -> float:
@@ -306,7 +342,12 @@ class JobStore(WorkerStore):
                 (so a job that a heartbeat refreshed since it was found idle survives).
         """
         while True:
-            latest = self.version(job_id)
+            try:
+                raw = self.conn.get(keys.job_version(job_id))
+            except redis.ResponseError as exc:
+                if not wrong_type(exc):
+                    raise
+                raw = b"?"  # Not a string (see DELETE_JOB).
             names = [
                 keys.job_version(job_id),
                 keys.job_info(job_id),
@@ -323,17 +364,33 @@ class JobStore(WorkerStore):
                 keys.job_tokens(job_id),
                 keys.job_beatcheck(job_id),
             ]
-            # Results may exist one version past the latest schedule only if a client
-            # misbehaved; they are rejected before being stored, so 1..latest covers all.
-            for version in range(1, latest + 1):
-                names += [keys.job_schedule(job_id, version), keys.job_results(job_id, version)]
+            try:
+                # Results are rejected before being stored unless their version is published,
+                # so 1..latest covers them all.
+                latest = parse_version(job_id, raw)
+                for version in range(1, latest + 1):
+                    names += [keys.job_schedule(job_id, version), keys.job_results(job_id, version)]
+            except ProtocolError:
+                names += self._versioned_keys(job_id)  # the version says nothing: look for them
             cutoff = "" if idle_before is None else repr(float(idle_before))
             deleted = self.scripts.delete_job(
                 keys=[keys.JOBS_INDEX, keys.DUE_JOBS, *_GC_INDEXES, *names],
-                args=[job_id, cutoff, latest],
+                args=[job_id, cutoff, b"0" if raw is None else raw],
             )
             if int(deleted) >= 0:  # -1: a version was published meanwhile; its keys too
                 return bool(deleted)
+
+    def _versioned_keys(self, job_id: str) -> list[str]:
+        """The job's schedule and results keys, found by SCAN (its version key is garbage)."""
+        found = []
+        for part in ("schedule", "results"):
+            prefix = keys.job_key(job_id, part, "")
+            pattern = keys.glob_escape(prefix) + "*"
+            for key in self.conn.scan_iter(match=pattern, count=1000):
+                name = key.decode(errors="replace")
+                if name[len(prefix) :].isdigit():  # not another job's "<id>:schedule:..." key
+                    found.append(name)
+        return found
 
     # --- ranks -----------------------------------------------------------------------------
     def add_rank(

@@ -225,14 +225,18 @@ return due
 # sweep listed it. KEYS[1] jobs index, KEYS[2] due set, KEYS[3] finished jobs, KEYS[4] starting
 # jobs, KEYS[5] job version, KEYS[6..] the job's other keys (schedules and results of versions
 # 1..ARGV[3]). ARGV[1] job id, ARGV[2] idle cutoff ('' deletes unconditionally), ARGV[3] the
-# version the caller listed keys for. Returns 1 deleted, 0 not (active), -1 a newer version
-# exists (list its keys and call again).
+# version key's value the caller listed keys for, as read ('0' if absent, '?' if not a string:
+# compared as it is, so a version key someone replaced with garbage is deleted too).
+# Returns 1 deleted, 0 not (active), -1 the version changed (list its keys and call again).
+# DEL takes the keys 1000 at a time: Lua's unpack fails past about 8000 values.
 DELETE_JOB = """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if ARGV[2] ~= '' and score and tonumber(score) > tonumber(ARGV[2]) then return 0 end
-if tonumber(redis.call('GET', KEYS[5]) or '0') ~= tonumber(ARGV[3]) then return -1 end
+local version = redis.pcall('GET', KEYS[5])
+if type(version) == 'table' then version = '?' end
+if (version or '0') ~= ARGV[3] then return -1 end
 for i = 1, 4 do redis.call('ZREM', KEYS[i], ARGV[1]) end
-redis.call('DEL', unpack(KEYS, 5))
+for i = 5, #KEYS, 1000 do redis.call('DEL', unpack(KEYS, i, math.min(i + 999, #KEYS))) end
 return 1
 """
 

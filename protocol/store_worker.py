@@ -12,7 +12,7 @@ import msgpack
 import redis
 
 from protocol import keys
-from protocol.job_record import JobRecord, unknown_job
+from protocol.job_record import JobRecord, parse_version, unknown_job
 from protocol.models import FrequencySchedule, JournalEntry, pack, unpack
 from protocol.server_clock import ServerClock
 from protocol.store_batch import StoreBatch
@@ -35,8 +35,7 @@ class WorkerStore:
     # --- schedules -------------------------------------------------------------------------
     def version(self, job_id: str) -> int:
         """Latest published schedule version (0 if none)."""
-        raw = self.conn.get(keys.job_version(job_id))
-        return int(raw) if raw is not None else 0
+        return parse_version(job_id, self.conn.get(keys.job_version(job_id)))
 
     def schedule(self, job_id: str, version: int, rank: int) -> FrequencySchedule | None:
         """One rank's schedule of ``version``, or None if not published (or no longer kept)."""
