@@ -11,9 +11,9 @@ from rq.suspension import WORKERS_SUSPENDED
 from protocol import keys, streams
 from protocol.exceptions import PerseusError, UnknownJobError
 from protocol.job_lifecycle import Ending, JobLifecycle
-from protocol.job_record import JobRecord
+from protocol.job_record import JobRecord, wrong_type
 from protocol.models import ProfilingResult
-from protocol.store import JobStore, wrong_type
+from protocol.store import JobStore
 from schedulers.planning.plan_runs import LIVE_STATES, rq_death
 
 

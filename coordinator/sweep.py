@@ -29,7 +29,8 @@ from protocol import keys, streams
 from protocol.consumers import GroupMembers
 from protocol.exceptions import PerseusError
 from protocol.job_lifecycle import JobLifecycle
-from protocol.store import JobStore, wrong_type
+from protocol.job_record import wrong_type
+from protocol.store import JobStore
 from schedulers.planning.plan_runs import settle_runs
 
 logger = logging.getLogger(__name__)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import msgpack
+import redis
 
 from protocol.exceptions import ProtocolError, UnknownJobError
 from protocol.models import JobConfig, JobInfo, JournalEntry, ProfilingResult, validate
@@ -161,3 +162,13 @@ def make_job_id(job: JobInfo, scheduler_name: str, entry_id: str) -> str:
     if job.job_metadata:
         parts.append(job.job_metadata)
     return "+".join(parts)
+
+
+def wrong_type(exc: BaseException) -> bool:
+    """Whether Redis refused a command because a key holds another type (WRONGTYPE).
+
+    Services write a job's keys with their types; on Redis 6.2 a rank may replace those it
+    reads (SET, see :mod:`protocol.acl`). Readers that must go on past one job (the sweep,
+    ``perseus status``) treat this as that job's problem; any other refusal is theirs.
+    """
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE")

@@ -22,7 +22,7 @@ from redis.client import Pipeline
 
 from protocol import keys
 from protocol.exceptions import ProtocolError, WrongTokenError
-from protocol.job_record import JobRecord, JobState, parse_version, stored_result, unknown_job
+from protocol.job_record import JobRecord, JobState, stored_result, unknown_job, wrong_type
 from protocol.models import (
     JobConfig,
     JobInfo,
@@ -42,19 +42,8 @@ from protocol.tokens import alive_proof, credentials, new_token, proof_marks, re
 
 logger = logging.getLogger(__name__)
 
-_GC_INDEXES = (keys.FINISHED_JOBS, keys.STARTING_JOBS)
 KEEP_SCHEDULES = 4
 """Schedule versions kept per job: the latest and a few before it, for slow readers."""
-
-
-def wrong_type(exc: BaseException) -> bool:
-    """Whether Redis refused a command because a key holds another type (WRONGTYPE).
-
-    Services write a job's keys with their types; on Redis 6.2 a rank may replace those it
-    reads (SET, see :mod:`protocol.acl`). Readers that must go on past one job (the sweep,
-    ``perseus status``) treat this as that job's problem; any other refusal is theirs.
-    """
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE")
 
 
 class JobStore(WorkerStore):
@@ -330,67 +319,6 @@ class JobStore(WorkerStore):
         page = {} if limit is None else {"start": 0, "num": limit}
         rows = self.conn.zrangebyscore(keys.JOBS_INDEX, "-inf", now - idle_seconds, **page)
         return [job_id.decode() for job_id in rows]
-
-    def delete_job(self, job_id: str, idle_before: float | None = None) -> bool:
-        """Delete every key of a job atomically; return whether it was deleted.
-
-        The same script takes it out of the jobs, due, finished and starting indexes.
-
-        Args:
-            job_id: The job.
-            idle_before: Delete only if its last activity is not newer than this server time
-                (so a job that a heartbeat refreshed since it was found idle survives).
-        """
-        while True:
-            try:
-                raw = self.conn.get(keys.job_version(job_id))
-            except redis.ResponseError as exc:
-                if not wrong_type(exc):
-                    raise
-                raw = b"?"  # Not a string (see DELETE_JOB).
-            names = [
-                keys.job_version(job_id),
-                keys.job_info(job_id),
-                keys.job_ranks(job_id),
-                keys.job_journal(job_id),
-                keys.job_updates(job_id),
-                keys.job_lease(job_id),
-                keys.job_control(job_id),
-                keys.job_artifacts(job_id),
-                keys.job_summaries(job_id),
-                keys.job_snapshot(job_id),
-                keys.job_alive(job_id),
-                keys.job_finished(job_id),
-                keys.job_tokens(job_id),
-                keys.job_beatcheck(job_id),
-            ]
-            try:
-                # Results are rejected before being stored unless their version is published,
-                # so 1..latest covers them all.
-                latest = parse_version(job_id, raw)
-                for version in range(1, latest + 1):
-                    names += [keys.job_schedule(job_id, version), keys.job_results(job_id, version)]
-            except ProtocolError:
-                names += self._versioned_keys(job_id)  # the version says nothing: look for them
-            cutoff = "" if idle_before is None else repr(float(idle_before))
-            deleted = self.scripts.delete_job(
-                keys=[keys.JOBS_INDEX, keys.DUE_JOBS, *_GC_INDEXES, *names],
-                args=[job_id, cutoff, b"0" if raw is None else raw],
-            )
-            if int(deleted) >= 0:  # -1: a version was published meanwhile; its keys too
-                return bool(deleted)
-
-    def _versioned_keys(self, job_id: str) -> list[str]:
-        """The job's schedule and results keys, found by SCAN (its version key is garbage)."""
-        found = []
-        for part in ("schedule", "results"):
-            prefix = keys.job_key(job_id, part, "")
-            pattern = keys.glob_escape(prefix) + "*"
-            for key in self.conn.scan_iter(match=pattern, count=1000):
-                name = key.decode(errors="replace")
-                if name[len(prefix) :].isdigit():  # not another job's "<id>:schedule:..." key
-                    found.append(name)
-        return found
 
     # --- ranks -----------------------------------------------------------------------------
     def add_rank(

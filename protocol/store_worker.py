@@ -1,4 +1,4 @@
-"""The worker's side of the job store: schedules, the journal, snapshots, the lease, what is due.
+"""The job store's versions side: schedules, journal, snapshots, lease, what is due, deletion.
 
 A mixin of :class:`protocol.store.JobStore` (which sets the attributes declared here), kept in
 its own module so that each stays readable; callers use ``JobStore``.
@@ -12,7 +12,8 @@ import msgpack
 import redis
 
 from protocol import keys
-from protocol.job_record import JobRecord, parse_version, unknown_job
+from protocol.exceptions import ProtocolError
+from protocol.job_record import JobRecord, parse_version, unknown_job, wrong_type
 from protocol.models import FrequencySchedule, JournalEntry, pack, unpack
 from protocol.server_clock import ServerClock
 from protocol.store_batch import StoreBatch
@@ -31,6 +32,74 @@ class WorkerStore:
     def batch(self) -> StoreBatch:
         """A batch of writes sent in one round trip."""
         return StoreBatch(self.scripts)
+
+    # --- deletion --------------------------------------------------------------------------
+    def delete_job(self, job_id: str, idle_before: float | None = None) -> bool:
+        """Delete every key of a job atomically; return whether it was deleted.
+
+        The same script takes it out of the jobs, due, finished and starting indexes.
+
+        Args:
+            job_id: The job.
+            idle_before: Delete only if its last activity is not newer than this server time
+                (so a job that a heartbeat refreshed since it was found idle survives).
+        """
+        while True:
+            try:
+                raw = self.conn.get(keys.job_version(job_id))
+            except redis.ResponseError as exc:
+                if not wrong_type(exc):
+                    raise
+                raw = b"?"  # Not a string (see DELETE_JOB).
+            names = [
+                keys.job_version(job_id),
+                keys.job_info(job_id),
+                keys.job_ranks(job_id),
+                keys.job_journal(job_id),
+                keys.job_updates(job_id),
+                keys.job_lease(job_id),
+                keys.job_control(job_id),
+                keys.job_artifacts(job_id),
+                keys.job_summaries(job_id),
+                keys.job_snapshot(job_id),
+                keys.job_alive(job_id),
+                keys.job_finished(job_id),
+                keys.job_tokens(job_id),
+                keys.job_beatcheck(job_id),
+            ]
+            try:
+                # Results are rejected before being stored unless their version is published,
+                # so 1..latest covers them all.
+                latest = parse_version(job_id, raw)
+                for version in range(1, latest + 1):
+                    names += [keys.job_schedule(job_id, version), keys.job_results(job_id, version)]
+            except ProtocolError:
+                names += self._versioned_keys(job_id)  # the version says nothing: look for them
+            cutoff = "" if idle_before is None else repr(float(idle_before))
+            deleted = self.scripts.delete_job(
+                keys=[
+                    keys.JOBS_INDEX,
+                    keys.DUE_JOBS,
+                    keys.FINISHED_JOBS,
+                    keys.STARTING_JOBS,
+                    *names,
+                ],
+                args=[job_id, cutoff, b"0" if raw is None else raw],
+            )
+            if int(deleted) >= 0:  # -1: a version was published meanwhile; its keys too
+                return bool(deleted)
+
+    def _versioned_keys(self, job_id: str) -> list[str]:
+        """The job's schedule and results keys, found by SCAN (its version key is garbage)."""
+        found = []
+        for part in ("schedule", "results"):
+            prefix = keys.job_key(job_id, part, "")
+            pattern = keys.glob_escape(prefix) + "*"
+            for key in self.conn.scan_iter(match=pattern, count=1000):
+                name = key.decode(errors="replace")
+                if name[len(prefix) :].isdigit():  # not another job's "<id>:schedule:..." key
+                    found.append(name)
+        return found
 
     # --- schedules -------------------------------------------------------------------------
     def version(self, job_id: str) -> int:
