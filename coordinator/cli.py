@@ -23,7 +23,13 @@ import click
 import redis
 from click.core import ParameterSource
 
-from coordinator.cli_common import PerseusGroup, check_variables, connect_settings, load_settings
+from coordinator.cli_common import (
+    PerseusGroup,
+    check_variables,
+    connect_settings,
+    load_settings,
+    stop_signals_interrupt,
+)
 from coordinator.cli_deadletter import deadletter_group
 from coordinator.cli_demo import demo_command
 from coordinator.cli_jobs import jobs_group
@@ -467,17 +473,14 @@ def redis_command(appendonly: bool) -> None:
         click.echo(f"redis url: {server.url}")
         click.echo(f"inspect:   {cli} -s {server.socket_path}")
         click.echo("Ctrl-C to stop (the data is deleted).")
-        # SIGTERM (kill, a service manager) stops it as Ctrl-C does: the server goes with us.
-        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        # SIGTERM (kill, a service manager) and SIGHUP (the terminal closed) stop it as
+        # Ctrl-C does: the server, in a session of its own, goes with us.
         try:
-            while True:
-                time.sleep(3600)
+            with stop_signals_interrupt():
+                while True:
+                    time.sleep(3600)
         except KeyboardInterrupt:
             pass
-
-
-def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 @main.command()

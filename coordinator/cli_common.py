@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import click
@@ -97,3 +100,30 @@ def _settings_errors(exc: ValidationError, flags: dict[str, Any]) -> str:
 def connect_settings(redis_url: str | None) -> redis.Redis:
     """A client on ``--redis-url`` or ``PERSEUS_REDIS_URL``, checked like every setting."""
     return connect_or_fail(load_settings(redis_url=redis_url).redis_url)
+
+
+@contextmanager
+def stop_signals_interrupt() -> Iterator[None]:
+    """Inside the block, SIGTERM and SIGHUP raise ``KeyboardInterrupt``, as Ctrl-C does.
+
+    For commands whose children run in sessions of their own (``perseus redis``'s server,
+    the demo's Redis and rq worker), which no signal to the terminal reaches: Python's default
+    for either signal ended the command at once and left them running. SIGHUP comes when the
+    terminal closes (a closed tab, a dropped ssh). A SIGHUP inherited as ignored (``nohup``)
+    stays ignored. The handlers found are restored on the way out (a caller's own, when the
+    command runs in-process).
+    """
+    found: dict[signal.Signals, Any] = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if sig is signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+            continue
+        found[sig] = signal.signal(sig, _interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in found.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

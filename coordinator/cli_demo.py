@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
-from typing import Any
 
 import click
 from click.core import ParameterSource
 
+from coordinator.cli_common import stop_signals_interrupt
 from protocol.cli_options import redact_url, redis_url_option
 from protocol.exceptions import PerseusError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
@@ -109,20 +108,14 @@ def demo_command(
             f"using the Redis of PERSEUS_REDIS_URL ({redact_url(str(redis_url))}), not a "
             "private one (unset it for that)"
         )
-    # SIGTERM (kill, timeout, a service manager) stops it as Ctrl-C does: Python's default
-    # ended the process at once, leaving its private Redis and rq worker (sessions of their
-    # own) and its ranks running.
-    before = signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM (kill, timeout, a service manager) and SIGHUP (the terminal closed) stop it as
+    # Ctrl-C does: Python's default ended the process at once, leaving its private Redis and
+    # rq worker (sessions of their own) and its ranks running.
     try:
-        report = run_demo(config, progress=lambda line: click.echo(line))
+        with stop_signals_interrupt():
+            report = run_demo(config, progress=lambda line: click.echo(line))
     except KeyboardInterrupt:
         raise click.Abort() from None
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
-    finally:
-        signal.signal(signal.SIGTERM, before)  # a caller's own (the demo run in-process)
     click.echo(format_report(report))
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from coordinator.cli_common import stop_signals_interrupt
 from coordinator.demo import services
 from protocol.pipeline_schedules import stage_order
 from schedulers.planning.plan_file import write_plan_file
@@ -57,13 +59,30 @@ def main() -> None:
     )
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, services(args.redis_url, print) as url:
+    # SIGTERM and SIGHUP stop it as Ctrl-C does: the private Redis and rq worker (sessions of
+    # their own) and the ranks stop too (they were left running, the ranks waiting).
+    with (
+        stop_signals_interrupt(),
+        tempfile.TemporaryDirectory() as tmp,
+        services(args.redis_url, print) as url,
+    ):
         os.environ.setdefault("PERSEUS_SIM_GPU_DIR", str(Path(tmp) / "gpu"))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         plan_text = make_plan(Path(tmp), args.schedule)
-        mp.spawn(train, args=(init, url, args.schedule, plan_text), nprocs=STAGES)
+        ranks = mp.spawn(
+            train, args=(init, url, args.schedule, plan_text), nprocs=STAGES, join=False
+        )
+        try:
+            while not ranks.join():
+                pass
+        finally:  # interrupted: the ranks go first, then the services they use
+            for proc in ranks.processes:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in ranks.processes:
+                proc.join()
 
 
 def train(rank: int, init_method: str, redis_url: str, schedule_name: str, plan_text: str) -> None:
@@ -107,4 +126,7 @@ def train(rank: int, init_method: str, redis_url: str, schedule_name: str, plan_
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted: ranks, rq worker and private Redis stopped")

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -258,7 +259,9 @@ def test_status_json_has_energy_figures(redis_url, job):
     assert listed["job_id"] == job and listed["first"] is None  # No results yet.
 
 
-def test_perseus_redis_stops_its_server_on_sigterm(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_perseus_redis_stops_its_server_on_sigterm(tmp_path, sig):
+    """SIGHUP too (the terminal closed): it ended the command and left the server running."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "redis"],
         env=subprocess_env(tmp_path),
@@ -270,7 +273,7 @@ def test_perseus_redis_stops_its_server_on_sigterm(tmp_path):
     url = proc.stdout.readline().split("redis url: ", 1)[1].strip()
     conn = redis.Redis.from_url(url)
     server_pid = int(conn.info("server")["process_id"])
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     proc.wait(timeout=15)
 
     def gone() -> bool:
@@ -282,6 +285,30 @@ def test_perseus_redis_stops_its_server_on_sigterm(tmp_path):
 
     wait_for(gone, 10, "the redis-server to stop")
     assert not Path(url.removeprefix("unix://")).parent.exists()
+
+
+def test_perseus_redis_under_nohup_keeps_running_on_sighup(tmp_path):
+    def ignore_hangups() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "redis"],
+        env=subprocess_env(tmp_path),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=ignore_hangups,
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().split("redis url: ", 1)[1].strip()
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert proc.poll() is None
+        assert redis.Redis.from_url(url).ping()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
 
 
 P2P_ARGS = ("--seconds", "0.5", "--repeats", "1", "--sample-interval", "0.1")

@@ -98,12 +98,13 @@ def test_a_demo_that_uses_perseus_redis_url_says_so():
     assert signal.getsignal(signal.SIGTERM) is handler
 
 
-@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM"])
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM", "SIGHUP"])
 def test_ctrl_c_shuts_everything_down(tmp_path, how):
     """Ctrl-C (SIGINT to the terminal's process group) mid-profiling leaves nothing running.
 
-    So does SIGTERM to the demo's process alone (kill, timeout): it used to end the demo at
-    once, leaving its private Redis, rq worker and ranks running.
+    So does SIGTERM to the demo's process alone (kill, timeout), and SIGHUP (its terminal
+    closed): each used to end the demo at once, leaving its private Redis, rq worker and ranks
+    running.
     """
     import contextlib
     import os
@@ -152,8 +153,8 @@ def test_ctrl_c_shuts_everything_down(tmp_path, how):
     time.sleep(2)  # ranks, coordinator and worker are busy profiling
     if how == "Ctrl-C":
         os.killpg(proc.pid, signal.SIGINT)
-    else:
-        proc.send_signal(signal.SIGTERM)
+    else:  # SIGHUP: the terminal closed
+        proc.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGHUP)
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 1 and "Aborted!" in output, output
     assert "Traceback" not in output, output

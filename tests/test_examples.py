@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from protocol.exceptions import GPUError
-from tests.helpers import ROOT, start_perseus, stop, subprocess_env
+from tests.helpers import ROOT, start_perseus, stop, subprocess_env, wait_for
 from worker_client.gpu.nvml import NVML
 
 
@@ -65,6 +68,53 @@ def test_torch_pipelining_example_runs(tmp_path):
     # GPipe: every stage runs its 8 forwards (1410 MHz) first.
     assert out.stdout.count("clocks requested [1410, 1410, 1410, 1410]") == 4
     assert "step 5: loss" in out.stdout
+
+
+def _processes_with(marker: str) -> list[str]:
+    """Command lines of processes whose command line or environment holds ``marker``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in cmdline or marker.encode() in environ:
+            found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
+def test_torch_pipelining_example_stops_everything_on_sigterm(tmp_path):
+    """SIGTERM (kill, timeout) left its private Redis, rq worker and 4 waiting ranks running."""
+    marker = str(tmp_path / "gpu")  # in the ranks' and the worker's environment
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PERSEUS_SIM_GPU_DIR=marker, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "torch_pipelining.py")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert "started a private Redis at unix://" in first, first
+    redis_dir = str(Path(first.split("unix://", 1)[1].strip()).parent)
+    assert "coordinator and rq worker running" in proc.stdout.readline()
+    time.sleep(1.0)  # the ranks are spawned (and wait for their schedule)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1 and "interrupted" in output, output
+    left: list[str] = []
+
+    def nothing_left() -> bool:
+        left[:] = _processes_with(redis_dir) + _processes_with(marker)
+        return not left
+
+    try:
+        wait_for(nothing_left, 20, "the example's processes to stop")
+    except AssertionError:
+        raise AssertionError(f"left running: {left}") from None
 
 
 def test_power_limit_example_without_a_driver_says_to_use_the_simulated_gpu(tmp_path):
