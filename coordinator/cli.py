@@ -160,7 +160,7 @@ def coordinator(
 
 
 def _stop_on_signals(stop_event: threading.Event) -> None:
-    """SIGTERM and a first Ctrl-C stop the loop cleanly; a second Ctrl-C interrupts at once.
+    """SIGTERM, SIGHUP and a first Ctrl-C stop the loop cleanly; a second Ctrl-C interrupts.
 
     A clean stop handles what was read, leaves the consumer group and forgets the
     coordinator's record; a KeyboardInterrupt out of the loop skipped all of it, so a
@@ -173,6 +173,8 @@ def _stop_on_signals(stop_event: threading.Event) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # the terminal closed; not nohup
+        signal.signal(signal.SIGHUP, lambda *_: stop_event.set())
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, first_interrupt)
 

@@ -5,8 +5,8 @@ else (saving a job's outcome, updating its own state, a socket time-out, Redis o
 makes it log "found an unhandled exception, quitting" and return or raise, and the process
 would exit with the outage. This loop waits until Redis answers again and starts a fresh
 worker instead, backing off (1 s doubling to 10 s) while workers keep quitting at once. It
-ends when a stop is requested (SIGINT or SIGTERM, as rq handles them) or, in burst mode, when
-rq's loop ends.
+ends when a stop is requested (SIGINT or SIGTERM, as rq handles them; SIGHUP as SIGTERM) or,
+in burst mode, when rq's loop ends.
 
 The worker classes also trim rq's round trips around a task (the same writes, fewer waits):
 heartbeats in one pipeline, and for the long-lived worker none between taking a task and
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -378,6 +379,33 @@ def run_workers(
         ConfigError: The first worker was refused a command (NOPERM): not the service user; or
             its name is registered by a worker that may be alive (:func:`claim_name`).
     """
+    hangup = signal.getsignal(signal.SIGHUP)
+    if hangup is not signal.SIG_IGN:  # the terminal closed (not under nohup)
+        signal.signal(signal.SIGHUP, _hangup_as_terminate)
+    try:
+        return _run_workers(make_worker, burst, logging_level)
+    finally:
+        signal.signal(signal.SIGHUP, hangup)
+
+
+def _hangup_as_terminate(signum: int, frame: Any) -> None:
+    """SIGHUP (the terminal closed) does what SIGTERM does now: rq's warm stop.
+
+    Python's default ended the process with its task unfinished and its record left in Redis.
+    """
+    handler = signal.getsignal(signal.SIGTERM)
+    if callable(handler):
+        handler(signal.SIGTERM, frame)
+    else:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGHUP)
+
+
+def _run_workers(
+    make_worker: Callable[[], PerseusWorker | PerseusSimpleWorker],
+    burst: bool,
+    logging_level: str | None,
+) -> int:
     restarts = 0
     pause = 0.0
     stop = threading.Event()

@@ -35,7 +35,9 @@ WITH_SIGINT = (
 )
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "Ctrl-C", "SIGHUP"]
+)
 def test_a_coordinator_stopped_cleanly_leaves_the_consumer_group(r, redis_url, tmp_path, signum):
     """A real `perseus coordinator` process, stopped by a service manager or by Ctrl-C.
 

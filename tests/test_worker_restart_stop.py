@@ -17,6 +17,7 @@ import redis
 from rq import Queue
 
 from coordinator.worker_loop import PerseusSimpleWorker, run_workers
+from tests.helpers import start_perseus, stop, wait_for
 
 
 @pytest.mark.parametrize("when", ["made", "bootstrap"])
@@ -53,3 +54,19 @@ def test_a_stop_while_the_next_worker_starts_stops_it(redis_url, when):
     assert restarts == 1
     assert len(made) == 2
     assert queue.count == 1 and task.get_status() == "queued"  # the stopped worker took none
+
+
+@pytest.mark.parametrize("simple", [False, True], ids=["long-lived", "simple"])
+def test_a_hangup_stops_perseus_worker_as_sigterm_does(redis_url, tmp_path, simple):
+    # The terminal closed: Python's default for SIGHUP ended the worker at once, its record
+    # left in rq's registry (counted by `rq info` and `perseus status` for a while).
+    conn = redis.Redis.from_url(redis_url)
+    args = ["worker", "--redis-url", redis_url, *(["--simple"] if simple else [])]
+    proc = start_perseus(args, tmp_path, "worker.log")
+    try:
+        wait_for(lambda: conn.scard("rq:workers") == 1, 30, "the rq worker to register")
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=15) == 0, (tmp_path / "worker.log").read_text()[-2000:]
+    finally:
+        stop([proc])
+    assert conn.scard("rq:workers") == 0
