@@ -51,6 +51,7 @@ from protocol.cli_types import FiniteFloatRange
 from protocol.constants import MAX_TARGET_ITERATION_S, MIN_TARGET_ITERATION_S
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.job_lifecycle import JobLifecycle
+from protocol.json_text import DuplicateKeyError, loads_unique
 from protocol.scheduler import BUILTIN, resolve_scheduler
 from protocol.store import JobStore
 from schedulers.instruction_profiler import PROFILE_ARTIFACT
@@ -121,14 +122,17 @@ def coordinator(
     """
     args = None
     if scheduler_args is not None:
+        # Named as the user gave it: the flag, or the variable it came from.
+        hint = "--scheduler-args"
+        hint = hint if _on_command_line("scheduler_args") else "PERSEUS_SCHEDULER_ARGS"
         try:
-            args = json.loads(scheduler_args)
-        except json.JSONDecodeError as exc:
-            raise click.BadParameter(f"not JSON: {exc}", param_hint="--scheduler-args") from None
+            args = loads_unique(scheduler_args)
+        except DuplicateKeyError as exc:
+            raise click.BadParameter(str(exc), param_hint=hint) from None
+        except ValueError as exc:
+            raise click.BadParameter(f"not JSON: {exc}", param_hint=hint) from None
         except RecursionError:  # thousands of nested brackets: json has no error of its own
-            raise click.BadParameter(
-                "not JSON: nested too deeply", param_hint="--scheduler-args"
-            ) from None
+            raise click.BadParameter("not JSON: nested too deeply", param_hint=hint) from None
     settings = load_settings(
         redis_url=redis_url,
         scheduler=scheduler,

@@ -93,7 +93,10 @@ def _settings_errors(exc: ValidationError, flags: dict[str, Any]) -> str:
         where = f"PERSEUS_{field.upper()}"
         if field in flags:  # given as a flag, or read from the variable by click
             where += f" / --{field.replace('_', '-')}"
-        lines.append(f"  {where} = {err.get('input')!r}: {err['msg']}")
+        shown = repr(err.get("input"))
+        shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
+        message = err["msg"].removeprefix("Value error, ")  # pydantic's word for a ValueError
+        lines.append(f"  {where} = {shown}: {message}")
     return "\n".join(lines)
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import difflib
 import logging
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from protocol.exceptions import ConfigError
+from protocol.json_text import DuplicateKeyError, loads_unique
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
 
 # The longest time a setting may name: Redis refuses an EXPIRE past about 2**63 ms, and a
@@ -79,7 +80,8 @@ class PerseusSettings(BaseSettings):
 
     redis_url: str = "redis://localhost:6379/0"
     scheduler: str = ""
-    scheduler_args: dict[str, Any] = Field(default_factory=dict)
+    # Parsed here, not by pydantic-settings' json.loads: a key given twice is refused.
+    scheduler_args: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
     log_level: str = "INFO"
     dump_data: bool = False
     dump_dir: str = "./dump"
@@ -97,6 +99,20 @@ class PerseusSettings(BaseSettings):
     max_frequencies: int = Field(default=1024, ge=1)
     max_sweep_versions: int = Field(default=256, ge=1)
     snapshot_every: int = Field(default=10, ge=0)
+
+    @field_validator("scheduler_args", mode="before")
+    @classmethod
+    def _scheduler_args(cls, value: Any) -> Any:
+        if isinstance(value, str | bytes):
+            try:
+                return loads_unique(value)
+            except RecursionError:
+                raise ValueError("not JSON: nested too deeply") from None
+            except DuplicateKeyError:
+                raise
+            except ValueError as exc:
+                raise ValueError(f"not JSON: {exc}") from None
+        return value
 
     @field_validator("log_level")
     @classmethod

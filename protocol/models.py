@@ -270,6 +270,18 @@ class PowerLimitProfile(BaseModel):
     selector: str = ""
     updated_at: float = Field(default=0.0, ge=0, le=MAX_UNIX_TIME, allow_inf_nan=False)
 
+    @model_validator(mode="after")
+    def _one_per_limit(self) -> PowerLimitProfile:
+        # Two measurements of one limit: which one a selector weighed would be an accident.
+        seen: set[int] = set()
+        for i, m in enumerate(self.measurements):
+            if m.power_limit in seen:
+                raise ValueError(
+                    f"measurements[{i}]: power_limit {m.power_limit} W is measured twice"
+                )
+            seen.add(m.power_limit)
+        return self
+
 
 # ---------------------------------------------------------------------------------------------
 # Messages on the input streams. Each has a ``kind`` so one decoder handles every stream.

@@ -402,15 +402,20 @@ def test_a_malformed_settings_variable_is_one_clear_line(redis_url, command):
         main, [*command, "--redis-url", redis_url], env={"PERSEUS_SCHEDULER_ARGS": "{bad"}
     )
     assert result.exit_code == 2, result.output
-    assert "PERSEUS_SCHEDULER_ARGS is not valid: Expecting property name" in result.output
+    said = "PERSEUS_SCHEDULER_ARGS = '{bad': not JSON: Expecting property name"
+    assert said in result.output
     assert isinstance(result.exception, SystemExit)  # click's exit, no traceback
 
 
 @pytest.mark.parametrize(
     ("args", "env", "said"),
     [
-        (["status"], True, "PERSEUS_SCHEDULER_ARGS is not valid: nested too deeply"),
-        (["coordinator"], True, "Invalid value for --scheduler-args: not JSON: nested too deeply"),
+        (["status"], True, "characters): not JSON: nested too deeply"),
+        (
+            ["coordinator"],
+            True,
+            "Invalid value for PERSEUS_SCHEDULER_ARGS: not JSON: nested too deeply",
+        ),
         (
             ["coordinator", "--scheduler-args"],
             False,
@@ -427,6 +432,24 @@ def test_scheduler_args_nested_thousands_deep_are_one_clear_line(redis_url, args
     assert result.exit_code == 2, result.output
     assert said in result.output
     assert isinstance(result.exception, SystemExit)  # click's exit, no traceback
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (["status"], True, "PERSEUS_SCHEDULER_ARGS = '{\"m\": 2, \"m\": 3}': key 'm' is given"),
+        (["coordinator"], True, "Invalid value for PERSEUS_SCHEDULER_ARGS: key 'm' is given twice"),
+        (["coordinator", "--scheduler-args"], False, "--scheduler-args: key 'm' is given twice"),
+    ],
+    ids=["variable, status", "variable, coordinator", "option"],
+)
+def test_scheduler_args_that_name_a_key_twice_are_refused(redis_url, args, env, said):
+    """json keeps the last value: {"m": 2, "m": 3} ran with 3, whatever the user meant."""
+    twice = '{"m": 2, "m": 3}'
+    argv = [*args, *([] if env else [twice]), "--redis-url", redis_url]
+    result = CliRunner().invoke(main, argv, env={"PERSEUS_SCHEDULER_ARGS": twice} if env else {})
+    assert result.exit_code == 2, result.output
+    assert said in result.output
 
 
 @pytest.mark.parametrize("command", [["power-limit", "show"], ["jobs", "list"]])

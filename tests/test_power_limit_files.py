@@ -6,6 +6,7 @@ errors; the GPUs are the in-process fake NVML (tests/fake_nvml_power.py).
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -349,3 +350,23 @@ def test_show_lists_a_stored_profile_whose_time_is_out_of_range(
     result = CliRunner().invoke(power_limit_group, ["show", "--redis-url", redis_url])
     assert result.exit_code == 0, result.output
     assert "bert" in result.output and "out of range" in result.output
+
+
+def test_a_profile_file_that_names_a_key_twice_is_refused_naming_it(tmp_path: Path) -> None:
+    # json keeps the last of the two: the 300 W measurement vanished without a word.
+    path = tmp_path / "profile.json"
+    rows = [f'[{{"power_limit": {w}, "energy": 1, "time": 1}}]' for w in (300, 200)]
+    path.write_text(f'{{"measurements": {rows[0]}, "measurements": {rows[1]}}}')
+    with pytest.raises(ConfigError, match="'measurements' is given twice") as info:
+        load_profile_file(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_profile_that_measures_one_limit_twice_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    rows = [{"power_limit": 300, "energy": e, "time": 1} for e in (1, 2)]
+    path.write_text(json.dumps({"measurements": rows}))
+    with pytest.raises(
+        ConfigError, match=r"measurements\[1\]: power_limit 300 W is measured twice"
+    ):
+        load_profile_file(path)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
+from protocol.json_text import DuplicateKeyError, loads_unique
 from protocol.models import PowerLimitProfile
 
 if TYPE_CHECKING:
@@ -79,7 +80,9 @@ def _whole_watts(data: dict[str, object]) -> dict[str, object]:
 def parse_profile(text: str | bytes, source: str) -> PowerLimitProfile:
     """Parse a JSON profile (Zeus's or perseus-mq's); ConfigError names ``source`` and the spot."""
     try:
-        data = json.loads(text)
+        data = loads_unique(text)
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"bad power-limit profile {source}: {exc}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"bad power-limit profile {source}: not JSON (line {exc.lineno}, column "
