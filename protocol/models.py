@@ -290,6 +290,9 @@ class PowerLimitProfile(BaseModel):
 # A request id names its reply list (``perseus:reply:<request id>``): a readable key, so no
 # spaces, colons or control characters (the hook sends a uuid4's hex).
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.-]+$"
+# A coordinator's job ids are a few hundred characters at most (time, degrees, scheduler,
+# metadata): a longer one is garbage, which error messages and logs would repeat whole.
+MAX_JOB_ID_LENGTH = 512
 
 
 class RegisterJob(_Model):
@@ -311,7 +314,7 @@ class RegisterRank(_Model):
 
     kind: Literal["register_rank"] = "register_rank"
     request_id: str = Field(min_length=1, max_length=128, pattern=REQUEST_ID_PATTERN)
-    job_id: str = Field(min_length=1)
+    job_id: str = Field(min_length=1, max_length=MAX_JOB_ID_LENGTH)
     rank_info: RankInfo
 
 
@@ -319,7 +322,7 @@ class ReportResult(_Model):
     """A rank's profiling result for the schedule version it ran."""
 
     kind: Literal["report_result"] = "report_result"
-    job_id: str = Field(min_length=1)
+    job_id: str = Field(min_length=1, max_length=MAX_JOB_ID_LENGTH)
     result: ProfilingResult
 
 
@@ -331,7 +334,7 @@ class SetTarget(_Model):
     """
 
     kind: Literal["set_target"] = "set_target"
-    job_id: str = Field(min_length=1)
+    job_id: str = Field(min_length=1, max_length=MAX_JOB_ID_LENGTH)
     iteration_time: float = Field(ge=MIN_TARGET_ITERATION_S, le=MAX_TARGET_ITERATION_S)
 
 

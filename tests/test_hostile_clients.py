@@ -290,6 +290,11 @@ CASES: dict[str, tuple[Callable[[Stack], Entries], str]] = {
         lambda s: _raw(R, "report_result", _result_dict(s), s.hostile_job),
         "field 'job_id' says",
     ),
+    # The reason (and the coordinator's log line) repeated all of it.
+    "100,000-character job id": (
+        lambda s: _raw(G, "register_rank", _register_rank("j" * 100_000, [1980])),
+        "register_rank.job_id: String should have at most 512 characters",
+    ),
     # Stored, it made the worker fail the job for good.
     "target for a scheduler that takes none": (
         lambda s: [(C, encode_message(SetTarget(job_id=s.profiler_job, iteration_time=0.5)))],
@@ -310,6 +315,7 @@ def test_hostile_entry_is_dead_lettered_and_the_genuine_job_goes_on(stack, case)
 
     letters = wait_for(new_letters, 15, f"the dead letter of {case}")
     assert len(letters) == len(added) and all(reason in text for text in letters), letters
+    assert all(len(text) < 2000 for text in letters), [text[:200] for text in letters]
     stack.advance()  # the genuine job still advances, on its own results only
     assert stack.coordinator.poll() is None, "the coordinator died"
     if case == "replayed registration":  # no second reply: the first one held the token
