@@ -7,6 +7,7 @@ errors; the GPUs are the in-process fake NVML (tests/fake_nvml_power.py).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -30,6 +31,7 @@ from worker_client.power_limit.optimizer import (
     ZeusCost,
 )
 from worker_client.power_limit.profile import load_profile_file, save_profile_file
+from worker_client.power_limit.selectors import Energy
 from worker_client.power_limit.store import PowerLimitProfileStore
 
 TABLE = {300: (0.100, 280.0), 250: (0.104, 245.0), 200: (0.115, 198.0)}
@@ -370,3 +372,23 @@ def test_a_profile_that_measures_one_limit_twice_is_refused_naming_it(tmp_path: 
         ConfigError, match=r"measurements\[1\]: power_limit 300 W is measured twice"
     ):
         load_profile_file(path)
+
+
+def test_a_stored_limit_chosen_anew_by_another_selector_says_so(
+    training: ReplayTraining, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The log said "using a stored power-limit profile: 200 W" while the file (and
+    # `perseus power-limit show`) said 300 W: this run's selector chose again, unsaid.
+    path = tmp_path / "profile.json"
+    rows = [{"power_limit": w, "energy": e, "time": 1.0} for w, e in ((300, 90.0), (200, 80.0))]
+    stored = {"measurements": rows, "optimal_power_limit": 300, "selector": "Time()"}
+    path.write_text(json.dumps(stored))
+    with caplog.at_level(logging.INFO, logger="worker_client.power_limit.optimizer"):
+        make(training, profile_path=path, optimum_selector=Energy())
+    said = [
+        r.getMessage() for r in caplog.records if "stored power-limit profile" in r.getMessage()
+    ]
+    assert said == [
+        "using a stored power-limit profile: 200 W, chosen now by Energy() "
+        "(stored with it: 300 W, chosen by Time())"
+    ], said

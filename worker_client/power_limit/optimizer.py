@@ -67,6 +67,7 @@ from worker_client.power_limit.limits import (
 )
 from worker_client.power_limit.monitor import Reducer, WindowMonitor, torch_distributed_reducer
 from worker_client.power_limit.profile import (
+    describe_reuse,
     load_profile,
     load_profile_file,
     save_or_warn,
@@ -260,7 +261,7 @@ class GlobalPowerLimitOptimizer(Callback):
             self.measurements = list(profile.measurements)
             self._profiled_at = profile.updated_at
             optimal = self._compute_optimal_power_limit()
-            logger.info("using a stored power-limit profile: %s", format_watts(optimal))
+            logger.info("%s", describe_reuse(profile, optimal, self.optimum_selector))
             self.state = Done(optimal_power_limit=optimal)
             self._set_power_limit(optimal)
             if self.profile_path is not None and not self.profile_path.exists():

@@ -149,6 +149,21 @@ def load_profile(
     return None
 
 
+def describe_reuse(profile: PowerLimitProfile, optimal_mw: int, selector: object) -> str:
+    """The log line of a run that takes its limit from a stored profile.
+
+    The selector of this run chooses from the stored measurements; where the limit stored
+    with them (chosen by another selector) differs, the line says so.
+    """
+    line = (
+        f"using a stored power-limit profile: {optimal_mw / 1000:g} W, chosen now by {selector!r}"
+    )
+    stored = profile.optimal_power_limit
+    if stored is not None and stored != optimal_mw // 1000:
+        line += f" (stored with it: {stored} W, chosen by {profile.selector or 'another selector'})"
+    return line
+
+
 def save_profile_file(profile: PowerLimitProfile, path: str | Path) -> None:
     """Write ``profile`` in Zeus's layout plus perseus-mq's keys, atomically.
 
