@@ -106,6 +106,14 @@ class EmbeddedRedis:
         # A session of its own: Ctrl-C in a terminal must not stop Redis before the processes
         # that use it have been shut down in order (stop() ends it).
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_started()
+        except BaseException:
+            # Interrupted as it started (Ctrl-C, a stop signal): nobody else could stop it.
+            self.stop()
+            raise
+
+    def _wait_started(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while True:
             try:
@@ -113,10 +121,8 @@ class EmbeddedRedis:
                 break
             except (redis.ConnectionError, redis.ResponseError, FileNotFoundError):
                 if self._proc.poll() is not None or time.monotonic() > deadline:
-                    log = self._read_log()
-                    self.stop()
                     raise CoordinatorUnavailableError(
-                        f"embedded redis-server did not start: {log}"
+                        f"embedded redis-server did not start: {self._read_log()}"
                     ) from None
                 time.sleep(0.01)
 

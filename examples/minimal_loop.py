@@ -25,6 +25,7 @@ import redis
 import torch
 import torch.distributed as dist
 
+from coordinator.cli_common import stop_signals_interrupt
 from coordinator.embedded import EmbeddedRedis
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
@@ -46,7 +47,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", help="join the coordinator and worker serving this Redis")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    # SIGTERM and SIGHUP stop it as Ctrl-C does: the private Redis and rq worker (sessions of
+    # their own) stop too (they were left running).
+    with stop_signals_interrupt(), tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("PERSEUS_SIM_GPU_DIR", str(Path(tmp) / "gpu"))
         plan_text = one_stage_plan(Path(tmp))
         if args.redis_url:
@@ -61,20 +64,28 @@ def run_services_around_training(url: str, plan_text: str) -> None:
     settings = PerseusSettings(redis_url=url)  # no default scheduler: the job names its own
     coordinator = Coordinator(redis.Redis.from_url(url), settings)
     thread = threading.Thread(target=coordinator.run, kwargs={"block_ms": 100})
-    thread.start()
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "worker", "--redis-url", url],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    worker = None
+    try:  # whenever an interrupt comes, what was started stops
+        thread.start()
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "worker", "--redis-url", url],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         train(url, plan_text)
     finally:
-        worker.terminate()
-        worker.wait()
+        # Each stop asked for before any wait, so that a signal that interrupts a wait (it
+        # can land here, after training) leaves nothing running.
         coordinator.stop_event.set()
-        thread.join()
+        if worker is not None:
+            worker.terminate()
+        try:
+            if worker is not None:
+                worker.wait()
+        finally:
+            if thread.ident is not None:
+                thread.join()
 
 
 def train(redis_url: str, plan_text: str) -> None:
@@ -124,4 +135,7 @@ def train(redis_url: str, plan_text: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted: rq worker and private Redis stopped")

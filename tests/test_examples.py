@@ -84,6 +84,27 @@ def _processes_with(marker: str) -> list[str]:
     return found
 
 
+def _cmdline(pid: int) -> bytes:
+    """The command line of process ``pid`` (empty once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _children(parent: int) -> list[int]:
+    """Processes whose parent is ``parent``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            found.append(int(pid))
+    return found
+
+
 def test_torch_pipelining_example_stops_everything_on_sigterm(tmp_path):
     """SIGTERM (kill, timeout) left its private Redis, rq worker and 4 waiting ranks running."""
     marker = str(tmp_path / "gpu")  # in the ranks' and the worker's environment
@@ -109,6 +130,58 @@ def test_torch_pipelining_example_stops_everything_on_sigterm(tmp_path):
 
     def nothing_left() -> bool:
         left[:] = _processes_with(redis_dir) + _processes_with(marker)
+        return not left
+
+    try:
+        wait_for(nothing_left, 20, "the example's processes to stop")
+    except AssertionError:
+        raise AssertionError(f"left running: {left}") from None
+
+
+@pytest.mark.parametrize("when", ["starting", "after training"])
+def test_minimal_loop_example_stops_everything_on_sigterm(tmp_path, when):
+    """SIGTERM (kill, timeout) left its private Redis and rq worker running.
+
+    As its Redis starts, the server was left; after training, in the clean-up, the
+    coordinator's thread (never told to stop) kept the process alive for ever.
+    """
+    marker = str(tmp_path / "gpu")  # in the environment of all it starts
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PERSEUS_SIM_GPU_DIR=marker)
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "minimal_loop.py")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+
+    def its_redis() -> list[int]:
+        # Redis overwrites its environment with its process title: found as the child.
+        return [pid for pid in _children(proc.pid) if b"redis-server" in _cmdline(pid)]
+
+    try:
+        (redis_pid,) = wait_for(its_redis, 60, "the example's private Redis")
+        if when == "after training":
+            assert proc.stdout is not None
+            first = proc.stdout.readline()
+            assert "ran schedule version 1" in first, first
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if when == "starting":
+        assert proc.returncode == 1 and "interrupted" in output, output
+    else:  # in the clean-up, or once it was done and the default handler was back
+        assert proc.returncode in (1, -signal.SIGTERM), output
+    left: list[str] = []
+
+    def nothing_left() -> bool:
+        left[:] = _processes_with(marker)
+        if _cmdline(redis_pid):
+            left.append(f"redis-server {redis_pid}")
         return not left
 
     try:
