@@ -208,19 +208,26 @@ def services(redis_url: str | None, progress: Progress) -> Iterator[str]:
         progress("coordinator and rq worker running" if own else "rq worker running")
         yield redis_url
     finally:
-        if worker is not None:
-            worker.terminate()
-            with suppress(subprocess.TimeoutExpired):
-                worker.wait(timeout=10)
-            if worker.poll() is None:
-                worker.kill()
+        # Every stop asked for before any wait: a signal that interrupts a wait here (a
+        # second Ctrl-C, a SIGTERM as training ends) skipped the rest, and the private Redis
+        # (a session of its own) was left running.
         if own is not None:
             own[0].stop_event.set()
-            own[1].join(timeout=5)
-        if conn is not None:
-            conn.close()
-        if server is not None:
-            server.stop()
+        if worker is not None:
+            worker.terminate()
+        try:
+            if worker is not None:
+                with suppress(subprocess.TimeoutExpired):
+                    worker.wait(timeout=10)
+                if worker.poll() is None:
+                    worker.kill()
+            if own is not None:
+                own[1].join(timeout=5)
+        finally:
+            if conn is not None:
+                conn.close()
+            if server is not None:
+                server.stop()
 
 
 def _figures(records: list[dict[str, Any]], skip: int = 1) -> RunFigures:

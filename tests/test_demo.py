@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
 from coordinator.cli import main
-from coordinator.demo import DemoConfig, ProfileWatcher, format_report, run_demo
+from coordinator.demo import DemoConfig, ProfileWatcher, format_report, run_demo, services
+from coordinator.embedded import EmbeddedRedis
 from coordinator.health import last_beats
 from protocol.connection import connect
 from protocol.store import JobStore
@@ -192,3 +195,24 @@ def test_the_profiling_watcher_stops_the_demo_when_no_coordinator_is_left(r, tmp
     wait_for(stop_file.exists, timeout=10, what="the stop file")
     watcher.stop()
     assert watcher.error == "no coordinator is running on this Redis any more"
+
+
+def test_a_signal_in_the_services_clean_up_still_stops_the_private_redis(monkeypatch):
+    # A SIGTERM or second Ctrl-C landing in the wait for the rq worker skipped the rest of
+    # the clean-up: the private Redis (a session of its own) was left running.
+    started: list[EmbeddedRedis] = []
+    real_init = EmbeddedRedis.__init__
+
+    def remember(self: EmbeddedRedis, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        started.append(self)
+
+    def interrupted(self: subprocess.Popen, timeout: float | None = None) -> int:
+        monkeypatch.undo()  # once: later waits (Redis's own stop) are real
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(EmbeddedRedis, "__init__", remember)
+    with pytest.raises(KeyboardInterrupt), services(None, lambda _: None):
+        monkeypatch.setattr(subprocess.Popen, "wait", interrupted)
+    (server,) = started
+    assert server._proc.poll() is not None, "the private Redis was left running"
