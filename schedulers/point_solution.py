@@ -112,13 +112,19 @@ class PointSolution(FrequencyScheduler):
 
     @classmethod
     def check_args(cls, args: dict[str, Any]) -> None:
-        """Exactly one of ``solution_path`` and ``plan_text`` must be given."""
+        """Exactly one of ``solution_path`` and ``plan_text`` must be given; the text parses.
+
+        Checked when the job registers: a plan text that does not parse failed the job only
+        once its ranks had registered, at the first version.
+        """
         given = [k for k in ("solution_path", "plan_text") if args.get(k) is not None]
         if len(given) != 1:
             raise ConfigError(
                 f"{cls.__name__} needs exactly one of solution_path (a plan file) or plan_text "
                 f"(its text); got {given or 'neither'}"
             )
+        if isinstance(args.get("plan_text"), str):
+            parse_plan_text(args["plan_text"], source="<plan_text>")
 
     @classmethod
     def check_files(cls, args: dict[str, Any]) -> None:

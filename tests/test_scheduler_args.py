@@ -261,3 +261,17 @@ def test_a_job_sending_arguments_without_a_scheduler_is_refused_not_run_without_
     assert not r.zcard(keys.JOBS_INDEX)
     # No arguments (or an empty set) still gets the coordinator's scheduler and arguments.
     assert client.register_job(job, None, {})
+
+
+def test_a_plan_text_that_does_not_parse_is_refused_when_the_job_registers(
+    service: Any, r: redis.Redis, redis_url: str
+) -> None:
+    """It failed the job only once its ranks had registered, at the first version (with a
+    traceback in the worker's log for each such job)."""
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    job = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
+    bad = "[[('forward', 1800)], [('forward', 1800)]]"
+    with pytest.raises(ProtocolError, match="<plan_text>") as info:
+        client.register_job(job, "PointSolution", {"plan_text": bad})
+    assert "backward" in str(info.value)
+    assert not r.zcard(keys.JOBS_INDEX)
