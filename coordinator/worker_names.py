@@ -124,7 +124,8 @@ def claim_name(worker: BaseWorker) -> None:
                 who = f"pid {record.get('pid', '?')} on host {record.get('hostname', '?')}"
                 ours = identity is not None and identity == process_identity()
                 if not ours and (identity is None or not process_gone(identity)):
-                    raise _name_taken(worker, record, who, int(pipe.ttl(worker.key)))
+                    alive = identity is not None and identity == _alive_here(identity)
+                    raise _name_taken(worker, record, who, int(pipe.ttl(worker.key)), alive)
                 pipe.multi()
                 worker_registration.unregister(worker, pipe)
                 pipe.hset(worker.key, "death", utcformat(now()))
@@ -149,7 +150,18 @@ def claim_name(worker: BaseWorker) -> None:
     raise ConfigError(f"rq worker {worker.name}: {worker.key} kept changing; try again")
 
 
-def _name_taken(worker: BaseWorker, record: dict[str, str], who: str, ttl: int) -> ConfigError:
+def _alive_here(identity: str) -> str | None:
+    """``identity`` if it names a process of this machine and PID namespace that runs now."""
+    parts = identity.split("/")
+    try:
+        return process_identity(int(parts[2])) if len(parts) == 4 else None
+    except ValueError:
+        return None
+
+
+def _name_taken(
+    worker: BaseWorker, record: dict[str, str], who: str, ttl: int, alive: bool = False
+) -> ConfigError:
     try:
         beat = datetime.fromisoformat(record.get("last_heartbeat", ""))
         ago = f", last heartbeat {(now() - beat).total_seconds():.0f} s ago"
@@ -158,7 +170,13 @@ def _name_taken(worker: BaseWorker, record: dict[str, str], who: str, ttl: int) 
     expires = f"expires in {ttl} s unless it beats again" if ttl >= 0 else "never expires"
     return ConfigError(
         f"rq worker name {worker.name!r} is taken: Redis key {worker.key} registers a worker "
-        f"({who}{ago}) that may still be running; the key {expires}. Start this worker with "
-        f"another --name, or, if you know that worker is dead, delete its registration: "
-        f"redis-cli DEL {worker.key}"
+        f"({who}{ago}) that "
+        + (
+            "is running (its process is alive on this machine); start this worker with another "
+            "--name, or stop that one first"
+            if alive
+            else f"may still be running; the key {expires}. Start this worker with another "
+            f"--name, or, if you know that worker is dead, delete its registration: "
+            f"redis-cli DEL {worker.key}"
+        )
     )

@@ -78,8 +78,10 @@ def test_name_of_a_live_worker_is_refused_with_advice(tmp_path, redis_url, r):
         assert "Traceback" not in done.stderr
         [error] = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
         assert f"rq worker name {NAME!r} is taken: Redis key {KEY}" in error
-        assert f"(pid {live.pid} on host" in error and "expires in" in error
-        assert "another --name" in error and f"redis-cli DEL {KEY}" in error
+        assert f"(pid {live.pid} on host" in error
+        # Alive on this machine: not "may still be running", nor advice to delete its key.
+        assert "is running (its process is alive on this machine)" in error
+        assert "another --name" in error and "redis-cli DEL" not in error
         assert live.poll() is None and registered_pid(r) == live.pid
     finally:
         stop([live])
@@ -93,6 +95,7 @@ def test_a_dead_worker_that_cannot_be_checked_keeps_its_name(tmp_path, redis_url
     done = run_worker(redis_url, tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert f"Error: rq worker name {NAME!r} is taken" in done.stderr
+    assert "may still be running" in done.stderr and f"redis-cli DEL {KEY}" in done.stderr
     # Nor one whose record does not say which process it was (an older worker's).
     r.hdel(KEY, PROCESS_FIELD)
     done = run_worker(redis_url, tmp_path)
