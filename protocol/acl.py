@@ -35,7 +35,7 @@ ROLES = ("rank", "service", "operator")
 
 # Connection housekeeping. Not CLIENT SETINFO, which Redis 7.0 and older do not know (an ACL
 # file naming it would not load); redis-py ignores its refusal on 7.2 and later.
-_BASE = "+ping +auth +hello +client|setname +client|getname +client|id"
+_BASE = "+ping +auth +hello +client|setname +client|getname +client|id +client|info"
 
 # Keys a rank reads but must not write: a job's version, schedules, info and updates stream,
 # and the SHA-1 digests of its ranks' tokens (the heartbeat script, run as the rank, checks

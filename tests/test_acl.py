@@ -540,3 +540,6 @@ def test_rq_info_reads_as_the_operator_and_a_named_queue_needs_the_service(acl_s
         assert named.returncode == 0 and "1 workers" in named.stdout, named.stderr
     finally:
         stop([worker])
+    # rq asks CLIENT INFO for the worker's address (CLIENT LIST, every client's, if refused):
+    # it warned "CLIENT LIST command not supported" at every start.
+    assert "not supported" not in (tmp_path / "w.log").read_text()
