@@ -13,19 +13,21 @@ from protocol import keys
 from protocol.exceptions import ConfigError
 from tests.helpers import make_settings, wait_for
 
+PLAN = "[[('forward', 1980), ('backward', 1980)]]"  # a plan text that parses
+
 
 def test_a_second_coordinator_with_another_scheduler_refuses_to_start(r, redis_url):
     first = make_settings(redis_url, "tests.toy_schedulers:StepDown")
     agree_settings(r, "host-a-1", first.shared(), time.time())
     beat(r, "host-a-1", time.time())
 
-    other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
+    other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": PLAN})
     with pytest.raises(ConfigError) as caught:
         Coordinator(r, other).run(block_ms=10)
     message = str(caught.value)
     assert "coordinator host-a-1 (running" in message
     assert "scheduler: 'tests.toy_schedulers:StepDown' there, 'PointSolution' here" in message
-    assert "scheduler_args: {} there, {'plan_text': 'x'} here" in message
+    assert f"scheduler_args: {{}} there, {{'plan_text': {PLAN!r}}} here" in message
     assert "stall_timeout" not in message  # only what differs is named
 
 
@@ -37,7 +39,7 @@ def test_same_settings_or_a_stopped_coordinator_do_not_block_a_start(r, redis_ur
 
     # A coordinator that stopped long ago (no heartbeat for a minute) does not count.
     beat(r, "host-a-1", time.time() - 60)
-    other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
+    other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": PLAN})
     agree_settings(r, "host-c-1", other.shared(), time.time())
 
 
@@ -51,7 +53,7 @@ def test_a_coordinator_that_stopped_cleanly_does_not_block_a_restart(r, redis_ur
     thread.join(10)
     assert not r.hexists(keys.COORDINATORS, first.consumer)
     assert not r.hexists(keys.COORDINATOR_SETTINGS, first.consumer)
-    other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
+    other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": PLAN})
     agree_settings(r, "host-c-1", other.shared(), time.time())  # no ConfigError
 
 
@@ -72,7 +74,7 @@ def test_settings_are_recorded_again_after_redis_lost_its_data(r, redis_url):
             ),
             10,
         )
-        other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
+        other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": PLAN})
         with pytest.raises(ConfigError, match=f"coordinator {first.consumer} \\(running"):
             agree_settings(r, "host-c-1", other.shared(), time.time())
     finally:
@@ -87,7 +89,7 @@ def test_a_beat_stamped_just_after_the_check_reads_no_negative_age(r, redis_url)
     first = make_settings(redis_url, "tests.toy_schedulers:StepDown")
     agree_settings(r, "host-a-1", first.shared(), now)
     beat(r, "host-a-1", now + 0.004)
-    other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": "x"})
+    other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": PLAN})
     with pytest.raises(ConfigError) as caught:
         agree_settings(r, "host-b-1", other.shared(), now)
     assert "(running: last round 0.0 s ago)" in str(caught.value)
