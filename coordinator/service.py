@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 _BATCH = 100  # entries read per stream at a time
 _TOP_UPS = 3  # non-blocking reads that gather a burst of results into one batch
+STOP_WAIT_S = 3.0  # longest a stop waits to leave the group and forget its record
 
 
 class Coordinator:
@@ -141,6 +142,22 @@ class Coordinator:
                 prepare_server(self.conn, consumer=self.consumer)
             except redis.RedisError as exc:
                 backoff.failed(exc)
+        # Redis may hang (a stalled network, a stopped server): each command of the tidy-up
+        # would wait its whole socket timeout (30 s, four in a row), far past `docker stop`'s
+        # grace period. Left undone, it is what a killed coordinator leaves: the others
+        # claim its pending entries and the sweep removes its consumer.
+        tidy = threading.Thread(target=self._tidy_up, name="coordinator-stop", daemon=True)
+        tidy.start()
+        tidy.join(STOP_WAIT_S)
+        if tidy.is_alive():
+            logger.warning(
+                "coordinator %s: redis did not answer within %g s of the stop; stopping "
+                "without leaving the consumer group (the others claim what it held)",
+                self.consumer,
+                STOP_WAIT_S,
+            )
+
+    def _tidy_up(self) -> None:
         self._drain()
         GroupMembers(self.conn).leave_on_stop(self.consumer)
         forget(self.conn, self.consumer)

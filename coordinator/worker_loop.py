@@ -22,7 +22,6 @@ what to do.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -57,6 +56,8 @@ class _StopAware:
     """Remembers that a warm shutdown was asked for (rq's hook for exactly that)."""
 
     stop_requested = False
+    # Workers of the same loop whose death Redis did not take (see :meth:`register_birth`).
+    earlier_deaths: list[Any] = []  # noqa: RUF012 - the loop gives each worker its own list
     # rq doubles its reconnect wait up to 60 s: after a long outage a worker could sleep up to
     # a minute with Redis back. Schedules should follow within seconds.
     max_connection_wait_time = 5.0
@@ -134,6 +135,22 @@ class _StopAware:
             worker_registration.register(self, pipe)
             pipe.expire(self.key, self.worker_ttl + 60)  # type: ignore[attr-defined]
             pipe.execute()
+
+    def register_birth(self) -> None:
+        """Register as rq does, then record the deaths Redis refused (out of memory, read-only).
+
+        Such an earlier worker of this loop stayed in rq's registry: ``rq info`` and ``perseus
+        status`` counted it beside this one until its key expired, minutes later.
+        """
+        super().register_birth()  # type: ignore[misc]
+        for earlier in list(self.earlier_deaths):
+            try:
+                if earlier.key != self.key:  # type: ignore[attr-defined]  # same name: replaced
+                    earlier.register_death()
+            except redis.RedisError as exc:
+                logger.debug("rq worker %s: death still not recorded: %s", earlier.name, exc)
+            else:
+                self.earlier_deaths.remove(earlier)
 
     def handle_warm_shutdown_request(self) -> None:
         # rq stops an idle worker by raising StopRequested from its signal handler, wherever
@@ -411,6 +428,7 @@ def _run_workers(
     stop = threading.Event()
     claimed = False  # the name is ours: later workers of this loop re-register it
     worker: PerseusWorker | PerseusSimpleWorker | None = None
+    unrecorded: list[PerseusWorker | PerseusSimpleWorker] = []  # deaths Redis did not take
 
     def request_stop(signum: int, frame: Any) -> None:
         # Also the next worker's, until its work() installs rq's handlers: a stop asked for
@@ -422,6 +440,7 @@ def _run_workers(
 
     while True:
         worker = make_worker()
+        worker.earlier_deaths = unrecorded
         if stop.is_set():  # asked for while it was being made
             return restarts
         started = time.monotonic()
@@ -475,6 +494,9 @@ def _run_workers(
         if isinstance(worker.log, OutageLog):
             worker.log.answered()
         # Its death may not have been recorded during the outage; without it, rq refuses a
-        # new worker of the same name.
-        with contextlib.suppress(redis.RedisError):
+        # new worker of the same name. Redis may answer and still refuse writes (out of
+        # memory): the next worker's birth records it then.
+        try:
             worker.register_death()
+        except redis.RedisError:
+            unrecorded.append(worker)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -9,9 +10,11 @@ import time
 import pytest
 import redis
 
+from coordinator.embedded import EmbeddedRedis
 from coordinator.resilience import ensure_groups
-from coordinator.service import Coordinator
+from coordinator.service import STOP_WAIT_S, Coordinator
 from protocol import keys
+from protocol.connection import connect
 from protocol.models import ReportResult, encode_message
 from tests.helpers import make_settings, result, start_perseus, stop, wait_for
 
@@ -117,3 +120,27 @@ def test_a_coordinator_rejoins_every_stream_after_redis_lost_its_group(r, redis_
     finally:
         coordinator.stop_event.set()
         thread.join()
+
+
+def test_a_coordinator_stopped_while_redis_hangs_stops_within_seconds():
+    # A stalled network (here: redis-server stopped with SIGSTOP) answers nothing and closes
+    # nothing. The stop's tidy-up (leave the group on three streams, forget the record) waited
+    # a whole socket timeout per command (90 s more with the default 30 s). The read in flight
+    # at the stop still waits its socket timeout.
+    with EmbeddedRedis() as server:
+        conn = connect(server.url, socket_timeout=5.0, dedicated=True)
+        coord = Coordinator(conn, make_settings(server.url))
+        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 100}, daemon=True)
+        thread.start()
+        wait_for(lambda: coord.consumer in consumers(redis.Redis.from_url(server.url)), 10, "it")
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.5)  # its next read is in flight: that one waits its 5 s
+            stopped = time.monotonic()
+            coord.stop_event.set()
+            thread.join(30)
+            took = time.monotonic() - stopped
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+    assert not thread.is_alive()
+    assert took < 5.0 + STOP_WAIT_S + 1.5, took  # not 5 s more for each command of the tidy-up
