@@ -146,9 +146,14 @@ class Coordinator:
         # would wait its whole socket timeout (30 s, four in a row), far past `docker stop`'s
         # grace period. Left undone, it is what a killed coordinator leaves: the others
         # claim its pending entries and the sweep removes its consumer.
-        tidy = threading.Thread(target=self._tidy_up, name="coordinator-stop", daemon=True)
+        failed: list[BaseException] = []
+        tidy = threading.Thread(
+            target=self._tidy_up, args=(failed,), name="coordinator-stop", daemon=True
+        )
         tidy.start()
         tidy.join(STOP_WAIT_S)
+        if failed:
+            raise failed[0]  # as it was raised before the tidy-up had a thread of its own
         if tidy.is_alive():
             logger.warning(
                 "coordinator %s: redis did not answer within %g s of the stop; stopping "
@@ -157,10 +162,13 @@ class Coordinator:
                 STOP_WAIT_S,
             )
 
-    def _tidy_up(self) -> None:
-        self._drain()
-        GroupMembers(self.conn).leave_on_stop(self.consumer)
-        forget(self.conn, self.consumer)
+    def _tidy_up(self, failed: list[BaseException]) -> None:
+        try:
+            self._drain()
+            GroupMembers(self.conn).leave_on_stop(self.consumer)
+            forget(self.conn, self.consumer)
+        except BaseException as exc:  # raised in run(), not printed by the thread's hook
+            failed.append(exc)
 
     def _drain(self) -> None:
         """Handle what the read sent ahead with the last write brings (it is ours now)."""

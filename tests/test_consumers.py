@@ -144,3 +144,20 @@ def test_a_coordinator_stopped_while_redis_hangs_stops_within_seconds():
             os.kill(server.pid, signal.SIGCONT)
     assert not thread.is_alive()
     assert took < 5.0 + STOP_WAIT_S + 1.5, took  # not 5 s more for each command of the tidy-up
+
+
+def test_an_error_in_the_stops_tidy_up_is_raised_by_run_not_printed_by_a_thread(
+    r, redis_url, monkeypatch, capsys
+):
+    # The tidy-up runs in a thread of its own (a hanging Redis may not hold a stop): what it
+    # raises still ends run() as before, not as a traceback from threading's hook.
+    coord = Coordinator(r, make_settings(redis_url))
+
+    def refused(self: Coordinator) -> None:
+        raise redis.exceptions.NoPermissionError("this user has no permissions")
+
+    monkeypatch.setattr(Coordinator, "_drain", refused)
+    coord.stop_event.set()
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        coord.run(block_ms=10)
+    assert "Traceback" not in capsys.readouterr().err
