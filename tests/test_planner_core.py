@@ -25,7 +25,7 @@ import pytest
 from protocol.exceptions import ConfigError
 from schedulers.planning import native, pd_core
 from schedulers.planning.core_problem import CoreProblem, CoreResult, build_problem
-from schedulers.planning.cost_model import CostTable, LinearCost
+from schedulers.planning.cost_model import FP_ERROR, CostTable, LinearCost
 from schedulers.planning.frontier_compute import resolve_solver
 from schedulers.planning.lowtime_ref import LowtimePanicError, solve_lowtime
 from schedulers.planning.maxflow import InfeasibleFlowError
@@ -179,6 +179,34 @@ def test_exact_frontier_matches_brute_force(name: str, solver: str) -> None:
     assert result.quant_times == list(range(max(best), min(best) - 1, -1))
     for q, cost in zip(result.quant_times, result.model_costs, strict=True):
         assert cost == pytest.approx(min(c for t, c in best.items() if t <= q), rel=1e-9)
+
+
+def plateau_problem(stages: int, micro: int) -> CoreProblem:
+    """Energy flattens at the slow end: the first speed-ups cost under FP_ERROR (1e-6 J)."""
+    rows = [
+        ProfileRow(stage, inst, clock, (q + 0.5) * U, energy)
+        for stage in range(stages)
+        for inst in ("forward", "backward")
+        for clock, q, energy in ((1980, 2, 10.0), (1500, 4, 2.0), (1000, 6, 2.0 - 1e-6))
+    ]
+    return build_problem(build_profile(rows), PipelineShape(stages, micro), unit_time=U)
+
+
+@pytest.mark.parametrize("solver", ["python", "native"])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 2)])
+def test_nearly_free_speed_ups_do_not_end_the_frontier(shape: tuple, solver: str) -> None:
+    # Speeding up from the slowest clock saves time for 5e-7 J per unit; the solver stopped
+    # there ("cost change below FP_ERROR", as lowtime), so the frontier was its slowest plan.
+    if solver == "native" and not native.available():
+        pytest.skip("C kernel not built")
+    problem = plateau_problem(*shape)
+    result = pd_core.solve(problem) if solver == "python" else native.solve_native(problem)
+    best = brute_force(problem)
+    assert result.quant_times == list(range(max(best), min(best) - 1, -1)), result.stop
+    # Flow bounds are whole FP_ERROR units: slopes below one unit cannot be told apart.
+    slack = problem.num_nodes * FP_ERROR
+    for q, cost in zip(result.quant_times, result.model_costs, strict=True):
+        assert cost == pytest.approx(min(c for t, c in best.items() if t <= q), abs=slack)
 
 
 # ---- non-convex cost models ----
