@@ -26,7 +26,7 @@ from protocol.exceptions import ConfigError
 from schedulers.planning import native, pd_core
 from schedulers.planning.core_problem import CoreProblem, CoreResult, build_problem
 from schedulers.planning.cost_model import FP_ERROR, CostTable, LinearCost
-from schedulers.planning.frontier_compute import resolve_solver
+from schedulers.planning.frontier_compute import compute_frontier, resolve_solver
 from schedulers.planning.lowtime_ref import LowtimePanicError, solve_lowtime
 from schedulers.planning.maxflow import InfeasibleFlowError
 from schedulers.planning.pipeline_dag import PipelineShape
@@ -248,3 +248,17 @@ def test_solver_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_solver("auto") == "python"
     with pytest.raises(ConfigError, match="not built"):
         resolve_solver("native")
+
+
+@pytest.mark.parametrize("unit_time", [1e-12, 1e-300])
+def test_a_unit_time_past_the_cores_integers_is_refused_with_one_that_fits(unit_time) -> None:
+    # One clock per instruction passes the table-width check at any unit; 0.01 s in 1e-12 s
+    # units (1e10) or in 1e-300 s units ended the native core in OverflowError.
+    rows = [ProfileRow(0, "forward", 1500, 0.01, 5.0), ProfileRow(0, "backward", 1500, 3.0, 9.0)]
+    profile = build_profile(rows)
+    for solver in ("auto", "python"):
+        with pytest.raises(ConfigError, match="is too fine: stage 0 forward") as refused:
+            compute_frontier(profile, 1, 2, unit_time=unit_time, solver=solver)
+    suggested = float(str(refused.value).rsplit("at least ", 1)[1].split()[0])
+    frontier = compute_frontier(profile, 1, 2, unit_time=suggested)
+    assert frontier.points[-1].iteration_time == pytest.approx(2 * 3.01)  # The longest fits too
