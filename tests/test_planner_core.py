@@ -25,8 +25,8 @@ import pytest
 from protocol.exceptions import ConfigError
 from schedulers.planning import native, pd_core
 from schedulers.planning.core_problem import CoreProblem, CoreResult, build_problem
-from schedulers.planning.cost_model import CostTable, LinearCost
-from schedulers.planning.frontier_compute import resolve_solver
+from schedulers.planning.cost_model import FP_ERROR, CostTable, LinearCost
+from schedulers.planning.frontier_compute import compute_frontier, resolve_solver
 from schedulers.planning.lowtime_ref import LowtimePanicError, solve_lowtime
 from schedulers.planning.maxflow import InfeasibleFlowError
 from schedulers.planning.pipeline_dag import PipelineShape
@@ -181,6 +181,34 @@ def test_exact_frontier_matches_brute_force(name: str, solver: str) -> None:
         assert cost == pytest.approx(min(c for t, c in best.items() if t <= q), rel=1e-9)
 
 
+def plateau_problem(stages: int, micro: int) -> CoreProblem:
+    """Energy flattens at the slow end: the first speed-ups cost under FP_ERROR (1e-6 J)."""
+    rows = [
+        ProfileRow(stage, inst, clock, (q + 0.5) * U, energy)
+        for stage in range(stages)
+        for inst in ("forward", "backward")
+        for clock, q, energy in ((1980, 2, 10.0), (1500, 4, 2.0), (1000, 6, 2.0 - 1e-6))
+    ]
+    return build_problem(build_profile(rows), PipelineShape(stages, micro), unit_time=U)
+
+
+@pytest.mark.parametrize("solver", ["python", "native"])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 2)])
+def test_nearly_free_speed_ups_do_not_end_the_frontier(shape: tuple, solver: str) -> None:
+    # Speeding up from the slowest clock saves time for 5e-7 J per unit; the solver stopped
+    # there ("cost change below FP_ERROR", as lowtime), so the frontier was its slowest plan.
+    if solver == "native" and not native.available():
+        pytest.skip("C kernel not built")
+    problem = plateau_problem(*shape)
+    result = pd_core.solve(problem) if solver == "python" else native.solve_native(problem)
+    best = brute_force(problem)
+    assert result.quant_times == list(range(max(best), min(best) - 1, -1)), result.stop
+    # Flow bounds are whole FP_ERROR units: slopes below one unit cannot be told apart.
+    slack = problem.num_nodes * FP_ERROR
+    for q, cost in zip(result.quant_times, result.model_costs, strict=True):
+        assert cost == pytest.approx(min(c for t, c in best.items() if t <= q), abs=slack)
+
+
 # ---- non-convex cost models ----
 
 
@@ -220,3 +248,17 @@ def test_solver_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_solver("auto") == "python"
     with pytest.raises(ConfigError, match="not built"):
         resolve_solver("native")
+
+
+@pytest.mark.parametrize("unit_time", [1e-12, 1e-300])
+def test_a_unit_time_past_the_cores_integers_is_refused_with_one_that_fits(unit_time) -> None:
+    # One clock per instruction passes the table-width check at any unit; 0.01 s in 1e-12 s
+    # units (1e10) or in 1e-300 s units ended the native core in OverflowError.
+    rows = [ProfileRow(0, "forward", 1500, 0.01, 5.0), ProfileRow(0, "backward", 1500, 3.0, 9.0)]
+    profile = build_profile(rows)
+    for solver in ("auto", "python"):
+        with pytest.raises(ConfigError, match="is too fine: stage 0 forward") as refused:
+            compute_frontier(profile, 1, 2, unit_time=unit_time, solver=solver)
+    suggested = float(str(refused.value).rsplit("at least ", 1)[1].split()[0])
+    frontier = compute_frontier(profile, 1, 2, unit_time=suggested)
+    assert frontier.points[-1].iteration_time == pytest.approx(2 * 3.01)  # The longest fits too

@@ -3,9 +3,9 @@
  * Same algorithm, same decisions, same figures as the pure-Python core (see pd_core.py and
  * maxflow.py for the reasoning): incremental longest paths, criticality by zero float, exact
  * integer flow bounds, a warm-started max-flow whose residual reachability gives the smallest
- * minimum cut, lowtime's stop rules. Floating-point work (cost change, model cost, energy,
- * longest path with profiled times) is done in the same order as the Python core, so both
- * return the same numbers. schedulers/planning/native.py marshals the arrays.
+ * minimum cut, lowtime's stop rules but the cost-change one (see pd_core.py). Floating-point
+ * work (model cost, energy, longest path with profiled times) is done in the same order as the
+ * Python core, so both return the same numbers. schedulers/planning/native.py marshals the arrays.
  *
  * Graph: AON nodes 0..n-1 are instructions, n is a virtual source, n+1 a virtual sink. Arc v
  * (v < n+2) is node v's own arc, vertex 2v -> 2v+1; arc n+2+k is the k-th dependency u -> w,
@@ -551,7 +551,6 @@ static const char *STOP_NO_FORWARD = "no arc crosses the cut forwards";
 static const char *STOP_DUMMY = "a dependency or the source/sink is on the cut";
 static const char *STOP_FASTEST = "an instruction on the cut is at its fastest";
 static const char *STOP_SLOWEST = "an instruction on the cut is at its slowest";
-static const char *STOP_FP = "cost change below FP_ERROR";
 static const char *STOP_INFEASIBLE = "infeasible";
 
 /* One step. Fills moved (node ids, sorted) and old durations; returns a stop reason or NULL. */
@@ -569,23 +568,19 @@ static const char *step(Ctx *c, int *moved, int64_t *old, int *nmoved, int *fail
         if (in_t && !in_h) nspeed++;
     }
     if (!nspeed) return STOP_NO_FORWARD;
-    double change = 0.0;
     for (int e = 0; e < c->m; e++) {
         if (!c->active[e]) continue;
         if (!(c->seen[c->tails[e]] == g && c->seen[c->heads[e]] != g)) continue;
         if (e >= c->n) return STOP_DUMMY;
         int tb = c->node_table[e];
         if (c->d[e] - 1 < c->t_min[tb]) return STOP_FASTEST;
-        change += fabs(dur_cost(c, e, c->d[e] - 1) - dur_cost(c, e, c->d[e]));
     }
     for (int e = 0; e < c->n; e++) {
         if (!c->active[e]) continue;
         if (!(c->seen[c->heads[e]] == g && c->seen[c->tails[e]] != g)) continue;
         int tb = c->node_table[e];
         if (c->d[e] + 1 > c->t_max[tb]) return STOP_SLOWEST;
-        change -= fabs(dur_cost(c, e, c->d[e]) - dur_cost(c, e, c->d[e] + 1));
     }
-    if (fabs(change) < c->fp_error) return STOP_FP;
     int k = 0;
     for (int e = 0; e < c->n; e++) {
         if (!c->active[e]) continue;

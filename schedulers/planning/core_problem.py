@@ -156,9 +156,10 @@ def build_problem(
     kept = {key: pareto_frequencies(profile.table[key], p2p_power) for key in keys}
     spans = {key: [profile.table[key][f][0] for f in kept[key]] for key in keys}
     finest = _finest_unit(spans)
+    longest = max(max(t) for t in spans.values())
     for stage, inst in keys:
         entry = profile.table[(stage, inst)]
-        _check_unit_time(profile, stage, inst, spans[(stage, inst)], unit_time, finest)
+        _check_unit_time(profile, stage, inst, spans[(stage, inst)], unit_time, finest, longest)
         options = candidate_options(
             [(f, entry[f][0], entry[f][1] - p2p_power * entry[f][0]) for f in kept[(stage, inst)]],
             unit_time,
@@ -189,6 +190,10 @@ def build_problem(
 #: (and the solver's steps) hold one entry per unit: 1e-9 s units of a 0.1 s instruction made
 #: tens of millions and the planner ran for ever; 1e-300 s never ended.
 MAX_TABLE_UNITS = 1_000_000
+#: Most whole time units one instruction may take: the compiled core holds durations as C ints
+#: (a single clock of 0.01 s in 1e-12 s units, 1e10, ended in OverflowError; the width check
+#: above passes a single clock whatever the unit).
+MAX_QUANT_UNITS = 2**31 - 1
 
 
 def _finest_unit(times: dict[tuple[int, str], list[float]]) -> float:
@@ -207,19 +212,24 @@ def _check_unit_time(
     times: list[float],
     unit_time: float,
     finest: float,
+    longest: float,
 ) -> None:
     """Raise ConfigError if ``unit_time`` makes an instruction's time no finite number of units.
 
-    Checked before the times are quantized: ``int(t // 1e-320)`` raises OverflowError.
+    Checked before the times are quantized: ``int(t // 1e-320)`` raises OverflowError. A time
+    of more than :data:`MAX_QUANT_UNITS` units is refused too.
     """
-    if all(math.isfinite(t / unit_time) for t in times):
+    units = max(times) / unit_time
+    if math.isfinite(units) and units <= MAX_QUANT_UNITS:
         return
-    # At least one that counts this time in MAX_TABLE_UNITS (finest is 0 for one clock).
-    works = max(finest, 1.01 * max(times) / MAX_TABLE_UNITS)
+    # At least one that counts the longest time of any instruction in MAX_TABLE_UNITS (finest
+    # is 0 for one clock), so that no other instruction is refused next.
+    works = max(finest, 1.01 * longest / MAX_TABLE_UNITS)
+    count = f"{units:.3g} units, at most {MAX_QUANT_UNITS}" if math.isfinite(units) else ""
     raise ConfigError(
         f"{profile.path or 'profile'}: unit time {unit_time:g} s is too fine: stage {stage} "
-        f"{inst}'s time of {max(times):g} s is no finite number of units; use a unit time "
-        f"of at least {works:.3g} s"
+        f"{inst}'s time of {max(times):g} s is {count or 'no finite number of units'}; use a "
+        f"unit time of at least {works:.3g} s"
     )
 
 

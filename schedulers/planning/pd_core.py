@@ -12,9 +12,12 @@ Same algorithm as lowtime's ``PhillipsDessouky.run``, step for step:
 4. the minimum cut of that network picks the instructions to speed up (arcs crossing it
    forwards) and to slow down (arcs crossing it backwards) by one unit; the iteration time
    drops by one unit at the least added cost;
-5. the step ends the run, exactly where lowtime stops, when a forward arc is a dummy or already
-   at its fastest, a backward arc is at its slowest, no arc crosses forwards, or the cost change
-   is below ``FP_ERROR``.
+5. the step ends the run, where lowtime stops, when a forward arc is a dummy or already at its
+   fastest, a backward arc is at its slowest, or no arc crosses forwards. lowtime also stops
+   when a step's cost change is below ``FP_ERROR``; the core takes such a step: where an
+   energy curve flattens at its slow end, the first speed-ups cost almost nothing, and stopping
+   there ended the frontier at its slowest plan (every step still shortens the iteration by
+   one unit, so the run ends).
 
 Where lowtime rebuilds everything per step (networkx copies, three topological sorts, two
 max-flows from zero), this keeps state across steps: start times and tails of the longest
@@ -31,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from schedulers.planning.core_problem import CoreProblem, CoreResult
-from schedulers.planning.cost_model import FP_ERROR, INF_UNITS
+from schedulers.planning.cost_model import INF_UNITS
 from schedulers.planning.maxflow import BoundedFlow
 from schedulers.planning.plan_eval import PlanEvaluator
 
@@ -185,20 +188,15 @@ class _Solver:
         speed.sort()
         slow.sort()
         d, tables = self.d, self.tables
-        change = 0.0
         for e in speed:
             if e >= n:
                 return "a dependency or the source/sink is on the cut", []
             if d[e] - 1 < tables[e].min_d:
                 return "an instruction on the cut is at its fastest", []
-            change += tables[e].speedup_cost(d[e])
         real_slow = [e for e in slow if e < n]
         for e in real_slow:
             if d[e] + 1 > tables[e].max_d:
                 return "an instruction on the cut is at its slowest", []
-            change -= tables[e].slowdown_gain(d[e])
-        if abs(change) < FP_ERROR:
-            return "cost change below FP_ERROR", []
         moved = sorted([(e, d[e]) for e in speed] + [(e, d[e]) for e in real_slow])
         for e in speed:
             d[e] -= 1
