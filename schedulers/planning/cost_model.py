@@ -265,11 +265,3 @@ class CostTable:
         lb = abs(model(d) - model(d + 1))
         ub = abs(model(d - 1) - model(d)) + FP_ERROR
         return _units(lb), _units(ub)
-
-    def speedup_cost(self, d: int) -> float:
-        """Cost added by going from ``d`` to ``d - 1`` (as lowtime's ``reduce_durations``)."""
-        return abs(self.cost[d - 1 - self.min_d] - self.cost[d - self.min_d])
-
-    def slowdown_gain(self, d: int) -> float:
-        """Cost saved by going from ``d`` to ``d + 1``."""
-        return abs(self.cost[d - self.min_d] - self.cost[d + 1 - self.min_d])
