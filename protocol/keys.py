@@ -69,11 +69,6 @@ def job_key(job_id: str, *parts: str | int) -> str:
     return f"{PREFIX}:job:{job_id}{suffix}"
 
 
-def glob_escape(text: str) -> str:
-    """``text`` for a SCAN ``MATCH`` pattern that matches it literally (glob characters escaped)."""
-    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
-
-
 def job_info(job_id: str) -> str:
     """Hash of the job's info and configuration (plain strings, readable with HGETALL)."""
     return job_key(job_id, "info")

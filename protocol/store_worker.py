@@ -20,6 +20,11 @@ from protocol.store_batch import StoreBatch
 from protocol.store_scripts import HSET_IF_JOB, Scripts
 
 
+def _glob_escape(text: str) -> str:
+    """``text`` for a SCAN ``MATCH`` pattern that matches it literally (glob characters escaped)."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
 class WorkerStore:
     """Schedules, journal, snapshots, lease and due set of jobs (see :class:`JobStore`)."""
 
@@ -94,7 +99,7 @@ class WorkerStore:
         found = []
         for part in ("schedule", "results"):
             prefix = keys.job_key(job_id, part, "")
-            pattern = keys.glob_escape(prefix) + "*"
+            pattern = _glob_escape(prefix) + "*"
             for key in self.conn.scan_iter(match=pattern, count=1000):
                 name = key.decode(errors="replace")
                 if name[len(prefix) :].isdigit():  # not another job's "<id>:schedule:..." key
