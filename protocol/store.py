@@ -269,9 +269,9 @@ class JobStore(WorkerStore):
         times = [float(t) for t in stamps if t]
         try:
             times += self.ranks_heard(job_id).values()
-        except redis.ResponseError as exc:
+        except redis.ResponseError as exc:  # heartbeats replaced by something else: no proof
             if not wrong_type(exc):
-                raise  # Heartbeats replaced by something else prove nothing.
+                raise
         return max(times, default=0.0)
 
     def server_time(self) -> float:
