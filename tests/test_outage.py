@@ -181,6 +181,22 @@ def test_redis_restarted_empty_loses_the_job_not_the_training(gloo, cluster):
         hook.close()
 
 
+def test_an_idle_watcher_sees_redis_back_without_waiting_out_a_long_read(gloo, cluster):
+    # Reconnected after the outage, it went straight back into a read blocking up to
+    # MAX_BLOCK_S (20 s): "back" and "job is gone" came 20 s after Redis did.
+    server = cluster(False)
+    hook = make_hook(server.url, DryRunFrequencyController(0), report_every=2)
+    try:
+        run_step(hook)
+        server.restart(downtime=1.0)  # comes back empty: the watcher's heartbeat finds no job
+        back = time.monotonic()
+        wait_for(lambda: hook.watcher.job_lost, 30, "the watcher to notice the job is gone")
+        # Its retries after a 1 s outage: 0.5 s, 1 s, 2 s... far under MAX_BLOCK_S.
+        assert time.monotonic() - back < MAX_BLOCK_S / 2
+    finally:
+        hook.close()
+
+
 def test_a_worker_registers_again_with_rq_after_redis_lost_its_data(cluster, tmp_path):
     server = cluster(False)
     conn = redis.Redis.from_url(server.url)

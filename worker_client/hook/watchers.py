@@ -104,7 +104,11 @@ class ScheduleWatcher(threading.Thread):
             try:
                 # Block until the next heartbeat is due: an idle watcher costs one command
                 # per MAX_BLOCK_S, and stop() interrupts the read by closing the connection.
+                # In an outage, barely: the heartbeat that ends it (or finds the job gone)
+                # must not wait out a long read on a Redis that is back.
                 wait = min(MAX_BLOCK_S, max(0.001, self._next_beat - time.monotonic()))
+                if self.outage.since is not None:
+                    wait = 0.001
                 updates = {keys.job_updates(self.job_id): last_id}
                 reply = self._conn.xread(updates, block=max(1, int(wait * 1000)))
                 if self._stop_event.is_set():
