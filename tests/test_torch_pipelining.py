@@ -154,6 +154,23 @@ def test_a_second_wrap_is_refused_and_close_puts_back_what_it_found(gloo, hook_s
         assert again.hook.steps == 1
 
 
+def test_a_second_schedule_over_a_wrapped_stage_is_refused(gloo, hook_service, redis_url):
+    _coord, start_worker = hook_service
+    start_worker()
+    first, stage = one_stage_schedule(Schedule1F1B, 2)
+    second = Schedule1F1B(stage, 2, loss_fn=torch.nn.MSELoss())  # e.g. training rebuilt
+    x, y = torch.ones(4, 4), torch.zeros(4, 4)
+    with wrap(first, redis_url):
+        # It would register a second job for the GPU, and closing the first would take its
+        # patches off the stage (its next step then saw 0 of 4 actions).
+        with pytest.raises(ConfigError, match=r"PipelineStage \(stage 0\) of this Schedule1F1B"):
+            wrap(second, redis_url)
+        assert "step" not in vars(second)
+    with wrap(second, redis_url) as perseus:
+        second.step(x, target=y)
+        assert perseus.last_step_actions == stage_actions("1f1b", 1, 2, 0)
+
+
 def test_plan_for_the_other_schedule_is_a_clear_error(gloo, hook_service, redis_url):
     _coord, start_worker = hook_service
     start_worker()

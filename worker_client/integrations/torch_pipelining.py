@@ -154,6 +154,14 @@ class PerseusPipeline:
                 f"{type(schedule).__name__} has no PipelineStage (this torch "
                 f"{torch.__version__} keeps it elsewhere); cannot attach Perseus"
             )
+        if isinstance(vars(stage).get("forward_one_chunk"), _Wrapped):
+            # Another schedule over this stage is wrapped: a second job for the GPU, and the
+            # first close() would take this wrap's patches off the stage.
+            raise ConfigError(
+                f"the PipelineStage (stage {stage.stage_index}) of this "
+                f"{type(schedule).__name__} is already under a PerseusPipeline of another "
+                "schedule; close() that one first"
+            )
         if getattr(schedule, "_loss_fn", None) is None:
             raise ConfigError(
                 f"{type(schedule).__name__} has no loss_fn: it runs forwards only, and Perseus "
