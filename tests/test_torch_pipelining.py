@@ -328,6 +328,10 @@ def test_a_hook_for_another_stage_is_refused(gloo, hook_service, redis_url):
             PerseusPipeline(schedule, hook)
         with pytest.raises(ConfigError, match="either hook or hook options"):
             PerseusPipeline(schedule, hook, report_every=3)
+        # The layout too: the hook has its own, and these were dropped unsaid.
+        for layout in ({"device_id": 5}, {"dp_rank": 1, "dp_degree": 2}, {"tp_degree": 2}):
+            with pytest.raises(ConfigError, match=f"not both: .*{next(iter(layout))}"):
+                PerseusPipeline(schedule, hook, **layout)
     finally:
         hook.close()
 

@@ -179,9 +179,14 @@ class PerseusPipeline:
         self._owns_hook = hook is None
         if hook is None:
             hook = self._build_hook(dp_rank, dp_degree, tp_rank, tp_degree, device_id, hook_options)
-        elif hook_options:
-            raise ConfigError(f"pass either hook or hook options, not both: {sorted(hook_options)}")
-        elif hook.pp_rank != self.stage_index:
+        else:
+            layout = {"dp_rank": dp_rank is not None, "dp_degree": dp_degree is not None}
+            layout |= {"tp_rank": tp_rank != 0, "tp_degree": tp_degree != 1}
+            layout["device_id"] = device_id is not None
+            given = sorted(hook_options) + [name for name, passed in layout.items() if passed]
+            if given:  # the hook was built with its own: these would be ignored unsaid
+                raise ConfigError(f"pass either hook or hook options, not both: {given}")
+        if hook.pp_rank != self.stage_index:
             raise ConfigError(
                 f"the hook is for pp_rank {hook.pp_rank} but the schedule's stage is "
                 f"{self.stage_index} of {self.num_stages}"
