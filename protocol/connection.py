@@ -183,13 +183,30 @@ def connect(
         if "scheme" in why:  # redis-py's list leaves out the sentinel schemes
             why = "it must start with redis://, rediss://, unix://, "
             why += " or ".join(SENTINEL_SCHEMES)
+        elif reserved := _reserved_in_password(url):
+            # redis-py's own message quotes the piece of the password before the character
+            # (as a port: "Port could not be cast to integer value as 'abc'").
+            why = (
+                f"its password holds {' and '.join(map(repr, reserved))}, which a URL reads "
+                "as the end of the host part: percent-encode it (/ is %2F, ? is %3F, # is "
+                "%23), or choose a password of letters and digits"
+            )
         raise ConfigError(f"invalid Redis URL {redact_url(url)!r}: {why}") from None
     return conn
 
 
 # scheme://[user][:password]@rest -> the password part; also hides ?password=... parameters.
-_USERINFO = re.compile(r"^(?P<head>[a-z+]+://)(?P<user>[^:@/]*)(?::(?P<pw>[^@/]*))?@")
+# The password runs to the last "@": one holding "/", "?", "#" or "@" (which the URL parsers
+# do not take there) is still hidden whole, and a URL with "@" further on loses more, not less.
+_USERINFO = re.compile(r"^(?P<head>[a-z+]+://)(?P<user>[^:@/]*)(?::(?P<pw>.*))?@", re.DOTALL)
 _PW_PARAM = re.compile(r"((?:^|[?&])(?:sentinel_)?password=)[^&]*")
+
+
+def _reserved_in_password(url: str) -> list[str]:
+    """The characters of ``url``'s password that end a URL's host part ("/", "?", "#")."""
+    match = _USERINFO.match(url)
+    password = (match.group("pw") if match else None) or ""
+    return [c for c in "/?#" if c in password]
 
 
 def redact_url(url: str) -> str:

@@ -120,6 +120,26 @@ def test_a_redis_url_with_a_bad_database_or_query_parameter_is_one_line(redis_ur
     assert code == 0, out
 
 
+@pytest.mark.parametrize("password", ["se/cret", "se?cret", "se#cret", "se@cr/et"])
+def test_a_password_a_url_cannot_hold_is_named_as_the_problem_and_never_printed(password):
+    # docker-compose.yml puts PERSEUS_REDIS_PASSWORD into the services' URLs: one made with
+    # `openssl rand -base64` holds "/", and every restart of the coordinator and the workers
+    # printed the URL with the password in clear (or redis-py's "Port could not be cast to
+    # integer value as 'se'") into `docker compose logs` and the healthcheck's log.
+    from coordinator.health import check
+
+    url = f"redis://:{password}@redis:6379/0"
+    for command in (("status",), ("jobs", "list"), ("coordinator",), ("worker",)):
+        code, out = perseus(*command, env={"PERSEUS_REDIS_URL": url})
+        assert code != 0, out
+        assert "cret" not in out and "'se'" not in out and "Traceback" not in out, out
+        assert "redis://:***@" in out, out
+        if "/" in password:
+            assert "its password holds '/'" in out and "%2F" in out, out
+    ok, message = check(url, "host", 30)
+    assert not ok and "cret" not in message and "'se'" not in message, message
+
+
 def test_a_query_parameter_redis_py_parses_but_the_connection_does_not_take_is_refused(redis_url):
     # redis-py parses ?timeout= (its BlockingConnectionPool's) and ?ssl_check_hostname= (a TLS
     # connection's) in any URL and hands them to the connection: on a plain one, the TypeError
