@@ -396,13 +396,14 @@ def run_workers(
         ConfigError: The first worker was refused a command (NOPERM): not the service user; or
             its name is registered by a worker that may be alive (:func:`claim_name`).
     """
-    hangup = signal.getsignal(signal.SIGHUP)
-    if hangup is not signal.SIG_IGN:  # the terminal closed (not under nohup)
+    found = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)}
+    if found[signal.SIGHUP] is not signal.SIG_IGN:  # the terminal closed (not under nohup)
         signal.signal(signal.SIGHUP, _hangup_as_terminate)
     try:
         return _run_workers(make_worker, burst, logging_level)
-    finally:
-        signal.signal(signal.SIGHUP, hangup)
+    finally:  # a caller's own handlers (run in-process)
+        for sig, handler in found.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def _hangup_as_terminate(signum: int, frame: Any) -> None:
@@ -438,6 +439,10 @@ def _run_workers(
             worker.stop_requested = True
             worker._stop_requested = True  # rq's flag, checked before each wait for a task
 
+    # The first worker's too: a stop before its work() installed rq's handlers killed it.
+    signal.signal(signal.SIGTERM, request_stop)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # not under `&` in a script
+        signal.signal(signal.SIGINT, request_stop)
     while True:
         worker = make_worker()
         worker.earlier_deaths = unrecorded

@@ -56,6 +56,30 @@ def test_a_stop_while_the_next_worker_starts_stops_it(redis_url, when):
     assert queue.count == 1 and task.get_status() == "queued"  # the stopped worker took none
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_before_the_first_worker_installs_rqs_handlers_stops_it(redis_url, sig):
+    # The first worker had only Python's defaults until rq's work() installed its handlers:
+    # a SIGTERM (or a SIGHUP, forwarded to it) in between killed the process outright.
+    conn = redis.Redis.from_url(redis_url)
+    queue = Queue("firststop", connection=conn)
+    task = queue.enqueue("os.getpid")
+
+    class SignalledAtBootstrap(PerseusSimpleWorker):
+        def bootstrap(self, *args: Any, **kw: Any) -> None:
+            os.kill(os.getpid(), sig)  # registered with rq, its handlers not installed yet
+            super().bootstrap(*args, **kw)
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        restarts = run_workers(lambda: SignalledAtBootstrap([queue], connection=conn))
+        assert {s: signal.getsignal(s) for s in before} == before  # the caller's, back
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    assert restarts == 0
+    assert queue.count == 1 and task.get_status() == "queued"  # stopped before taking it
+
+
 @pytest.mark.parametrize("simple", [False, True], ids=["long-lived", "simple"])
 def test_a_hangup_stops_perseus_worker_as_sigterm_does(redis_url, tmp_path, simple):
     # The terminal closed: Python's default for SIGHUP ended the worker at once, its record
