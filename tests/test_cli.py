@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -279,18 +280,26 @@ def test_status_json_has_energy_figures(redis_url, job):
     assert listed["job_id"] == job and listed["first"] is None  # No results yet.
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_perseus_redis_stops_its_server_on_sigterm(tmp_path, sig):
-    """SIGHUP too (the terminal closed): it ended the command and left the server running."""
+def _start_perseus_redis(
+    tmp_path: Path, preexec_fn: Callable[[], None] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """Start ``perseus redis``; the process and the URL it printed."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "redis"],
         env=subprocess_env(tmp_path),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
+        preexec_fn=preexec_fn,
     )
     assert proc.stdout is not None
-    url = proc.stdout.readline().split("redis url: ", 1)[1].strip()
+    return proc, proc.stdout.readline().split("redis url: ", 1)[1].strip()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_perseus_redis_stops_its_server_on_sigterm(tmp_path, sig):
+    """SIGHUP too (the terminal closed): it ended the command and left the server running."""
+    proc, url = _start_perseus_redis(tmp_path)
     conn = redis.Redis.from_url(url)
     server_pid = int(conn.info("server")["process_id"])
     proc.send_signal(sig)
@@ -311,17 +320,8 @@ def test_perseus_redis_under_nohup_keeps_running_on_sighup(tmp_path):
     def ignore_hangups() -> None:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "redis"],
-        env=subprocess_env(tmp_path),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-        preexec_fn=ignore_hangups,
-    )
+    proc, url = _start_perseus_redis(tmp_path, ignore_hangups)
     try:
-        assert proc.stdout is not None
-        url = proc.stdout.readline().split("redis url: ", 1)[1].strip()
         proc.send_signal(signal.SIGHUP)
         time.sleep(0.5)
         assert proc.poll() is None

@@ -105,18 +105,28 @@ def _children(parent: int) -> list[int]:
     return found
 
 
-def test_torch_pipelining_example_stops_everything_on_sigterm(tmp_path):
-    """SIGTERM (kill, timeout) left its private Redis, rq worker and 4 waiting ranks running."""
-    marker = str(tmp_path / "gpu")  # in the ranks' and the worker's environment
+def _start_example(script: str, tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    """Start ``examples/<script>``, output unbuffered; the process and its marker.
+
+    The marker (its simulated GPUs' folder) is in the environment of all it starts: what
+    :func:`_processes_with` finds of it once it stopped was left running.
+    """
+    marker = str(tmp_path / "gpu")
     env = dict(os.environ, PYTHONPATH=str(ROOT), PERSEUS_SIM_GPU_DIR=marker, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / "torch_pipelining.py")],
+        [sys.executable, str(ROOT / "examples" / script)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         cwd=tmp_path,
     )
+    return proc, marker
+
+
+def test_torch_pipelining_example_stops_everything_on_sigterm(tmp_path):
+    """SIGTERM (kill, timeout) left its private Redis, rq worker and 4 waiting ranks running."""
+    proc, marker = _start_example("torch_pipelining.py", tmp_path)
     assert proc.stdout is not None
     first = proc.stdout.readline()
     assert "started a private Redis at unix://" in first, first
@@ -145,17 +155,7 @@ def test_minimal_loop_example_stops_everything_on_sigterm(tmp_path, when):
     As its Redis starts, the server was left; after training, in the clean-up, the
     coordinator's thread (never told to stop) kept the process alive for ever.
     """
-    marker = str(tmp_path / "gpu")  # in the environment of all it starts
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PERSEUS_SIM_GPU_DIR=marker)
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / "minimal_loop.py")],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=tmp_path,
-    )
+    proc, marker = _start_example("minimal_loop.py", tmp_path)
 
     def its_redis() -> list[int]:
         # Redis overwrites its environment with its process title: found as the child.
