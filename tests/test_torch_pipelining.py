@@ -323,9 +323,14 @@ def test_a_hook_for_another_stage_is_refused(gloo, hook_service, redis_url):
         stage = PipelineStage(torch.nn.Linear(4, 4), 1, 2, torch.device("cpu"))
         schedule = Schedule1F1B(stage, 2, loss_fn=torch.nn.MSELoss())
         with pytest.raises(
-            ConfigError, match="hook is for pp_rank 0 but the schedule's stage is 1"
+            ConfigError, match="hook is for pp_rank 0 of pp_degree 1 but the schedule's stage is 1"
         ):
             PerseusPipeline(schedule, hook)
+        # The right stage index in a pipeline of another length: GPipe's order alone (every
+        # forward, then every backward) is the same for stage 0 of 1 and of 2.
+        first = PipelineStage(torch.nn.Linear(4, 4), 0, 2, torch.device("cpu"))
+        with pytest.raises(ConfigError, match="pp_degree 1 but the schedule's stage is 0 of 2"):
+            PerseusPipeline(ScheduleGPipe(first, 2, loss_fn=torch.nn.MSELoss()), hook)
         with pytest.raises(ConfigError, match="either hook or hook options"):
             PerseusPipeline(schedule, hook, report_every=3)
         # The layout too: the hook has its own, and these were dropped unsaid.

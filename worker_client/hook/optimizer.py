@@ -155,6 +155,9 @@ class PerseusOptimizer(Callback):
             marker_fn,
         )  # fmt: skip
         self.rank, self.dp_rank, self.pp_rank, self.tp_rank = rank, dp_rank, pp_rank, tp_rank
+        # The job's layout as this rank registers it (PerseusPipeline checks it against torch's).
+        self.dp_degree, self.pp_degree, self.tp_degree = dp_degree, pp_degree, tp_degree
+        self.world_size = world_size
         self.device_id = device_id
         self.report_every = report_every
         # A short schedule_timeout is meant to fail fast: registration's replies too (but

@@ -186,10 +186,12 @@ class PerseusPipeline:
             given = sorted(hook_options) + [name for name, passed in layout.items() if passed]
             if given:  # the hook was built with its own: these would be ignored unsaid
                 raise ConfigError(f"pass either hook or hook options, not both: {given}")
-        if hook.pp_rank != self.stage_index:
+        if hook.pp_rank != self.stage_index or hook.pp_degree != self.num_stages:
+            # A GPipe stage runs the same order whatever the number of stages: a job of
+            # another pp_degree would be served a plan for another pipeline, unnoticed.
             raise ConfigError(
-                f"the hook is for pp_rank {hook.pp_rank} but the schedule's stage is "
-                f"{self.stage_index} of {self.num_stages}"
+                f"the hook is for pp_rank {hook.pp_rank} of pp_degree {hook.pp_degree} but "
+                f"the schedule's stage is {self.stage_index} of {self.num_stages}"
             )
         self.hook: PerseusOptimizer = hook
         self._checked_version = -1
