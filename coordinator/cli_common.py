@@ -14,7 +14,7 @@ import redis
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from coordinator.settings import PerseusSettings, unknown_variables
+from coordinator.settings import PerseusSettings, unknown_variables, zeus_variables
 from protocol.acl import role_user
 from protocol.cli_options import connect_or_fail, note_default_url
 from protocol.exceptions import PerseusError
@@ -64,6 +64,8 @@ def load_settings(**overrides: Any) -> PerseusSettings:
             the message names it.
     """
     check_variables()
+    for note in zeus_variables(os.environ):
+        click.echo(f"note: {note}", err=True)
     given = {k: v for k, v in overrides.items() if v is not None}
     if "redis_url" not in given and "PERSEUS_REDIS_URL" not in os.environ:
         note_default_url()

@@ -5,7 +5,8 @@ Layout, one folder per job: ``<dump_dir>/<job_id>/ranks.json``, ``<version>.sche
 Redis keeps only the newest schedules and the results not yet consumed by a scheduler
 snapshot, so ``perseus dump`` writes what is left, plus ``summaries.json`` (each observed
 version's rank count, iteration time and energy). With ``--dump-dir`` (``dump_data``) every
-version is written as it is published, so nothing is missed. :func:`load_ranks`,
+version is written as it is published, and the results a converged scheduler observes
+without publishing one as they are recorded, so nothing is missed. :func:`load_ranks`,
 :func:`load_sched` and :func:`load_prof` read those files back (Zeus's names and arguments).
 """
 
@@ -53,6 +54,20 @@ def dump_version(store: JobStore, record: JobRecord, version: int, out_dir: str 
         results = store.results(record.job_id, version - 1)
         if results:
             _write(folder / f"{version - 1}.prof.json", _dump_models(list(results)))
+    return folder
+
+
+def dump_observed(store: JobStore, record: JobRecord, version: int) -> Path:
+    """Write the results observed for ``version`` when no new version followed them.
+
+    A converged scheduler (``PointSolution``, say) publishes nothing after its observation,
+    so :func:`dump_version` never writes these; Zeus's server dumps every round's results.
+    """
+    folder = Path(record.config.dump_dir) / record.job_id
+    folder.mkdir(parents=True, exist_ok=True)
+    results = store.results(record.job_id, version)
+    if results:
+        _write(folder / f"{version}.prof.json", _dump_models(list(results)))
     return folder
 
 

@@ -208,3 +208,28 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
             hint = f" (did you mean PERSEUS_{close[0]}?)" if close else ""
             messages.append(f"unknown environment variable {name}{hint}")
     return messages
+
+
+#: The prefix of Zeus's server settings (``PFOServerSettings``), which perseus does not read.
+ZEUS_PREFIX = "ZEUS_PFO_"
+
+
+def zeus_variables(environ: Mapping[str, str]) -> list[str]:
+    """Notes for Zeus's ``ZEUS_PFO_*`` variables: a Zeus deployment's settings, not read here.
+
+    Without them a coordinator set up as Zeus's server was (``ZEUS_PFO_SCHEDULER``, its args)
+    started with no default scheduler, unsaid.
+    """
+    fields = {name.upper() for name in PerseusSettings.model_fields}
+    notes = []
+    for name in sorted(environ):
+        if not name.startswith(ZEUS_PREFIX):
+            continue
+        note = f"{name} is Zeus's server variable, not read here"
+        field = name[len(ZEUS_PREFIX) :].upper()
+        if field in fields:
+            ours = f"PERSEUS_{field}"
+            state = "set: that value is used" if ours in environ else "not set"
+            note += f": set {ours} instead ({state})"
+        notes.append(note)
+    return notes

@@ -24,7 +24,7 @@ from redis.client import Pipeline
 from rq import get_current_job
 from rq.job import Job
 
-from coordinator.dump import dump_version
+from coordinator.dump import dump_observed, dump_version
 from coordinator.replay import LiveScheduler, LiveSchedulers, by_rank, rebuild, summarize
 from protocol.exceptions import ProtocolError, UnknownJobError
 from protocol.models import FrequencySchedule, JournalEntry, RankInfo
@@ -285,7 +285,7 @@ def advance_once(
                 return None
             live.journal_length += 1
             logger.info("job %s: observed version %d; schedule unchanged", job_id, version)
-            _after_recording(live, store, record, None, snapshot_every)
+            _after_recording(live, store, record, None, snapshot_every, observed=version)
             return None
         if not store.publish(
             job_id, schedules, entry, journal_length=state.journal_length, summary=summary
@@ -310,8 +310,12 @@ def _after_recording(
     record: JobRecord,
     published: int | None,
     snapshot_every: int,
+    observed: int | None = None,
 ) -> None:
     """Save what follows a journal entry: artifacts and dump of a published version, snapshot.
+
+    ``observed``: the version whose results an entry that published nothing observed (dumped
+    before a snapshot can delete them).
 
     The entry is in Redis and clients may already run its version: an error here (a full disk
     under ``dump_dir``, a scheduler whose ``artifacts`` or ``snapshot`` raises) is logged, and
@@ -323,6 +327,8 @@ def _after_recording(
             live.save_artifacts(store, job_id)
             if record.config.dump_dir:
                 dump_version(store, record, published)
+        elif observed is not None and record.config.dump_dir:
+            dump_observed(store, record, observed)
         live.maybe_snapshot(store, job_id, snapshot_every)
     except (redis.RedisError, UnknownJobError):
         raise

@@ -169,7 +169,13 @@ class FrequencyScheduler:
         """Return the schedules of the next round, one per rank (any order)."""
         if self._generator is None:
             self._generator = self._run()
-            self._next = next(self._generator)
+            try:
+                self._next = next(self._generator)
+            except StopIteration:  # Escaping bare, it named nothing (Zeus names it too).
+                self._generator = None
+                raise ProtocolError(
+                    f"{type(self).__name__}._run returned before yielding a first schedule"
+                ) from None
         elif self._pending_results is not None:
             try:
                 self._next = self._generator.send(self._pending_results)

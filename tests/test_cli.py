@@ -490,6 +490,25 @@ def test_a_hint_names_only_a_variable_close_to_the_unknown_one():
     ]
 
 
+def test_zeus_server_variables_are_named_as_not_read(redis_url):
+    # A Zeus deployment's ZEUS_PFO_SCHEDULER / _ARGS were ignored unsaid: the coordinator
+    # started with no default scheduler, and jobs that named none were refused later.
+    env = {
+        "ZEUS_PFO_SCHEDULER": "PointSolution",
+        "ZEUS_PFO_MAX_JOB_IDLE_TIME": "60",
+        "PERSEUS_MAX_JOB_IDLE_TIME": "120",
+        "ZEUS_PFO_FOO": "1",
+    }
+    result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
+    assert result.exit_code == 0, result.output
+    assert (
+        "note: ZEUS_PFO_SCHEDULER is Zeus's server variable, not read here: set "
+        "PERSEUS_SCHEDULER instead (not set)" in result.output
+    )
+    assert "PERSEUS_MAX_JOB_IDLE_TIME instead (set: that value is used)" in result.output
+    assert "note: ZEUS_PFO_FOO is Zeus's server variable, not read here" in result.output
+
+
 def test_an_invalid_setting_is_named_with_its_value_on_one_line(redis_url):
     env = {"PERSEUS_MAX_JOB_IDLE_TIME": "abc", "PERSEUS_STREAM_MAXLEN": "5"}
     result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)

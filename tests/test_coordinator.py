@@ -497,6 +497,41 @@ def test_dump_data_writes_each_version_as_it_is_published(r, redis_url, tmp_path
     assert load_ranks(folder) == JobStore(r).ranks(job_id)
 
 
+def test_dump_data_writes_the_results_a_converged_scheduler_observed(r, redis_url, tmp_path):
+    # Zeus's server dumps every round's results; a PointSolution job publishes no version
+    # after its first, so its results were never dumped.
+    settings = make_settings(redis_url, dump_data=True, dump_dir=str(tmp_path))
+    coord = Coordinator(r, settings)
+    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+    thread.start()
+    plan = (
+        "[\n[('forward', 1965), ('backward', 1950)],\n[('forward', 1980), ('backward', 1980)],\n]\n"
+    )
+    try:
+        client = CoordinatorClient(redis_url, reply_timeout=5)
+        job = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
+        job_id = client.register_job(job, "PointSolution", {"plan_text": plan})
+        for rank in range(2):
+            client.register_rank(
+                job_id,
+                RankInfo(
+                    rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS
+                ),
+            )
+        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+        drain(r)
+        for rank in range(2):
+            client.report(job_id, result(rank, 1))
+        wait_for(lambda: JobStore(r).result_count(job_id, 1) == 2)
+        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+        drain(r)
+    finally:
+        coord.stop_event.set()
+        thread.join(timeout=5)
+    assert JobStore(r).version(job_id) == 1  # converged: no version 2
+    assert load_prof(tmp_path / job_id, 1) == [result(0, 1), result(1, 1)]
+
+
 def test_converged_scheduler_records_observation_without_new_version(service, r, redis_url):
     plan = (
         "[\n[('forward', 1965), ('backward', 1950)],\n[('forward', 1980), ('backward', 1980)],\n]\n"

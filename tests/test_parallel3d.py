@@ -261,6 +261,18 @@ def test_generator_style_scheduler_wrapped() -> None:
     assert second == {0: 1500, 1: 1500, 2: 1980, 3: 1980}
 
 
+def test_a_generator_that_yields_no_first_schedule_is_named() -> None:
+    # Zeus raises "The _run generator raised StopIteration on its first next call"; here the
+    # bare StopIteration escaped, and the job failed as "StopIteration: " with no words.
+    class Nothing(FrequencyScheduler):
+        def _run(self):
+            return
+            yield
+
+    with pytest.raises(ProtocolError, match=r"Nothing\._run returned before yielding a first"):
+        Nothing(job(2), ranks(2)).next_schedule()
+
+
 def test_missing_rank_infos_rejected() -> None:
     with pytest.raises(ProtocolError, match=r"ranks \[3\] have not registered"):
         Recorder3D(job(2, dp=2), ranks(2, dp=2)[:3])

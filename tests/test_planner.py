@@ -449,6 +449,22 @@ def test_optimize_warns_about_a_profile_that_can_plan_nothing(tmp_path: Path) ->
     assert "4 of 4 instruction times are under unit_time (0.001 s)" in res.output
 
 
+def test_optimize_without_p2p_power_says_blocking_energy_is_not_counted(tmp_path: Path) -> None:
+    # Zeus's run_optimization.py assumed 70 W where --p2p_power was left out; a plan made
+    # with 0 W here was chosen as if waiting on a neighbour stage cost no energy, unsaid.
+    profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
+    args = ["optimize", str(profile), "-s", "2", "-m", "2", "--no-plot", "--plans", "chosen"]
+    res = CliRunner().invoke(_cli(), [*args, "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    assert "warning: --p2p-power not given: planning with 0 W" in res.output
+    assert "perseus profile-p2p" in res.output
+    for watts in ("0", "70"):  # given, even as 0 W: no warning
+        res = CliRunner().invoke(
+            _cli(), [*args, "--out", str(tmp_path / watts), "--p2p-power", watts]
+        )
+        assert res.exit_code == 0 and "--p2p-power not given" not in res.output, res.output
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("unit_time", ["1e-9", "1e-300"])
 def test_a_unit_time_too_fine_to_plan_is_refused_before_planning(

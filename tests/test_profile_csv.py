@@ -122,6 +122,22 @@ def test_other_columns_are_ignored(tmp_path: Path) -> None:
         read_profile_csv(path)
 
 
+def test_whole_numbers_written_as_floats_read_as_integers(tmp_path: Path) -> None:
+    # pandas writes an integer column that ever held a NaN as floats (1980.0); lowtime's and
+    # Zeus's planners read it with int(row["frequency"]). It was refused here.
+    path = tmp_path / "p.csv"
+    path.write_text(
+        ",".join(FULL_COLUMNS) + "\n"
+        "0.0,0.0,0.0,0.0,0.0,forward,1980.0,0.01,5.0\n0,0,0,0,0,backward,1980.00,0.02,9.0\n"
+    )
+    prof = read_profile_csv(path, num_stages=1)
+    assert prof.table == {(0, "forward"): {1980: (0.01, 5.0)}, (0, "backward"): {1980: (0.02, 9.0)}}
+    assert all(type(f) is int for entry in prof.table.values() for f in entry)
+    path.write_text(HEADER + "0,forward,1980.5,0.01,5.0\n")
+    with pytest.raises(ConfigError, match=r"p\.csv:2: field 'frequency': not an integer"):
+        read_profile_csv(path)
+
+
 def _write(tmp_path: Path, text: str, name: str = "bad.csv") -> Path:
     path = tmp_path / name
     path.write_text(text)

@@ -57,6 +57,14 @@ class _ProgressLine:
             click.echo(err=True)
 
 
+# Zeus's run_optimization.py assumed 70 W when --p2p_power was left out; 0 W is no measurement.
+P2P_DEFAULT_NOTE = (
+    "--p2p-power not given: planning with 0 W while a GPU waits on its neighbour stage, so "
+    "waiting counts as free and slower plans look cheaper than they are (Zeus's example "
+    "assumed 70 W); measure it with `perseus profile-p2p`"
+)
+
+
 def _fail(exc: Exception) -> click.ClickException:
     if isinstance(exc, OSError) and exc.filename:
         # A read-only or missing folder: one line naming the path, no traceback.
@@ -162,6 +170,9 @@ def optimize_command(
         raise _fail(exc) from None
     for note in profile_warnings(prof, unit_time):
         click.echo(f"warning: {note}", err=True)
+    source = click.get_current_context().get_parameter_source("p2p_power")
+    if source is click.core.ParameterSource.DEFAULT:
+        click.echo(f"warning: {P2P_DEFAULT_NOTE}", err=True)
     if enqueue:
         _enqueue(
             prof,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,11 +256,20 @@ def _fail(path: str, line: int, column: str, problem: str) -> ConfigError:
     return ConfigError(f"{path}:{line}: field '{column}': {problem}")
 
 
+# A whole number as pandas writes an integer column that ever held a NaN: "1980.0".
+_WHOLE_FLOAT_RE = re.compile(r"([+-]?[0-9]+)\.0*")
+
+
 def _parse_int(path: str, line: int, column: str, text: str, minimum: int) -> int:
+    whole = _WHOLE_FLOAT_RE.fullmatch(text.strip(" \t\r\n"))
     try:
-        value = ascii_int(text)  # int() reads Arabic-Indic and other digits, and "1_200"
+        # int() reads Arabic-Indic and other digits, and "1_200"; lowtime and Zeus read
+        # "1980.0" as 1980 (int() of pandas' float), so that is taken too.
+        value = ascii_int(whole.group(1) if whole else text)
     except ValueError:
-        raise _fail(path, line, column, f"not an integer (ASCII digits): {text!r}") from None
+        raise _fail(
+            path, line, column, f"not an integer (ASCII digits, .0 allowed): {text!r}"
+        ) from None
     if value < minimum:
         raise _fail(path, line, column, f"must be >= {minimum}, got {value}")
     return value

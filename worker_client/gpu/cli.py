@@ -98,6 +98,10 @@ def profile_p2p_command(
     (energy monitor window) divided by its length is the blocking power. Prints each
     repeat, the mean, the spread, the monitor's error bound and the value for
     `perseus optimize --p2p-power`.
+
+    The receiving GPU holds a CUDA context but runs nothing while it waits. Zeus's
+    profile_p2p.py blocks in an NCCL recv instead, whose kernel keeps the GPU polling, as a
+    pipeline on NCCL does while it waits; that state can draw more power than this one.
     """
     if sim_blocking_power is not None and gpu != "simulated":
         raise click.UsageError("--sim-blocking-power needs --gpu simulated")
