@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +11,12 @@ import pytest
 
 from protocol import keys
 from protocol.models import FrequencySchedule, JournalEntry
+from protocol.pipeline_schedules import stage_actions
 from protocol.store import JobStore
 from schedulers.planning.pipeline_dag import one_f_one_b_order
-from tests.helpers import join_ranks, spawn_ranks, wait_for
+from schedulers.planning.plan_file import write_plan_file
+from tests.helpers import free_ports, join_ranks, spawn_ranks, wait_for
+from tests.pipelining_ranks import start_rank
 
 # Every rank process gets this process-group timeout: a rank left waiting in a collective
 # (what these tests guard against) fails the test in seconds, not gloo's 30 minutes.
@@ -98,3 +102,51 @@ def test_a_rank_without_its_first_schedule_fails_every_rank_at_once(
     why = f"ProtocolError: job {job_id} has no schedule version 1 for rank 1"
     assert why in errors[1]
     assert "not every rank got its schedule; rank 1: " + why in errors[0]
+
+
+def run_two_stages(
+    redis_url: str, out: Path, schedule: str, per_rank: list[dict[str, Any]]
+) -> list[str]:
+    """Two ranks wrap a two-stage ``schedule`` (tests/pipelining_ranks.py); their errors."""
+    ctx = mp.get_context("spawn")
+    init = f"tcp://127.0.0.1:{free_ports()[0]}"
+    procs = [
+        ctx.Process(
+            target=start_rank,
+            args=(rank, 2, init, redis_url, schedule, 2, str(out)),
+            kwargs={"pg_timeout_s": PG_TIMEOUT_S, **kw},
+        )
+        for rank, kw in enumerate(per_rank)
+    ]
+    for p in procs:
+        p.start()
+    join_ranks(procs, 120)
+    return [str(json.loads((out / f"rank{k}.json").read_text()).get("error", "")) for k in (0, 1)]
+
+
+def test_a_stage_whose_schedule_cannot_be_wrapped_fails_every_stage(r, redis_url, tmp_path):
+    # The script gave loss_fn to the last stage's schedule only: stage 0 refused to wrap its
+    # schedule before its hook existed, and stage 1 waited in its hook's first collective.
+    errors = run_two_stages(redis_url, tmp_path, "1f1b", [{"loss": False}, {}])
+    why = "ConfigError: Schedule1F1B has no loss_fn"
+    assert why in errors[0]
+    assert "no job registered; rank 0: " + why in errors[1]
+    assert r.zcard(keys.JOBS_INDEX) == 0
+
+
+def test_a_plan_one_stage_cannot_run_fails_every_stage(hook_service, redis_url, tmp_path):
+    # A GPipe plan for a Schedule1F1B: with 2 stages and 2 microbatches stage 0 runs the same
+    # order either way, stage 1 does not. Stage 1 refused its plan; stage 0 went on into the
+    # pipeline's first step, sending to a stage that was gone.
+    _coord, start_worker = hook_service
+    start_worker()
+    stages = [[(n, 1980) for n, _ in stage_actions("gpipe", 2, 2, s)] for s in range(2)]
+    write_plan_file(tmp_path / "plan.py", stages, {"pipeline_schedule": "gpipe"})
+    job = {
+        "scheduler": "PointSolution",
+        "scheduler_args": {"plan_text": (tmp_path / "plan.py").read_text()},
+    }
+    errors = run_two_stages(redis_url, tmp_path, "1f1b", [{"hook_options": job}] * 2)
+    why = "ScheduleError: rank 1 (stage 1): schedule version 1 from the coordinator runs"
+    assert why in errors[1] and "in gpipe order, but Schedule1F1B runs" in errors[1]
+    assert "no PerseusPipeline created; rank 1: " + why in errors[0]
