@@ -9,6 +9,7 @@ the optimizer.
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -21,7 +22,10 @@ TABLE = {300: (0.100, 280.0), 250: (0.104, 245.0), 200: (0.115, 198.0)}
 
 def main() -> None:
     rank, init, profile_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    # A rank left waiting in a collective fails in seconds, not after gloo's 30 minutes.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=timedelta(seconds=30)
+    )
     max_w = int(sys.argv[4]) if len(sys.argv) > 4 else 300
     fake.reset(num_gpus=1, min_limit_mw=200_000, max_limit_mw=max_w * 1000)
     training = fake.ReplayTraining(TABLE, [0])
