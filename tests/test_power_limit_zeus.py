@@ -226,6 +226,18 @@ def test_a_rank_with_a_bad_argument_stops_every_rank_naming_it(tmp_path: Path) -
     assert f"(rank 0: {why}" in outputs[1], outputs
 
 
+def test_ranks_given_different_selectors_all_choose_a_limit(tmp_path: Path) -> None:
+    # Rank 0 passes Energy(), rank 1 leaves the default: once the last limit was measured,
+    # only rank 1 reduced the GPU count for its default selector, and waited there alone.
+    outputs = run_two_ranks(
+        tmp_path,
+        *([str(tmp_path / f"profile{rank}.json"), "300", *extra] for rank, extra in
+          [(0, ["energy"]), (1, [])]),
+    )  # fmt: skip
+    # Each chose with its own selector from the same measurements (3 limits).
+    assert [out.split() for out in outputs] == [["Done(200)", "3"], ["Done(250)", "3"]]
+
+
 def test_limits_are_not_rounded_to_whole_watts() -> None:
     fake.reset(num_gpus=1, min_limit_mw=100_500, max_limit_mw=250_500)
     monitor = ReplayMonitor(ReplayTraining({}, [0]))

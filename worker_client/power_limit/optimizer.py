@@ -146,7 +146,8 @@ class GlobalPowerLimitOptimizer(Callback):
         workload: Name of the workload in ``profile_store``.
         reducer: Combines this rank's (time, energy) with the other ranks' (max of times,
             sum of energies); default :func:`torch_distributed_reducer`. Also called twice at
-            construction: the ranks that found no profile, and whether all profile one ladder.
+            construction (the ranks that found no profile, and whether all profile one ladder)
+            and once as the limit is chosen (the GPUs of all ranks, for the default selector).
         restore_on_exit: Register :meth:`close` to run at interpreter exit.
 
     Raises:
@@ -460,11 +461,12 @@ class GlobalPowerLimitOptimizer(Callback):
         self.current_power_limit = milliwatts
 
     def _compute_optimal_power_limit(self) -> int:
+        # Every rank gets here together (its last window, or the profile all ranks load) and
+        # reduces, whatever its selector: a rank given another one left the rest waiting.
+        _, gpus = self.reducer(0.0, float(len(self.gpu_indices)))
         if self._default_selector:
             # Energy is summed over the ranks' GPUs, so MaxPower must count all of them: Zeus's
-            # len(monitor.gpu_indices) made 2 ranks x 1 GPU choose otherwise than 1 x 2. Every
-            # rank gets here together (its last window, or the profile all ranks load).
-            _, gpus = self.reducer(0.0, float(len(self.gpu_indices)))
+            # len(monitor.gpu_indices) made 2 ranks x 1 GPU choose otherwise than 1 x 2.
             self.optimum_selector = ZeusCost(eta_knob=0.5, world_size=max(1, round(gpus)))
         watts = chosen_limit(self.optimum_selector, self.measurements)
         # Measured at a limit of the ladder, recorded in whole watts: set the one measured.
