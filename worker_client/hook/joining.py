@@ -28,7 +28,7 @@ JOIN_WARNING_S = 30.0
 FINISH_TIMEOUT_S = 5.0
 
 
-#: What a rank waits for in each of the join's agreements, for :func:`_said_if_slow`.
+#: What a rank waits for in the join's first agreement, for :func:`_said_if_slow`.
 WAITING_FOR_HOOKS = (
     "the other ranks to create their hook (PerseusOptimizer or PerseusPipeline): every rank "
     "of the job must create one"
