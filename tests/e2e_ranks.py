@@ -27,6 +27,8 @@ def run_rank(
     heartbeat_interval: float = 60.0,
     barrier: bool = True,
     visible_devices: str | None = None,
+    hook_options: dict[str, Any] | None = None,
+    pg_timeout_s: float | None = None,
 ) -> None:
     """Run ``steps`` 1F1B iterations under PerseusOptimizer and write what happened to JSON.
 
@@ -35,8 +37,11 @@ def run_rank(
     faults injected while it runs. ``barrier=False`` leaves out the barrier after each step,
     so that a rank trains on when another one dies (as one stuck elsewhere would beat on).
     ``visible_devices`` is every rank's ``CUDA_VISIBLE_DEVICES`` (rank r drives CUDA device r).
+    ``hook_options`` replace or add PerseusOptimizer arguments (one rank's bad ones, say);
+    ``pg_timeout_s`` is the process group's timeout (a rank left waiting fails that soon).
     """
     import time
+    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
@@ -51,28 +56,32 @@ def run_rank(
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     try:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-        controller = DryRunFrequencyController(rank)
-        hook = PerseusOptimizer(
-            rank=rank,
-            dp_rank=dp_rank,
-            pp_rank=pp_rank,
-            tp_rank=0,
-            device_id=rank,
-            dp_degree=dp,
-            pp_degree=pp,
-            tp_degree=1,
-            world_size=world_size,
-            redis_url=redis_url,
-            job_metadata=metadata,
-            nvml_module=SIMULATED_NVML,
-            controller=controller,
-            report_every=report_every,
-            heartbeat_interval=heartbeat_interval,
-            schedule_timeout=60,
-            scheduler=scheduler,
-            scheduler_args=scheduler_args,
+        timeout = {} if pg_timeout_s is None else {"timeout": timedelta(seconds=pg_timeout_s)}
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world_size, **timeout
         )
+        controller = DryRunFrequencyController(rank)
+        options: dict[str, Any] = {
+            "rank": rank,
+            "dp_rank": dp_rank,
+            "pp_rank": pp_rank,
+            "tp_rank": 0,
+            "device_id": rank,
+            "dp_degree": dp,
+            "pp_degree": pp,
+            "tp_degree": 1,
+            "world_size": world_size,
+            "redis_url": redis_url,
+            "job_metadata": metadata,
+            "nvml_module": SIMULATED_NVML,
+            "controller": controller,
+            "report_every": report_every,
+            "heartbeat_interval": heartbeat_interval,
+            "schedule_timeout": 60,
+            "scheduler": scheduler,
+            "scheduler_args": scheduler_args,
+        }
+        hook = PerseusOptimizer(**(options | (hook_options or {})))
         record["job_id"] = hook.job_id
         record["gpu_index"] = hook.gpu_index
         record["first_version"] = hook.schedule.version

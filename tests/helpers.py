@@ -310,11 +310,13 @@ def spawn_ranks(
     meta: str,
     steps: int,
     microbatches: int,
+    rank_options: dict[int, dict[str, Any]] | None = None,
     **kw: Any,
 ) -> list[mp.process.BaseProcess]:
     """Start ``world`` rank processes of one job (tests/e2e_ranks.py; gloo, dry-run clocks).
 
-    ``kw`` goes to :func:`tests.e2e_ranks.run_rank` (scheduler, step_sleep, ...).
+    ``kw`` goes to :func:`tests.e2e_ranks.run_rank` (scheduler, step_sleep, ...);
+    ``rank_options[r]`` are rank r's own ``hook_options`` (PerseusOptimizer arguments).
     """
     ctx = mp.get_context("spawn")
     init = f"tcp://127.0.0.1:{free_ports()[0]}"
@@ -323,7 +325,7 @@ def spawn_ranks(
         ctx.Process(
             target=run_rank,
             args=(rank, world, pp, dp, init, redis_url, steps, microbatches, str(out), meta),
-            kwargs=kw,
+            kwargs=kw | {"hook_options": (rank_options or {}).get(rank)},
         )
         for rank in range(world)
     ]

@@ -127,3 +127,62 @@ def run_rank(
         record["error"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
     os._exit(0)
+
+
+def start_rank(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    redis_url: str,
+    schedule_name: str,
+    microbatches: int,
+    out_dir: str,
+    loss: bool = True,
+    pg_timeout_s: float = 20.0,
+    hook_options: dict[str, Any] | None = None,
+) -> None:
+    """Wrap this rank's schedule and train one step; write the error, if any, to JSON.
+
+    ``loss=False`` builds the schedule without a ``loss_fn`` (a script that gave it to the
+    last stage only); ``pg_timeout_s`` is the process group's timeout, so that a rank left
+    waiting in a collective fails soon; ``hook_options`` go to the hook (a scheduler, say).
+    """
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from worker_client.gpu.nvml import SIMULATED_NVML
+    from worker_client.integrations.torch_pipelining import PerseusPipeline
+
+    classes = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+    record: dict[str, Any] = {"rank": rank}
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+        stage = PipelineStage(
+            _stage_module(rank, world_size), rank, world_size, torch.device("cpu")
+        )
+        loss_fn = torch.nn.MSELoss() if loss else None
+        schedule = classes[schedule_name](stage, microbatches, loss_fn=loss_fn)
+        with PerseusPipeline(
+            schedule,
+            redis_url=redis_url,
+            device_id=rank,
+            nvml_module=SIMULATED_NVML,
+            controller="dry-run",
+            schedule_timeout=30,
+            **(hook_options or {}),
+        ):
+            _train(schedule, stage, lambda done: False)
+        dist.destroy_process_group()
+    except BaseException:
+        record["error"] = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    os._exit(0)

@@ -214,6 +214,30 @@ def test_a_bad_profile_file_on_one_rank_stops_every_rank_instead_of_hanging(
     assert outputs[1].startswith("ConfigError: 1 other rank(s) could not start"), outputs
 
 
+def test_a_rank_with_a_bad_argument_stops_every_rank_naming_it(tmp_path: Path) -> None:
+    # Rank 0's profile_path names a folder its node lacks: it raised while checking its
+    # arguments, before the construction's all-reduce, and rank 1 waited there (gloo's
+    # "Connection closed by peer" once rank 0's process was gone, its timeout while it lived).
+    missing = tmp_path / "no-such-folder" / "profile.json"
+    outputs = run_two_ranks(tmp_path, [str(missing)], [str(tmp_path / "profile.json")])
+    why = f"ConfigError: profile_path {str(missing)!r}: its folder"
+    assert outputs[0].startswith(why), outputs
+    assert outputs[1].startswith("ConfigError: 1 other rank(s) could not start"), outputs
+    assert f"(rank 0: {why}" in outputs[1], outputs
+
+
+def test_ranks_given_different_selectors_all_choose_a_limit(tmp_path: Path) -> None:
+    # Rank 0 passes Energy(), rank 1 leaves the default: once the last limit was measured,
+    # only rank 1 reduced the GPU count for its default selector, and waited there alone.
+    outputs = run_two_ranks(
+        tmp_path,
+        *([str(tmp_path / f"profile{rank}.json"), "300", *extra] for rank, extra in
+          [(0, ["energy"]), (1, [])]),
+    )  # fmt: skip
+    # Each chose with its own selector from the same measurements (3 limits).
+    assert [out.split() for out in outputs] == [["Done(200)", "3"], ["Done(250)", "3"]]
+
+
 def test_limits_are_not_rounded_to_whole_watts() -> None:
     fake.reset(num_gpus=1, min_limit_mw=100_500, max_limit_mw=250_500)
     monitor = ReplayMonitor(ReplayTraining({}, [0]))

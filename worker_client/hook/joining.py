@@ -7,7 +7,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 import torch.distributed as dist
@@ -28,9 +28,18 @@ JOIN_WARNING_S = 30.0
 FINISH_TIMEOUT_S = 5.0
 
 
+#: What a rank waits for in the join's first agreement, for :func:`_said_if_slow`.
+WAITING_FOR_HOOKS = (
+    "the other ranks to create their hook (PerseusOptimizer or PerseusPipeline): every rank "
+    "of the job must create one"
+)
+
+
 @contextlib.contextmanager
-def _said_if_slow(rank: int, seconds: float) -> Iterator[None]:
-    """Log, once, a rank that waits on the other ranks' hooks longer than ``seconds``.
+def _said_if_slow(
+    rank: int, seconds: float, waiting_for: str = WAITING_FOR_HOOKS
+) -> Iterator[None]:
+    """Log, once, a rank that waits on the other ranks longer than ``seconds``.
 
     A rank whose script never creates its hook leaves every other rank in a collective that
     says nothing (gloo and NCCL wait for 30 minutes by default).
@@ -38,12 +47,7 @@ def _said_if_slow(rank: int, seconds: float) -> Iterator[None]:
     timer = threading.Timer(
         seconds,
         logger.warning,
-        (
-            "rank %d: still waiting after %.0f s for the other ranks to create their hook "
-            "(PerseusOptimizer or PerseusPipeline): every rank of the job must create one",
-            rank,
-            seconds,
-        ),
+        ("rank %d: still waiting after %.0f s for %s", rank, seconds, waiting_for),
     )
     timer.daemon = True
     timer.start()
@@ -51,6 +55,47 @@ def _said_if_slow(rank: int, seconds: float) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+
+
+def agree(rank: int, local_error: Exception | None, what: str, waiting_for: str) -> None:
+    """Every rank tells the others whether it failed; each raises if any rank did.
+
+    A collective (one ``all_gather_object`` on the default group) that every rank calls at
+    the same point: a rank that raised alone would leave the others waiting in the job's next
+    collective until the process group's timeout (30 minutes by default), or failing there
+    with gloo's "Connection closed by peer" that says nothing of why.
+
+    Args:
+        rank: This rank, for the message of a slow wait.
+        local_error: What stopped this rank, if anything.
+        what: What failed, for the others' message (``"no job registered"``).
+        waiting_for: What a rank still waiting after ``JOIN_WARNING_S`` logs it waits for.
+
+    Raises:
+        Exception: ``local_error`` itself, on its rank.
+        PerseusError: Another rank failed: ``what``, then each failed rank and its error.
+    """
+    reasons: list[Any] = [None] * dist.get_world_size()
+    mine = f"{type(local_error).__name__}: {local_error}" if local_error is not None else None
+    with _said_if_slow(rank, JOIN_WARNING_S, waiting_for):
+        dist.all_gather_object(reasons, mine)
+    if local_error is not None:
+        raise local_error
+    failed = [f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None]
+    if failed:
+        raise PerseusError(f"{what}; {'; '.join(failed)}")
+
+
+def refuse_to_join(rank: int, error: Exception) -> NoReturn:
+    """Raise ``error`` on a rank that fails before it creates its hook, and on every other rank.
+
+    Joins the first collective of the other ranks' hooks (:func:`agree_on_job`'s), so that
+    they raise "no job registered; rank N: ..." at once instead of waiting there.
+    """
+    if not dist.is_initialized():
+        raise error  # no group: no other rank can be waiting
+    agree(rank, error, "no job registered", WAITING_FOR_HOOKS)
+    raise AssertionError("agree() raises the error it is given")  # pragma: no cover
 
 
 @dataclass
@@ -117,7 +162,7 @@ def group_mismatch(rank: int, world_size: int) -> ConfigError | None:
 
 
 def agree_on_job(
-    client: CoordinatorClient,
+    client: CoordinatorClient | None,
     rank: int,
     *,
     dp_degree: int,
@@ -137,7 +182,8 @@ def agree_on_job(
     then no job is registered.
 
     Args:
-        client: This rank's coordinator client.
+        client: This rank's coordinator client (None only with a ``local_error``: making
+            it failed, say).
         rank: Global rank.
         dp_degree: Data parallel degree.
         pp_degree: Pipeline parallel degree.
@@ -160,19 +206,12 @@ def agree_on_job(
     """
     if local_error is None:
         local_error = group_mismatch(rank, world_size)
-    reasons: list[Any] = [None] * dist.get_world_size()
-    mine = f"{type(local_error).__name__}: {local_error}" if local_error is not None else None
-    with _said_if_slow(rank, JOIN_WARNING_S):
-        dist.all_gather_object(reasons, mine)
-    if local_error is not None:
-        raise local_error
-    failed = [f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None]
-    if failed:
-        raise PerseusError(f"no job registered; {'; '.join(failed)}")
+    agree(rank, local_error, "no job registered", WAITING_FOR_HOOKS)
     job_id: str | None = None
     error: str | None = None
     if rank == 0:
         try:
+            assert client is not None  # None only with a local_error, raised above
             # Errors name the field in one line (not pydantic's several, with a web link).
             info = validate(
                 JobInfo,

@@ -43,13 +43,16 @@ from worker_client.hook.energy_source import (
     default_energy_source,
     measured_result,
 )
-from worker_client.hook.joining import RankGPU, agree_on_job, finish_rank, join_job
+from worker_client.hook.joining import RankGPU, agree, agree_on_job, finish_rank, join_job
 from worker_client.hook.options import check_options
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.step_order import StepOrder
 from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
 
 logger = logging.getLogger(__name__)
+
+#: What a rank that joined waits for in the join's later agreements (see joining.agree).
+_OTHER_RANKS_JOIN = "the other ranks to register with the job and get their first schedule"
 
 
 class PerseusOptimizer(Callback):
@@ -150,34 +153,39 @@ class PerseusOptimizer(Callback):
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Create PerseusOptimizer after torch.distributed.init_process_group")
-        marker_fn = check_options(
-            report_every, schedule_timeout, outage_timeout, heartbeat_interval, clock_sync,
-            marker_fn,
-        )  # fmt: skip
         self.rank, self.dp_rank, self.pp_rank, self.tp_rank = rank, dp_rank, pp_rank, tp_rank
         # The job's layout as this rank registers it (PerseusPipeline checks it against torch's).
         self.dp_degree, self.pp_degree, self.tp_degree = dp_degree, pp_degree, tp_degree
         self.world_size = world_size
         self.device_id = device_id
         self.report_every = report_every
-        # A short schedule_timeout is meant to fail fast: registration's replies too (but
-        # 10 s at least: a loaded coordinator may take seconds, and a reply too late is lost).
-        reply_timeout = min(60.0, max(10.0, schedule_timeout))
-        self.client = CoordinatorClient(redis_url, reply_timeout=reply_timeout)
         self._sync = sync_fn or cuda_sync(device_id)
         self._clock = clock or time.perf_counter
         self.raise_on_job_error = raise_on_job_error
 
-        # This rank's GPU first: if one rank cannot drive its GPU, no job is registered.
-        gpu: RankGPU | Exception
+        # What fails on one rank only (its arguments, its Redis URL, its GPU) fails every rank
+        # in the join's first collective, where the others would wait for it: no job is
+        # registered. This rank's GPU comes first for the same reason.
+        failure: Exception | None = None
+        client: CoordinatorClient | None = None
+        gpu: RankGPU | None = None
         try:
+            marker_fn = check_options(
+                report_every, schedule_timeout, outage_timeout, heartbeat_interval, clock_sync,
+                marker_fn,
+            )  # fmt: skip
+            # A short schedule_timeout is meant to fail fast: registration's replies too (but
+            # 10 s at least: a loaded coordinator may take seconds, and a reply too late is lost).
+            client = CoordinatorClient(
+                redis_url, reply_timeout=min(60.0, max(10.0, schedule_timeout))
+            )
             gpu = RankGPU.open(nvml_module, device_id, controller)
         except Exception as exc:
-            gpu = exc
+            failure = exc
         owned_source: EnergySource | None = None
         try:
             self.job_id: str = agree_on_job(
-                self.client,
+                client,
                 rank,
                 dp_degree=dp_degree,
                 pp_degree=pp_degree,
@@ -186,23 +194,42 @@ class PerseusOptimizer(Callback):
                 job_metadata=job_metadata,
                 scheduler=scheduler,
                 scheduler_args=scheduler_args,
-                local_error=gpu if isinstance(gpu, Exception) else None,
+                local_error=failure,
             )
-            assert isinstance(gpu, RankGPU)  # or agree_on_job raised this rank's error
+            assert client is not None and gpu is not None  # or agree_on_job raised
+            self.client = client
             self.nvml, self.gpu_index = gpu.nvml, gpu.index  # NVML's index: clocks, energy
-            joined = gpu.rank_info(rank, dp_rank, pp_rank, tp_rank)
-            # Unset: measure per-instruction energy exactly when the job's scheduler needs it.
-            self.instruction_energy = join_job(self.client, self.job_id, joined, instruction_energy)
-            if energy_source is None:
-                energy_source = owned_source = default_energy_source(self.nvml, self.gpu_index)
-            self.schedule = self.client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
+            # The ranks agree again after each step that can fail on one rank alone (the
+            # coordinator refuses it, Redis is unreachable from its node): the others would
+            # wait for a schedule that never comes, or train into a collective it never joins.
+            try:
+                joined = gpu.rank_info(rank, dp_rank, pp_rank, tp_rank)
+                # Unset: measure per-instruction energy exactly when the scheduler needs it.
+                self.instruction_energy = join_job(client, self.job_id, joined, instruction_energy)
+                if energy_source is None:
+                    energy_source = owned_source = default_energy_source(self.nvml, self.gpu_index)
+            except Exception as exc:
+                failure = exc
+            agree(rank, failure, f"job {self.job_id}: not every rank joined", _OTHER_RANKS_JOIN)
+            assert energy_source is not None  # or its rank raised in agree()
+            try:
+                self.schedule = client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
+            except Exception as exc:
+                failure = exc
+            agree(
+                rank,
+                failure,
+                f"job {self.job_id}: not every rank got its schedule",
+                _OTHER_RANKS_JOIN,
+            )
         except BaseException:
             # A rank that failed to start leaves no controller process, sampler or connection.
-            if isinstance(gpu, RankGPU):
+            if gpu is not None:
                 gpu.close()
             if owned_source is not None and hasattr(owned_source, "close"):
                 owned_source.close()
-            self.client.close()
+            if client is not None:
+                client.close()
             raise
         # Joined: from here on only the threads below talk to Redis, on connections of their
         # own (two per rank, not three).

@@ -45,11 +45,15 @@ from protocol.pipeline_schedules import (
     stage_actions,
     stage_order,
 )
+from worker_client.hook.joining import agree, refuse_to_join
 from worker_client.hook.optimizer import PerseusOptimizer
 
 #: torch schedule class -> the planner's name for its order.
 SUPPORTED_SCHEDULES: dict[type, str] = {Schedule1F1B: "1f1b", ScheduleGPipe: "gpipe"}
 
+
+#: What a rank waits for in the wrap's last agreement (see joining.agree).
+_OTHER_PIPELINES = "the other ranks to create their PerseusPipeline"
 
 _NOTHING = object()  # close(): the instance held no attribute of that name before the wrap
 
@@ -126,6 +130,9 @@ class PerseusPipeline:
         ConfigError: Unsupported schedule, no ``loss_fn``, or rank layout arguments missing.
         ScheduleError: The schedule the coordinator serves does not follow this schedule's
             order (e.g. a plan made with ``--schedule gpipe`` for a ``Schedule1F1B``).
+        PerseusError: Another rank raised one of these (or its hook failed to start): every
+            rank raises at once, naming that rank and its error, instead of leaving the
+            others waiting in a collective or in the pipeline's first transfer.
 
     """
 
@@ -141,6 +148,77 @@ class PerseusPipeline:
         device_id: int | None = None,
         **hook_options: Any,
     ) -> None:
+        # A rank that fails here alone must tell the others, which would otherwise wait in
+        # the hook's collectives or in the pipeline's first send for a rank that is gone.
+        grouped = dist.is_initialized()  # without a group no other rank waits (nor can hear)
+        rank = dist.get_rank() if grouped else 0
+        failure: Exception | None = None
+        options: dict[str, Any] = {}
+        try:
+            stage = self._check_wrappable(schedule)
+            self.schedule = schedule
+            self.stage = stage
+            self.num_stages: int = stage.num_stages
+            self.stage_index: int = stage.stage_index
+            self.num_microbatches: int = schedule._n_microbatches
+            self.actions = stage_actions(
+                self.kind, self.num_stages, self.num_microbatches, self.stage_index
+            )
+            self._names = [name for name, _ in self.actions]
+            if hook is None:
+                options = self._hook_options(dp_rank, dp_degree, tp_rank, tp_degree, device_id)
+                options |= hook_options
+            else:
+                layout = {"dp_rank": dp_rank is not None, "dp_degree": dp_degree is not None}
+                layout |= {"tp_rank": tp_rank != 0, "tp_degree": tp_degree != 1}
+                layout["device_id"] = device_id is not None
+                given = sorted(hook_options) + [name for name, passed in layout.items() if passed]
+                if given:  # the hook was built with its own: these would be ignored unsaid
+                    raise ConfigError(f"pass either hook or hook options, not both: {given}")
+        except ConfigError as exc:
+            failure = exc
+        self._owns_hook = hook is None
+        if hook is None:
+            if failure is not None:
+                refuse_to_join(rank, failure)  # the other ranks' hooks raise it too
+            hook = PerseusOptimizer(**options)
+        self.hook: PerseusOptimizer = hook
+        self._checked_version = -1
+        try:
+            if failure is None:
+                self._check_hook_and_plan()
+        except (ConfigError, ScheduleError) as exc:
+            failure = exc
+        try:
+            if grouped:
+                agree(rank, failure, "no PerseusPipeline created", _OTHER_PIPELINES)
+            elif failure is not None:
+                raise failure
+        except BaseException:
+            if self._owns_hook:
+                hook.close()
+            raise
+        self.last_step_actions: list[tuple[str, int]] = []  # What torch ran in the last step.
+        self._in_step = False
+        self._pending: str | None = None  # The last stage's forward, open until its loss.
+        self._patched: list[tuple[Any, str, Any]] = []  # (owner, name, instance attribute)
+        self._patch(schedule, "step", self._step)
+        self._patch(stage, "forward_one_chunk", self._forward_one_chunk)
+        self._patch(stage, "backward_one_chunk", self._backward_one_chunk)
+        # The last stage's loss belongs to its forward (as in Perseus's profiles).
+        self._loss_ends_forward = stage.is_last and hasattr(schedule, "_maybe_compute_loss")
+        if self._loss_ends_forward:
+            self._patch(schedule, "_maybe_compute_loss", self._compute_loss)
+        self._closed = False
+
+    # --- setup ---------------------------------------------------------------------------------
+    def _check_wrappable(self, schedule: Any) -> Any:
+        """Refuse a schedule this class cannot wrap; return its stage.
+
+        Raises:
+            ConfigError: An unsupported schedule, one already wrapped, or one without a stage
+                or a ``loss_fn``.
+        """
         self.kind = schedule_kind(schedule)
         if isinstance(vars(schedule).get("step"), _Wrapped):
             # Two wraps would register two jobs for one GPU, each timing every action.
@@ -167,25 +245,11 @@ class PerseusPipeline:
                 f"{type(schedule).__name__} has no loss_fn: it runs forwards only, and Perseus "
                 "plans training iterations (forward and backward)"
             )
-        self.schedule = schedule
-        self.stage = stage
-        self.num_stages: int = stage.num_stages
-        self.stage_index: int = stage.stage_index
-        self.num_microbatches: int = schedule._n_microbatches
-        self.actions = stage_actions(
-            self.kind, self.num_stages, self.num_microbatches, self.stage_index
-        )
-        self._names = [name for name, _ in self.actions]
-        self._owns_hook = hook is None
-        if hook is None:
-            hook = self._build_hook(dp_rank, dp_degree, tp_rank, tp_degree, device_id, hook_options)
-        else:
-            layout = {"dp_rank": dp_rank is not None, "dp_degree": dp_degree is not None}
-            layout |= {"tp_rank": tp_rank != 0, "tp_degree": tp_degree != 1}
-            layout["device_id"] = device_id is not None
-            given = sorted(hook_options) + [name for name, passed in layout.items() if passed]
-            if given:  # the hook was built with its own: these would be ignored unsaid
-                raise ConfigError(f"pass either hook or hook options, not both: {given}")
+        return stage
+
+    def _check_hook_and_plan(self) -> None:
+        """The hook must be for this stage, and its schedule must follow this schedule's order."""
+        hook = self.hook
         if hook.pp_rank != self.stage_index or hook.pp_degree != self.num_stages:
             # A GPipe stage runs the same order whatever the number of stages: a job of
             # another pp_degree would be served a plan for another pipeline, unnoticed.
@@ -193,39 +257,21 @@ class PerseusPipeline:
                 f"the hook is for pp_rank {hook.pp_rank} of pp_degree {hook.pp_degree} but "
                 f"the schedule's stage is {self.stage_index} of {self.num_stages}"
             )
-        self.hook: PerseusOptimizer = hook
-        self._checked_version = -1
-        try:
-            self._check_served_order()
-        except BaseException:
-            if self._owns_hook:
-                hook.close()
-            raise
-        self.last_step_actions: list[tuple[str, int]] = []  # What torch ran in the last step.
-        self._in_step = False
-        self._pending: str | None = None  # The last stage's forward, open until its loss.
-        self._patched: list[tuple[Any, str, Any]] = []  # (owner, name, instance attribute)
-        self._patch(schedule, "step", self._step)
-        self._patch(stage, "forward_one_chunk", self._forward_one_chunk)
-        self._patch(stage, "backward_one_chunk", self._backward_one_chunk)
-        # The last stage's loss belongs to its forward (as in Perseus's profiles).
-        self._loss_ends_forward = stage.is_last and hasattr(schedule, "_maybe_compute_loss")
-        if self._loss_ends_forward:
-            self._patch(schedule, "_maybe_compute_loss", self._compute_loss)
-        self._closed = False
+        self._check_served_order()
 
-    # --- setup ---------------------------------------------------------------------------------
-    def _build_hook(
+    def _hook_options(
         self,
         dp_rank: int | None,
         dp_degree: int | None,
         tp_rank: int,
         tp_degree: int,
         device_id: int | None,
-        options: dict[str, Any],
-    ) -> PerseusOptimizer:
-        if "redis_url" not in options:
-            raise ConfigError("PerseusPipeline needs redis_url= (the coordinator's Redis)")
+    ) -> dict[str, Any]:
+        """The hook's rank layout, from the stage and the group (without ``hook_options``).
+
+        Raises:
+            ConfigError: The layout does not fit the group's size, or ``dp_rank`` is needed.
+        """
         world = dist.get_world_size()
         if dp_degree is None:
             dp_degree = world // (self.num_stages * tp_degree)
@@ -241,18 +287,17 @@ class PerseusPipeline:
                     "tp_rank=) for this rank, as your device mesh assigns them"
                 )
             dp_rank = 0
-        return PerseusOptimizer(
-            rank=dist.get_rank(),
-            dp_rank=dp_rank,
-            pp_rank=self.stage_index,
-            tp_rank=tp_rank,
-            device_id=_default_device_id(self.stage) if device_id is None else device_id,
-            dp_degree=dp_degree,
-            pp_degree=self.num_stages,
-            tp_degree=tp_degree,
-            world_size=world,
-            **options,
-        )
+        return {
+            "rank": dist.get_rank(),
+            "dp_rank": dp_rank,
+            "pp_rank": self.stage_index,
+            "tp_rank": tp_rank,
+            "device_id": _default_device_id(self.stage) if device_id is None else device_id,
+            "dp_degree": dp_degree,
+            "pp_degree": self.num_stages,
+            "tp_degree": tp_degree,
+            "world_size": world,
+        }
 
     def _patch(self, owner: Any, name: str, replacement: Callable[..., Any]) -> None:
         original = getattr(owner, name)

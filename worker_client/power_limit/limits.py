@@ -6,7 +6,11 @@ import hashlib
 
 from protocol.exceptions import ConfigError, GPUError
 from worker_client.gpu.nvml import NVML
-from worker_client.power_limit.monitor import Reducer
+from worker_client.power_limit.monitor import (
+    Reducer,
+    torch_distributed_reasons,
+    torch_distributed_reducer,
+)
 
 
 def power_limit_ladder(max_mw: int, min_mw: int, pl_step: int) -> list[int]:
@@ -30,19 +34,20 @@ def ranks_without_profile(
     pl_step: int,
     found: bool,
     reducer: Reducer,
-    failure: ConfigError | GPUError | None = None,
+    failure: Exception | None = None,
 ) -> int:
     """How many ranks found no stored profile; refuse ranks that failed or differ.
 
     Every rank calls this, with the same reductions, so all of them decide alike; a rank that
     raised alone would leave the others waiting for ever in profiling's collectives. The
     first reduction sums the ranks that failed to start (a bad profile file on one node's
-    disk, say): each raises, this one with its own error. Profiling pairs every rank's window
-    of a limit in one all-reduce, so every rank must walk the same ladder: GPUs with another
-    power limit range (or another ``pl_step``) would pair one rank's 250 W window with
-    another's 300 W one and leave the rank with more limits waiting for ever. The second
-    reduction compares the ladders (max and min of a mark of each) and counts the ranks
-    without a profile.
+    disk, say): each raises, this one with its own error, the others naming it and its error
+    where the reducer is :func:`torch_distributed_reducer` (one more collective gathers the
+    errors, only then). Profiling pairs every rank's window of a limit in one all-reduce, so
+    every rank must walk the same ladder: GPUs with another power limit range (or another
+    ``pl_step``) would pair one rank's 250 W window with another's 300 W one and leave the
+    rank with more limits waiting for ever. The second reduction compares the ladders (max and
+    min of a mark of each) and counts the ranks without a profile.
 
     Args:
         ladder: This rank's limits, mW, highest first (empty if it failed).
@@ -54,16 +59,23 @@ def ranks_without_profile(
     Raises:
         ConfigError: Some rank must profile and the ranks' ladders differ, or another rank
             failed (on every rank).
-        GPUError: This rank's own failure, if it was one.
+        Exception: This rank's own failure, on its rank.
     """
     mark = _ladder_mark(ladder)
     highest, failed = reducer(mark, float(failure is not None))
+    why = " (their own error says why)"
+    if failed > 0 and reducer is torch_distributed_reducer:
+        mine = f"{type(failure).__name__}: {failure}" if failure is not None else None
+        reasons = torch_distributed_reasons(mine)
+        if reasons is not None:
+            named = "; ".join(f"rank {r}: {text}" for r, text in enumerate(reasons) if text)
+            why = f" ({named})"
     if failure is not None:
         raise failure
     if failed > 0:
         raise ConfigError(
-            f"{round(failed)} other rank(s) could not start their power-limit optimizer (their "
-            "own error says why): no rank profiles"
+            f"{round(failed)} other rank(s) could not start their power-limit optimizer{why}: "
+            "no rank profiles"
         )
     lowest, missing = reducer(-mark, float(not found))
     if missing > 0 and highest != -lowest:

@@ -50,3 +50,19 @@ def torch_distributed_reducer(time_s: float, energy_j: float) -> tuple[float, fl
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     dist.all_reduce(e, op=dist.ReduceOp.SUM)
     return float(t.item()), float(e.item())
+
+
+def torch_distributed_reasons(reason: str | None) -> list[str | None] | None:
+    """Every rank's ``reason``, in rank order; None where torch.distributed is not initialized.
+
+    A collective: every rank calls it, each with its own reason (None: nothing went wrong).
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    reasons: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    return reasons

@@ -58,6 +58,7 @@ from protocol.exceptions import (
 from protocol.models import PowerLimitMeasurement, PowerLimitProfile
 from worker_client.callback import Callback
 from worker_client.gpu.nvml import NVML
+from worker_client.power_limit.arguments import check_arguments
 from worker_client.power_limit.limits import (
     common_range,
     format_watts,
@@ -145,7 +146,8 @@ class GlobalPowerLimitOptimizer(Callback):
         workload: Name of the workload in ``profile_store``.
         reducer: Combines this rank's (time, energy) with the other ranks' (max of times,
             sum of energies); default :func:`torch_distributed_reducer`. Also called twice at
-            construction: the ranks that found no profile, and whether all profile one ladder.
+            construction (the ranks that found no profile, and whether all profile one ladder)
+            and once as the limit is chosen (the GPUs of all ranks, for the default selector).
         restore_on_exit: Register :meth:`close` to run at interpreter exit.
 
     Raises:
@@ -153,6 +155,9 @@ class GlobalPowerLimitOptimizer(Callback):
             profile file (ConfigError is a ValueError, which Zeus raises for these).
         GPUError: NVML failed (with a hint when the process lacks the privilege to set
             power limits).
+
+    What stops one rank's constructor stops every rank's at once, the others with a
+    ConfigError naming it (see :func:`~worker_client.power_limit.limits.ranks_without_profile`).
 
     """
 
@@ -173,55 +178,6 @@ class GlobalPowerLimitOptimizer(Callback):
         reducer: Reducer | None = None,
         restore_on_exit: bool = True,
     ) -> None:
-        for name, value, low in (
-            ("wait_steps", wait_steps, 0),
-            ("warmup_steps", warmup_steps, 1),
-            ("profile_steps", profile_steps, 1),
-            ("pl_step", pl_step, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-        if (profile_store is None) != (workload is None):
-            raise ConfigError("profile_store and workload must be given together")
-        # Checked now, not when profiling ends hours later (Zeus finds out only then).
-        if optimum_selector is not None and (
-            isinstance(optimum_selector, type)
-            or not callable(getattr(optimum_selector, "select", None))
-        ):
-            raise ConfigError(
-                f"optimum_selector must be a selector such as Energy() or ZeusCost(0.5), got "
-                f"{optimum_selector!r}"
-            )
-        if profile_path is not None and not Path(profile_path).exists():
-            folder = Path(profile_path).parent
-            if not folder.is_dir():
-                raise ConfigError(
-                    f"profile_path {str(profile_path)!r}: its folder {str(folder)!r} does not "
-                    "exist, so the profile could not be saved once profiling ends"
-                )
-        self.monitor = monitor
-        self.gpu_indices = list(monitor.gpu_indices)
-        if not self.gpu_indices:
-            raise ConfigError("the monitor has no GPUs")
-        self.nvml: NVML = nvml or getattr(monitor, "nvml", None) or NVML()
-        # Limits go to NVML's indices: an EnergyMonitor knows them; a ZeusMonitor's CUDA
-        # indices are mapped through CUDA_VISIBLE_DEVICES.
-        nvml_indices = getattr(monitor, "nvml_indices", None)
-        if nvml_indices is None:
-            nvml_indices = [self.nvml.cuda_to_nvml(i) for i in self.gpu_indices]
-        self._nvml_of = dict(zip(self.gpu_indices, nvml_indices, strict=True))
-        # The default's world_size is set to every rank's GPUs when the limit is chosen.
-        self._default_selector = optimum_selector is None
-        self.optimum_selector = optimum_selector or ZeusCost(
-            eta_knob=0.5, world_size=len(self.gpu_indices)
-        )
-        self.warmup_steps = warmup_steps
-        self.profile_steps = profile_steps
-        self.pl_step = pl_step
-        self.carry_across_epochs = carry_across_epochs
-        self.profile_path = Path(profile_path) if profile_path is not None else None
-        self.profile_store = profile_store
-        self.workload = workload
         self.reducer: Reducer = reducer or torch_distributed_reducer
         self._restore_on_exit = restore_on_exit
         self._pid = os.getpid()  # whose exit restores the maximum (see _close_at_exit)
@@ -234,17 +190,21 @@ class GlobalPowerLimitOptimizer(Callback):
         self._profiled_at = 0.0  # unix time the profile was made (0: unknown)
         self.current_power_limit: int | None = None  # mW, the last one set
 
-        # One rank's failure here (its GPUs, its profile file) is every rank's: the others
-        # would otherwise wait for ever in the collectives below.
-        failure: ConfigError | GPUError | None = None
+        # One rank's failure here (its arguments, its GPUs, its profile file or folder) is
+        # every rank's: the others would otherwise wait for ever in the collectives below.
+        failure: Exception | None = None
         profile: PowerLimitProfile | None = None
         self.power_limits: list[int] = []
         try:
+            self._setup(
+                monitor, optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step,
+                profile_path, carry_across_epochs, nvml, profile_store, workload,
+            )  # fmt: skip
             low, high = common_range(self.nvml, self._nvml_of)
             self.min_power_limit_mw, self.max_power_limit_mw = low, high
             self.power_limits = power_limit_ladder(high, low, pl_step)
             profile = load_profile(self.profile_path, self.profile_store, self.workload)
-        except (ConfigError, GPUError) as exc:
+        except Exception as exc:  # whatever it is, the other ranks must hear of it
             failure = exc
         # Every rank takes the same road (profiling's windows are collectives): a profile is
         # used only where every rank found one, and ranks that profile walk one ladder.
@@ -272,6 +232,54 @@ class GlobalPowerLimitOptimizer(Callback):
             self._set_power_limit(self.max_power_limit_mw)
         if restore_on_exit:
             self._at_exit = Finalize(None, self._close_at_exit, exitpriority=0)
+
+    def _setup(
+        self,
+        monitor: WindowMonitor,
+        optimum_selector: OptimumSelector | None,
+        wait_steps: int,
+        warmup_steps: int,
+        profile_steps: int,
+        pl_step: int,
+        profile_path: str | Path | None,
+        carry_across_epochs: bool,
+        nvml: NVML | None,
+        profile_store: PowerLimitProfileStore | None,
+        workload: str | None,
+    ) -> None:
+        """Check the arguments and keep them; find the monitored GPUs' NVML indices.
+
+        Raises:
+            ConfigError: A bad argument, or a GPU that is not a visible CUDA device.
+            GPUError: NVML cannot be opened.
+        """
+        check_arguments(
+            optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path,
+            profile_store, workload,
+        )  # fmt: skip
+        self.monitor = monitor
+        self.gpu_indices = list(monitor.gpu_indices)
+        if not self.gpu_indices:
+            raise ConfigError("the monitor has no GPUs")
+        self.nvml: NVML = nvml or getattr(monitor, "nvml", None) or NVML()
+        # Limits go to NVML's indices: an EnergyMonitor knows them; a ZeusMonitor's CUDA
+        # indices are mapped through CUDA_VISIBLE_DEVICES.
+        nvml_indices = getattr(monitor, "nvml_indices", None)
+        if nvml_indices is None:
+            nvml_indices = [self.nvml.cuda_to_nvml(i) for i in self.gpu_indices]
+        self._nvml_of = dict(zip(self.gpu_indices, nvml_indices, strict=True))
+        # The default's world_size is set to every rank's GPUs when the limit is chosen.
+        self._default_selector = optimum_selector is None
+        self.optimum_selector = optimum_selector or ZeusCost(
+            eta_knob=0.5, world_size=len(self.gpu_indices)
+        )
+        self.warmup_steps = warmup_steps
+        self.profile_steps = profile_steps
+        self.pl_step = pl_step
+        self.carry_across_epochs = carry_across_epochs
+        self.profile_path = Path(profile_path) if profile_path is not None else None
+        self.profile_store = profile_store
+        self.workload = workload
 
     # --- training hooks ---------------------------------------------------------------------
     def on_step_begin(self) -> None:
@@ -453,11 +461,12 @@ class GlobalPowerLimitOptimizer(Callback):
         self.current_power_limit = milliwatts
 
     def _compute_optimal_power_limit(self) -> int:
+        # Every rank gets here together (its last window, or the profile all ranks load) and
+        # reduces, whatever its selector: a rank given another one left the rest waiting.
+        _, gpus = self.reducer(0.0, float(len(self.gpu_indices)))
         if self._default_selector:
             # Energy is summed over the ranks' GPUs, so MaxPower must count all of them: Zeus's
-            # len(monitor.gpu_indices) made 2 ranks x 1 GPU choose otherwise than 1 x 2. Every
-            # rank gets here together (its last window, or the profile all ranks load).
-            _, gpus = self.reducer(0.0, float(len(self.gpu_indices)))
+            # len(monitor.gpu_indices) made 2 ranks x 1 GPU choose otherwise than 1 x 2.
             self.optimum_selector = ZeusCost(eta_knob=0.5, world_size=max(1, round(gpus)))
         watts = chosen_limit(self.optimum_selector, self.measurements)
         # Measured at a limit of the ladder, recorded in whole watts: set the one measured.
