@@ -28,7 +28,7 @@ from protocol.connection import DEFAULT_REDIS_URL, connect
 from protocol.exceptions import ConfigError
 from protocol.models import JobInfo
 from schedulers.planning.plan_file import write_plan_file
-from tests.helpers import ROOT, subprocess_env, wait_for
+from tests.helpers import ROOT, free_ports, subprocess_env, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -280,6 +280,17 @@ def test_the_no_default_start_a_refusal_offers_starts_with_the_same_variables(
         proc.terminate()
         rest, _ = proc.communicate(timeout=10)
     assert first.startswith("perseus coordinator: scheduler=none (each job"), first + rest
+
+
+def test_no_redis_at_the_url_says_what_to_start(tmp_path):
+    # A first `perseus status` where no Redis runs: what is wrong, and what to do about it.
+    (port,) = free_ports()
+    for url in (f"redis://127.0.0.1:{port}/0", f"unix://{tmp_path}/redis.sock"):
+        code, out = perseus("status", "--redis-url", url)
+        assert code == 1, out
+        assert f"cannot reach Redis at {url}" in out
+        assert "no Redis listens there" in out and "`perseus redis`" in out, out
+        assert "--redis-url or PERSEUS_REDIS_URL" in out
 
 
 def test_status_watch_refreshes_until_interrupted(redis_url, job, tmp_path):
