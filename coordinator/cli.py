@@ -147,7 +147,8 @@ def coordinator(
     try:
         settings.check_scheduler()
     except PerseusError as exc:
-        raise click.UsageError(f"{exc}\n{_scheduler_hint(settings.scheduler)}") from None
+        hint = _scheduler_hint(settings.scheduler, bool(settings.scheduler_args))
+        raise click.UsageError(f"{exc}\n{hint}") from None
     # The coordinator's loop is one thread: its client keeps one connection (no pool checkout).
     service = Coordinator(connect_or_fail(settings.redis_url, dedicated=True), settings)
     _stop_on_signals(service.stop_event)
@@ -189,8 +190,14 @@ def _on_command_line(param: str) -> bool:
     return source is ParameterSource.COMMANDLINE
 
 
-def _scheduler_hint(name: str) -> str:
-    """The exact options that start a coordinator with ``name`` or without a default."""
+def _scheduler_hint(name: str, has_args: bool) -> str:
+    """The exact options that start a coordinator with ``name`` or without a default.
+
+    Args:
+        name: The scheduler it was started with.
+        has_args: Scheduler arguments are set; without a scheduler they must go too (they
+            may come from ``PERSEUS_SCHEDULER_ARGS``, which ``--scheduler ''`` leaves set).
+    """
     try:
         params = [
             p
@@ -208,7 +215,8 @@ def _scheduler_hint(name: str) -> str:
     elif params:
         lines.append(f"  perseus coordinator --scheduler {name} --scheduler-args '{{...}}'")
         lines.append(f"  ({name} takes: {', '.join(params)}; see `perseus schedulers`)")
-    lines.append("  perseus coordinator --scheduler ''   (no default: each job names one)")
+    no_default = "--scheduler '' --scheduler-args '{}'" if has_args else "--scheduler ''"
+    lines.append(f"  perseus coordinator {no_default}   (no default: each job names one)")
     return "\n".join(lines)
 
 

@@ -37,7 +37,10 @@ def job_config(settings: PerseusSettings, message: RegisterJob) -> JobConfig:
         if not settings.scheduler:
             raise ProtocolError(
                 "this coordinator has no default scheduler (PERSEUS_SCHEDULER is empty): "
-                "the job must choose one when it registers"
+                "the job must choose one when it registers (PerseusOptimizer's scheduler= "
+                f"and scheduler_args=: one of {', '.join(sorted(BUILTIN))}; `perseus "
+                "schedulers` lists their arguments), or start the coordinator with "
+                "--scheduler NAME --scheduler-args JSON for jobs that name none"
             )
         return JobConfig(
             scheduler=settings.scheduler,

@@ -28,8 +28,14 @@ SOCKET_TIMEOUT_S = 30.0
 
 
 def _tls_hint(url: str, exc: Exception) -> str:
-    """A hint where a TLS mismatch looks like another fault (a timeout, a reset connection)."""
+    """A hint where a TLS mismatch looks like another fault, or where nothing listens at all."""
     text = str(exc).lower()
+    if "connection refused" in text or "no such file or directory" in text:
+        # A first `perseus status` on a machine with no Redis on the default URL lands here.
+        return (
+            " (no Redis listens there: start one, or run `perseus redis` for a private one, "
+            "and give its URL with --redis-url or PERSEUS_REDIS_URL)"
+        )
     if url.startswith("rediss://") and "timeout" in text:
         return " (does this port speak TLS? rediss:// needs a TLS port; redis:// is plain text)"
     if url.startswith("redis://") and ("reset by peer" in text or "closed by server" in text):

@@ -439,8 +439,14 @@ def validation_text(exc: ValidationError) -> str:
     """One line naming each field that is wrong: ``iteration_time: Input should be ...``."""
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-        parts.append(f"{loc}: {err['msg']}")
+        loc = ".".join(str(p) for p in err["loc"])
+        # pydantic's prefix for a validator's ValueError; such a check of several fields
+        # (loc empty) names them itself.
+        msg = err["msg"].removeprefix("Value error, ")
+        if not loc and err["type"] == "value_error":
+            parts.append(msg)
+        else:
+            parts.append(f"{loc or '<root>'}: {msg}")
     return "; ".join(parts)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from protocol.connection import DEFAULT_REDIS_URL, connect
 from protocol.exceptions import ConfigError
 from protocol.models import JobInfo
 from schedulers.planning.plan_file import write_plan_file
-from tests.helpers import ROOT, subprocess_env, wait_for
+from tests.helpers import ROOT, free_ports, subprocess_env, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -242,6 +243,54 @@ def test_coordinator_refuses_bad_scheduler_settings_with_the_option_to_add(
     assert code == 2, out
     assert expected in out
     assert "perseus coordinator --scheduler ''" in out
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [
+        {"PERSEUS_SCHEDULER_ARGS": '{"frontier_dir": "plans"}'},
+        {
+            "PERSEUS_SCHEDULER": "PointSolution3D",
+            "PERSEUS_SCHEDULER_ARGS": '{"solution_path": "DIR/freqs_pipeline_00042.py"}',
+        },
+    ],
+)
+def test_the_no_default_start_a_refusal_offers_starts_with_the_same_variables(
+    redis_url, tmp_path, variables
+):
+    # Settings exported for the services (README): the offered command must start as it is
+    # written; `--scheduler ''` alone left PERSEUS_SCHEDULER_ARGS set and was refused again.
+    code, out = perseus("coordinator", "--redis-url", redis_url, env=variables)
+    assert code == 2, out
+    offered = next(line for line in out.splitlines() if "(no default" in line)
+    argv = shlex.split(offered.split("(no default")[0])
+    assert argv[:2] == ["perseus", "coordinator"], offered
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", *argv[1:], "--redis-url", redis_url],
+        env=subprocess_env(tmp_path, **variables),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # the start line, or a refusal's "Usage:"
+    finally:
+        proc.terminate()
+        rest, _ = proc.communicate(timeout=10)
+    assert first.startswith("perseus coordinator: scheduler=none (each job"), first + rest
+
+
+def test_no_redis_at_the_url_says_what_to_start(tmp_path):
+    # A first `perseus status` where no Redis runs: what is wrong, and what to do about it.
+    (port,) = free_ports()
+    for url in (f"redis://127.0.0.1:{port}/0", f"unix://{tmp_path}/redis.sock"):
+        code, out = perseus("status", "--redis-url", url)
+        assert code == 1, out
+        assert f"cannot reach Redis at {url}" in out
+        assert "no Redis listens there" in out and "`perseus redis`" in out, out
+        assert "--redis-url or PERSEUS_REDIS_URL" in out
 
 
 def test_status_watch_refreshes_until_interrupted(redis_url, job, tmp_path):

@@ -19,6 +19,7 @@ from protocol.models import (
     Reply,
     encode_message,
     unpack,
+    validate,
 )
 from protocol.store import JobStore
 from schedulers.planning.plan_file import write_plan_file
@@ -129,3 +130,18 @@ def test_huge_counts_are_refused_at_registration(service, redis_url):
     )
     with pytest.raises(ProtocolError, match="5000 frequencies, over max_frequencies=1024"):
         client.register_rank(job_id, rank)
+
+
+def test_a_check_of_several_fields_reads_as_one_plain_sentence() -> None:
+    """Degrees that do not multiply to the world size read "<root>: Value error, world_size=1
+    but ..." on every rank (pydantic's prefix, and a field name for no field)."""
+    with pytest.raises(ProtocolError) as info:
+        validate(JobInfo, {"pp_degree": 2, "dp_degree": 1, "tp_degree": 1, "world_size": 1})
+    assert str(info.value) == (
+        "invalid JobInfo: world_size=1 but pp_degree*dp_degree*tp_degree = 2*1*1 = 2"
+    )
+    # A field's own error still names the field, and a value of the wrong shape the root.
+    with pytest.raises(ProtocolError, match=r"^invalid JobInfo: pp_degree: Input should be"):
+        validate(JobInfo, {"pp_degree": "x", "dp_degree": 1, "tp_degree": 1, "world_size": 1})
+    with pytest.raises(ProtocolError, match=r"^invalid JobInfo: <root>: Input should be a valid"):
+        validate(JobInfo, [1, 2])

@@ -73,6 +73,30 @@ def test_wrong_instruction_and_schedule_length_errors(gloo, hook_service, redis_
         hook.close()
 
 
+def test_a_refused_instruction_leaves_the_step_where_it_was(gloo, hook_service, redis_url):
+    """The refused call used up the instruction the schedule expected in its place.
+
+    A loop that caught the ScheduleError and ran the right instruction was then refused its
+    step's last one (or, one short, ended the step without it unsaid).
+    """
+    _coord, start_worker = hook_service
+    start_worker()
+    hook = make_hook(redis_url, DryRunFrequencyController(0))
+    try:
+        hook.on_step_begin()  # the schedule: forward, backward, forward, backward
+        hook.on_instruction_begin("forward")
+        hook.on_instruction_end("forward")
+        with pytest.raises(ScheduleError, match="expected instruction 'backward'"):
+            hook.on_instruction_begin("forward")
+        for name in ("backward", "forward", "backward"):
+            hook.on_instruction_begin(name)
+            hook.on_instruction_end(name)
+        hook.on_step_end()
+        assert hook.steps == 1
+    finally:
+        hook.close()
+
+
 def test_hooks_called_out_of_order_say_what_was_expected(gloo, hook_service, redis_url):
     """A forgotten on_step_begin or on_instruction_end measured nothing, or failed the job."""
     _coord, start_worker = hook_service

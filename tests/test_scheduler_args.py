@@ -107,6 +107,21 @@ def test_a_job_sending_a_wrong_type_is_refused_at_registration() -> None:
         job_config(settings, message)
 
 
+def test_a_job_naming_no_scheduler_where_there_is_no_default_is_told_how_to_name_one() -> None:
+    """It read only that the job must choose one: not where, nor from what."""
+    settings = make_settings("redis://localhost:1", "")
+    message = RegisterJob(
+        request_id="r1", job=JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    )
+    with pytest.raises(ProtocolError) as info:
+        job_config(settings, message)
+    said = str(info.value)
+    assert "this coordinator has no default scheduler (PERSEUS_SCHEDULER is empty)" in said
+    assert "PerseusOptimizer's scheduler= and scheduler_args=" in said
+    assert "InstructionProfiler, PointSolution" in said and "`perseus schedulers`" in said
+    assert "--scheduler NAME --scheduler-args JSON" in said
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from protocol.exceptions import ScheduleError
 from protocol.models import FrequencySchedule
 
@@ -25,7 +23,7 @@ class StepOrder:
     def restart(self, schedule: FrequencySchedule) -> None:
         """The next step starts at ``schedule``'s first instruction."""
         self.schedule = schedule
-        self._iter: Iterator[tuple[str, int]] = iter(schedule.frequencies)
+        self._next = 0  # index of the instruction the schedule expects next
 
     def begin_step(self) -> None:
         """A step begins (a step begun again starts clean, at the first instruction)."""
@@ -42,20 +40,20 @@ class StepOrder:
         """
         if not self.in_step or self.open is not None:
             raise self._misuse(f"on_instruction_begin({name!r})")
-        item = next(self._iter, None)
         schedule = self.schedule
-        if item is None:
+        if self._next >= len(schedule.frequencies):
             raise ScheduleError(
                 f"rank {self.rank}: instruction {name!r} but schedule version "
                 f"{schedule.version} has only {len(schedule.frequencies)} instructions "
                 f"({self._shape()})"
             )
-        expected, frequency = item
-        if expected != name:
+        expected, frequency = schedule.frequencies[self._next]
+        if expected != name:  # not consumed: the step still expects it (a caught error)
             raise ScheduleError(
                 f"rank {self.rank}: expected instruction {expected!r} but got {name!r} "
                 f"(schedule version {schedule.version}: {self._shape()})"
             )
+        self._next += 1
         self.open = name
         return frequency
 
@@ -78,11 +76,11 @@ class StepOrder:
         """
         if self.open is not None or (not self.in_step and self.schedule.frequencies):
             raise self._misuse("on_step_end()")
-        leftover = next(self._iter, None)
-        if leftover is not None:
+        if self._next < len(self.schedule.frequencies):
+            name, frequency = self.schedule.frequencies[self._next]
             raise ScheduleError(
                 f"rank {self.rank}: step ended but schedule version {self.schedule.version} "
-                f"still expects {leftover[0]!r} at {leftover[1]} MHz"
+                f"still expects {name!r} at {frequency} MHz"
             )
         was_open, self.in_step = self.in_step, False
         return was_open
