@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 
 import click
@@ -70,11 +71,20 @@ def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_
         raise click.UsageError("give dead-letter ids, or --all")
     conn = connect_settings(redis_url)
     replayed = 0
+    skipped: Counter[str] = Counter()  # why --all left dead letters alone
+
+    def replayable(letters: Iterable[DeadLetter]) -> Iterator[DeadLetter]:
+        for letter in letters:
+            if letter.replayable:
+                yield letter
+            else:
+                skipped[_why_not_replayable(letter)] += 1
+
     try:
         if replay_all:
             # Read a page at a time, up to the newest there was at the start: one that fails
             # again is dead-lettered anew, after that point, and not replayed twice here.
-            letters: Iterable[DeadLetter] = (d for d in iter_dead_letters(conn) if d.replayable)
+            letters: Iterable[DeadLetter] = replayable(iter_dead_letters(conn))
         else:
             letters = [get_dead_letter(conn, entry_id) for entry_id in entry_ids]
         for letter in letters:
@@ -88,6 +98,22 @@ def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_
         raise click.ClickException(str(exc)) from None
     if replay_all and not replayed:
         click.echo("no replayable dead letters")
+    for why, count in sorted(skipped.items()):
+        click.echo(
+            f"left alone: {count} dead letter(s) {why} (`perseus deadletter list` shows them)"
+        )
+
+
+def _why_not_replayable(letter: DeadLetter) -> str:
+    """Why ``replay --all`` leaves ``letter`` alone, as :func:`replay` would refuse it."""
+    if letter.size is not None:
+        return "over max_entry_bytes (only their heads were kept)"
+    if not letter.original:
+        return "without original fields"
+    return (
+        f"from {letter.source_stream or 'no stream'} (only results and control messages can "
+        "be replayed: a registration's client got the error and no longer waits)"
+    )
 
 
 @deadletter_group.command("purge")

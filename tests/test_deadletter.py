@@ -78,6 +78,8 @@ def test_registrations_and_unknown_ids_are_refused_clearly(r, redis_url):
     assert code == 1 and "only entries of perseus:stream:results" in out, out
     code, out = cli("deadletter", "replay", "--all", "--redis-url", redis_url)
     assert code == 0 and "no replayable dead letters" in out
+    # What --all left alone is said, with why.
+    assert "left alone: 1 dead letter(s) from perseus:stream:registrations" in out, out
     assert r.xlen(keys.DEADLETTER_STREAM) == 1  # still there
     code, out = cli("deadletter", "replay", "1-0", "--redis-url", redis_url)
     assert code == 1 and "no dead letter 1-0" in out, out
