@@ -291,3 +291,26 @@ def test_a_frontier_csv_saved_with_a_byte_order_mark_is_read(tmp_path: Path) -> 
     path = out / "frontier.csv"
     path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
     assert load_frontier(out).points
+
+
+def test_choose_refuses_to_name_a_plan_file_that_does_not_parse(tmp_path: Path) -> None:
+    # It printed "file: .../freqs_pipeline_N.py" and exit 0; the coordinator refused it later.
+    out = _copy_chosen(tmp_path)
+    chosen = choose_plan(load_frontier(out), "no-slowdown")
+    chosen.file.write_text("[[")
+    res = CliRunner().invoke(choose_command, [str(out), "--policy", "no-slowdown"])
+    assert res.exit_code == 1, res.output
+    assert f"{chosen.file}:1: syntax error" in res.output
+
+
+def test_choose_names_a_folder_in_the_plan_file_s_place(tmp_path: Path) -> None:
+    # The rebuild from plans.delta failed naming its temporary file, and left it there.
+    out = _copy_chosen(tmp_path)
+    point = select_point(load_frontier(out), "deadline", 10.0)[0]
+    path = out / point.file
+    path.unlink(missing_ok=True)
+    path.mkdir()
+    res = CliRunner().invoke(choose_command, [str(out), "--policy", "deadline 10"])
+    assert res.exit_code == 1, res.output
+    assert f"{path}: not a file" in res.output
+    assert not list(out.glob(".*.tmp"))
