@@ -277,12 +277,8 @@ def _parse_float(path: str, line: int, column: str, text: str) -> float:
 
 
 def _records(where: str, text: str) -> list[tuple[int, list[str]]]:
-    """The CSV records of ``text``, each with the line it starts on.
-
-    Read as one stream, not line by line: a quoted value that spans lines is then one value
-    (refused by the caller), where reading each line alone glued its pieces together (a time
-    of ``"0.01<newline>5"`` became 0.015 s) and numbered every later line wrong.
-    """
+    """The CSV records of ``text``, each with the line it starts on."""
+    # One stream: read line by line, a quoted "0.01<newline>5" was glued into 0.015 s.
     reader = csv.reader(io.StringIO(text, newline=""))
     out: list[tuple[int, list[str]]] = []
     start = 1

@@ -119,9 +119,7 @@ class PerseusOptimizer(Callback):
             ``clock_sync="events"`` (default: a blocking ``torch.cuda.Event``; CUDA only).
 
     Raises:
-        ConfigError: (a ``ValueError``) An argument of the wrong type (``report_every=2.5``,
-            ``device_id="0"``, a controller that is no controller) or out of range (a NaN or
-            infinite time), named, before NVML or Redis is touched.
+        ConfigError: An argument of the wrong type or range, named before anything starts.
     """
 
     def __init__(
