@@ -62,6 +62,7 @@ from schedulers.profile_then import (
     plan_in_folder,
     write_if_changed,
 )
+from schedulers.profiler_args import check_counts, check_frequencies, check_writable
 
 Key = tuple[int, str]  # (stage, instruction)
 
@@ -197,13 +198,28 @@ class InstructionProfiler(FrequencyScheduler):
     @classmethod
     def check_args(cls, args: dict[str, Any]) -> None:
         """The counts, the schedule and ``then`` (at coordinator start and registration)."""
-        _check_counts(
+        check_counts(
             args.get("microbatches", 1),
             args.get("warmup_iters", 1),
             args.get("stop_after_rises", 5),
         )
         check_schedule(args.get("schedule", DEFAULT_SCHEDULE))
         check_then(args.get("then"))
+        check_frequencies(args.get("frequencies"))
+
+    @classmethod
+    def check_files(cls, args: dict[str, Any]) -> None:
+        """``out_path`` and ``then``'s folder must be writable where they are.
+
+        They are written once the sweep ends: a folder given as ``out_path``, or a file as
+        ``then``'s ``out_dir``, failed the job then, after the whole sweep.
+        """
+        out_path = args.get("out_path")
+        if isinstance(out_path, str):
+            check_writable("out_path", Path(out_path), folder=False)
+        then = args.get("then")
+        if isinstance(then, dict) and isinstance(then.get("out_dir"), str):
+            check_writable("then['out_dir']", Path(then["out_dir"]), folder=True)
 
     @classmethod
     def sweep_versions(cls, args: dict[str, Any], frequencies: int) -> int | None:
@@ -231,7 +247,7 @@ class InstructionProfiler(FrequencyScheduler):
     ) -> None:
         super().__init__(job_info, rank_infos)
         self.schedule = check_schedule(schedule)
-        _check_counts(microbatches, warmup_iters, stop_after_rises)
+        check_counts(microbatches, warmup_iters, stop_after_rises)
         self.microbatches = microbatches
         self.warmup_iters = warmup_iters
         self.stop_after_rises = stop_after_rises
@@ -472,12 +488,3 @@ class InstructionProfiler(FrequencyScheduler):
             FrequencySchedule(rank=info.rank, frequencies=list(plan.stages[info.pp_rank]))
             for info in self.ranks
         ]
-
-
-def _check_counts(microbatches: int, warmup_iters: int, stop_after_rises: int) -> None:
-    if microbatches < 1:
-        raise ConfigError(f"microbatches must be >= 1, got {microbatches}")
-    if warmup_iters < 0:
-        raise ConfigError(f"warmup_iters must be >= 0, got {warmup_iters}")
-    if stop_after_rises < 1:
-        raise ConfigError(f"stop_after_rises must be >= 1, got {stop_after_rises}")

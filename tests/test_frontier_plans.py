@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -258,3 +259,58 @@ def test_a_frontier_csv_row_out_of_place_names_line_and_field(
         load_frontier(out)
     res = CliRunner().invoke(choose_command, [str(out), "--policy", "deadline 0.3"])
     assert res.exit_code == 1 and "frontier.csv:3: field" in res.output, res.output
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        # A cell past the header was dropped unsaid (which column moved?).
+        (lambda lines: [*lines[:2], lines[2] + ",9", *lines[3:]], "frontier.csv:3: expected 8 "),
+        (lambda lines: [*lines[:2], lines[2].rsplit(",", 1)[0], *lines[3:]], "got 7"),
+        # After a blank line every line was numbered one short.
+        (
+            lambda lines: [*lines[:2], "", "x" + lines[2], *lines[3:]],
+            "frontier.csv:4: field 'plan': expected a plan number, got 'x00001'",
+        ),
+    ],
+)
+def test_a_frontier_csv_row_of_the_wrong_width_or_after_a_blank_names_its_line(
+    tmp_path: Path, edit: Any, words: str
+) -> None:
+    out = _copy_chosen(tmp_path)
+    lines = (out / "frontier.csv").read_text().splitlines()
+    (out / "frontier.csv").write_text("\n".join(edit(lines)) + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_frontier(out)
+    assert words in str(info.value)
+
+
+def test_a_frontier_csv_saved_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    # A spreadsheet's "CSV UTF-8": the header's "plan" was "\ufeffplan", reported missing.
+    out = _copy_chosen(tmp_path)
+    path = out / "frontier.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_frontier(out).points
+
+
+def test_choose_refuses_to_name_a_plan_file_that_does_not_parse(tmp_path: Path) -> None:
+    # It printed "file: .../freqs_pipeline_N.py" and exit 0; the coordinator refused it later.
+    out = _copy_chosen(tmp_path)
+    chosen = choose_plan(load_frontier(out), "no-slowdown")
+    chosen.file.write_text("[[")
+    res = CliRunner().invoke(choose_command, [str(out), "--policy", "no-slowdown"])
+    assert res.exit_code == 1, res.output
+    assert f"{chosen.file}:1: syntax error" in res.output
+
+
+def test_choose_names_a_folder_in_the_plan_file_s_place(tmp_path: Path) -> None:
+    # The rebuild from plans.delta failed naming its temporary file, and left it there.
+    out = _copy_chosen(tmp_path)
+    point = select_point(load_frontier(out), "deadline", 10.0)[0]
+    path = out / point.file
+    path.unlink(missing_ok=True)
+    path.mkdir()
+    res = CliRunner().invoke(choose_command, [str(out), "--policy", "deadline 10"])
+    assert res.exit_code == 1, res.output
+    assert f"{path}: not a file" in res.output
+    assert not list(out.glob(".*.tmp"))

@@ -324,3 +324,28 @@ def test_not_utf8_names_the_file(tmp_path: Path, data: bytes, words: str) -> Non
         read_profile_csv(path)
     assert str(info.value).startswith(f"{path}: profile ")
     assert words in str(info.value)
+
+
+def test_a_quoted_value_over_several_lines_is_refused_not_glued(tmp_path: Path) -> None:
+    # Read line by line, the pieces of "0.01<newline>5" were glued into a time of 0.015 s.
+    path = _write(tmp_path, HEADER + "0,forward,1980,0.1,1\n" + '0,backward,1980,"0.01\n5",3\n')
+    with pytest.raises(ConfigError) as info:
+        read_profile_csv(path)
+    assert str(info.value).startswith(f"{path}:3: field 'time': ")
+    assert "runs over several lines" in str(info.value)
+
+
+def test_lines_are_counted_in_the_file_past_a_multiline_note(tmp_path: Path) -> None:
+    # A column the planner ignores may hold a note over several lines; errors after it name
+    # the line in the file, not the record's number.
+    text = (
+        "stage,instruction,frequency,time,energy,note\n"
+        '0,forward,1980,0.1,1,"first\nsecond\nthird"\n'
+        "0,backward,1980,-0.2,2,\n"
+    )
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        read_profile_csv(path)
+    assert str(info.value).startswith(f"{path}:5: field 'time': ")
+    rows = read_profile_csv(_write(tmp_path, text.replace("-0.2", "0.2"))).rows
+    assert [r.line for r in rows] == [2, 5]

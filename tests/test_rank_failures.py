@@ -46,7 +46,7 @@ def run_two_ranks(
 @pytest.mark.parametrize(
     ("options", "why"),
     [
-        ({"report_every": 0}, "ValueError: report_every must be >= 1, got 0"),
+        ({"report_every": 0}, "ConfigError: report_every must be >= 1, got 0"),
         (
             {"redis_url": "redis://127.0.0.1:notaport"},
             "ConfigError: invalid Redis URL 'redis://127.0.0.1:notaport'",

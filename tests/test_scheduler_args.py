@@ -290,3 +290,70 @@ def test_a_plan_text_that_does_not_parse_is_refused_when_the_job_registers(
         client.register_job(job, "PointSolution", {"plan_text": bad})
     assert "backward" in str(info.value)
     assert not r.zcard(keys.JOBS_INDEX)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        # Registered before, then the job failed when its last rank joined.
+        ({"microbatches": 2, "frequencies": []}, "frequencies is empty"),
+        ({"microbatches": 2, "frequencies": [1980, -5]}, "must be positive clocks in MHz, got -5"),
+        ({"microbatches": 2, "frequencies": [1980, 1980]}, "lists 1980 MHz more than once"),
+        # A worker built 2 x 2**28 instruction names per stage (gigabytes) for such a job.
+        ({"microbatches": 2**28}, "microbatches must be <= 65536, got 268435456"),
+    ],
+)
+def test_a_job_sending_unusable_profiler_values_is_refused_at_registration(
+    args: dict[str, Any], words: str
+) -> None:
+    settings = make_settings("redis://localhost:1", "")
+    message = RegisterJob(
+        request_id="r1",
+        job=JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2),
+        scheduler="InstructionProfiler",
+        scheduler_args=args,
+    )
+    with pytest.raises(ConfigError) as info:
+        job_config(settings, message)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        ({"out_path": "{tmp}"}, "out_path {tmp} is a folder; name the CSV file to write"),
+        ({"out_path": "{tmp}/file/p.csv"}, "out_path {tmp}/file/p.csv: {tmp}/file is not a folder"),
+        (
+            {"then": {"out_dir": "{tmp}/file"}},
+            "then['out_dir'] {tmp}/file is a file; name a folder (it is made if missing)",
+        ),
+    ],
+)
+def test_profiler_outputs_that_cannot_be_written_stop_the_coordinator_start(
+    tmp_path: Path, args: dict[str, Any], words: str
+) -> None:
+    # Written only when the sweep ends: the job failed then, its whole sweep done.
+    (tmp_path / "file").write_text("x")
+    args = {
+        key: {k: v.format(tmp=tmp_path) for k, v in value.items()}
+        if isinstance(value, dict)
+        else value.format(tmp=tmp_path)
+        for key, value in args.items()
+    }
+    settings = make_settings(
+        "redis://localhost:1", "InstructionProfiler", scheduler_args={"microbatches": 2, **args}
+    )
+    with pytest.raises(ConfigError) as info:
+        settings.check_scheduler()
+    assert str(info.value) == words.format(tmp=tmp_path)
+
+
+def test_profiler_outputs_in_folders_not_made_yet_are_fine(tmp_path: Path) -> None:
+    args = {
+        "microbatches": 2,
+        "out_path": str(tmp_path / "new" / "p.csv"),
+        "then": {"out_dir": str(tmp_path / "plans" / "here")},
+    }
+    settings = make_settings("redis://localhost:1", "InstructionProfiler", scheduler_args=args)
+    settings.check_scheduler()
+    assert not (tmp_path / "new").exists()  # checked, not made

@@ -362,3 +362,26 @@ def test_a_later_stage_names_the_served_schedule_it_got(kind: str, micro: int) -
     what = f"{micro} microbatches in 1f1b order" if kind == "1f1b" else "gpipe order"
     with pytest.raises(ScheduleError, match=f"runs {2 * micro} instructions in {what}, but"):
         pipeline._check_served_order()
+
+
+@pytest.mark.parametrize(
+    ("args", "kw", "words"),
+    [
+        # The URL where the hook goes: "'str' object has no attribute 'pp_rank'".
+        (("redis://localhost:6379/0",), {}, "hook must be a PerseusOptimizer or None, got 'redis"),
+        ((), {"tp_degree": 0}, "tp_degree must be >= 1, got 0"),  # a ZeroDivisionError
+        ((), {"dp_rank": "0"}, "dp_rank must be a whole number (int), got '0' (str)"),
+        ((), {"device_id": 0.0}, "device_id must be a whole number (int), got 0.0 (float)"),
+    ],
+)
+def test_bad_wrap_arguments_are_named(
+    gloo: None, r: Any, redis_url: str, args: tuple[Any, ...], kw: dict[str, Any], words: str
+) -> None:
+    schedule, _ = one_stage_schedule(Schedule1F1B, 2)
+    with pytest.raises(ConfigError) as info:
+        if args:
+            PerseusPipeline(schedule, *args)
+        else:
+            wrap(schedule, redis_url, **kw)
+    assert words in str(info.value)
+    assert r.dbsize() == 0  # nothing was registered

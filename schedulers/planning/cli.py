@@ -26,6 +26,7 @@ from schedulers.planning.choose import choose_plan
 from schedulers.planning.frontier_files import FRONTIER_PNG, load_frontier, timeline_png_name
 from schedulers.planning.frontier_plans import ensure_plan_file
 from schedulers.planning.job import enqueue_planning
+from schedulers.planning.plan_file import read_plan_file
 from schedulers.planning.planner import PLAN_FILES, SOLVERS, plan_frontier
 from schedulers.planning.profile_csv import profile_warnings, read_profile_csv
 
@@ -314,7 +315,8 @@ def choose_command(
     try:
         frontier = load_frontier(frontier_dir)
         chosen = choose_plan(frontier, policy, value)
-        ensure_plan_file(frontier, frontier.point(chosen.plan))  # --plans chosen: write it now
+        # --plans chosen: written now; read either way, so a broken file is not named as the plan.
+        read_plan_file(ensure_plan_file(frontier, frontier.point(chosen.plan)))
         paths: dict[str, Path] = {}
         if plot:
             # matplotlib: only when plotting.

@@ -291,7 +291,8 @@ def _parse_row(where: str, line: int, row: dict[str, str], expect: str) -> Front
 def _read_rows(path: Path, expect: str) -> list[FrontierPoint]:
     where = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        # utf-8-sig: a spreadsheet saving the file puts a byte order mark before "plan".
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
@@ -306,7 +307,16 @@ def _read_rows(path: Path, expect: str) -> list[FrontierPoint]:
             )
         points: list[FrontierPoint] = []
         lines: dict[str, int] = {}
-        for i, row in enumerate(reader, start=2):
+        for row in reader:
+            i = reader.line_num  # the file's line: blank lines are skipped, not counted
+            names = list(reader.fieldnames or [])
+            extra = row.pop(None, None) or []  # cells past the header (DictReader's restkey)
+            short = sum(1 for value in row.values() if value is None)  # cells it lacks
+            if extra or short:
+                raise ConfigError(
+                    f"{where}:{i}: expected {len(names)} fields ({','.join(names)}), "
+                    f"got {len(names) + len(extra) - short}"
+                )
             point = _parse_row(where, i, row, expect)
             if point.plan in lines:
                 raise ConfigError(

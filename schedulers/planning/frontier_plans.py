@@ -276,6 +276,8 @@ def ensure_plan_file(frontier: Frontier, point: FrontierPoint) -> Path:
     path = frontier.path(point)
     if path.is_file():
         return path
+    if path.exists():  # a folder: the write below failed naming its temporary file, left behind
+        raise ConfigError(f"{path}: not a file (the plan file's name is taken)")
     if not (frontier.out_dir / PLAN_LOG).is_file():
         raise ConfigError(f"{path}: plan file missing and no {PLAN_LOG} to rebuild it from")
     plan = plan_from_log(frontier, point)

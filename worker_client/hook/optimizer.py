@@ -44,7 +44,7 @@ from worker_client.hook.energy_source import (
     measured_result,
 )
 from worker_client.hook.joining import RankGPU, agree, agree_on_job, finish_rank, join_job
-from worker_client.hook.options import check_options
+from worker_client.hook.options import check_identity, check_options
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.step_order import StepOrder
 from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
@@ -104,7 +104,8 @@ class PerseusOptimizer(Callback):
             training never stops for an outage; it keeps the current schedule, results wait
             and are sent once Redis is back.
         heartbeat_interval: Seconds between this rank's heartbeats, which keep the job from
-            being deleted as idle while it trains on a schedule that no longer changes.
+            being deleted as idle while it trains on a schedule that no longer changes
+            (finite, at least 0.1 s).
         raise_on_job_error: If the job's scheduler fails, raise
             :class:`~protocol.exceptions.JobFailedError` at the next step end. Default: log the
             error loudly once (every rank) and train on at the last schedule; the error is
@@ -119,6 +120,9 @@ class PerseusOptimizer(Callback):
             with it and can slow a step down.
         marker_fn: Records and returns a marker of the work queued so far, for
             ``clock_sync="events"`` (default: a blocking ``torch.cuda.Event``; CUDA only).
+
+    Raises:
+        ConfigError: An argument of the wrong type or range, named before anything starts.
     """
 
     def __init__(
@@ -170,6 +174,19 @@ class PerseusOptimizer(Callback):
         client: CoordinatorClient | None = None
         gpu: RankGPU | None = None
         try:
+            check_identity(
+                {
+                    "rank": rank, "dp_rank": dp_rank, "pp_rank": pp_rank, "tp_rank": tp_rank,
+                    "device_id": device_id, "dp_degree": dp_degree, "pp_degree": pp_degree,
+                    "tp_degree": tp_degree, "world_size": world_size,
+                },
+                redis_url, job_metadata, nvml_module, controller,
+                {
+                    "instruction_energy": instruction_energy,
+                    "raise_on_job_error": raise_on_job_error,
+                },
+                scheduler, scheduler_args,
+            )  # fmt: skip
             marker_fn = check_options(
                 report_every, schedule_timeout, outage_timeout, heartbeat_interval, clock_sync,
                 marker_fn,

@@ -47,6 +47,7 @@ from protocol.pipeline_schedules import (
 )
 from worker_client.hook.joining import agree, refuse_to_join
 from worker_client.hook.optimizer import PerseusOptimizer
+from worker_client.hook.options import whole_number
 
 #: torch schedule class -> the planner's name for its order.
 SUPPORTED_SCHEDULES: dict[type, str] = {Schedule1F1B: "1f1b", ScheduleGPipe: "gpipe"}
@@ -96,6 +97,35 @@ def schedule_kind(schedule: object) -> str:
         f"Perseus does not support {name}: {why}; supported schedules: {supported} "
         f"(planner: perseus optimize --schedule {{{','.join(PIPELINE_SCHEDULES)}}})"
     )
+
+
+def _check_layout(
+    hook: object,
+    dp_rank: int | None,
+    dp_degree: int | None,
+    tp_rank: int,
+    tp_degree: int,
+    device_id: int | None,
+) -> None:
+    """Refuse a hook that is no hook, and layout arguments of the wrong type or range.
+
+    ``PerseusPipeline(schedule, "redis://...")`` failed with "'str' object has no attribute
+    'pp_rank'", and ``tp_degree=0`` with a ZeroDivisionError.
+    """
+    if hook is not None and not isinstance(hook, PerseusOptimizer):
+        raise ConfigError(
+            f"hook must be a PerseusOptimizer or None, got {hook!r} ({type(hook).__name__}); "
+            "pass the Redis URL as redis_url=..."
+        )
+    for name, value, minimum in (
+        ("dp_rank", dp_rank, 0),
+        ("dp_degree", dp_degree, 1),
+        ("tp_rank", tp_rank, 0),
+        ("tp_degree", tp_degree, 1),
+        ("device_id", device_id, 0),
+    ):
+        if value is not None:
+            whole_number(name, value, minimum)
 
 
 def _default_device_id(stage: Any) -> int:
@@ -155,6 +185,7 @@ class PerseusPipeline:
         failure: Exception | None = None
         options: dict[str, Any] = {}
         try:
+            _check_layout(hook, dp_rank, dp_degree, tp_rank, tp_degree, device_id)
             stage = self._check_wrappable(schedule)
             self.schedule = schedule
             self.stage = stage

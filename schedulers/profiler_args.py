@@ -1,0 +1,60 @@
+"""What InstructionProfiler's arguments may be, checked before any job runs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from protocol.exceptions import ConfigError
+
+#: Most microbatches a sweep may run: each version holds 2 instructions per microbatch for
+#: every rank, so a job sending 2**28 made a worker build gigabytes of schedules per stage.
+MAX_MICROBATCHES = 65_536
+
+
+def check_counts(microbatches: int, warmup_iters: int, stop_after_rises: int) -> None:
+    """Raise ConfigError unless the sweep's counts are in range."""
+    if microbatches < 1:
+        raise ConfigError(f"microbatches must be >= 1, got {microbatches}")
+    if microbatches > MAX_MICROBATCHES:
+        raise ConfigError(
+            f"microbatches must be <= {MAX_MICROBATCHES}, got {microbatches} (every version "
+            "holds 2 instructions per microbatch for every rank)"
+        )
+    if warmup_iters < 0:
+        raise ConfigError(f"warmup_iters must be >= 0, got {warmup_iters}")
+    if stop_after_rises < 1:
+        raise ConfigError(f"stop_after_rises must be >= 1, got {stop_after_rises}")
+
+
+def check_frequencies(frequencies: Sequence[int] | None) -> None:
+    """Clocks to sweep: at least one, each positive, none twice (None: every clock)."""
+    if frequencies is None:
+        return
+    if not frequencies:
+        raise ConfigError(
+            "frequencies is empty: give at least one clock to profile (or leave it out to "
+            "sweep every clock)"
+        )
+    bad = [f for f in frequencies if f < 1]
+    if bad:
+        raise ConfigError(f"frequencies must be positive clocks in MHz, got {bad[0]}")
+    twice = sorted({f for f in frequencies if list(frequencies).count(f) > 1})
+    if twice:
+        raise ConfigError(f"frequencies lists {twice[0]} MHz more than once")
+
+
+def check_writable(name: str, path: Path, folder: bool) -> None:
+    """Raise ConfigError unless ``path`` can be written as a file (or made as a folder)."""
+    if path.is_dir() and not folder:
+        raise ConfigError(f"{name} {path} is a folder; name the CSV file to write")
+    if path.exists() and not path.is_dir() and folder:
+        raise ConfigError(f"{name} {path} is a file; name a folder (it is made if missing)")
+    parent = path if folder else path.parent
+    while not parent.exists():  # the folders are made when written
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{name} {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name} {path}: no permission to write in {parent}")
