@@ -43,11 +43,13 @@ from protocol import keys
 from protocol.acl import ROLES, acl_file, role_user
 from protocol.cli_options import (
     connect_or_fail,
+    lost_redis_message,
     redact_url,
     redis_url_option,
     setting_option,
 )
 from protocol.cli_types import FiniteFloatRange
+from protocol.connection import SOCKET_TIMEOUT_S
 from protocol.constants import MAX_TARGET_ITERATION_S, MIN_TARGET_ITERATION_S
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.job_lifecycle import JobLifecycle
@@ -150,7 +152,8 @@ def coordinator(
         hint = _scheduler_hint(settings.scheduler, bool(settings.scheduler_args))
         raise click.UsageError(f"{exc}\n{hint}") from None
     # The coordinator's loop is one thread: its client keeps one connection (no pool checkout).
-    service = Coordinator(connect_or_fail(settings.redis_url, dedicated=True), settings)
+    conn = connect_or_fail(settings.redis_url, SOCKET_TIMEOUT_S, dedicated=True)
+    service = Coordinator(conn, settings)
     _stop_on_signals(service.stop_event)
     tune_gc()
     where = redact_url(settings.redis_url)
@@ -261,7 +264,7 @@ def worker(
         preload_schedulers()
     tune_gc()
     cls = PerseusWorker if fork else PerseusSimpleWorker
-    conn = connect_or_fail(settings.redis_url)
+    conn = connect_or_fail(settings.redis_url, SOCKET_TIMEOUT_S)  # rq's waits are longer
     kind = "forking" if fork else "long-lived"
     click.echo(
         f"perseus worker: queue={keys.RQ_QUEUE} {kind} redis={redact_url(settings.redis_url)}"
@@ -314,6 +317,8 @@ def status(
         while True:
             try:
                 text = format_snapshot(snapshot(conn, silent_after))
+            except (redis.TimeoutError, redis.ConnectionError) as exc:
+                text = lost_redis_message(exc)
             except redis.RedisError as exc:
                 text = f"redis at {redact_url(settings.redis_url)} unavailable: {exc}"
             stamp = datetime.now().strftime("%H:%M:%S")
@@ -418,7 +423,8 @@ def target(redis_url: str | None, job_id: str, seconds: float) -> None:
             f"job {job_id} runs {record.config.scheduler}, which takes no target iteration "
             f"time (schedulers that do: {', '.join(takers)})"
         )
-    client = CoordinatorClient(settings.redis_url)
+    # Its command timeout, not a registering client's (reply_timeout + 30 s).
+    client = CoordinatorClient(settings.redis_url, conn=store.conn)
     try:
         client.set_target(job_id, seconds)
     except ValueError as exc:

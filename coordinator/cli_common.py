@@ -16,7 +16,7 @@ from pydantic_settings import SettingsError
 
 from coordinator.settings import PerseusSettings, unknown_variables, zeus_variables
 from protocol.acl import role_user
-from protocol.cli_options import connect_or_fail, note_default_url
+from protocol.cli_options import connect_or_fail, lost_redis_message, note_default_url
 from protocol.exceptions import PerseusError
 
 
@@ -24,9 +24,12 @@ class PerseusGroup(click.Group):
     """The ``perseus`` group: a Redis ACL refusal is one line saying which user a command needs."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        """Run the command; turn a ``NOPERM`` from Redis into a one-line error."""
+        """Run the command; a ``NOPERM``, or Redis hanging or gone mid-command, is one line."""
         try:
             return super().invoke(ctx)
+        except (redis.TimeoutError, redis.ConnectionError) as exc:
+            # After the command's PING: was a traceback after the whole socket timeout.
+            raise click.ClickException(lost_redis_message(exc)) from None
         except redis.ResponseError as exc:
             # NOPERM, or its form inside a script ("The user executing the script can't run").
             if not isinstance(exc, redis.exceptions.NoPermissionError) and not any(
@@ -103,7 +106,10 @@ def _settings_errors(exc: ValidationError, flags: dict[str, Any]) -> str:
 
 
 def connect_settings(redis_url: str | None) -> redis.Redis:
-    """A client on ``--redis-url`` or ``PERSEUS_REDIS_URL``, checked like every setting."""
+    """A client on ``--redis-url`` or ``PERSEUS_REDIS_URL``, checked like every setting.
+
+    Each reply is waited for :data:`protocol.cli_options.COMMAND_TIMEOUT_S` at most.
+    """
     return connect_or_fail(load_settings(redis_url=redis_url).redis_url)
 
 

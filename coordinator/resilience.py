@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import redis
 
@@ -86,7 +88,13 @@ class Backoff:
         self.failing: str | None = None  # the error of the ongoing outage
 
     def failed(self, exc: redis.RedisError) -> None:
-        """Log ``exc`` (once per kind of error) and wait the current delay."""
+        """Log ``exc`` (once per kind of error) and wait the current delay.
+
+        Once stopped, nothing is retried: the error (often the stop cutting the command in
+        flight, see :func:`cut_when_stop_hangs`) is not announced as an outage.
+        """
+        if self.stop.is_set():
+            return
         kind = type(exc).__name__
         if self.failing != kind:
             logger.warning(
@@ -106,3 +114,55 @@ class Backoff:
             logger.warning("%s: redis answers again (after %s)", self.what, self.failing)
         self.failing = None
         self.delay = self.first
+
+
+STOP_GRACE_S = 1.0
+"""How long, past its longest blocking read, a loop's command in flight may hold a stop."""
+
+
+@contextmanager
+def cut_when_stop_hangs(
+    conn: redis.Redis, stop: threading.Event, what: str, grace: float
+) -> Iterator[None]:
+    """Inside the block, a stop that a command in flight holds past ``grace`` s cuts it.
+
+    A loop checks its stop event between commands. Redis that hangs (a stopped server, a
+    network that drops packets) answers nothing and closes nothing, so the command in flight
+    waited its whole socket timeout (30 s) before the loop saw the stop: past ``docker stop``'s
+    grace period of 10 s. Once stopped, a watching thread waits ``grace`` s for the block to
+    end (a healthy Redis answers a blocking read within its block time), then disconnects every
+    connection of ``conn``'s pool until it ends: the command fails with a ``ConnectionError``.
+    Nothing is lost: entries a cut read was handed stay pending for this consumer, and any
+    coordinator's claim of stale entries picks them up.
+
+    Args:
+        conn: The client whose commands the block runs (its pool's connections are cut).
+        stop: The loop's stop event.
+        what: Names the loop in the log message.
+        grace: Seconds a stopped block may still run before its connections are cut.
+    """
+    done = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.5):  # polled: a block that ends unstopped ends this thread too
+            if done.is_set():
+                return
+        if done.wait(grace):
+            return
+        logger.warning(
+            "%s: redis did not answer within %g s of the stop; cutting its connections",
+            what,
+            grace,
+        )
+        # Again and again: another command may begin between the loop's check and the cut.
+        while not done.wait(0.1):
+            conn.connection_pool.disconnect()
+
+    watcher = threading.Thread(target=watch, name="stop-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if stop.is_set():  # a cut under way ends first: it must not hit what follows the block
+            watcher.join()

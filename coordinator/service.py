@@ -33,7 +33,13 @@ from coordinator.outcome import Outcome, log_lost
 from coordinator.read_ahead import InputReader
 from coordinator.records import RecordCache
 from coordinator.registration import RankRegistrar, check_still_awaited
-from coordinator.resilience import Backoff, check_redis_version, prepare_server
+from coordinator.resilience import (
+    STOP_GRACE_S,
+    Backoff,
+    check_redis_version,
+    cut_when_stop_hangs,
+    prepare_server,
+)
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
 from coordinator.trust import ResultKeys
@@ -110,7 +116,32 @@ class Coordinator:
                 shared settings (see :func:`coordinator.health.agree_settings`), or the Redis
                 user may not do what a coordinator does (not the service role's user).
         """
-        backoff = Backoff(self.stop_event, f"coordinator {self.consumer}")
+        what = f"coordinator {self.consumer}"
+        # A healthy Redis answers the read in flight within its block time.
+        grace = block_ms / 1000 + STOP_GRACE_S
+        with cut_when_stop_hangs(self.conn, self.stop_event, what, grace):
+            self._loop(block_ms, Backoff(self.stop_event, what))
+        # Redis may hang: each command of the tidy-up would wait its socket timeout (30 s).
+        # Left undone, it is what a killed coordinator leaves: the others claim its pending
+        # entries and the sweep removes its consumer.
+        failed: list[BaseException] = []
+        tidy = threading.Thread(
+            target=self._tidy_up, args=(failed,), name="coordinator-stop", daemon=True
+        )
+        tidy.start()
+        tidy.join(STOP_WAIT_S)
+        if failed:
+            raise failed[0]  # as it was raised before the tidy-up had a thread of its own
+        if tidy.is_alive():
+            logger.warning(
+                "coordinator %s: redis did not answer the stop's tidy-up within %g s; "
+                "stopping without leaving the consumer group (the others claim what it held)",
+                self.consumer,
+                STOP_WAIT_S,
+            )
+
+    def _loop(self, block_ms: int, backoff: Backoff) -> None:
+        """Start, then process entries, riding through Redis errors, until stopped."""
         while not self.stop_event.is_set():
             try:
                 self._start()
@@ -142,25 +173,6 @@ class Coordinator:
                 prepare_server(self.conn, consumer=self.consumer)
             except redis.RedisError as exc:
                 backoff.failed(exc)
-        # Redis may hang (a stalled network, a stopped server): each command of the tidy-up
-        # would wait its whole socket timeout (30 s, four in a row), far past `docker stop`'s
-        # grace period. Left undone, it is what a killed coordinator leaves: the others
-        # claim its pending entries and the sweep removes its consumer.
-        failed: list[BaseException] = []
-        tidy = threading.Thread(
-            target=self._tidy_up, args=(failed,), name="coordinator-stop", daemon=True
-        )
-        tidy.start()
-        tidy.join(STOP_WAIT_S)
-        if failed:
-            raise failed[0]  # as it was raised before the tidy-up had a thread of its own
-        if tidy.is_alive():
-            logger.warning(
-                "coordinator %s: redis did not answer within %g s of the stop; stopping "
-                "without leaving the consumer group (the others claim what it held)",
-                self.consumer,
-                STOP_WAIT_S,
-            )
 
     def _tidy_up(self, failed: list[BaseException]) -> None:
         try:

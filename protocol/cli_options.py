@@ -9,7 +9,14 @@ from typing import Any, TypeVar
 import click
 import redis
 
-from protocol.connection import DEFAULT_REDIS_URL, connect, redact_url
+from protocol.connection import (
+    DEFAULT_REDIS_URL,
+    SENTINEL_SCHEMES,
+    connect,
+    did_not_answer,
+    redact_url,
+    socket_timeout_of,
+)
 from protocol.exceptions import PerseusError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -83,14 +90,24 @@ def note_default_url(environ: Mapping[str, str] = os.environ) -> None:
         )
 
 
+COMMAND_TIMEOUT_S = 5.0
+"""Seconds an operator's command (``perseus status``, ``jobs``, ``dump``...) waits for each
+reply: a Redis that hangs gets a one-line error, not a wait of the services' 30 s."""
+
+_CONNECTED = "perseus.redis"  # click's meta (shared by nested commands): (URL, timeout)
+
+
 def connect_or_fail(
-    url: str | None, socket_timeout: float | None = 30.0, dedicated: bool = False
+    url: str | None, socket_timeout: float | None = COMMAND_TIMEOUT_S, dedicated: bool = False
 ) -> redis.Redis:
     """A client on ``url`` (default :data:`DEFAULT_REDIS_URL`) that answered a PING.
 
+    A Redis that stops answering or goes away later, in the command, is one line too (see
+    :func:`lost_redis_message`).
+
     Args:
-        url: The Redis URL.
-        socket_timeout: Seconds a command may take.
+        url: The Redis URL (its ``?socket_timeout=`` wins over ``socket_timeout``).
+        socket_timeout: Seconds a command may wait for its reply.
         dedicated: One connection kept by the client (see :func:`protocol.connection.connect`).
 
     Raises:
@@ -98,20 +115,45 @@ def connect_or_fail(
             included); the password is not shown.
 
     """
+    url = DEFAULT_REDIS_URL if url is None else url
     try:
-        return connect(
-            DEFAULT_REDIS_URL if url is None else url,
-            socket_timeout=socket_timeout,
-            ping=True,
-            dedicated=dedicated,
-        )
+        conn = connect(url, socket_timeout=socket_timeout, ping=True, dedicated=dedicated)
     except PerseusError as exc:
-        raise click.ClickException(str(exc)) from None
+        # A service's longer timeout (its blocking reads) is not for the user to shorten.
+        hint = _wait_longer_hint(url, str(exc)) if socket_timeout == COMMAND_TIMEOUT_S else ""
+        raise click.ClickException(f"{exc}{hint}") from None
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta[_CONNECTED] = (url, socket_timeout_of(conn))
+    return conn
+
+
+def _wait_longer_hint(url: str, message: str) -> str:
+    if "did not answer" not in message or url.startswith(SENTINEL_SCHEMES):
+        return ""  # a sentinel URL takes no ?socket_timeout=
+    return "; to wait longer, add ?socket_timeout=SECONDS to the URL"
+
+
+def lost_redis_message(exc: redis.TimeoutError | redis.ConnectionError) -> str:
+    """One line for a Redis that stopped answering (or went away) in a command.
+
+    Names the URL (password hidden) and the time waited, as the connection's own error does.
+    """
+    ctx = click.get_current_context(silent=True)
+    url, waited = ctx.meta.get(_CONNECTED, (None, None)) if ctx is not None else (None, None)
+    if url is None:
+        return f"Redis failed: {exc}"
+    if isinstance(exc, redis.TimeoutError):
+        line = f"{did_not_answer(url, waited)} ({exc})"
+        return line + _wait_longer_hint(url, line)
+    return f"lost the connection to Redis at {redact_url(url)}: {exc}"
 
 
 __all__ = [
+    "COMMAND_TIMEOUT_S",
     "FOREIGN_URL_VARIABLES",
     "connect_or_fail",
+    "lost_redis_message",
     "note_default_url",
     "redact_url",
     "redis_url_option",

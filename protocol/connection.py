@@ -145,6 +145,7 @@ def connect(
         ConfigError: ``url`` is not a Redis URL.
 
     """
+    conn: redis.Redis | None = None
     try:
         if url.startswith(SENTINEL_SCHEMES):
             conn = _sentinel_master(parse_sentinel_url(url), socket_timeout, connect_timeout)
@@ -180,6 +181,12 @@ def connect(
             f"Redis at {redact_url(url)} refused the login: {exc} (check the user name and "
             "password in the URL)"
         ) from None
+    except redis.TimeoutError as exc:
+        # A server that hangs (stopped, or a network that drops packets), not one that is down.
+        waited = connect_timeout if "connect" in str(exc) else socket_timeout_of(conn)
+        raise CoordinatorUnavailableError(
+            f"{did_not_answer(url, waited)} ({exc}){_tls_hint(url, exc)}"
+        ) from None
     except redis.RedisError as exc:
         raise CoordinatorUnavailableError(
             f"cannot reach Redis at {redact_url(url)}: {exc}{_tls_hint(url, exc)}"
@@ -199,6 +206,23 @@ def connect(
             )
         raise ConfigError(f"invalid Redis URL {redact_url(url)!r}: {why}") from None
     return conn
+
+
+def socket_timeout_of(conn: redis.Redis | None) -> float | None:
+    """The seconds ``conn`` waits for a reply (``None``: no limit, or no client).
+
+    A URL's ``?socket_timeout=`` wins over :func:`connect`'s argument.
+    """
+    if conn is None:
+        return None
+    value = conn.connection_pool.connection_kwargs.get("socket_timeout")
+    return None if value is None else float(value)
+
+
+def did_not_answer(url: str, seconds: float | None) -> str:
+    """``Redis at URL did not answer within N s``, the password hidden."""
+    within = f" within {seconds:g} s" if seconds is not None else ""
+    return f"Redis at {redact_url(url)} did not answer{within}"
 
 
 # scheme://[user][:password]@rest -> the password part; also hides ?password=... parameters.

@@ -129,6 +129,14 @@ def start_perseus(
     )
 
 
+# `perseus ARGS` started as a terminal would (SIGINT at its default, not ignored as `&` in a
+# script leaves it): start_perseus(["-c", WITH_SIGINT, *ARGS], ..., python=True).
+WITH_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'coordinator.cli', *sys.argv[1:]])"
+)
+
+
 def stop(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
     """Terminate processes and wait for them.
 

@@ -11,12 +11,12 @@ import pytest
 import redis
 
 from coordinator.embedded import EmbeddedRedis
-from coordinator.resilience import ensure_groups
+from coordinator.resilience import STOP_GRACE_S, ensure_groups
 from coordinator.service import STOP_WAIT_S, Coordinator
 from protocol import keys
-from protocol.connection import connect
+from protocol.connection import SOCKET_TIMEOUT_S, connect
 from protocol.models import ReportResult, encode_message
-from tests.helpers import make_settings, result, start_perseus, stop, wait_for
+from tests.helpers import WITH_SIGINT, make_settings, result, start_perseus, stop, wait_for
 
 
 def consumers(r: redis.Redis) -> set[str]:
@@ -29,13 +29,6 @@ def consumers(r: redis.Redis) -> set[str]:
             continue
         names |= {row["name"].decode() for row in rows}
     return names
-
-
-# Started as a terminal would (SIGINT at its default, not ignored as `&` in a script leaves it).
-WITH_SIGINT = (
-    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-    "os.execv(sys.executable, [sys.executable, '-m', 'coordinator.cli', *sys.argv[1:]])"
-)
 
 
 @pytest.mark.parametrize(
@@ -125,25 +118,26 @@ def test_a_coordinator_rejoins_every_stream_after_redis_lost_its_group(r, redis_
 def test_a_coordinator_stopped_while_redis_hangs_stops_within_seconds():
     # A stalled network (here: redis-server stopped with SIGSTOP) answers nothing and closes
     # nothing. The stop's tidy-up (leave the group on three streams, forget the record) waited
-    # a whole socket timeout per command (90 s more with the default 30 s). The read in flight
-    # at the stop still waits its socket timeout.
+    # a whole socket timeout per command (90 s more with the default 30 s), and the read in
+    # flight at the stop its own: 30 s. That read is cut once its block time is long past.
     with EmbeddedRedis() as server:
-        conn = connect(server.url, socket_timeout=5.0, dedicated=True)
+        conn = connect(server.url, socket_timeout=SOCKET_TIMEOUT_S, dedicated=True)
         coord = Coordinator(conn, make_settings(server.url))
         thread = threading.Thread(target=coord.run, kwargs={"block_ms": 100}, daemon=True)
         thread.start()
         wait_for(lambda: coord.consumer in consumers(redis.Redis.from_url(server.url)), 10, "it")
         os.kill(server.pid, signal.SIGSTOP)
         try:
-            time.sleep(0.5)  # its next read is in flight: that one waits its 5 s
+            time.sleep(0.5)  # its next read is in flight
             stopped = time.monotonic()
             coord.stop_event.set()
-            thread.join(30)
+            thread.join(20)
             took = time.monotonic() - stopped
         finally:
             os.kill(server.pid, signal.SIGCONT)
     assert not thread.is_alive()
-    assert took < 5.0 + STOP_WAIT_S + 1.5, took  # not 5 s more for each command of the tidy-up
+    # The read's block (0.1 s) and STOP_GRACE_S, then the tidy-up's STOP_WAIT_S; not 30 s.
+    assert took < 0.1 + STOP_GRACE_S + STOP_WAIT_S + 3.0, took
 
 
 def test_an_error_in_the_stops_tidy_up_is_raised_by_run_not_printed_by_a_thread(

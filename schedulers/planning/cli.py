@@ -17,7 +17,12 @@ import click
 import redis
 
 from protocol import keys
-from protocol.cli_options import connect_or_fail, redact_url, redis_url_option
+from protocol.cli_options import (
+    connect_or_fail,
+    lost_redis_message,
+    redact_url,
+    redis_url_option,
+)
 from protocol.cli_types import FiniteFloatRange
 from protocol.connection import DEFAULT_REDIS_URL
 from protocol.exceptions import PerseusError
@@ -269,6 +274,8 @@ def _enqueue(
             plot=plot,
             **options,
         )
+    except (redis.TimeoutError, redis.ConnectionError) as exc:
+        raise click.ClickException(lost_redis_message(exc)) from None
     except redis.RedisError as exc:
         where = redact_url(redis_url or DEFAULT_REDIS_URL)
         raise click.ClickException(f"cannot reach Redis at {where}: {exc}") from None

@@ -1,0 +1,225 @@
+"""Redis that hangs (a server stopped with SIGSTOP, a network that drops packets) or goes away.
+
+What an operator meets: a stop is honoured within seconds, an inspection command gives up
+within its command timeout and says so in one line, and no entry is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import redis
+
+from coordinator.embedded import EmbeddedRedis
+from protocol import keys
+from protocol.cli_options import COMMAND_TIMEOUT_S
+from protocol.models import ReportResult, encode_message
+from tests.helpers import (
+    ROOT,
+    WITH_SIGINT,
+    free_ports,
+    result,
+    start_perseus,
+    stop,
+    subprocess_env,
+    wait_for,
+)
+from tests.silent_proxy import SilentProxy
+
+PASSWORD = "hang-test-secret"
+# Well under the 30 s that a stopped Redis held each of these before, with room for a busy CI.
+BOUND_S = 20
+
+
+@pytest.fixture
+def private_redis() -> Iterator[EmbeddedRedis]:
+    """A redis-server of this test's own, on a free TCP port, with a password."""
+    (port,) = free_ports()
+    with EmbeddedRedis(port=port, password=PASSWORD) as server:
+        yield server
+
+
+@contextmanager
+def stopped(server: EmbeddedRedis) -> Iterator[None]:
+    """``server`` stopped with SIGSTOP (it accepts connections and answers nothing) inside."""
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
+def members(conn: redis.Redis) -> set[str]:
+    """Consumers in the coordinators' group on the results stream."""
+    try:
+        rows = conn.xinfo_consumers(keys.RESULTS_STREAM, keys.COORDINATOR_GROUP)
+    except redis.ResponseError:
+        return set()
+    return {row["name"].decode() for row in rows}
+
+
+def coordinator_args(url: str) -> list[str]:
+    return ["coordinator", "--redis-url", url, "--scheduler", ""]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_coordinator_stops_within_seconds_while_redis_hangs(private_redis, tmp_path, signum):
+    # Its blocking read in flight waited the whole socket timeout (30 s) before the loop saw
+    # the stop, past `docker stop`'s 10 s: the stop now cuts it after the read's block time.
+    conn = redis.Redis.from_url(private_redis.url)
+    args = coordinator_args(private_redis.url)
+    proc = start_perseus(["-c", WITH_SIGINT, *args], tmp_path, "coordinator.log", python=True)
+    try:
+        wait_for(lambda: members(conn), 30, "the coordinator to join the group")
+        with stopped(private_redis):
+            # Longer than its read's block (1 s): the command it sends next, or the read in
+            # flight, waits on the stopped server.
+            time.sleep(1.5)
+            proc.send_signal(signum)
+            assert proc.wait(timeout=BOUND_S) == 0
+    finally:
+        stop([proc])
+    log = (tmp_path / "coordinator.log").read_text()
+    assert "cutting its connections" in log, log
+    assert "Traceback" not in log and "retrying" not in log, log  # a stop, not an outage
+
+
+def test_entries_a_hanging_redis_held_stay_pending_and_are_processed_after_a_restart(
+    private_redis, tmp_path
+):
+    # A network that swallows the coordinator's acknowledgements: it had read an entry and
+    # sent its outcome (a dead letter, here) with the XACK, and no reply came.
+    conn = redis.Redis.from_url(private_redis.url)
+    with SilentProxy(private_redis.url) as proxy:
+        hidden = proxy.url.replace("redis://", f"redis://:{PASSWORD}@")
+        first = start_perseus(coordinator_args(hidden), tmp_path, "first.log")
+        try:
+            (name,) = wait_for(lambda: members(conn), 30, "the coordinator to join the group")
+            proxy.silence_from(b"XACK")
+            entry = encode_message(ReportResult(job_id="no-such-job", result=result(0, 1)))
+            entry_id = conn.xadd(keys.RESULTS_STREAM, entry).decode()
+            wait_for(proxy.silent.is_set, 30, "the coordinator to send the acknowledgement")
+            first.terminate()
+            assert first.wait(timeout=BOUND_S) == 0
+        finally:
+            stop([first])
+    pending = conn.xpending_range(keys.RESULTS_STREAM, keys.COORDINATOR_GROUP, "-", "+", 10)
+    assert [(p["message_id"].decode(), p["consumer"].decode()) for p in pending] == [
+        (entry_id, name)
+    ]
+    assert conn.xlen(keys.DEADLETTER_STREAM) == 0  # the transaction never reached Redis
+    second = start_perseus(coordinator_args(private_redis.url), tmp_path, "second.log")
+    try:
+        wait_for(lambda: conn.xlen(keys.DEADLETTER_STREAM) == 1, 60, "the claimed entry")
+        wait_for(
+            lambda: conn.xpending(keys.RESULTS_STREAM, keys.COORDINATOR_GROUP)["pending"] == 0,
+            10,
+            "its acknowledgement",
+        )
+    finally:
+        stop([second])
+    (letter,) = conn.xrange(keys.DEADLETTER_STREAM)
+    assert entry_id.encode() in letter[1].values(), letter
+
+
+def perseus(args: list[str], timeout: float = BOUND_S) -> subprocess.CompletedProcess[str]:
+    """Run ``perseus ARGS`` to its end; ``subprocess.TimeoutExpired`` after ``timeout`` s."""
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        env=subprocess_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+OPERATOR_COMMANDS = [
+    ["status"],
+    ["status", "--json"],
+    ["jobs", "list"],
+    ["jobs", "delete", "some-job"],
+    ["jobs", "finish", "some-job"],
+    ["dump", "some-job"],
+    ["profile", "some-job"],
+    ["target", "some-job", "1.5"],
+    ["deadletter", "list"],
+    ["deadletter", "replay", "--all"],
+    ["deadletter", "purge", "--all"],
+]
+
+
+def test_operator_commands_give_up_on_a_hanging_redis_with_one_line(private_redis, tmp_path):
+    # Each waited its PING's 30 s socket timeout, then said "Timeout reading from socket".
+    shown = f"redis://:***@127.0.0.1:{private_redis.port}/0"
+    with stopped(private_redis):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "coordinator.cli", *args, "--redis-url", private_redis.url],
+                env=subprocess_env(),
+                cwd=tmp_path,  # dump's ./dump folder
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for args in OPERATOR_COMMANDS
+        ]
+        # A longer wait is asked for in the URL, as the message says.
+        longer = perseus(["status", "--redis-url", f"{private_redis.url}?socket_timeout=1"])
+        try:
+            outputs = [proc.communicate(timeout=BOUND_S)[0] for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    for args, proc, output in zip(OPERATOR_COMMANDS, procs, outputs, strict=True):
+        assert proc.returncode == 1, (args, output)
+        assert output == (
+            f"Error: Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s (Timeout "
+            "reading from socket); to wait longer, add ?socket_timeout=SECONDS to the URL\n"
+        ), args
+    assert longer.returncode == 1
+    assert f"Redis at {shown}?socket_timeout=1 did not answer within 1 s" in longer.stderr
+    assert PASSWORD not in longer.stderr
+    assert not (tmp_path / "dump").exists()
+
+
+@pytest.mark.parametrize("fault", ["hangs", "goes away"])
+def test_redis_that_hangs_or_goes_away_mid_command_is_one_line_not_a_traceback(
+    private_redis, fault
+):
+    # After the command's PING succeeded: a traceback, after 30 s for a hang.
+    with SilentProxy(private_redis.url) as proxy:
+        url = proxy.url.replace("redis://", f"redis://:{PASSWORD}@")
+        proxy.silence_from(b"XLEN")  # `perseus status` reads the streams' lengths
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "status", "--redis-url", url],
+            env=subprocess_env(),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            if fault == "goes away":
+                wait_for(proxy.silent.is_set, BOUND_S, "status to ask for a stream's length")
+                proxy.close()  # every connection closed, as by a Redis that exits
+            out, err = proc.communicate(timeout=BOUND_S)
+        finally:
+            proc.kill()
+            proc.wait()
+    shown = proxy.url.replace("redis://", "redis://:***@")
+    assert proc.returncode == 1, err
+    assert out == ""
+    if fault == "hangs":
+        said = f"Error: Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s ("
+    else:
+        said = f"Error: lost the connection to Redis at {shown}: "
+    assert err.startswith(said) and err.count("\n") == 1, err
