@@ -40,19 +40,16 @@ from worker_client.hook.clock_requests import (
 from worker_client.hook.energy_source import (
     EnergySource,
     Mark,
-    default_energy_source,
     measured_result,
 )
-from worker_client.hook.joining import RankGPU, agree, agree_on_job, finish_rank, join_job
+from worker_client.hook.joining import RankGPU, finish_rank
 from worker_client.hook.options import check_identity, check_options
 from worker_client.hook.session import CoordinatorClient
+from worker_client.hook.startup import start_rank
 from worker_client.hook.step_order import StepOrder
 from worker_client.hook.watchers import ResultReporter, ScheduleWatcher
 
 logger = logging.getLogger(__name__)
-
-#: What a rank that joined waits for in the join's later agreements (see joining.agree).
-_OTHER_RANKS_JOIN = "the other ranks to register with the job and get their first schedule"
 
 
 class PerseusOptimizer(Callback):
@@ -199,60 +196,26 @@ class PerseusOptimizer(Callback):
             gpu = RankGPU.open(nvml_module, device_id, controller)
         except Exception as exc:
             failure = exc
-        owned_source: EnergySource | None = None
-        try:
-            self.job_id: str = agree_on_job(
-                client,
-                rank,
-                dp_degree=dp_degree,
-                pp_degree=pp_degree,
-                tp_degree=tp_degree,
-                world_size=world_size,
-                job_metadata=job_metadata,
-                scheduler=scheduler,
-                scheduler_args=scheduler_args,
-                local_error=failure,
-            )
-            assert client is not None and gpu is not None  # or agree_on_job raised
-            self.client = client
-            self.nvml, self.gpu_index = gpu.nvml, gpu.index  # NVML's index: clocks, energy
-            # The ranks agree again after each step that can fail on one rank alone (the
-            # coordinator refuses it, Redis is unreachable from its node): the others would
-            # wait for a schedule that never comes, or train into a collective it never joins.
-            try:
-                joined = gpu.rank_info(rank, dp_rank, pp_rank, tp_rank)
-                # Unset: measure per-instruction energy exactly when the scheduler needs it.
-                self.instruction_energy = join_job(client, self.job_id, joined, instruction_energy)
-                if energy_source is None:
-                    energy_source = owned_source = default_energy_source(self.nvml, self.gpu_index)
-            except Exception as exc:
-                failure = exc
-            agree(rank, failure, f"job {self.job_id}: not every rank joined", _OTHER_RANKS_JOIN)
-            assert energy_source is not None  # or its rank raised in agree()
-            try:
-                self.schedule = client.wait_schedule(self.job_id, rank, 0, schedule_timeout)
-            except Exception as exc:
-                failure = exc
-            agree(
-                rank,
-                failure,
-                f"job {self.job_id}: not every rank got its schedule",
-                _OTHER_RANKS_JOIN,
-            )
-        except BaseException:
-            # A rank that failed to start leaves no controller process, sampler or connection.
-            if gpu is not None:
-                gpu.close()
-            if owned_source is not None and hasattr(owned_source, "close"):
-                owned_source.close()
-            if client is not None:
-                client.close()
-            raise
+        started = start_rank(
+            rank,
+            (dp_rank, pp_rank, tp_rank),
+            {
+                "dp_degree": dp_degree, "pp_degree": pp_degree, "tp_degree": tp_degree,
+                "world_size": world_size, "job_metadata": job_metadata,
+                "scheduler": scheduler, "scheduler_args": scheduler_args,
+            },
+            client, gpu, failure, instruction_energy, energy_source, schedule_timeout,
+        )  # fmt: skip
+        self.client, self.job_id = started.client, started.job_id
+        gpu = started.gpu
+        self.nvml, self.gpu_index = gpu.nvml, gpu.index  # NVML's index: clocks, energy
+        self.instruction_energy = started.instruction_energy
+        self.schedule = started.schedule
         # Joined: from here on only the threads below talk to Redis, on connections of their
         # own (two per rank, not three).
         self.client.release_idle()
-        self._owned_source = owned_source is not None
-        self.energy_source: EnergySource = energy_source
+        self._owned_source = started.owns_source
+        self.energy_source: EnergySource = started.energy_source
         self.controller: FrequencySetter = gpu.controller
         self._marker_fn = marker_fn
         self._clocks: ClockRequester | None = None
