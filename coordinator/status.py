@@ -82,7 +82,8 @@ def snapshot(conn: redis.Redis, silent_after: float = SILENT_AFTER_S) -> dict[st
             "queued": queue.count,
             "workers": _live_workers(conn, queue),
             "failed": queue.failed_job_registry.get_job_count(cleanup=False),
-            # `rq suspend`: workers take no task, so no job gets a new version meanwhile.
+            # `rq suspend`: `perseus worker`s take no task (coordinator.worker_suspend), so no
+            # job gets a new version meanwhile, but from a task already running.
             # rq's is_suspended sends a MULTI, which a read-only operator may not.
             "suspended": bool(conn.exists(WORKERS_SUSPENDED)),
         },

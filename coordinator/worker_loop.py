@@ -43,6 +43,7 @@ from coordinator.abandoned import clean_registries
 from coordinator.tasks import forget_start, queue_start
 from coordinator.worker_names import PROCESS_FIELD, claim_name, process_identity
 from coordinator.worker_outage import OutageLog
+from coordinator.worker_suspend import SuspendAwareQueue, TakenWhileSuspended
 from protocol.acl import refused, wrong_user
 from protocol.exceptions import ConfigError
 
@@ -64,6 +65,10 @@ class _StopAware:
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
+        if self.queue_class is Queue:  # type: ignore[has-type]  # a caller's own is kept
+            # Its dequeue reads rq's suspension with each task it takes (set after rq's
+            # __init__, which wants the queues it is given to be of this class).
+            self.queue_class = SuspendAwareQueue
         # rq logs an ERROR per failed reconnect (each 1-5 s, and each 2 s from its pubsub
         # thread): one line per outage instead, and one when Redis answers again.
         self.log: Any = OutageLog(self.log, self.name)  # type: ignore[attr-defined]
@@ -162,10 +167,18 @@ class _StopAware:
         super().handle_warm_shutdown_request()  # type: ignore[misc]
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, *args: Any, **kw: Any) -> Any:
-        """Take a task as rq does, unless a stop was asked for (its StopRequested may be lost)."""
-        if self.stop_requested:
-            raise StopRequested()
-        return super().dequeue_job_and_maintain_ttl(timeout, *args, **kw)  # type: ignore[misc]
+        """Take a task as rq does, unless a stop was asked for (its StopRequested may be lost).
+
+        A task that arrives while workers are suspended stays queued; the worker waits for
+        ``rq resume`` (:mod:`coordinator.worker_suspend`).
+        """
+        while True:
+            if self.stop_requested:
+                raise StopRequested()
+            try:
+                return super().dequeue_job_and_maintain_ttl(timeout, *args, **kw)  # type: ignore[misc]
+            except TakenWhileSuspended:
+                self.check_for_suspension(timeout is None)  # type: ignore[attr-defined]
 
     def teardown(self) -> None:
         """Run rq's teardown (record the worker's death, unsubscribe), for at most a few seconds.

@@ -160,11 +160,12 @@ return {1, tonumber(ARGV[4])}
 # KEYS[1] journal, KEYS[2] jobs index, KEYS[3] summaries, KEYS[4] job info.
 # ARGV[1] expected journal length, ARGV[2] msgpack JournalEntry, ARGV[3] now, ARGV[4] job id,
 # ARGV[5] summary field ('' none), ARGV[6] summary. Returns 1 appended, 0 not, -1 the job is
-# gone.
+# gone. The scheduler computed: a failure recorded before is over (as PUBLISH clears it).
 RECORD = """
 if redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
 if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return 0 end
 redis.call('RPUSH', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[4], 'error', '')
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[6]) end
 return 1

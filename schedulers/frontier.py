@@ -38,7 +38,12 @@ from protocol.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule
 from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos, make_3d_parallel
 from schedulers.planning.choose import parse_policy, select_point
-from schedulers.planning.frontier_compute import SOLVERS, ComputedFrontier, compute_frontier
+from schedulers.planning.frontier_compute import (
+    SOLVERS,
+    ComputedFrontier,
+    compute_frontier,
+    p2p_unset_note,
+)
 from schedulers.planning.frontier_files import Frontier, FrontierPoint, load_frontier
 from schedulers.planning.frontier_plans import plan_from_log
 from schedulers.planning.plan_file import PlanFile, read_plan_file
@@ -68,7 +73,9 @@ class FrontierScheduler(FrequencyScheduler):
         profile: An instruction profile CSV to plan from, instead of ``frontier_dir``.
         microbatches: Microbatches per iteration (with ``profile``).
         unit_time: The planner's time unit, s (with ``profile``).
-        p2p_power: GPU power while blocked on P2P communication, W (with ``profile``).
+        p2p_power: GPU power while blocked on P2P communication, W (with ``profile``). Left
+            out, the plans count 0 W (waiting is free), and the worker that computes the
+            job's first version logs a warning that says so.
         solver: The planner's solver (with ``profile``; see ``perseus optimize --solver``).
         schedule: The pipeline schedule the training runs, ``"1f1b"`` or ``"gpipe"`` (with
             ``profile``).
@@ -91,7 +98,7 @@ class FrontierScheduler(FrequencyScheduler):
         profile: str | None = None,
         microbatches: int | None = None,
         unit_time: float = 0.001,
-        p2p_power: float = 0.0,
+        p2p_power: float | None = None,
         solver: str = "auto",
         schedule: str = DEFAULT_SCHEDULE,
     ) -> None:
@@ -103,13 +110,16 @@ class FrontierScheduler(FrequencyScheduler):
         self.policy, self.policy_arg = parse_policy(policy, policy_arg)
         self._ranks = check_rank_infos(job_info, rank_infos)
         self._computed: ComputedFrontier | None = None
+        # Logged with the first schedule computed for real (not again in a replay).
+        self._p2p_unset = profile is not None and p2p_power is None
+        self._served = False
         if profile is not None:
             assert microbatches is not None  # check_args
             self._computed = compute_frontier(
                 read_profile_csv(profile, num_stages=job_info.pp_degree),
                 job_info.pp_degree,
                 int(microbatches),
-                p2p_power=float(p2p_power),
+                p2p_power=float(p2p_power or 0.0),
                 unit_time=float(unit_time),
                 solver=solver,
                 schedule=schedule,
@@ -158,7 +168,7 @@ class FrontierScheduler(FrequencyScheduler):
             raise ConfigError(f"{name}: microbatches must be >= 1, got {microbatches}")
         if not args.get("unit_time", 0.001) > 0:
             raise ConfigError(f"{name}: unit_time must be positive, got {args['unit_time']}")
-        if not args.get("p2p_power", 0.0) >= 0:
+        if args.get("p2p_power") is not None and not args["p2p_power"] >= 0:
             raise ConfigError(f"{name}: p2p_power must be >= 0 W, got {args['p2p_power']}")
         solver = args.get("solver", "auto")
         if solver not in SOLVERS:
@@ -227,6 +237,10 @@ class FrontierScheduler(FrequencyScheduler):
 
     def next_schedule(self) -> list[FrequencySchedule]:
         """Return the current plan, one schedule per rank (rank ``r`` runs stage ``pp_rank``)."""
+        if self._p2p_unset and not self._served and not self.replaying:
+            note = p2p_unset_note(f"{type(self).__name__}'s p2p_power")
+            logger.warning("job %s: %s", self.job_info.job_id, note)
+        self._served = True
         plan = self.plan
         return [
             FrequencySchedule(rank=info.rank, frequencies=list(plan.stages[info.pp_rank]))

@@ -33,6 +33,7 @@ finished). Paths are as seen by the rq workers.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -54,6 +55,7 @@ from protocol.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule, stage_
 from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos
 from schedulers.planning.choose import ChosenPlan
+from schedulers.planning.frontier_compute import p2p_unset_note
 from schedulers.planning.profile_csv import write_profile_csv
 from schedulers.profile_then import (
     MEASURED_PROFILE,
@@ -65,6 +67,8 @@ from schedulers.profile_then import (
 from schedulers.profiler_args import check_counts, check_frequencies, check_writable
 
 Key = tuple[int, str]  # (stage, instruction)
+
+logger = logging.getLogger(__name__)
 
 PROFILE_ARTIFACT = "profile.csv"
 """The artifact name under which a finished sweep stores its profile (``perseus profile``)."""
@@ -120,8 +124,9 @@ class InstructionProfiler(FrequencyScheduler):
             Default: each stage's clocks common to its ranks.
         then: Plan and serve a plan once profiled: ``{"out_dir": DIR, "p2p_power": W,
             "unit_time": s, "policy": "no-slowdown", "policy_arg": None}`` (only
-            ``out_dir`` is required; defaults 0 W, 1 ms, no-slowdown). Each job plans in
-            its own folder, ``<out_dir>/<job id>/``, from the profile it measured
+            ``out_dir`` is required; defaults 0 W, 1 ms, no-slowdown; a planner run with
+            ``p2p_power`` left out logs a warning that waiting counts as free). Each job
+            plans in its own folder, ``<out_dir>/<job id>/``, from the profile it measured
             (``measured_profile.csv`` there): jobs never share planner files.
         out_path: Also write the profile CSV (full form, one row group per rank) here. The
             profile is always kept with the job in Redis as the artifact ``profile.csv``
@@ -252,6 +257,7 @@ class InstructionProfiler(FrequencyScheduler):
         self.warmup_iters = warmup_iters
         self.stop_after_rises = stop_after_rises
         self.then = check_then(then)
+        self._p2p_unset = then is not None and "p2p_power" not in then
         self.out_path = Path(out_path) if out_path is not None else None
         # A folder per job: two jobs of one coordinator plan side by side, each from its own
         # profile (one folder for all would let a job plan from, or overwrite, another's).
@@ -484,6 +490,9 @@ class InstructionProfiler(FrequencyScheduler):
             self.plan_dir, self.then, self.job_info.pp_degree, self.microbatches, self.schedule
         )
         self.planned = self.planned or planned
+        if planned and self._p2p_unset:
+            note = p2p_unset_note(f"{type(self).__name__}'s then.p2p_power")
+            logger.warning("job %s: %s", self.job_info.job_id, note)
         return [
             FrequencySchedule(rank=info.rank, frequencies=list(plan.stages[info.pp_rank]))
             for info in self.ranks

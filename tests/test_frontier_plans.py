@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from coordinator.tasks import LIVE, advance_job
 from protocol.exceptions import ConfigError
-from protocol.models import JobInfo, RankInfo
+from protocol.models import JobConfig, JobInfo, RankInfo
+from protocol.store import JobStore
 from schedulers.frontier import FrontierScheduler
 from schedulers.planning.choose import choose_plan, select_point
 from schedulers.planning.cli import choose_command
@@ -26,6 +28,7 @@ from schedulers.planning.frontier_plans import PLAN_LOG, ensure_plan_file, plan_
 from schedulers.planning.plan_file import read_plan_file, write_plan_file
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.synthetic_profile import synthetic_profile, write_synthetic_profile
+from tests.helpers import result
 from worker_client.simulated.gpu import GRAPHICS_CLOCKS
 
 STAGES, MICRO, UNIT = 3, 4, 0.002
@@ -314,3 +317,41 @@ def test_choose_names_a_folder_in_the_plan_file_s_place(tmp_path: Path) -> None:
     assert res.exit_code == 1, res.output
     assert f"{path}: not a file" in res.output
     assert not list(out.glob(".*.tmp"))
+
+
+def _profile_job(store: JobStore, job_id: str, profile: Path, **extra: float) -> None:
+    """A FrontierScheduler job planning from ``profile``, its ranks registered in the store."""
+    job, ranks = _job(STAGES)
+    job = job.model_copy(update={"job_id": job_id})
+    args = {"profile": str(profile), "microbatches": MICRO, "unit_time": UNIT, **extra}
+    store.create_job(job, JobConfig(scheduler="FrontierScheduler", scheduler_args=args), job_id)
+    for rank in ranks:
+        store.add_rank(job, rank, token=f"token-{rank.rank}")
+
+
+def test_a_profile_planned_without_p2p_power_is_logged_once_on_the_worker(
+    folders, r, caplog
+) -> None:
+    """0 W of P2P power makes waiting free: `perseus optimize` warned, the worker did not."""
+    profile, _, _ = folders
+    store = JobStore(r)
+    _profile_job(store, "no-p2p", profile)
+    _profile_job(store, "with-p2p", profile, p2p_power=0.0)  # said so: no warning
+    LIVE.clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="schedulers.frontier"):
+            assert advance_job("no-p2p", conn=r) == [1]
+            assert advance_job("with-p2p", conn=r) == [1]
+            info = store.get_job("no-p2p").info
+            for rank in range(STAGES):
+                store.add_result(info, result(rank, 1))
+            LIVE.clear()  # a --fork worker: rebuilt, version 1 replayed, the results observed
+            assert advance_job("no-p2p", conn=r) == []
+    finally:
+        LIVE.clear()
+    notes = [rec.getMessage() for rec in caplog.records if "p2p_power" in rec.getMessage()]
+    assert notes == [
+        "job no-p2p: FrontierScheduler's p2p_power not given: planning with 0 W while a GPU "
+        "waits on its neighbour stage, so waiting counts as free and slower plans look cheaper "
+        "than they are (Zeus's example assumed 70 W); measure it with `perseus profile-p2p`"
+    ]

@@ -8,6 +8,7 @@ hook would report them; the multi-process tests run real `perseus coordinator` a
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import subprocess
 import time
@@ -305,6 +306,32 @@ def test_then_plans_once_and_serves_the_chosen_plan(tmp_path):
     assert other.planned and (plans / "job2" / "frontier.csv").is_file()
     assert (folder / "frontier.csv").stat().st_mtime_ns == stamp
     assert (folder / MEASURED_PROFILE).read_bytes() == out.read_bytes()
+
+
+def test_then_without_p2p_power_warns_when_it_plans(tmp_path, caplog):
+    """Planning with 0 W of P2P power counts waiting as free: `perseus optimize` warned."""
+    job, ranks = make_job(pp=2, dp=1)
+    table = synthetic_instruction_table(2, noise=0.002, seed=11)
+    args = {"microbatches": 2, "frequencies": list(GRAPHICS_CLOCKS[::8])}
+    then = {"out_dir": str(tmp_path / "plans"), "unit_time": 0.001}
+    with caplog.at_level(logging.WARNING, logger="schedulers.instruction_profiler"):
+        first = InstructionProfiler(job, ranks, **args, then=then)
+        versions, observed = drive(first, job, table)
+        replayed = InstructionProfiler(job, ranks, **args, then=then)  # planner folder cached
+        for results in observed:
+            replayed.next_schedule()
+            replayed.observe(results)
+        assert replayed.next_schedule() == versions[-1] and not replayed.planned
+        other = job.model_copy(update={"job_id": "measured"})
+        given = InstructionProfiler(other, ranks, **args, then=then | {"p2p_power": 0.0})
+        drive(given, other, table)
+    assert first.planned and given.planned
+    notes = [rec.getMessage() for rec in caplog.records]
+    assert notes == [
+        "job job: InstructionProfiler's then.p2p_power not given: planning with 0 W while a GPU "
+        "waits on its neighbour stage, so waiting counts as free and slower plans look cheaper "
+        "than they are (Zeus's example assumed 70 W); measure it with `perseus profile-p2p`"
+    ]
 
 
 @pytest.mark.parametrize("at", [1, 4, "end"])

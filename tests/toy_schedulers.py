@@ -197,3 +197,32 @@ class TypedArgs(StepDown):
     ) -> None:
         super().__init__(job_info, rank_infos)
         self.then = then
+
+
+class FailsWhileFlagged(FrequencyScheduler):
+    """One plan for ever; computing it fails while the file ``flag`` exists.
+
+    A failure from outside the job that an operator can mend (a missing or unreadable file,
+    say), so that a failed task can then be requeued and succeed.
+    """
+
+    def __init__(self, job_info: JobInfo, rank_infos: list[RankInfo], flag: str) -> None:
+        super().__init__(job_info, rank_infos)
+        self.flag = RuntimePath(flag)
+
+    @property
+    def converged(self) -> bool:
+        return True
+
+    def observe(self, profiling_results: list[ProfilingResult]) -> None:
+        """Results change nothing."""
+
+    def next_schedule(self) -> list[FrequencySchedule]:
+        if self.flag.exists():
+            raise RuntimeError(f"{self.flag} is in the way")
+        return [
+            FrequencySchedule(
+                rank=info.rank, frequencies=[("forward", info.available_frequencies[0])]
+            )
+            for info in self.rank_infos
+        ]

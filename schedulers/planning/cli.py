@@ -28,6 +28,7 @@ from protocol.connection import DEFAULT_REDIS_URL
 from protocol.exceptions import PerseusError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
 from schedulers.planning.choose import choose_plan
+from schedulers.planning.frontier_compute import p2p_unset_note
 from schedulers.planning.frontier_files import FRONTIER_PNG, load_frontier, timeline_png_name
 from schedulers.planning.frontier_plans import ensure_plan_file
 from schedulers.planning.job import enqueue_planning
@@ -63,12 +64,7 @@ class _ProgressLine:
             click.echo(err=True)
 
 
-# Zeus's run_optimization.py assumed 70 W when --p2p_power was left out; 0 W is no measurement.
-P2P_DEFAULT_NOTE = (
-    "--p2p-power not given: planning with 0 W while a GPU waits on its neighbour stage, so "
-    "waiting counts as free and slower plans look cheaper than they are (Zeus's example "
-    "assumed 70 W); measure it with `perseus profile-p2p`"
-)
+P2P_DEFAULT_NOTE = p2p_unset_note("--p2p-power")
 
 
 def _fail(exc: Exception) -> click.ClickException:

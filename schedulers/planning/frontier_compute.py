@@ -50,6 +50,21 @@ def emit(progress: ProgressCallback | None, fraction: float, message: str) -> No
         progress(min(1.0, max(0.0, fraction)), message)
 
 
+def p2p_unset_note(option: str) -> str:
+    """The warning for a plan made with the P2P blocking power left out (0 W).
+
+    Zeus's ``run_optimization.py`` assumed 70 W there; 0 W is no measurement.
+
+    Args:
+        option: Where the power is set, as the user would write it (``--p2p-power``).
+    """
+    return (
+        f"{option} not given: planning with 0 W while a GPU waits on its neighbour stage, so "
+        "waiting counts as free and slower plans look cheaper than they are (Zeus's example "
+        "assumed 70 W); measure it with `perseus profile-p2p`"
+    )
+
+
 def _quantize(t: float, unit_time: float) -> int:
     return int(t // unit_time)  # Same rounding as lowtime's ExecutionOption.quant_time.
 
