@@ -14,8 +14,9 @@ the groups listed for it, nothing else of the project:
 - ``worker_client.simulated``: the simulated GPU and simulated pipeline training (which trains
   through the integrations as a user's script would).
 - ``coordinator``: the stream consumer, rq tasks, worker loop, status, embedded Redis.
-- top floor: ``coordinator.cli``, ``coordinator.cli_demo`` and ``coordinator.demo`` (the
-  ``perseus`` command group and the demo), which may import anything below.
+- top floor: ``coordinator.cli``, ``coordinator.cli_demo``, ``coordinator.cli_job_data`` and
+  ``coordinator.demo`` (the ``perseus`` command group, its commands that send as a rank does,
+  and the demo), which may import anything below.
 
 Imports inside functions count too. Each one must name a heavy optional dependency it avoids
 (torch, matplotlib, lowtime) in a comment on its line or in the block of imports it opens.
@@ -39,7 +40,12 @@ from pydantic.dataclasses import is_pydantic_dataclass
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "schedulers", "worker_client", "coordinator")
-TOP_FLOOR = {"coordinator.cli", "coordinator.cli_demo", "coordinator.demo"}
+TOP_FLOOR = {
+    "coordinator.cli",
+    "coordinator.cli_demo",
+    "coordinator.cli_job_data",
+    "coordinator.demo",
+}
 
 # Group -> the groups it may import (besides itself).
 ALLOWED: dict[str, set[str]] = {
