@@ -5,8 +5,10 @@ Each rank drives its own fake GPU (tests/fake_nvml_power.py, 200-300 W unless MA
 lowers its maximum) and reduces over a gloo group. OPTION ``energy`` passes ``Energy()``
 (default: none, the optimizer's own selector); ``fail-window`` gives this rank a monitor that
 fails to end the 250 W window; ``fail-window-carry`` does too, with ``carry_across_epochs`` and
-3-step epochs (the window then fails at an epoch end). Prints its final state, or the
-ConfigError that refused the optimizer, or the error training raised and the state then.
+3-step epochs (the window then fails at an epoch end); ``fail-monitor`` makes this rank's
+``EnergyMonitor`` fail to start and hands its error to ``refuse_to_start``. Prints its final
+state, or the ConfigError that refused the optimizer, or the error training raised and the
+state then.
 :func:`run_two_ranks` starts two of them.
 """
 
@@ -21,7 +23,9 @@ import torch.distributed as dist
 
 from protocol.exceptions import ConfigError, GPUError
 from tests import fake_nvml_power as fake
-from worker_client.power_limit.optimizer import Energy, GlobalPowerLimitOptimizer
+from worker_client.gpu.energy import EnergyMonitor
+from worker_client.gpu.nvml import NVML
+from worker_client.power_limit.optimizer import Energy, GlobalPowerLimitOptimizer, refuse_to_start
 
 TABLE = {300: (0.100, 280.0), 250: (0.104, 245.0), 200: (0.115, 198.0)}
 
@@ -49,6 +53,16 @@ def main() -> None:
     selector = Energy() if option == "energy" else None
     failing = option.startswith("fail-window")
     carry = option == "fail-window-carry"
+    if option == "fail-monitor":
+        try:  # as README's usage, on a node whose GPU 0 is this rank's only one
+            EnergyMonitor(gpu_indices=[1], nvml=NVML(fake.__name__))
+        except ConfigError as exc:
+            try:
+                refuse_to_start(exc)
+            except ConfigError as again:
+                print(f"ConfigError: {again}", flush=True)
+                dist.destroy_process_group()
+                return
     try:
         opt = GlobalPowerLimitOptimizer(
             (FailingMonitor if failing else fake.ReplayMonitor)(training),

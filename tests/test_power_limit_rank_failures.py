@@ -32,3 +32,19 @@ def test_a_window_that_fails_on_one_rank_stops_every_rank_naming_it(
     # Every rank kept 300 W only, and would profile 250 W again.
     assert [line[1] for line in lines] == ["Ready(250,1) 1"] * 2
     assert not (tmp_path / "profile0.json").exists()
+
+
+def test_a_monitor_that_fails_on_one_rank_stops_every_rank_naming_it(tmp_path: Path) -> None:
+    # Rank 1's EnergyMonitor could not start (README's usage: the monitor first, then the
+    # optimizer): rank 1 raised before its optimizer existed and rank 0 waited in the
+    # optimizer's first all-reduce. Handed to refuse_to_start, its error reaches rank 0 there.
+    outputs = run_two_ranks(
+        tmp_path,
+        [str(tmp_path / "profile0.json")],
+        [str(tmp_path / "profile1.json"), "300", "fail-monitor"],
+    )
+    why = "ConfigError: gpu_indices [1] must be distinct CUDA indices < 1"
+    assert outputs[1].startswith(why), outputs
+    assert outputs[0].startswith(
+        f"ConfigError: 1 other rank(s) could not start their power-limit optimizer (rank 1: {why})"
+    ), outputs

@@ -86,6 +86,20 @@ def ranks_without_profile(
     return round(missing)
 
 
+def refuse_to_start(error: Exception, reducer: Reducer | None = None) -> NoReturn:
+    """Raise ``error`` on a rank that fails before it creates its power-limit optimizer.
+
+    Joins the first collectives of the other ranks'
+    :class:`~worker_client.power_limit.optimizer.GlobalPowerLimitOptimizer` constructors
+    (:func:`ranks_without_profile`'s), so that they raise at once, naming this rank and
+    ``error``, instead of waiting there: a rank whose ``EnergyMonitor`` could not start (NVML,
+    a GPU index its node lacks) failed alone before. Give the ``reducer`` the other ranks give
+    their optimizer.
+    """
+    ranks_without_profile([], 0, False, reducer or torch_distributed_reducer, error)
+    raise AssertionError("ranks_without_profile raises the failure it is given")  # pragma: no cover
+
+
 def _failed_ranks(failure: Exception | None, reducer: Reducer) -> str | None:
     """`` (rank N: Error: why; ...)``: every rank's failure, gathered (a collective).
 

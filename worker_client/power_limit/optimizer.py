@@ -64,6 +64,7 @@ from worker_client.power_limit.limits import (
     format_watts,
     power_limit_ladder,
     ranks_without_profile,
+    refuse_to_start,
     set_power_limit,
 )
 from worker_client.power_limit.monitor import Reducer, WindowMonitor, torch_distributed_reducer
@@ -117,6 +118,7 @@ __all__ = [  # re-exported: the selectors (selectors.py), monitor.py, limits.py,
     "ZeusCost",
     "load_profile_file",
     "power_limit_ladder",
+    "refuse_to_start",
     "save_profile_file",
     "torch_distributed_reducer",
 ]
@@ -158,7 +160,8 @@ class GlobalPowerLimitOptimizer(Callback):
             power limits).
 
     What stops one rank's constructor stops every rank's at once, the others with a
-    ConfigError naming it (see :func:`~worker_client.power_limit.limits.ranks_without_profile`).
+    ConfigError naming it (see :func:`~worker_client.power_limit.limits.ranks_without_profile`);
+    a rank that fails before (its monitor) hands its error to :func:`refuse_to_start`.
 
     """
 
