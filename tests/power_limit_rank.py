@@ -1,24 +1,43 @@
 """Run by tests/test_power_limit.py: one rank of a two-rank job under the power-limit optimizer.
 
-Usage: python -m tests.power_limit_rank RANK INIT_FILE PROFILE_PATH [MAX_LIMIT_W [SELECTOR]].
+Usage: python -m tests.power_limit_rank RANK INIT_FILE PROFILE_PATH [MAX_LIMIT_W [OPTION]].
 Each rank drives its own fake GPU (tests/fake_nvml_power.py, 200-300 W unless MAX_LIMIT_W
-lowers its maximum) and reduces over a gloo group; SELECTOR ``energy`` passes ``Energy()``
-(default: none, the optimizer's own). Prints its final state, or the ConfigError that refused
-the optimizer.
+lowers its maximum) and reduces over a gloo group. OPTION ``energy`` passes ``Energy()``
+(default: none, the optimizer's own selector); ``fail-window`` gives this rank a monitor that
+fails to end the 250 W window; ``fail-window-carry`` does too, with ``carry_across_epochs`` and
+3-step epochs (the window then fails at an epoch end); ``fail-monitor`` makes this rank's
+``EnergyMonitor`` fail to start and hands its error to ``refuse_to_start``. Prints its final
+state, or the ConfigError that refused the optimizer, or the error training raised and the
+state then.
+:func:`run_two_ranks` starts two of them.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
-from protocol.exceptions import ConfigError
+from protocol.exceptions import ConfigError, GPUError
 from tests import fake_nvml_power as fake
-from worker_client.power_limit.optimizer import Energy, GlobalPowerLimitOptimizer
+from worker_client.gpu.energy import EnergyMonitor
+from worker_client.gpu.nvml import NVML
+from worker_client.power_limit.optimizer import Energy, GlobalPowerLimitOptimizer, refuse_to_start
 
 TABLE = {300: (0.100, 280.0), 250: (0.104, 245.0), 200: (0.115, 198.0)}
+
+
+class FailingMonitor(fake.ReplayMonitor):
+    """Its energy sampler dies in the 250 W window: ending it raises, as EnergyMonitor's does."""
+
+    def end_window(self, name: str) -> fake.WindowResult:
+        result = super().end_window(name)
+        if name.endswith("_250"):
+            raise GPUError("the energy sampler thread failed: GPU is lost")
+        return result
 
 
 def main() -> None:
@@ -30,10 +49,23 @@ def main() -> None:
     max_w = int(sys.argv[4]) if len(sys.argv) > 4 else 300
     fake.reset(num_gpus=1, min_limit_mw=200_000, max_limit_mw=max_w * 1000)
     training = fake.ReplayTraining(TABLE, [0])
-    selector = Energy() if len(sys.argv) > 5 and sys.argv[5] == "energy" else None
+    option = sys.argv[5] if len(sys.argv) > 5 else ""
+    selector = Energy() if option == "energy" else None
+    failing = option.startswith("fail-window")
+    carry = option == "fail-window-carry"
+    if option == "fail-monitor":
+        try:  # as README's usage, on a node whose GPU 0 is this rank's only one
+            EnergyMonitor(gpu_indices=[1], nvml=NVML(fake.__name__))
+        except ConfigError as exc:
+            try:
+                refuse_to_start(exc)
+            except ConfigError as again:
+                print(f"ConfigError: {again}", flush=True)
+                dist.destroy_process_group()
+                return
     try:
         opt = GlobalPowerLimitOptimizer(
-            fake.ReplayMonitor(training),
+            (FailingMonitor if failing else fake.ReplayMonitor)(training),
             optimum_selector=selector,
             wait_steps=0,
             warmup_steps=1,
@@ -41,14 +73,47 @@ def main() -> None:
             pl_step=50,
             profile_path=profile_path,
             restore_on_exit=False,
+            carry_across_epochs=carry,
         )
     except ConfigError as exc:
         print(f"ConfigError: {exc}", flush=True)
         dist.destroy_process_group()
         return
-    fake.run_steps(opt, training, 12)
+    try:
+        fake.run_steps(opt, training, 20 if carry else 12, epoch_steps=3 if carry else None)
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}", flush=True)
     print(fake.describe_state(opt.state), len(opt.measurements), flush=True)
     dist.destroy_process_group()
+
+
+def run_two_ranks(tmp_path: Path, *rank_args: list[str]) -> list[str]:
+    """Run this script as ranks 0 and 1 of a gloo group; their outputs."""
+    from tests.helpers import subprocess_env  # the ranks need none of its imports
+
+    init = tmp_path / "pg"
+    root = Path(__file__).resolve().parent.parent
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.power_limit_rank", str(rank), str(init), *args],
+            cwd=root,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, args in enumerate(rank_args)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            proc.kill()
+    return outputs
 
 
 if __name__ == "__main__":

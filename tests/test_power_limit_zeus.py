@@ -10,8 +10,6 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,7 @@ from protocol.exceptions import ConfigError
 from protocol.models import PowerLimitMeasurement
 from tests import fake_nvml_power as fake
 from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, limits_now, limits_set, run_steps
-from tests.helpers import subprocess_env
+from tests.power_limit_rank import run_two_ranks
 from worker_client.power_limit.hf import HFGlobalPowerLimitOptimizer
 from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer
 from worker_client.power_limit.selectors import (
@@ -155,33 +153,6 @@ def test_gpus_with_different_limit_ranges_are_refused() -> None:
     training = ReplayTraining(TABLE, [0, 1])
     with pytest.raises(ValueError, match="range"):
         make(training)
-
-
-def run_two_ranks(tmp_path: Path, *rank_args: list[str]) -> list[str]:
-    """Run tests/power_limit_rank.py as ranks 0 and 1 of a gloo group; their outputs."""
-    init = tmp_path / "pg"
-    root = Path(__file__).resolve().parent.parent
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.power_limit_rank", str(rank), str(init), *args],
-            cwd=root,
-            env=subprocess_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank, args in enumerate(rank_args)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=60)
-            assert proc.returncode == 0, err
-            outputs.append(out)
-    finally:
-        for proc in procs:
-            proc.kill()
-    return outputs
 
 
 def test_ranks_whose_gpus_have_different_limit_ranges_are_refused(tmp_path: Path) -> None:

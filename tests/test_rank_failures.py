@@ -17,6 +17,8 @@ from schedulers.planning.pipeline_dag import one_f_one_b_order
 from schedulers.planning.plan_file import write_plan_file
 from tests.helpers import free_ports, join_ranks, spawn_ranks, wait_for
 from tests.pipelining_ranks import start_rank
+from worker_client.simulated.gpu import synthetic_instruction_table
+from worker_client.simulated.training import launch_simulated_job
 
 # Every rank process gets this process-group timeout: a rank left waiting in a collective
 # (what these tests guard against) fails the test in seconds, not gloo's 30 minutes.
@@ -150,3 +152,18 @@ def test_a_plan_one_stage_cannot_run_fails_every_stage(hook_service, redis_url, 
     why = "ScheduleError: rank 1 (stage 1): schedule version 1 from the coordinator runs"
     assert why in errors[1] and "in gpipe order, but Schedule1F1B runs" in errors[1]
     assert "no PerseusPipeline created; rank 1: " + why in errors[0]
+
+
+def test_a_simulated_rank_without_its_gpu_fails_every_rank_at_once(r, redis_url):
+    # Two simulated ranks on one simulated GPU: rank 1 could not open GPU 1 before its hook
+    # existed, and rank 0 waited in its hook's first collective until the launcher gave up.
+    with pytest.raises(RuntimeError) as failed:
+        launch_simulated_job(
+            2, 2, 1, synthetic_instruction_table(2), redis_url, steps=1, time_scale=0.0,
+            sim_gpu_count=1, timeout=60,
+        )  # fmt: skip
+    why = "ValueError: no simulated GPU 1 (PERSEUS_SIM_GPU_COUNT=1)"
+    rank_0, rank_1 = str(failed.value).split("\nrank 1:\n")
+    assert f"no job registered; rank 1: {why}" in rank_0
+    assert why in rank_1
+    assert r.zcard(keys.JOBS_INDEX) == 0

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+from typing import NoReturn
 
-from protocol.exceptions import ConfigError, GPUError
+from protocol.exceptions import ConfigError, GPUError, PerseusError
 from worker_client.gpu.nvml import NVML
 from worker_client.power_limit.monitor import (
     Reducer,
@@ -64,12 +65,8 @@ def ranks_without_profile(
     mark = _ladder_mark(ladder)
     highest, failed = reducer(mark, float(failure is not None))
     why = " (their own error says why)"
-    if failed > 0 and reducer is torch_distributed_reducer:
-        mine = f"{type(failure).__name__}: {failure}" if failure is not None else None
-        reasons = torch_distributed_reasons(mine)
-        if reasons is not None:
-            named = "; ".join(f"rank {r}: {text}" for r, text in enumerate(reasons) if text)
-            why = f" ({named})"
+    if failed > 0:
+        why = _failed_ranks(failure, reducer) or why
     if failure is not None:
         raise failure
     if failed > 0:
@@ -87,6 +84,64 @@ def ranks_without_profile(
             "of one kind and the same pl_step"
         )
     return round(missing)
+
+
+def refuse_to_start(error: Exception, reducer: Reducer | None = None) -> NoReturn:
+    """Raise ``error`` on a rank that fails before it creates its power-limit optimizer.
+
+    Joins the first collectives of the other ranks'
+    :class:`~worker_client.power_limit.optimizer.GlobalPowerLimitOptimizer` constructors
+    (:func:`ranks_without_profile`'s), so that they raise at once, naming this rank and
+    ``error``, instead of waiting there: a rank whose ``EnergyMonitor`` could not start (NVML,
+    a GPU index its node lacks) failed alone before. Give the ``reducer`` the other ranks give
+    their optimizer.
+    """
+    ranks_without_profile([], 0, False, reducer or torch_distributed_reducer, error)
+    raise AssertionError("ranks_without_profile raises the failure it is given")  # pragma: no cover
+
+
+def _failed_ranks(failure: Exception | None, reducer: Reducer) -> str | None:
+    """`` (rank N: Error: why; ...)``: every rank's failure, gathered (a collective).
+
+    Only with :func:`torch_distributed_reducer`, whose group every rank is in; None with
+    another reducer, or outside torch.distributed.
+    """
+    if reducer is not torch_distributed_reducer:
+        return None
+    mine = f"{type(failure).__name__}: {failure}" if failure is not None else None
+    reasons = torch_distributed_reasons(mine)
+    if reasons is None:
+        return None
+    named = "; ".join(f"rank {r}: {text}" for r, text in enumerate(reasons) if text)
+    return f" ({named})" if named else None
+
+
+def refuse_failed_window(
+    power_limit_mw: int, failure: Exception | None, reducer: Reducer
+) -> NoReturn:
+    """Raise on every rank once some rank could not measure its window of a limit.
+
+    Every rank calls this after the limit's reduction came back NaN (a failed rank reduces
+    NaN energy, which makes the sum NaN everywhere): the rank that failed raises its own
+    error, the others a :class:`PerseusError` naming it and its error where the reducer is
+    :func:`torch_distributed_reducer` (one more collective gathers the errors).
+
+    Args:
+        power_limit_mw: The limit whose window failed, mW.
+        failure: What stopped this rank's window, if it was this rank's.
+        reducer: The optimizer's reducer.
+
+    Raises:
+        Exception: ``failure`` itself, on its rank.
+        PerseusError: On every other rank.
+    """
+    why = _failed_ranks(failure, reducer) or " (its own error says why, or its energy was NaN)"
+    if failure is not None:
+        raise failure
+    raise PerseusError(
+        f"another rank could not measure power limit {format_watts(power_limit_mw)}{why}: "
+        "no rank records it (a step begin after this error profiles it again)"
+    )
 
 
 def _is_permission_error(exc: GPUError) -> bool:

@@ -64,6 +64,7 @@ from worker_client.power_limit.limits import (
     format_watts,
     power_limit_ladder,
     ranks_without_profile,
+    refuse_to_start,
     set_power_limit,
 )
 from worker_client.power_limit.monitor import Reducer, WindowMonitor, torch_distributed_reducer
@@ -91,6 +92,7 @@ from worker_client.power_limit.states import (
     State,
     Warmup,
 )
+from worker_client.power_limit.window import LimitWindows
 
 if TYPE_CHECKING:
     from worker_client.power_limit.store import PowerLimitProfileStore
@@ -116,6 +118,7 @@ __all__ = [  # re-exported: the selectors (selectors.py), monitor.py, limits.py,
     "ZeusCost",
     "load_profile_file",
     "power_limit_ladder",
+    "refuse_to_start",
     "save_profile_file",
     "torch_distributed_reducer",
 ]
@@ -157,7 +160,8 @@ class GlobalPowerLimitOptimizer(Callback):
             power limits).
 
     What stops one rank's constructor stops every rank's at once, the others with a
-    ConfigError naming it (see :func:`~worker_client.power_limit.limits.ranks_without_profile`).
+    ConfigError naming it (see :func:`~worker_client.power_limit.limits.ranks_without_profile`);
+    a rank that fails before (its monitor) hands its error to :func:`refuse_to_start`.
 
     """
 
@@ -184,8 +188,7 @@ class GlobalPowerLimitOptimizer(Callback):
         self._at_exit: Finalize | None = None  # also run in a forked multiprocessing child
         self._closed = False
         self._stall = StallWatch()
-        # The measured part of the limit being profiled: windows paused over epoch ends add up.
-        self._carried_time = self._carried_energy = 0.0
+        self._windows = LimitWindows(monitor)  # the measured part of the limit being profiled
         self._resume_steps = 0  # measured steps a paused window resumes from
         self._profiled_at = 0.0  # unix time the profile was made (0: unknown)
         self.current_power_limit: int | None = None  # mW, the last one set
@@ -283,7 +286,13 @@ class GlobalPowerLimitOptimizer(Callback):
 
     # --- training hooks ---------------------------------------------------------------------
     def on_step_begin(self) -> None:
-        """Mark the beginning of a training step."""
+        """Mark the beginning of a training step.
+
+        Raises:
+            Exception: This rank's monitor could not measure the limit just finished.
+            PerseusError: Another rank's could not (every rank raises at that step begin; the
+                limit is not recorded, and the next step begin profiles it again).
+        """
         if self._closed:
             self._reopen()
         state = self.state
@@ -307,7 +316,7 @@ class GlobalPowerLimitOptimizer(Callback):
             state.steps -= 1
             if state.steps > 0:
                 return
-            self.monitor.begin_window(self._window(state.current_power_limit))
+            self._windows.begin(state.current_power_limit)
             self.state = Profiling(
                 current_power_limit=state.current_power_limit,
                 steps=self.profile_steps - self._resume_steps,
@@ -316,7 +325,7 @@ class GlobalPowerLimitOptimizer(Callback):
             state.steps -= 1
             if state.steps > 0:
                 return
-            self._end_window(state.current_power_limit)
+            self._windows.end(state.current_power_limit)
             self._finish_limit(state.current_power_limit)
 
     def on_epoch_end(self) -> None:
@@ -374,17 +383,6 @@ class GlobalPowerLimitOptimizer(Callback):
         )
 
     # --- internals ----------------------------------------------------------------------------
-    @staticmethod
-    def _window(power_limit_mw: int) -> str:
-        return f"__perseus_power_limit_{power_limit_mw // 1000}"
-
-    def _cancel_window(self, name: str) -> None:
-        cancel = getattr(self.monitor, "cancel_window", None)
-        if cancel is not None:
-            cancel(name)
-        else:
-            self.monitor.end_window(name, cancel=True)  # type: ignore[call-arg]
-
     def _close_at_exit(self) -> None:
         if os.getpid() == self._pid:  # never in a plain fork: its parent trains on at the limit
             self.close()
@@ -397,27 +395,22 @@ class GlobalPowerLimitOptimizer(Callback):
             self._set_power_limit(self.state.optimal_power_limit)
 
     def _reset_carried(self) -> None:
-        self._carried_time = self._carried_energy = 0.0
+        self._windows.reset()
         self._resume_steps = 0
-
-    def _end_window(self, power_limit_mw: int) -> None:
-        result = self.monitor.end_window(self._window(power_limit_mw))
-        self._carried_time += float(result.time)
-        self._carried_energy += float(result.total_energy)
 
     def _interrupt(self, state: Warmup | Profiling) -> None:
         """Leave Warmup/Profiling for an epoch end or close(): start over, or pause."""
         limit = state.current_power_limit
         if not self.carry_across_epochs:
             if isinstance(state, Profiling):
-                self._cancel_window(self._window(limit))
+                self._windows.cancel(limit)
             self._reset_carried()
             self.state = Ready(next_power_limit=limit)
             return
         # Steps done, from the countdowns: the step begin that counted down to 0 was the
         # first of the phase.
         if isinstance(state, Profiling):
-            self._end_window(limit)
+            self._windows.end(limit)  # a failure is raised as the limit is reduced
             self.state = Paused(
                 current_power_limit=limit,
                 warmup_steps=self.warmup_steps,
@@ -431,8 +424,13 @@ class GlobalPowerLimitOptimizer(Callback):
             )
 
     def _finish_limit(self, power_limit_mw: int) -> None:
-        time_s, energy_j = self.reducer(self._carried_time, self._carried_energy)
-        self._reset_carried()
+        try:
+            time_s, energy_j = self._windows.reduce(power_limit_mw, self.reducer)
+        except Exception:  # on every rank (a rank's window failed): training that goes on
+            self.state = Ready(next_power_limit=power_limit_mw)  # profiles the limit again
+            raise
+        finally:
+            self._resume_steps = 0
         watts = power_limit_mw // 1000  # measurements are in whole watts, as Zeus's
         self.measurements.append(
             PowerLimitMeasurement(power_limit=watts, energy=energy_j, time=time_s)

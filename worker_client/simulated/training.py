@@ -183,7 +183,9 @@ def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
 
     Initializes gloo, registers through :class:`PerseusOptimizer` (simulated NVML, simulated
     frequency controller, energy from the GPU's counter), runs up to ``cfg.steps`` 1F1B
-    iterations and tears everything down.
+    iterations and tears everything down. A rank that cannot make its simulated GPU, table,
+    clock or controller fails every rank at once (the others' hooks raise "no job registered;
+    rank N: ...") instead of leaving them waiting in their hook's first collective.
 
     Returns:
         ``rank``, ``pp_rank``, ``dp_rank``, ``job_id``, per step ``iter_time``,
@@ -204,6 +206,7 @@ def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
     # torch (the hook imports it too) loads only in the rank processes, not in the launcher.
     import torch.distributed as dist
 
+    from worker_client.hook.joining import refuse_to_join
     from worker_client.hook.optimizer import PerseusOptimizer
 
     device = cfg.rank if cfg.device_id is None else cfg.device_id
@@ -211,9 +214,12 @@ def run_simulated_rank(cfg: SimulatedRankConfig) -> dict[str, Any]:
         "gloo", init_method=cfg.init_method, rank=cfg.rank, world_size=cfg.world_size
     )
     try:
-        gpu = SimulatedGPU(device, table=load_table(cfg))
-        clock = SimClock(cfg.timing, cfg.time_scale)
-        controller = make_controller("simulated", device)
+        try:
+            gpu = SimulatedGPU(device, table=load_table(cfg))
+            clock = SimClock(cfg.timing, cfg.time_scale)
+            controller = make_controller("simulated", device)
+        except Exception as exc:  # the other ranks' hooks wait for this one's: tell them why
+            refuse_to_join(cfg.rank, exc)
         try:
             # energy_source defaults to CounterEnergySource on the hook's (simulated) NVML.
             hook = PerseusOptimizer(
