@@ -96,7 +96,8 @@ def test_a_demo_that_uses_perseus_redis_url_says_so():
     assert f"cannot reach Redis at redis://:***@127.0.0.1:{port}/0" in result.output
     # Given on the command line, it is what the user asked for: nothing more said.
     flag = CliRunner().invoke(main, ["demo", "--redis-url", url])
-    assert "PERSEUS_REDIS_URL" not in flag.output
+    assert flag.exit_code == 1 and "using the Redis of PERSEUS_REDIS_URL" not in flag.output
+    assert f"cannot reach Redis at redis://:***@127.0.0.1:{port}/0" in flag.output
     # Run in-process, the demo leaves this process's SIGTERM handling as it found it.
     assert signal.getsignal(signal.SIGTERM) is handler
 
