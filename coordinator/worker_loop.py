@@ -12,7 +12,8 @@ The worker classes also trim rq's round trips around a task (the same writes, fe
 heartbeats in one pipeline, and for the long-lived worker none between taking a task and
 starting it, whose transaction also records the execution and makes an advance task's first
 read. The long-lived worker sends rq's heartbeats during a task from a thread, as rq's forking
-worker does, so that rq notices a killed worker within a minute and a half (:class:`_TaskBeats`).
+worker does, so that rq notices a killed worker within a minute and a half
+(:mod:`coordinator.task_beats`).
 
 A worker named on the command line whose name is still registered by a dead worker takes the
 name over when it can tell that worker is dead (same machine and PID namespace, process gone:
@@ -40,6 +41,7 @@ from rq.version import VERSION as RQ_VERSION
 from rq.worker import BaseWorker, WorkerStatus
 
 from coordinator.abandoned import clean_registries
+from coordinator.task_beats import TaskBeats
 from coordinator.tasks import forget_start, queue_start
 from coordinator.worker_names import PROCESS_FIELD, claim_name, process_identity
 from coordinator.worker_outage import OutageLog
@@ -208,59 +210,6 @@ class _StopAware:
             )
 
 
-class _TaskBeats:
-    """rq's heartbeats of the task at hand, sent from a thread while the task runs.
-
-    rq's forking worker sends them from its main process every ``job_monitoring_interval``
-    (30 s), each good for a minute more; its SimpleWorker sends none during a task, so it
-    registers the task's execution for the task's whole time-out (an hour for an advance task,
-    a day for a planning one). A long-lived worker killed during a task then stayed "started"
-    in rq's StartedJobRegistry, and registered as a live worker, that long. With these beats
-    rq's registry cleanup finds the task abandoned a minute and a half after its worker died.
-    One thread per worker, idle between tasks: a task's start and end only swap a reference.
-    """
-
-    def __init__(self, worker: PerseusSimpleWorker) -> None:
-        self._worker = worker
-        self._lock = threading.Lock()  # a beat never lands after its task ended
-        self._task: tuple[Job, Execution] | None = None
-        self._closed = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, job: Job, execution: Execution) -> None:
-        """Beat for ``job`` until :meth:`stop`."""
-        with self._lock:
-            self._task = (job, execution)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="rq-task-beats", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        """No more beats for the task that ran (the worker's own heartbeat follows)."""
-        with self._lock:
-            self._task = None
-
-    def close(self) -> None:
-        """End the thread (the worker is tearing down)."""
-        self.stop()
-        self._closed.set()
-
-    def _run(self) -> None:
-        interval = float(self._worker.job_monitoring_interval)
-        wait = interval
-        while not self._closed.wait(wait):
-            wait = interval
-            with self._lock:
-                if self._task is None:
-                    continue
-                try:
-                    self._worker.maintain_heartbeats(*self._task)
-                except redis.RedisError as exc:
-                    # Again soon: the beat before this one is good for a minute.
-                    logger.debug("rq worker %s: task heartbeat failed: %s", self._worker.name, exc)
-                    wait = 1.0
-
-
 class PerseusWorker(_StopAware, Worker):
     """rq's forking worker that knows whether it was asked to stop."""
 
@@ -280,12 +229,12 @@ class PerseusSimpleWorker(_StopAware, SimpleWorker):
 
     _prepared: Any = None  # the pipeline holding a task's execution record, not sent yet
     _dequeued = False  # a task was just taken, and rq's next heartbeat is the one after that
-    _beats: _TaskBeats | None = None
+    _beats: TaskBeats | None = None
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """The forking worker's TTL (a minute past the next beat), not the task's time-out.
 
-        :class:`_TaskBeats` beats during the task, so rq's records of the worker and the task
+        :class:`TaskBeats` beats during the task, so rq's records of the worker and the task
         expire a minute and a half after the worker dies, not an hour or a day.
         """
         return BaseWorker.get_heartbeat_ttl(self, job, working_time)
@@ -350,7 +299,7 @@ class PerseusSimpleWorker(_StopAware, SimpleWorker):
     def perform_job(self, job: Job, queue: Queue, execution: Execution) -> bool:
         """Run the task as rq does, with heartbeats, then release a lease its start left unused."""
         if self._beats is None:
-            self._beats = _TaskBeats(self)
+            self._beats = TaskBeats(self)
         self._beats.start(job, execution)
         try:
             return bool(super().perform_job(job, queue, execution))
