@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -265,6 +266,26 @@ def test_a_training_rank_holds_two_redis_connections(gloo, hook_service, redis_u
         finally:
             hook.close()
         wait_for(lambda: proxy.open == 0, 5, "every connection of the hook closed")
+
+
+def test_every_thread_the_hook_starts_is_a_daemon(gloo, hook_service, redis_url):
+    """A thread that is not one holds the interpreter at exit, before the hook's own close.
+
+    The result builder was a ThreadPoolExecutor's worker: a SIGTERM (KeyboardInterrupt) that
+    landed while the first report started it left a thread the executor never told to end,
+    and the process (examples/minimal_loop.py) hung at exit for ever.
+    """
+    _coord, start_worker = hook_service
+    start_worker()
+    before = set(threading.enumerate())
+    hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
+    try:
+        step_until(hook, lambda: hook.schedule.version == 2, 20, "version 2 (a result built)")
+        started = set(threading.enumerate()) - before
+        assert started, "the hook started no thread"
+        assert not [t.name for t in started if not t.daemon]
+    finally:
+        hook.close()
 
 
 @pytest.mark.parametrize("mode", ["main", "mp-fork", "os-fork"])

@@ -21,7 +21,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.util import Finalize
 from typing import Any, Literal
 
@@ -31,6 +30,7 @@ from pydantic import ValidationError
 from protocol.exceptions import JobFailedError, ScheduleError
 from protocol.models import FrequencySchedule, ProfilingResult
 from worker_client.callback import Callback
+from worker_client.hook.build_thread import BuildThread
 from worker_client.hook.clock_requests import (
     ClockRequester,
     FrequencySetter,
@@ -235,7 +235,7 @@ class PerseusOptimizer(Callback):
         self.reporter = ResultReporter(self.client, self.job_id, outage_timeout)
         self.reporter.start()
         # Turns marks into energies and results, in report order, off the training thread.
-        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perseus-result")
+        self._builder = BuildThread("perseus-result")
         self._build_error: Exception | None = None
         self._build_error_version = 0  # the schedule version whose result _build_error lost
         self._remeasure = False  # set by the result builder when a window must be measured again
