@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from protocol.constants import MAX_CLOCK_MHZ
 from protocol.exceptions import ConfigError
 from protocol.json_text import DuplicateKeyError, loads_unique
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
@@ -26,6 +27,9 @@ _MS = 0.001
 # Counts that reach Redis commands (XADD MAXLEN, XTRIM): Redis's integers are 64-bit signed,
 # and a larger one failed every write ("value is out of range") after the start.
 _REDIS_INT = 2**63 - 1
+# The most a rank's clock list may be: every whole MHz up to 10 GHz (an H100 has 110 clocks).
+# Past it the limit guards nothing: 10**18 let a rank register a list of any length.
+MAX_FREQUENCIES_LIMIT = MAX_CLOCK_MHZ
 
 
 class PerseusSettings(BaseSettings):
@@ -66,7 +70,8 @@ class PerseusSettings(BaseSettings):
         max_entry_bytes: Largest stream entry the coordinator decodes; a larger one is
             dead-lettered with its first bytes and size only.
         max_world_size: Most ranks a job may register with.
-        max_frequencies: Most clocks a rank may register (an H100 has 170 or so).
+        max_frequencies: Most clocks a rank may register (an H100 has 110); at most
+            :data:`MAX_FREQUENCIES_LIMIT`.
         max_sweep_versions: Most schedule versions a job's profiling sweep may take (one per
             clock swept, e.g. ``InstructionProfiler``); a rank whose clocks would make it
             longer is refused when it registers.
@@ -112,6 +117,16 @@ class PerseusSettings(BaseSettings):
                 raise
             except ValueError as exc:
                 raise ValueError(f"not JSON: {exc}") from None
+        return value
+
+    @field_validator("max_frequencies")
+    @classmethod
+    def _max_frequencies(cls, value: int) -> int:
+        if value > MAX_FREQUENCIES_LIMIT:
+            raise ValueError(
+                f"must be at most {MAX_FREQUENCIES_LIMIT} (every whole MHz up to "
+                f"{MAX_CLOCK_MHZ // 1000} GHz; an H100 has 110 clocks), got {value}"
+            )
         return value
 
     @field_validator("log_level")

@@ -585,6 +585,18 @@ def test_settings_must_be_at_least_a_millisecond_and_counts_fit_redis(redis_url)
     assert result.output.count("Input should be less than or equal to 9223372036854775807") == 2
 
 
+def test_max_frequencies_has_a_ceiling_that_the_error_states(redis_url):
+    # 10**18 was taken: a limit that let a rank register a clock list of any length.
+    env = {"PERSEUS_MAX_FREQUENCIES": str(10**18)}
+    result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
+    assert result.exit_code == 2, result.output
+    assert f"PERSEUS_MAX_FREQUENCIES = '{10**18}': must be at most 10000" in result.output
+    assert "an H100 has 110 clocks" in result.output
+    env = {"PERSEUS_MAX_FREQUENCIES": "10000"}
+    result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
+    assert result.exit_code == 0, result.output
+
+
 def test_settings_must_be_finite_and_within_a_year(redis_url):
     # An interval of inf never swept; a time-out of 10^23 s failed Redis's EXPIRE later.
     env = {
