@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, field_validator
@@ -18,6 +20,7 @@ from protocol.constants import MAX_CLOCK_MHZ
 from protocol.exceptions import ConfigError
 from protocol.json_text import DuplicateKeyError, loads_unique
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
+from schedulers.profiler_args import check_writable
 
 # The longest time a setting may name: Redis refuses an EXPIRE past about 2**63 ms, and a
 # sweep or time-out a year away is a typo.
@@ -183,6 +186,27 @@ class PerseusSettings(BaseSettings):
         scheduler = resolve_scheduler(self.scheduler)
         self.scheduler_args = scheduler.absolute_paths(self.scheduler_args)
         scheduler.check_files(self.scheduler_args)
+
+    def check_dump_dir(self, name: str = "dump_dir") -> None:
+        """With dumps on, ``dump_dir`` must be a folder this process can make and write in.
+
+        Called when a coordinator starts: the rq workers write the dumps, and a file or an
+        unwritable folder there failed every dump later, in a worker's log only. A relative
+        folder is made absolute against this process's working directory, as the scheduler's
+        paths are, so that workers started elsewhere write where was checked.
+
+        Args:
+            name: How the user gave it, for the message (``--dump-dir``, ``PERSEUS_DUMP_DIR``).
+
+        Raises:
+            ConfigError: The folder is empty, a file, or under a file or an unwritable folder.
+        """
+        if not self.dump_data:
+            return
+        if not self.dump_dir.strip():  # JobConfig's "" means no dumps: dump_data did nothing
+            raise ConfigError(f"{name} is empty while dumps are on: name a folder")
+        check_writable(name, Path(self.dump_dir), folder=True)
+        self.dump_dir = os.path.abspath(self.dump_dir)
 
 
 OTHER_VARIABLES = frozenset(
