@@ -145,6 +145,12 @@ def coordinator(
     except PerseusError as exc:
         hint = _scheduler_hint(settings.scheduler, bool(settings.scheduler_args))
         raise click.UsageError(f"{exc}\n{hint}") from None
+    try:
+        settings.check_dump_dir(
+            "--dump-dir" if _on_command_line("dump_dir") else "PERSEUS_DUMP_DIR"
+        )
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     # The coordinator's loop is one thread: its client keeps one connection (no pool checkout).
     conn = connect_or_fail(settings.redis_url, SOCKET_TIMEOUT_S, dedicated=True)
     service = Coordinator(conn, settings)

@@ -76,7 +76,7 @@ class Coordinator:
         claim_idle_ms: Entries pending this long with another consumer are claimed.
 
     Raises:
-        ConfigError: The scheduler does not exist or does not accept its arguments.
+        ConfigError: The scheduler or its arguments, or (dumps on) ``dump_dir``, are unusable.
     """
 
     def __init__(
@@ -87,6 +87,7 @@ class Coordinator:
         claim_idle_ms: int = 5_000,
     ) -> None:
         settings.check_scheduler()
+        settings.check_dump_dir()
         self.conn = conn
         self.settings = settings
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"

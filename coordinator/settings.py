@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from protocol.constants import MAX_CLOCK_MHZ
 from protocol.exceptions import ConfigError
 from protocol.json_text import DuplicateKeyError, loads_unique
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
+from schedulers.profiler_args import check_writable
 
 # The longest time a setting may name: Redis refuses an EXPIRE past about 2**63 ms, and a
 # sweep or time-out a year away is a typo.
@@ -26,6 +30,9 @@ _MS = 0.001
 # Counts that reach Redis commands (XADD MAXLEN, XTRIM): Redis's integers are 64-bit signed,
 # and a larger one failed every write ("value is out of range") after the start.
 _REDIS_INT = 2**63 - 1
+# The most a rank's clock list may be: every whole MHz up to 10 GHz (an H100 has 110 clocks).
+# Past it the limit guards nothing: 10**18 let a rank register a list of any length.
+MAX_FREQUENCIES_LIMIT = MAX_CLOCK_MHZ
 
 
 class PerseusSettings(BaseSettings):
@@ -66,7 +73,8 @@ class PerseusSettings(BaseSettings):
         max_entry_bytes: Largest stream entry the coordinator decodes; a larger one is
             dead-lettered with its first bytes and size only.
         max_world_size: Most ranks a job may register with.
-        max_frequencies: Most clocks a rank may register (an H100 has 170 or so).
+        max_frequencies: Most clocks a rank may register (an H100 has 110); at most
+            :data:`MAX_FREQUENCIES_LIMIT`.
         max_sweep_versions: Most schedule versions a job's profiling sweep may take (one per
             clock swept, e.g. ``InstructionProfiler``); a rank whose clocks would make it
             longer is refused when it registers.
@@ -112,6 +120,16 @@ class PerseusSettings(BaseSettings):
                 raise
             except ValueError as exc:
                 raise ValueError(f"not JSON: {exc}") from None
+        return value
+
+    @field_validator("max_frequencies")
+    @classmethod
+    def _max_frequencies(cls, value: int) -> int:
+        if value > MAX_FREQUENCIES_LIMIT:
+            raise ValueError(
+                f"must be at most {MAX_FREQUENCIES_LIMIT} (every whole MHz up to "
+                f"{MAX_CLOCK_MHZ // 1000} GHz; an H100 has 110 clocks), got {value}"
+            )
         return value
 
     @field_validator("log_level")
@@ -168,6 +186,27 @@ class PerseusSettings(BaseSettings):
         scheduler = resolve_scheduler(self.scheduler)
         self.scheduler_args = scheduler.absolute_paths(self.scheduler_args)
         scheduler.check_files(self.scheduler_args)
+
+    def check_dump_dir(self, name: str = "dump_dir") -> None:
+        """With dumps on, ``dump_dir`` must be a folder this process can make and write in.
+
+        Called when a coordinator starts: the rq workers write the dumps, and a file or an
+        unwritable folder there failed every dump later, in a worker's log only. A relative
+        folder is made absolute against this process's working directory, as the scheduler's
+        paths are, so that workers started elsewhere write where was checked.
+
+        Args:
+            name: How the user gave it, for the message (``--dump-dir``, ``PERSEUS_DUMP_DIR``).
+
+        Raises:
+            ConfigError: The folder is empty, a file, or under a file or an unwritable folder.
+        """
+        if not self.dump_data:
+            return
+        if not self.dump_dir.strip():  # JobConfig's "" means no dumps: dump_data did nothing
+            raise ConfigError(f"{name} is empty while dumps are on: name a folder")
+        check_writable(name, Path(self.dump_dir), folder=True)
+        self.dump_dir = os.path.abspath(self.dump_dir)
 
 
 OTHER_VARIABLES = frozenset(

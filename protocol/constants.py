@@ -8,6 +8,10 @@ INSTRUCTIONS: tuple[str, str] = ("forward", "backward")
 H100_GRAPHICS_CLOCKS: tuple[int, ...] = tuple(range(1980, 344, -15))
 """An H100's graphics clocks, MHz, highest first: 1980 down to 345 in 15 MHz steps."""
 
+MAX_CLOCK_MHZ: int = 10_000
+"""Highest GPU clock a profile may name, MHz: 10 GHz, five times an H100's top clock (1980)
+and past any GPU's; a larger one (10^20) is a typo or a unit mix-up (Hz or kHz for MHz)."""
+
 MIN_TARGET_ITERATION_S: float = 1e-6
 """Shortest target iteration time (``perseus target``), seconds: no pipeline iteration is faster
 than a microsecond, and a smaller number (1e-300) is a typo, not a target."""

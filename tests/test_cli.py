@@ -22,13 +22,14 @@ from rq import Queue
 
 from coordinator.cli import main
 from coordinator.cli_common import load_settings
+from coordinator.service import Coordinator
 from coordinator.settings import unknown_variables
 from protocol import keys
 from protocol.connection import DEFAULT_REDIS_URL, connect
 from protocol.exceptions import ConfigError
 from protocol.models import JobInfo
 from schedulers.planning.plan_file import write_plan_file
-from tests.helpers import ROOT, free_ports, subprocess_env, wait_for
+from tests.helpers import ROOT, free_ports, make_settings, subprocess_env, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -465,6 +466,35 @@ def test_only_the_dump_flag_or_dump_data_turn_dumps_on(redis_url, monkeypatch, f
     assert (settings.dump_data, settings.dump_dir) == (dumps, "/tmp/d")
 
 
+def test_a_dump_folder_that_cannot_be_written_stops_the_coordinator_at_start(
+    redis_url, monkeypatch, tmp_path
+):
+    # The coordinator started; every dump then failed in an rq worker, logged there only.
+    monkeypatch.setattr("coordinator.cli.Coordinator", _Seen)
+    monkeypatch.setattr("coordinator.cli.signal.signal", lambda *_: None)
+    _Seen.settings = []
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    on = {"PERSEUS_DUMP_DATA": "true"}
+    for flags, env, said in (
+        (["--dump-dir", str(blocker)], {}, f"--dump-dir {blocker} is a file; name a folder"),
+        ([], {**on, "PERSEUS_DUMP_DIR": str(blocker / "d")}, f"{blocker} is not a folder"),
+        ([], {**on, "PERSEUS_DUMP_DIR": ""}, "PERSEUS_DUMP_DIR is empty while dumps are on"),
+    ):
+        code, out = perseus("coordinator", "--redis-url", redis_url, *flags, env=env)
+        assert code == 2 and said in out and "Traceback" not in out, out
+    assert _Seen.settings == []
+    with pytest.raises(ConfigError, match=f"dump_dir {blocker} is a file"):
+        Coordinator(
+            connect(redis_url), make_settings(redis_url, dump_data=True, dump_dir=str(blocker))
+        )
+    # A relative folder reaches the workers absolute: the one checked here.
+    monkeypatch.chdir(tmp_path)
+    code, out = perseus("coordinator", "--redis-url", redis_url, "--dump-dir", "dumps")
+    assert code == 0, out
+    assert _Seen.settings[-1].dump_dir == str(tmp_path / "dumps")
+
+
 @pytest.mark.parametrize("command", [["status"], ["jobs", "list"], ["deadletter", "list"]])
 def test_a_malformed_settings_variable_is_one_clear_line(redis_url, command):
     result = CliRunner().invoke(
@@ -583,6 +613,18 @@ def test_settings_must_be_at_least_a_millisecond_and_counts_fit_redis(redis_url)
         assert f"PERSEUS_{name} = " in result.output
     assert result.output.count("Input should be greater than or equal to 0.001") == 2
     assert result.output.count("Input should be less than or equal to 9223372036854775807") == 2
+
+
+def test_max_frequencies_has_a_ceiling_that_the_error_states(redis_url):
+    # 10**18 was taken: a limit that let a rank register a clock list of any length.
+    env = {"PERSEUS_MAX_FREQUENCIES": str(10**18)}
+    result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
+    assert result.exit_code == 2, result.output
+    assert f"PERSEUS_MAX_FREQUENCIES = '{10**18}': must be at most 10000" in result.output
+    assert "an H100 has 110 clocks" in result.output
+    env = {"PERSEUS_MAX_FREQUENCIES": "10000"}
+    result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
+    assert result.exit_code == 0, result.output
 
 
 def test_settings_must_be_finite_and_within_a_year(redis_url):

@@ -226,6 +226,34 @@ def test_frontier_json_parameters_are_checked_before_a_plan_is_rebuilt(
     assert not fr.path(missing).exists()
 
 
+@pytest.mark.parametrize("name", ["frontier.json", PLAN_LOG, "frontier.csv", "allmax.csv"])
+def test_a_folder_in_a_planner_file_s_place_is_named_as_one(tmp_path: Path, name: str) -> None:
+    # is_file() took it for a missing file: frontier.json's parameters "missing", "no
+    # plans.delta to rebuild it from", "not a planner output folder".
+    out = _copy_chosen(tmp_path)
+    fr = load_frontier(out)
+    missing = next(p for p in fr.points if not fr.path(p).exists())
+    (out / name).unlink()
+    (out / name).mkdir()
+    with pytest.raises(ConfigError, match=rf"{name}: is a folder, where perseus optimize writes"):
+        ensure_plan_file(load_frontier(out), missing)
+    assert not fr.path(missing).exists()
+
+
+@pytest.mark.parametrize("name", ["frontier.json", PLAN_LOG])
+def test_a_byte_order_mark_before_a_planner_file_is_read_past(tmp_path: Path, name: str) -> None:
+    # An editor's BOM made plans.delta "not a perseus-mq plan log" (frontier.json: "invalid
+    # JSON: Unexpected UTF-8 BOM"); frontier.csv was already read past one.
+    out = _copy_chosen(tmp_path)
+    fr = load_frontier(out)
+    missing = next(p for p in fr.points if not fr.path(p).exists())
+    want = plan_from_log(fr, missing)
+    (out / name).write_bytes(b"\xef\xbb\xbf" + (out / name).read_bytes())
+    assert ensure_plan_file(load_frontier(out), missing) == fr.path(missing)
+    got = read_plan_file(fr.path(missing))
+    assert (got.stages, got.header) == (want.stages, want.header)
+
+
 def test_a_plan_log_that_is_no_text_names_the_file(tmp_path: Path) -> None:
     out = _copy_chosen(tmp_path)
     log = out / PLAN_LOG

@@ -104,6 +104,22 @@ def test_bad_arguments(sim_dir: Path, args: list[str], message: str) -> None:
     assert message in result.output
 
 
+def test_a_csv_that_cannot_be_written_is_refused_before_measuring(
+    sim_dir: Path, tmp_path: Path
+) -> None:
+    # It failed only after the measurement ("cannot write ..."), the seconds spent for nothing.
+    (tmp_path / "file").write_text("x")
+    for path, words in (
+        (tmp_path / "none" / "p2p.csv", f"its folder '{tmp_path / 'none'}' does not exist"),
+        (tmp_path / "file" / "p2p.csv", f"its folder '{tmp_path / 'file'}' is not a folder"),
+    ):
+        result = _invoke("--gpu", "simulated", "--seconds", "0.05", "--csv", str(path))
+        assert result.exit_code == 2, result.output
+        assert "Invalid value for '--csv'" in result.output and words in result.output
+        assert "P2P blocking power" not in result.output  # nothing was measured
+    assert not sim_dir.exists()
+
+
 def test_device_out_of_range(sim_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PERSEUS_SIM_GPU_COUNT", "2")
     result = _invoke("--gpu", "simulated", "--devices", "0,5")

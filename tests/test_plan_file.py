@@ -198,6 +198,10 @@ MALFORMED: list[tuple[str, int, str]] = [
     ),
     ("# num_stages: two\n[\n    " + GOOD_STAGE + ",\n]\n", 1, "must be a whole number"),
     ("# num_stages: \u0661\n[\n    " + GOOD_STAGE + ",\n]\n", 1, "must be a whole number"),
+    # str.splitlines() broke lines at a form feed or U+2028 in a comment, which no editor
+    # (nor Python's parser) does: the header's line was given as 3.
+    ("# note \x0c more\n# num_stages: 3\n[\n    " + GOOD_STAGE + ",\n]\n", 2, "says 3"),
+    ("# note \u2028 more\n# num_stages: 3\n[\n    " + GOOD_STAGE + ",\n]\n", 2, "says 3"),
 ]
 
 
@@ -212,6 +216,12 @@ def test_malformed_file_names_file_and_line(
     text = str(info.value)
     assert text.startswith(f"{path}:{line}: "), text
     assert message in text
+
+
+def test_a_header_inside_a_comment_after_a_unicode_line_break_is_part_of_the_note() -> None:
+    # Python reads "# a<U+2028># energy: 5" as one comment; splitlines() read a header in it.
+    plan = parse_plan_text("# a\u2028# energy: 5\n[\n    " + GOOD_STAGE + ",\n]\n")
+    assert plan.header == {} and plan.notes == ["a\u2028# energy: 5"]
 
 
 def test_a_shape_header_that_agrees_with_the_stage_lists_is_read(tmp_path: Path) -> None:

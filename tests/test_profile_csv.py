@@ -168,6 +168,9 @@ FULL_HEADER = ",".join(FULL_COLUMNS) + "\n"
         (HEADER + "0,forward,1980,nan,1\n", 2, "time", "finite"),
         (HEADER + "0,recompute,1980,0.1,1\n", 2, "instruction", "forward or backward"),
         (HEADER + "-1,forward,1980,0.1,1\n", 2, "stage", ">= 0"),
+        # A clock of 10^20 MHz was planned and written into plan files.
+        (HEADER + "0,forward,1" + "0" * 20 + ",0.1,1\n", 2, "frequency", "past 10000 MHz"),
+        (HEADER + "0,forward,1980,0.1,1\n0,forward,10001.0,0.1,1\n", 3, "frequency", "10001 MHz"),
         (HEADER + "0,forward,1980,0.1,1\n0,forward,1980,0.2,1\n", 3, "frequency", "duplicate"),
         (FULL_HEADER + "0,0,1,0,0,forward,1980,0.1,1\n", 2, "stage", "pp_rank"),
         (FULL_HEADER + "0,0,x,0,0,forward,1980,0.1,1\n", 2, "pp_rank", "integer"),

@@ -330,6 +330,20 @@ def _read_rows(path: Path, expect: str) -> list[FrontierPoint]:
         raise ConfigError(f"{where}:{reader.line_num}: not CSV: {exc}") from None
 
 
+def refuse_non_file(path: Path) -> None:
+    """Raise ConfigError if ``path`` exists but is no file (a folder in a file's place).
+
+    ``is_file()`` alone took such a file for a missing one: "missing", or "no plans.delta to
+    rebuild it from", where the name is there and is the wrong kind.
+    """
+    if path.exists() and not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        raise ConfigError(
+            f"{path}: is {kind}, where perseus optimize writes a file (remove it and run "
+            "perseus optimize again)"
+        )
+
+
 def load_frontier(out_dir: str | Path) -> Frontier:
     """Read ``frontier.csv``, ``allmax.csv`` (and ``frontier.json`` if present) from a folder.
 
@@ -340,6 +354,8 @@ def load_frontier(out_dir: str | Path) -> Frontier:
     out = Path(out_dir)
     if not out.is_dir():
         raise ConfigError(f"{out}: no such folder (run `perseus optimize ... --out {out}`)")
+    for name in (FRONTIER_CSV, ALLMAX_CSV, FRONTIER_JSON):
+        refuse_non_file(out / name)
     for name in (FRONTIER_CSV, ALLMAX_CSV):
         if not (out / name).is_file():
             raise ConfigError(
@@ -364,7 +380,8 @@ def load_frontier(out_dir: str | Path) -> Frontier:
     json_path = out / FRONTIER_JSON
     if json_path.is_file():
         try:
-            meta = json.loads(json_path.read_text(encoding="utf-8"))
+            # utf-8-sig: an editor may save it with a byte order mark, which json refuses.
+            meta = json.loads(json_path.read_text(encoding="utf-8-sig"))
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{json_path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
         except UnicodeDecodeError as exc:

@@ -32,7 +32,7 @@ from typing import TextIO
 from protocol.exceptions import ConfigError
 from protocol.numbers import ascii_int
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, SCHEDULE_HEADER
-from schedulers.planning.frontier_files import Frontier, FrontierPoint
+from schedulers.planning.frontier_files import Frontier, FrontierPoint, refuse_non_file
 from schedulers.planning.pipeline_dag import PipelineShape
 from schedulers.planning.plan_file import PlanFile
 
@@ -163,7 +163,7 @@ def _check_log_shape(
         SCHEDULE_HEADER: schedule,
     }
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:
             for number, raw in enumerate(handle, start=1):
                 line = raw.strip()
                 if number > 1 and not line.startswith("#"):
@@ -189,7 +189,8 @@ def read_plan_clocks(path: Path, index: int, shape: PipelineShape) -> list[int]:
 
     """
     try:
-        handle = open(path, encoding="utf-8")
+        # utf-8-sig: an editor's byte order mark before the first line is no reason to refuse.
+        handle = open(path, encoding="utf-8-sig")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the plan log: {exc.strerror or exc}") from None
     clocks: list[int] = []
@@ -278,6 +279,7 @@ def ensure_plan_file(frontier: Frontier, point: FrontierPoint) -> Path:
         return path
     if path.exists():  # a folder: the write below failed naming its temporary file, left behind
         raise ConfigError(f"{path}: not a file (the plan file's name is taken)")
+    refuse_non_file(frontier.out_dir / PLAN_LOG)
     if not (frontier.out_dir / PLAN_LOG).is_file():
         raise ConfigError(f"{path}: plan file missing and no {PLAN_LOG} to rebuild it from")
     plan = plan_from_log(frontier, point)

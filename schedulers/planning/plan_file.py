@@ -48,6 +48,10 @@ from protocol.pipeline_schedules import (
 # `# key: value`. The key may not contain spaces, so that lowtime's
 # `# Iteration 3: total cost 12.5` stays a note.
 _HEADER_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]*):\s*(.*)$")
+# Line breaks as Python's parser (and an editor) counts them: str.splitlines() also breaks at
+# a form feed, \x1c-\x1e, \x85, \u2028 and \u2029, which put a header's line number past
+# the one shown, and read a "# key: value" from the middle of a comment.
+_LINE_BREAK_RE = re.compile(r"\r\n|\r|\n")
 # Longest source excerpt quoted in an error message.
 _EXCERPT_CHARS = 40
 
@@ -219,7 +223,7 @@ def _check_shape_header(plan: PlanFile, text: str, source: str) -> None:
 def _header_line(text: str, key: str) -> int | str:
     """The line of the last ``# key: value`` comment (the one the header keeps)."""
     found: int | str = "?"
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(_LINE_BREAK_RE.split(text), start=1):
         stripped = line.strip()
         if stripped.startswith("#"):
             match = _HEADER_RE.match(stripped[1:].strip())
@@ -275,7 +279,7 @@ def _read_comments(text: str) -> tuple[dict[str, str], list[str], bool]:
     header: dict[str, str] = {}
     notes: list[str] = []
     has_code = False
-    for line in text.splitlines():
+    for line in _LINE_BREAK_RE.split(text):
         stripped = line.strip()
         if not stripped:
             continue

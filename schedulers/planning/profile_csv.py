@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from protocol.constants import INSTRUCTIONS
+from protocol.constants import INSTRUCTIONS, MAX_CLOCK_MHZ
 from protocol.exceptions import ConfigError
 from protocol.numbers import ascii_float, ascii_int
 
@@ -413,6 +413,9 @@ def read_profile_csv(path: str | Path, num_stages: int | None = None) -> Instruc
             )
         stage = _parse_int(where, line, "stage", cell["stage"], 0)
         frequency = _parse_int(where, line, "frequency", cell["frequency"], 1)
+        if frequency > MAX_CLOCK_MHZ:  # 10^20 was planned and written into plan files
+            why = f"{frequency} MHz is past {MAX_CLOCK_MHZ} MHz (10 GHz; an H100 tops at 1980)"
+            raise _fail(where, line, "frequency", why + ": a clock in Hz or kHz, or a typo?")
         time = _parse_float(where, line, "time", cell["time"])
         if time <= 0:
             raise _fail(where, line, "time", f"must be positive (seconds), got {time!r}")

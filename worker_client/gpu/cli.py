@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from protocol.cli_types import FiniteFloatRange
+from protocol.cli_types import FiniteFloatRange, OutputFile
 from protocol.exceptions import ConfigError, PerseusError
 from worker_client.gpu.p2p_power import P2PPowerResult, measure_p2p_power, parse_devices
 
@@ -65,9 +65,9 @@ def _devices(ctx: click.Context, param: click.Parameter, value: str) -> tuple[in
 @click.option(
     "--csv",
     "csv_path",
-    type=click.Path(dir_okay=False, writable=True),
+    type=OutputFile(),
     default=None,
-    help="Also write one row per repeat to this CSV file.",
+    help="Also write one row per repeat to this CSV file (its folder is checked first).",
 )
 @click.option(
     "--sample-interval",
