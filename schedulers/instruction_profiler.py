@@ -56,7 +56,7 @@ from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos
 from schedulers.planning.choose import ChosenPlan
 from schedulers.planning.frontier_compute import p2p_unset_note
-from schedulers.planning.profile_csv import write_profile_csv
+from schedulers.planning.profile_writer import write_profile_csv
 from schedulers.profile_then import (
     MEASURED_PROFILE,
     ThenArgs,

@@ -13,9 +13,8 @@ from schedulers.planning.profile_csv import (
     SHORT_COLUMNS,
     build_profile,
     read_profile_csv,
-    write_profile_csv,
-    write_profile_rows,
 )
+from schedulers.planning.profile_writer import write_profile_csv, write_profile_rows
 
 SHORT_ROWS = [
     (0, "forward", 1980, 0.0123456789012345, 8.5),

@@ -18,7 +18,7 @@ from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import JobInfo, RegisterJob
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
 from schedulers.planning.plan_file import write_plan_file
-from schedulers.planning.profile_csv import write_profile_rows
+from schedulers.planning.profile_writer import write_profile_rows
 from tests.helpers import make_settings
 from worker_client.hook.session import CoordinatorClient
 

@@ -69,7 +69,8 @@ from schedulers.planning.frontier_plans import (
     plan_note,
     write_plan_log,
 )
-from schedulers.planning.profile_csv import InstructionProfile, write_profile_rows
+from schedulers.planning.profile_csv import InstructionProfile
+from schedulers.planning.profile_writer import write_profile_rows
 
 #: Which plan files :func:`plan_frontier` writes.
 PLAN_FILES = ("all", "chosen")

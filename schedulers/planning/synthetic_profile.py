@@ -24,12 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from protocol.constants import H100_GRAPHICS_CLOCKS, INSTRUCTIONS
-from schedulers.planning.profile_csv import (
-    InstructionProfile,
-    ProfileRow,
-    build_profile,
-    write_profile_rows,
-)
+from schedulers.planning.profile_csv import InstructionProfile, ProfileRow, build_profile
+from schedulers.planning.profile_writer import write_profile_rows
 
 SyntheticRow = tuple[int, str, int, float, float]
 """``(stage, instruction, frequency MHz, time s, energy J)``."""
