@@ -137,7 +137,8 @@ return 1
 # any), ARGV[8] summary field ('' none), ARGV[9] summary, ARGV[10] '1' deletes KEYS[8],
 # ARGV[11..] rank, msgpack FrequencySchedule pairs.
 # Returns {1, new version}, {0, current version}, or {-1, 0}: the job is gone (deleted while
-# its version was computed; writing would leave a partial job behind).
+# its version was computed; writing would leave a partial job behind). A failure recorded
+# before is over: cleared, and the announcement says so (error='') to the ranks' watchers.
 PUBLISH = """
 if redis.call('EXISTS', KEYS[6]) == 0 then return {-1, 0} end
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -148,7 +149,12 @@ end
 redis.call('HSET', KEYS[2], unpack(ARGV, 11))
 redis.call('SET', KEYS[1], ARGV[4])
 redis.call('RPUSH', KEYS[3], ARGV[5])
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'version', ARGV[4])
+local failed = redis.call('HGET', KEYS[6], 'error')
+if failed and failed ~= '' then
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'version', ARGV[4], 'error', '')
+else
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'version', ARGV[4])
+end
 redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
 redis.call('HSET', KEYS[6], 'published_at', ARGV[2], 'error', '')
 if ARGV[8] ~= '' then redis.call('HSET', KEYS[7], ARGV[8], ARGV[9]) end
@@ -157,15 +163,20 @@ return {1, tonumber(ARGV[4])}
 """
 
 # An observation that produced no new version: appended only if nobody appended meanwhile.
-# KEYS[1] journal, KEYS[2] jobs index, KEYS[3] summaries, KEYS[4] job info.
-# ARGV[1] expected journal length, ARGV[2] msgpack JournalEntry, ARGV[3] now, ARGV[4] job id,
-# ARGV[5] summary field ('' none), ARGV[6] summary. Returns 1 appended, 0 not, -1 the job is
-# gone. The scheduler computed: a failure recorded before is over (as PUBLISH clears it).
+# KEYS[1] journal, KEYS[2] jobs index, KEYS[3] summaries, KEYS[4] job info, KEYS[5] updates
+# stream. ARGV[1] expected journal length, ARGV[2] msgpack JournalEntry, ARGV[3] now, ARGV[4]
+# job id, ARGV[5] summary field ('' none), ARGV[6] summary, ARGV[7] updates MAXLEN. Returns 1
+# appended, 0 not, -1 the job is gone. The scheduler computed: a failure recorded before is
+# over, cleared and announced (error='') to the ranks' watchers, as PUBLISH does.
 RECORD = """
 if redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
 if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return 0 end
 redis.call('RPUSH', KEYS[1], ARGV[2])
-redis.call('HSET', KEYS[4], 'error', '')
+local failed = redis.call('HGET', KEYS[4], 'error')
+if failed and failed ~= '' then
+  redis.call('HSET', KEYS[4], 'error', '')
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[7], '*', 'error', '')
+end
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[6]) end
 return 1

@@ -207,8 +207,16 @@ class WorkerStore:
                 keys.JOBS_INDEX,
                 keys.job_summaries(job_id),
                 keys.job_info(job_id),
+                keys.job_updates(job_id),
             ],
-            args=[journal_length, pack(entry), now, job_id, *_summary_args(entry, summary)],
+            args=[
+                journal_length,
+                pack(entry),
+                now,
+                job_id,
+                *_summary_args(entry, summary),
+                self.stream_maxlen,
+            ],
         )
         if appended == -1:
             raise unknown_job(job_id)

@@ -6,9 +6,15 @@ lowers its maximum) and reduces over a gloo group. OPTION ``energy`` passes ``En
 (default: none, the optimizer's own selector); ``fail-window`` gives this rank a monitor that
 fails to end the 250 W window; ``fail-window-carry`` does too, with ``carry_across_epochs`` and
 3-step epochs (the window then fails at an epoch end); ``fail-monitor`` makes this rank's
-``EnergyMonitor`` fail to start and hands its error to ``refuse_to_start``. Prints its final
-state, or the ConfigError that refused the optimizer, or the error training raised and the
-state then.
+``EnergyMonitor`` fail to start and hands its error to ``refuse_to_start``. With 5-step epochs
+(Zeus's default mode): ``fail-cancel``, a monitor that fails to cancel the 250 W window at the
+epoch end; ``fail-set-epoch``, NVML fails to set 250 W again after the epoch end; ``fail-max``,
+NVML fails to restore 300 W at the epoch end. Without epochs, ``fail-set``: NVML fails to set
+250 W once 300 W is measured; ``fail-start``, NVML fails to raise a GPU left at 250 W to
+300 W as the optimizer starts. ``fail-set-carry``: with ``carry_across_epochs`` and 4-step
+epochs, NVML fails to set 250 W again as its paused warm-up resumes. Prints its final state,
+or the error that refused the optimizer, or the error training raised and the state
+then.
 :func:`run_two_ranks` starts two of them.
 """
 
@@ -40,6 +46,48 @@ class FailingMonitor(fake.ReplayMonitor):
         return result
 
 
+class FailingCancelMonitor(fake.ReplayMonitor):
+    """Its energy sampler dies in the 250 W window: cancelling it raises."""
+
+    def cancel_window(self, name: str) -> None:
+        if name.endswith("_250"):
+            raise GPUError("the energy sampler thread failed: GPU is lost")
+        super().cancel_window(name)
+
+
+class RefusingNVML(NVML):
+    """The fake GPUs' NVML, failing the ``first``-th and later writes of ``watts``."""
+
+    def __init__(self, watts: int, first: int) -> None:
+        super().__init__(fake.__name__)
+        self.watts, self.first, self.writes = watts, first, 0
+
+    def set_power_limit_mw(self, index: int, milliwatts: int) -> None:
+        if milliwatts == self.watts * 1000:
+            self.writes += 1
+            if self.writes >= self.first:
+                raise GPUError(
+                    f"NVML nvmlDeviceSetPowerManagementLimit on GPU {index} failed: lost"
+                )
+        super().set_power_limit_mw(index, milliwatts)
+
+
+REFUSALS = {
+    "fail-set": (250, 1),
+    "fail-set-epoch": (250, 2),
+    "fail-set-carry": (250, 2),
+    "fail-max": (300, 1),
+    "fail-start": (300, 1),
+}
+EPOCH_STEPS = {
+    "fail-window-carry": 3,
+    "fail-set-carry": 4,
+    "fail-cancel": 5,
+    "fail-set-epoch": 5,
+    "fail-max": 5,
+}
+
+
 def main() -> None:
     rank, init, profile_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     # A rank left waiting in a collective fails in seconds, not after gloo's 30 minutes.
@@ -51,8 +99,16 @@ def main() -> None:
     training = fake.ReplayTraining(TABLE, [0])
     option = sys.argv[5] if len(sys.argv) > 5 else ""
     selector = Energy() if option == "energy" else None
-    failing = option.startswith("fail-window")
-    carry = option == "fail-window-carry"
+    monitor_type = fake.ReplayMonitor
+    if option.startswith("fail-window"):
+        monitor_type = FailingMonitor
+    elif option == "fail-cancel":
+        monitor_type = FailingCancelMonitor
+    nvml = RefusingNVML(*REFUSALS[option]) if option in REFUSALS else None
+    carry = option.endswith("-carry")
+    epoch_steps = EPOCH_STEPS.get(option)
+    if option == "fail-start":
+        fake.STATE.gpus[0].limit_mw = 250_000  # left low by a crashed job
     if option == "fail-monitor":
         try:  # as README's usage, on a node whose GPU 0 is this rank's only one
             EnergyMonitor(gpu_indices=[1], nvml=NVML(fake.__name__))
@@ -65,7 +121,7 @@ def main() -> None:
                 return
     try:
         opt = GlobalPowerLimitOptimizer(
-            (FailingMonitor if failing else fake.ReplayMonitor)(training),
+            monitor_type(training),
             optimum_selector=selector,
             wait_steps=0,
             warmup_steps=1,
@@ -74,13 +130,14 @@ def main() -> None:
             profile_path=profile_path,
             restore_on_exit=False,
             carry_across_epochs=carry,
+            nvml=nvml,
         )
-    except ConfigError as exc:
-        print(f"ConfigError: {exc}", flush=True)
+    except (ConfigError, GPUError) as exc:
+        print(f"{type(exc).__name__}: {exc}", flush=True)
         dist.destroy_process_group()
         return
     try:
-        fake.run_steps(opt, training, 20 if carry else 12, epoch_steps=3 if carry else None)
+        fake.run_steps(opt, training, 20 if carry else 12, epoch_steps=epoch_steps)
     except Exception as exc:
         print(f"{type(exc).__name__}: {exc}", flush=True)
     print(fake.describe_state(opt.state), len(opt.measurements), flush=True)

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import logging
 import math
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
 import pytest
+from rq import Queue
 
 from coordinator.service import Coordinator
 from coordinator.tasks import advance_job
+from protocol import keys
 from protocol.exceptions import ConfigError, JobFailedError
 from protocol.models import JobConfig, JobInfo, RankInfo
 from protocol.store import JobStore
@@ -24,19 +28,22 @@ from tests.helpers import (
     start_perseus,
     step_until,
     stop,
+    wait_for,
 )
 from worker_client.gpu.frequency import DryRunFrequencyController
 
 
 @pytest.fixture
 def serve(gloo, r, redis_url, tmp_path, monkeypatch) -> Iterator[object]:
-    """Factory: a coordinator thread with ``scheduler`` as default, and one `perseus worker`."""
+    """Factory: a coordinator thread with ``scheduler`` (and its arguments) as default, and one
+    `perseus worker`."""
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
     started: list[tuple[Coordinator, threading.Thread]] = []
     workers = []
 
-    def make(scheduler: str) -> None:
-        settings = make_settings(redis_url, scheduler, scheduler_args={"microbatches": 2})
+    def make(scheduler: str, **scheduler_args: object) -> None:
+        scheduler_args = scheduler_args or {"microbatches": 2}
+        settings = make_settings(redis_url, scheduler, scheduler_args=scheduler_args)
         coord = Coordinator(r, settings)
         thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
         thread.start()
@@ -75,6 +82,39 @@ def test_raise_on_job_error_stops_training_at_a_step_end(serve, redis_url):
     try:
         with pytest.raises(JobFailedError, match="fails after its first version on purpose"):
             step_until(hook, lambda: False, 30, "JobFailedError")
+    finally:
+        hook.close()
+
+
+@pytest.mark.parametrize("converged", [False, True], ids=["new-version", "observation-only"])
+def test_the_job_error_clears_once_a_requeued_task_computes(
+    serve, r, redis_url, tmp_path, caplog, converged
+):
+    """`hook.job_error` stayed set after the job recovered: only the failure was announced.
+
+    The operator mends the cause and requeues the failed task, which publishes a new version
+    or (a converged scheduler) records the observation; either ends the failure for the ranks.
+    """
+    flag = tmp_path / "flag"
+    serve("tests.toy_schedulers:StepsUnlessFlagged", flag=str(flag), converged=converged)
+    hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
+    failed = Queue(keys.RQ_QUEUE, connection=r).failed_job_registry
+    try:
+        flag.touch()  # version 1 is in force; computing the next one fails
+        step_until(hook, lambda: hook.job_error, 30, "the job error to reach the hook")
+        assert "is in the way" in hook.job_error
+        wait_for(lambda: failed.get_job_ids(), 30, "the task to fail")
+        flag.unlink()
+        requeue = [sys.executable, "-m", "rq.cli", "requeue", "-u", redis_url]
+        subprocess.run([*requeue, "--queue", keys.RQ_QUEUE, "--all"], check=True, timeout=60)
+        with caplog.at_level(logging.WARNING, logger="worker_client.hook.watchers"):
+            step_until(hook, lambda: not hook.job_error, 30, "the job error to clear")
+        assert "computes again; the failure (RuntimeError:" in caplog.text
+        assert JobStore(r).job_error(hook.job_id) == ""
+        if not converged:
+            step_until(hook, lambda: hook.schedule.version >= 2, 30, "version 2 in force")
+        else:
+            assert hook.schedule.version == 1
     finally:
         hook.close()
 

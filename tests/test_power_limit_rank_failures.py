@@ -48,3 +48,56 @@ def test_a_monitor_that_fails_on_one_rank_stops_every_rank_naming_it(tmp_path: P
     assert outputs[0].startswith(
         f"ConfigError: 1 other rank(s) could not start their power-limit optimizer (rank 1: {why})"
     ), outputs
+
+
+SET = "GPUError: NVML nvmlDeviceSetPowerManagementLimit on GPU 0 failed: lost"
+
+
+@pytest.mark.parametrize(
+    ("option", "why"),
+    [
+        ("fail-set", SET),
+        ("fail-set-epoch", SET),
+        ("fail-max", SET),
+        ("fail-set-carry", SET),
+        ("fail-cancel", LOST),
+    ],
+    ids=["fail-set", "fail-set-epoch", "fail-max", "fail-set-carry", "fail-cancel"],
+)
+def test_a_limit_or_cancel_that_fails_on_one_rank_stops_every_rank_naming_it(
+    tmp_path: Path, option: str, why: str
+) -> None:
+    # Rank 1's NVML could not set 250 W (after 300 W was measured, at a step begin after an
+    # epoch end, or as its paused warm-up resumed), or restore 300 W at an epoch end; or its
+    # monitor could not cancel the 250 W window at an epoch end (Zeus's default mode). Rank 1
+    # raised alone, at that step begin or epoch end, and rank 0 waited in 250 W's all-reduce
+    # (gloo's "Connection closed by peer" once rank 1 was gone). Now both raise in that
+    # all-reduce, rank 0 naming rank 1's error.
+    outputs = run_two_ranks(
+        tmp_path,
+        [str(tmp_path / "profile0.json")],
+        [str(tmp_path / "profile1.json"), "300", option],
+    )
+    lines = [out.splitlines() for out in outputs]
+    assert lines[1][0] == why, outputs
+    assert lines[0][0] == (
+        f"PerseusError: another rank could not measure power limit 250 W (rank 1: {why}): "
+        "no rank records it (a step begin after this error profiles it again)"
+    ), outputs
+    assert [line[1] for line in lines] == ["Ready(250,1) 1"] * 2
+    assert not (tmp_path / "profile0.json").exists()
+
+
+def test_a_maximum_that_cannot_be_set_on_one_rank_stops_every_rank_at_start(tmp_path: Path) -> None:
+    # Rank 1's GPU was left at 250 W and NVML could not raise it to 300 W as its optimizer
+    # started: rank 1's constructor raised alone, after the last collective of rank 0's, which
+    # then waited in 300 W's all-reduce. Now every constructor raises, naming it.
+    outputs = run_two_ranks(
+        tmp_path,
+        [str(tmp_path / "profile0.json")],
+        [str(tmp_path / "profile1.json"), "300", "fail-start"],
+    )
+    assert outputs[1].startswith(SET), outputs
+    assert outputs[0].startswith(
+        f"ConfigError: 1 other rank(s) could not start their power-limit optimizer (rank 1: {SET})"
+    ), outputs

@@ -226,3 +226,27 @@ class FailsWhileFlagged(FrequencyScheduler):
             )
             for info in self.rank_infos
         ]
+
+
+class StepsUnlessFlagged(SnapshotStepDown):
+    """SnapshotStepDown whose computing fails while the file ``flag`` exists (as FailsWhileFlagged).
+
+    ``converged``: it keeps its first schedule, so later results only have their observation
+    recorded (no new version).
+    """
+
+    def __init__(
+        self, job_info: JobInfo, rank_infos: list[RankInfo], flag: str, converged: bool = False
+    ) -> None:
+        super().__init__(job_info, rank_infos)
+        self.flag = RuntimePath(flag)
+        self.stays = converged
+
+    @property
+    def converged(self) -> bool:
+        return self.stays
+
+    def next_schedule(self) -> list[FrequencySchedule]:
+        if self.flag.exists():
+            raise RuntimeError(f"{self.flag} is in the way")
+        return self._schedules(0) if self.stays else super().next_schedule()

@@ -106,7 +106,7 @@ class PerseusOptimizer(Callback):
         raise_on_job_error: If the job's scheduler fails, raise
             :class:`~protocol.exceptions.JobFailedError` at the next step end. Default: log the
             error loudly once (every rank) and train on at the last schedule; the error is
-            also in :attr:`job_error`.
+            also in :attr:`job_error` until the scheduler computes again (logged too).
         clock_sync: How a clock change waits for the work queued before it. ``"wait"``
             (default): ``sync_fn`` on the training thread, then the request. ``"events"``:
             outside profiling windows the training thread only records a marker (a CUDA
@@ -257,7 +257,7 @@ class PerseusOptimizer(Callback):
 
     @property
     def job_error(self) -> str:
-        """The job's scheduler failure as announced to the ranks; empty while there is none."""
+        """The job's scheduler failure while it lasts: empty again once its scheduler computes."""
         return self.watcher.job_error
 
     # --- measurement -----------------------------------------------------------------------

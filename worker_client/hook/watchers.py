@@ -88,7 +88,7 @@ class ScheduleWatcher(threading.Thread):
         self.outage = Outage(f"rank {rank} schedule watcher", client.where, outage_timeout)
         self.job_lost = False
         self.token_refused = False  # a heartbeat was refused: this client did not register
-        self.job_error = ""  # the scheduler's failure, once announced (logged once)
+        self.job_error = ""  # the scheduler's failure while it lasts (its start, end logged)
         self.heartbeat_interval = heartbeat_interval
         self._next_beat = time.monotonic()  # the first heartbeat at once: the rank is alive
         self._stop_event = threading.Event()
@@ -231,13 +231,26 @@ class ScheduleWatcher(threading.Thread):
         )
 
     def _note_error(self, error: str) -> None:
+        # The stream says when a failure ends too: error='' once the scheduler computed again
+        # (a new version, or an observation recorded by a requeued task that succeeded).
         if error == self.job_error:
             return
-        self.job_error = error
+        failed, self.job_error = self.job_error, error
+        if not error:
+            logger.warning(
+                "job %s: its scheduler computes again; the failure (%s) is over. Rank %d runs "
+                "schedule version %d and takes new versions as they come.",
+                self.job_id,
+                failed,
+                self.rank,
+                self._version,
+            )
+            return
         logger.error(
             "job %s: its scheduler failed: %s. Rank %d keeps running schedule version %d; no "
-            "new version will come. Fix the cause and restart training (pass "
-            "raise_on_job_error=True to PerseusOptimizer to stop training here instead).",
+            "new version comes until it computes again. Fix the cause, then run `rq requeue "
+            "--queue perseus --all` or restart training (pass raise_on_job_error=True to "
+            "PerseusOptimizer to stop training here instead).",
             self.job_id,
             error,
             self.rank,

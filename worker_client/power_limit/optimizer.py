@@ -50,11 +50,7 @@ from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from protocol.exceptions import (
-    ConfigError,
-    CoordinatorUnavailableError,
-    GPUError,
-)
+from protocol.exceptions import ConfigError, GPUError
 from protocol.models import PowerLimitMeasurement, PowerLimitProfile
 from worker_client.callback import Callback
 from worker_client.gpu.nvml import NVML
@@ -207,6 +203,8 @@ class GlobalPowerLimitOptimizer(Callback):
             self.min_power_limit_mw, self.max_power_limit_mw = low, high
             self.power_limits = power_limit_ladder(high, low, pl_step)
             profile = load_profile(self.profile_path, self.profile_store, self.workload)
+            if profile is None:  # a GPU left low (by a crashed job, say) would run waits low
+                self._set_power_limit(self.max_power_limit_mw)
         except Exception as exc:  # whatever it is, the other ranks must hear of it
             failure = exc
         # Every rank takes the same road (profiling's windows are collectives): a profile is
@@ -230,9 +228,8 @@ class GlobalPowerLimitOptimizer(Callback):
             if self.profile_path is not None and not self.profile_path.exists():
                 # Found in the Redis store: the file is still written, as profiling writes it.
                 self._save_profile(stamp=False, store=False)
-        else:
-            # A GPU left low (e.g. by a crashed job) would run the wait steps low.
-            self._set_power_limit(self.max_power_limit_mw)
+        else:  # set above, unless this rank found a profile that another rank lacked
+            self._set_profiled(self.max_power_limit_mw, self.power_limits[0])
         if restore_on_exit:
             self._at_exit = Finalize(None, self._close_at_exit, exitpriority=0)
 
@@ -289,8 +286,9 @@ class GlobalPowerLimitOptimizer(Callback):
         """Mark the beginning of a training step.
 
         Raises:
-            Exception: This rank's monitor could not measure the limit just finished.
-            PerseusError: Another rank's could not (every rank raises at that step begin; the
+            Exception: This rank could not measure the limit just finished: its monitor, or
+                NVML setting a limit while profiling it (at a step begin or an epoch end).
+            PerseusError: Another rank could not (every rank raises at that step begin; the
                 limit is not recorded, and the next step begin profiles it again).
         """
         if self._closed:
@@ -300,13 +298,13 @@ class GlobalPowerLimitOptimizer(Callback):
             state.steps -= 1
             if state.steps > 0:  # a wait step
                 return
-            self._set_power_limit(state.next_power_limit)
+            self._set_profiled(state.next_power_limit)
             self.state = Warmup(current_power_limit=state.next_power_limit, steps=self.warmup_steps)
         elif isinstance(state, Paused):
             if state.profile_steps >= self.profile_steps:  # paused right after its last step
                 self._finish_limit(state.current_power_limit)
                 return
-            self._set_power_limit(state.current_power_limit)
+            self._set_profiled(state.current_power_limit)
             warmed = min(state.warmup_steps + 1, self.warmup_steps)
             self.state = Warmup(
                 current_power_limit=state.current_power_limit, steps=self.warmup_steps + 1 - warmed
@@ -331,14 +329,15 @@ class GlobalPowerLimitOptimizer(Callback):
     def on_epoch_end(self) -> None:
         """Mark the end of an epoch: interrupt the limit being profiled, back to the maximum."""
         if isinstance(self.state, Warmup | Profiling):
-            limit = format_watts(self.state.current_power_limit)
+            profiled = self.state.current_power_limit
+            limit = format_watts(profiled)
             logger.info(
                 "epoch ended while profiling %s (%s)",
                 limit,
                 "paused" if self.carry_across_epochs else "it starts over",
             )
             self._interrupt(self.state)
-            self._set_power_limit(self.max_power_limit_mw)
+            self._set_profiled(self.max_power_limit_mw, profiled)  # raised as it is reduced
             if self._stall.stalled(self.state):
                 steps = None if self.carry_across_epochs else self.warmup_steps + self.profile_steps
                 logger.warning(self._stall.message(limit, steps))
@@ -358,14 +357,8 @@ class GlobalPowerLimitOptimizer(Callback):
         self._closed = True
         if self._at_exit is not None:
             self._at_exit.cancel()
-        state = self.state
-        if isinstance(state, Warmup | Profiling):
-            try:
-                self._interrupt(state)
-            except (ValueError, GPUError) as exc:  # e.g. a monitor already closed at exit
-                logger.warning("could not pause the power-limit window: %s", exc)
-                self.state = Ready(next_power_limit=state.current_power_limit)
-                self._reset_carried()
+        if isinstance(self.state, Warmup | Profiling):
+            self._interrupt(self.state)  # a failure is kept for the limit's reduction
         try:
             self._set_power_limit(self.max_power_limit_mw)
         except GPUError as exc:
@@ -402,9 +395,9 @@ class GlobalPowerLimitOptimizer(Callback):
         """Leave Warmup/Profiling for an epoch end or close(): start over, or pause."""
         limit = state.current_power_limit
         if not self.carry_across_epochs:
-            if isinstance(state, Profiling):
-                self._windows.cancel(limit)
             self._reset_carried()
+            if isinstance(state, Profiling):
+                self._windows.cancel(limit)  # a failure is raised as the limit is reduced
             self.state = Ready(next_power_limit=limit)
             return
         # Steps done, from the countdowns: the step begin that counted down to 0 was the
@@ -439,7 +432,7 @@ class GlobalPowerLimitOptimizer(Callback):
         position = self.power_limits.index(power_limit_mw)
         if position + 1 < len(self.power_limits):
             following = self.power_limits[position + 1]
-            self._set_power_limit(following)
+            self._set_profiled(following)
             self.state = Warmup(current_power_limit=following, steps=self.warmup_steps)
             return
         try:
@@ -457,6 +450,14 @@ class GlobalPowerLimitOptimizer(Callback):
     def _set_power_limit(self, milliwatts: int) -> None:
         set_power_limit(self.nvml, self._nvml_of, milliwatts)
         self.current_power_limit = milliwatts
+
+    def _set_profiled(self, milliwatts: int, profiled: int | None = None) -> None:
+        # While ``profiled`` (default: this limit) is profiled: a failure raised on this rank
+        # alone left the others waiting in its all-reduce; kept, every rank raises there.
+        try:
+            self._set_power_limit(milliwatts)
+        except Exception as exc:
+            self._windows.fail(milliwatts if profiled is None else profiled, exc)
 
     def _compute_optimal_power_limit(self) -> int:
         # Every rank gets here together (its last window, or the profile all ranks load) and
@@ -498,10 +499,6 @@ class GlobalPowerLimitOptimizer(Callback):
                 updated_at=self._profiled_at,
             )
         assert profile is not None
-        if self.profile_path is not None:
-            save_or_warn(profile, self.profile_path)  # an OSError is a warning
-        if store and self.profile_store is not None and self.workload is not None:
-            try:
-                self.profile_store.save(self.workload, profile)
-            except CoordinatorUnavailableError as exc:
-                logger.warning("cannot store the power-limit profile: %s", exc)
+        save_or_warn(
+            profile, self.profile_path, self.profile_store if store else None, self.workload
+        )

@@ -191,21 +191,33 @@ def save_profile_file(profile: PowerLimitProfile, path: str | Path) -> None:
         raise
 
 
-def save_or_warn(profile: PowerLimitProfile, path: str | Path) -> None:
-    """:func:`save_profile_file`, where a file that cannot be written is a warning.
+def save_or_warn(
+    profile: PowerLimitProfile,
+    path: str | Path | None,
+    store: PowerLimitProfileStore | None = None,
+    workload: str | None = None,
+) -> None:
+    """:func:`save_profile_file` to ``path`` and ``store``'s entry for ``workload`` (those given).
 
-    For the optimizer, once profiling ends: the file only saves the next run's profiling, so
-    a full disk or a read-only mount must not end the training that goes on at the optimum.
+    For the optimizer, once profiling ends: a file that cannot be written or a store that is
+    unreachable is a warning. They only save the next run's profiling, so a full disk or a
+    read-only mount must not end the training that goes on at the optimum.
     """
-    try:
-        save_profile_file(profile, path)
-    except OSError as exc:
-        logger.warning(
-            "cannot write the power-limit profile %s: %s; training goes on (a next run given "
-            "this profile_path profiles again)",
-            path,
-            exc,
-        )
+    if path is not None:
+        try:
+            save_profile_file(profile, path)
+        except OSError as exc:
+            logger.warning(
+                "cannot write the power-limit profile %s: %s; training goes on (a next run "
+                "given this profile_path profiles again)",
+                path,
+                exc,
+            )
+    if store is not None and workload is not None:
+        try:
+            store.save(workload, profile)
+        except CoordinatorUnavailableError as exc:
+            logger.warning("cannot store the power-limit profile: %s", exc)
 
 
 def format_time(unix: float) -> str:

@@ -16,10 +16,11 @@ class LimitWindows:
     """Time and energy of the limit being profiled, over one window or several.
 
     Windows paused over epoch ends (``carry_across_epochs``) add up until :meth:`reduce`. A
-    window that fails on one rank (an NVML read, the monitor) does not raise there alone, which
-    left the other ranks waiting in the limit's all-reduce: it is kept, nothing more of the
-    limit is measured on that rank, and :meth:`reduce` carries it as NaN energy so that every
-    rank raises together.
+    window that fails on one rank (an NVML read, the monitor, its cancel at an epoch end), or a
+    power limit that rank could not set while profiling (see :meth:`fail`), does not raise
+    there alone, which left the other ranks waiting in the limit's all-reduce: it is kept,
+    nothing more of the limit is measured on that rank, and :meth:`reduce` carries it as NaN
+    energy so that every rank raises together.
 
     Args:
         monitor: The optimizer's window monitor.
@@ -56,7 +57,26 @@ class LimitWindows:
     def cancel(self, power_limit_mw: int) -> None:
         """Discard the limit's open window (none is open after a failure)."""
         if self.failure is None:
-            self._cancel(self.name(power_limit_mw))
+            try:
+                self._cancel(self.name(power_limit_mw))
+            except Exception as exc:  # kept for the reduction every rank joins
+                self._failed(power_limit_mw, exc, "cancel the window of")
+
+    def fail(self, power_limit_mw: int, exc: Exception) -> None:
+        """Keep ``exc``, which stopped this rank profiling the limit, for its reduction.
+
+        For a power limit this rank could not set while it profiles the limit. The first
+        failure kept counts; no window of the limit is open then (it is set before one begins,
+        and restored after one ends or is cancelled).
+        """
+        logger.warning(
+            "could not set a power limit while profiling %s (every rank raises as the limit is "
+            "reduced): %s",
+            format_watts(power_limit_mw),
+            exc,
+        )
+        if self.failure is None:
+            self.failure = exc
 
     def reset(self) -> None:
         """Forget what was measured, and a failure (the limit starts over on every rank)."""
@@ -81,9 +101,10 @@ class LimitWindows:
             refuse_failed_window(power_limit_mw, failure, reducer)
         return time_s, energy_j
 
-    def _failed(self, power_limit_mw: int, exc: Exception) -> None:
+    def _failed(self, power_limit_mw: int, exc: Exception, what: str = "measure") -> None:
         logger.warning(
-            "could not measure %s (every rank raises as the limit is reduced): %s",
+            "could not %s %s (every rank raises as the limit is reduced): %s",
+            what,
             format_watts(power_limit_mw),
             exc,
         )
