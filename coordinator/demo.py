@@ -35,6 +35,7 @@ from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
 from protocol import keys
 from protocol.acl import wrong_user
+from protocol.cli_options import COMMAND_TIMEOUT_S
 from protocol.connection import connect
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, stage_order
@@ -183,7 +184,8 @@ def services(redis_url: str | None, progress: Progress) -> Iterator[str]:
             server = EmbeddedRedis()
             redis_url = server.url
             progress(f"started a private Redis at {redis_url}")
-        conn = connect(redis_url, ping=True)
+        # A Redis that hangs fails the demo within seconds, not its commands' 30 s.
+        conn = connect(redis_url, ping=True, check_timeout=COMMAND_TIMEOUT_S)
         own = _own_coordinator(conn, redis_url, progress)
         env = {
             **os.environ,

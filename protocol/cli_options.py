@@ -102,6 +102,9 @@ def connect_or_fail(
 ) -> redis.Redis:
     """A client on ``url`` (default :data:`DEFAULT_REDIS_URL`) that answered a PING.
 
+    The PING waits :data:`COMMAND_TIMEOUT_S` for its answer whatever ``socket_timeout``: a
+    service (coordinator, worker) started against a hanging Redis says so within seconds.
+
     A Redis that stops answering or goes away later, in the command, is one line too (see
     :func:`lost_redis_message`).
 
@@ -117,7 +120,13 @@ def connect_or_fail(
     """
     url = DEFAULT_REDIS_URL if url is None else url
     try:
-        conn = connect(url, socket_timeout=socket_timeout, ping=True, dedicated=dedicated)
+        conn = connect(
+            url,
+            socket_timeout=socket_timeout,
+            ping=True,
+            check_timeout=COMMAND_TIMEOUT_S,
+            dedicated=dedicated,
+        )
     except PerseusError as exc:
         # A service's longer timeout (its blocking reads) is not for the user to shorten.
         hint = _wait_longer_hint(url, str(exc)) if socket_timeout == COMMAND_TIMEOUT_S else ""

@@ -118,6 +118,7 @@ def connect(
     socket_timeout: float | None = SOCKET_TIMEOUT_S,
     connect_timeout: float = CONNECT_TIMEOUT_S,
     ping: bool = False,
+    check_timeout: float | None = None,
     dedicated: bool = False,
 ) -> redis.Redis:
     """A Redis client with explicit connect and socket timeouts.
@@ -131,6 +132,10 @@ def connect(
         socket_timeout: Seconds a command may take (``None``: no limit).
         connect_timeout: Seconds to connect.
         ping: Check the server answers now.
+        check_timeout: Seconds that check waits for its answer, on a client of its own that
+            is closed then (default: ``socket_timeout``; a URL's ``?socket_timeout=`` wins). A
+            service's start against a hanging Redis then fails within seconds, not its
+            blocking reads' longer ``socket_timeout``.
         dedicated: A client that keeps one connection for itself (and connects now), for a
             loop on one thread such as the coordinator's: each command skips redis-py's
             pool checkout, about 10 us with redis-py 8 (a poll of the socket and two
@@ -145,6 +150,11 @@ def connect(
         ConfigError: ``url`` is not a Redis URL.
 
     """
+    if ping and check_timeout is not None and check_timeout != socket_timeout:
+        connect(
+            url, socket_timeout=check_timeout, connect_timeout=connect_timeout, ping=True
+        ).close()
+        ping = False
     conn: redis.Redis | None = None
     try:
         if url.startswith(SENTINEL_SCHEMES):

@@ -19,7 +19,8 @@ import redis
 
 from coordinator.embedded import EmbeddedRedis
 from protocol import keys
-from protocol.cli_options import COMMAND_TIMEOUT_S
+from protocol.cli_options import COMMAND_TIMEOUT_S, connect_or_fail
+from protocol.connection import SOCKET_TIMEOUT_S
 from protocol.models import ReportResult, encode_message
 from tests.helpers import (
     ROOT,
@@ -189,6 +190,49 @@ def test_operator_commands_give_up_on_a_hanging_redis_with_one_line(private_redi
     assert f"Redis at {shown}?socket_timeout=1 did not answer within 1 s" in longer.stderr
     assert PASSWORD not in longer.stderr
     assert not (tmp_path / "dump").exists()
+
+
+SERVICES = [
+    ["coordinator", "--scheduler", ""],
+    ["worker", "--no-preload"],
+    ["demo", "--out", "demo-out"],
+]
+
+
+def test_a_service_started_against_a_hanging_redis_says_so_within_seconds(private_redis, tmp_path):
+    # Their first PING waited the services' 30 s socket timeout (measured 30.5-31.2 s).
+    shown = f"redis://:***@127.0.0.1:{private_redis.port}/0"
+    with stopped(private_redis):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "coordinator.cli", *args, "--redis-url", private_redis.url],
+                env=subprocess_env(tmp_path),
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for args in SERVICES
+        ]
+        try:
+            outputs = [proc.communicate(timeout=BOUND_S) for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    for args, proc, (_out, err) in zip(SERVICES, procs, outputs, strict=True):
+        assert proc.returncode == 1, (args, err)
+        assert err.endswith(
+            f"Error: Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s (Timeout "
+            "reading from socket)\n"
+        ), (args, err)
+    # Only the check is that short: a service's commands still wait its longer timeout.
+    conn = connect_or_fail(private_redis.url, SOCKET_TIMEOUT_S, dedicated=True)
+    try:
+        assert conn.connection is not None
+        assert conn.connection.socket_timeout == SOCKET_TIMEOUT_S
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("fault", ["hangs", "goes away"])
