@@ -31,7 +31,8 @@ import redis
 
 from coordinator.embedded import EmbeddedRedis
 from coordinator.health import agree_settings, last_beats, live_coordinators
-from coordinator.service import Coordinator
+from coordinator.resilience import STOP_GRACE_S
+from coordinator.service import STOP_WAIT_S, Coordinator
 from coordinator.settings import PerseusSettings
 from protocol import keys
 from protocol.acl import wrong_user
@@ -52,6 +53,10 @@ from worker_client.simulated.training import launch_simulated_job, rows_of_table
 
 Progress = Callable[[str], None]
 ROOT = Path(__file__).resolve().parent.parent
+_BLOCK_MS = 200  # the demo's coordinator's read: a stop is seen soon
+# Its longest stop, Redis hanging: the read's block and grace, the stop watcher's poll
+# (0.5 s), the tidy-up's wait and the cut that ends it; and a second to spare.
+_COORDINATOR_STOP_S = _BLOCK_MS / 1000 + 0.5 + 2 * STOP_GRACE_S + STOP_WAIT_S + 1
 
 
 @dataclass
@@ -151,7 +156,7 @@ def _own_coordinator(
 
     def run() -> None:
         try:
-            coordinator.run(block_ms=200)
+            coordinator.run(block_ms=_BLOCK_MS)
         except BaseException as exc:  # reported below, or by the profiling watcher
             failed.append(exc)
 
@@ -224,7 +229,8 @@ def services(redis_url: str | None, progress: Progress) -> Iterator[str]:
                 if worker.poll() is None:
                     worker.kill()
             if own is not None:
-                own[1].join(timeout=5)
+                # Its stop must be over before the client closes under it (below).
+                own[1].join(timeout=_COORDINATOR_STOP_S)
         finally:
             if conn is not None:
                 conn.close()

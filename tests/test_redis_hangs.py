@@ -6,6 +6,7 @@ within its command timeout and says so in one line, and no entry is lost.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -233,6 +234,44 @@ def test_a_service_started_against_a_hanging_redis_says_so_within_seconds(privat
         assert conn.connection.socket_timeout == SOCKET_TIMEOUT_S
     finally:
         conn.close()
+
+
+def test_a_demo_stopped_while_redis_hangs_says_once_that_it_did_not_leave_the_group(
+    private_redis, tmp_path
+):
+    # The demo closed its Redis client while its coordinator's tidy-up still waited: after
+    # "stopping without leaving the consumer group" came "could not leave the group: Bad
+    # file descriptor" (or "Connection closed by server.").
+    args = ["demo", "--stages", "2", "--microbatches", "2", "--redis-url", private_redis.url]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        env=subprocess_env(tmp_path, PYTHONUNBUFFERED="1"),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, like a job in a terminal
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[1/4]"):
+                break
+        time.sleep(2)  # ranks, coordinator and worker are busy profiling
+        with stopped(private_redis):
+            time.sleep(1.5)  # the coordinator's next read waits on the stopped server
+            os.killpg(proc.pid, signal.SIGINT)
+            output = "".join(lines) + proc.communicate(timeout=60)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 1 and output.endswith("Aborted!\n"), output
+    assert "Traceback" not in output, output
+    assert output.count("stopping without leaving the consumer group") == 1, output
+    assert "could not leave" not in output, output
 
 
 @pytest.mark.parametrize("fault", ["hangs", "goes away"])
