@@ -23,10 +23,12 @@ from protocol import keys
 from protocol.cli_options import COMMAND_TIMEOUT_S, connect_or_fail
 from protocol.connection import SOCKET_TIMEOUT_S
 from protocol.models import ReportResult, encode_message
+from protocol.store import JobStore
 from tests.helpers import (
     ROOT,
     WITH_SIGINT,
     free_ports,
+    new_job,
     result,
     start_perseus,
     stop,
@@ -306,3 +308,44 @@ def test_redis_that_hangs_or_goes_away_mid_command_is_one_line_not_a_traceback(
     else:
         said = f"Error: lost the connection to Redis at {shown}: "
     assert err.startswith(said) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("fault", ["hangs", "goes away"])
+def test_a_dump_that_fails_part_way_says_its_folder_is_incomplete(private_redis, tmp_path, fault):
+    # It left the files written so far, which looked like a whole dump, and its one line
+    # did not say so; a dump run again into a folder kept the earlier dump's files as well.
+    job_id = "2026-11-28-00-00-00.000+dp1+pp4+tp1+StepDown+dump"
+    new_job(JobStore(redis.Redis.from_url(private_redis.url)), job_id, "StepDown")
+    folder = tmp_path / "dump" / job_id
+    whole = perseus(["dump", job_id, "--redis-url", private_redis.url, "--out", str(folder.parent)])
+    assert whole.returncode == 0 and (folder / "complete").exists(), whole.stderr
+    with SilentProxy(private_redis.url) as proxy:
+        url = proxy.url.replace("redis://", f"redis://:{PASSWORD}@")
+        proxy.silence_from(b"LRANGE")  # the journal, read after job.json and ranks.json
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "dump", job_id, "--redis-url", url],
+            env=subprocess_env(),
+            cwd=tmp_path,  # ./dump
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            if fault == "goes away":
+                wait_for(proxy.silent.is_set, BOUND_S, "the dump to read the journal")
+                proxy.close()
+            out, err = proc.communicate(timeout=BOUND_S)
+        finally:
+            proc.kill()
+            proc.wait()
+    shown = proxy.url.replace("redis://", "redis://:***@")
+    assert proc.returncode == 1 and out == "", err
+    said = f"Error: the dump in dump/{job_id} is incomplete (it has no 'complete' file; run "
+    said += "it again): "
+    if fault == "hangs":
+        said += f"Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s ("
+    else:
+        said += f"lost the connection to Redis at {shown}: "
+    assert err.startswith(said) and err.count("\n") == 1, err
+    assert (folder / "ranks.json").exists()  # what it had written
+    assert not (folder / "complete").exists()  # the earlier dump's went first
