@@ -11,7 +11,6 @@ import redis
 
 from protocol.connection import (
     DEFAULT_REDIS_URL,
-    SENTINEL_SCHEMES,
     connect,
     did_not_answer,
     redact_url,
@@ -138,8 +137,8 @@ def connect_or_fail(
 
 
 def _wait_longer_hint(url: str, message: str) -> str:
-    if "did not answer" not in message or url.startswith(SENTINEL_SCHEMES):
-        return ""  # a sentinel URL takes no ?socket_timeout=
+    if "did not answer" not in message:
+        return ""
     return "; to wait longer, add ?socket_timeout=SECONDS to the URL"
 
 

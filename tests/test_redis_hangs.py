@@ -26,11 +26,13 @@ from protocol.models import ReportResult, encode_message
 from protocol.store import JobStore
 from tests.helpers import (
     ROOT,
+    SENTINEL_SERVICE,
     WITH_SIGINT,
     free_ports,
     new_job,
     result,
     start_perseus,
+    start_sentinel,
     stop,
     subprocess_env,
     wait_for,
@@ -274,6 +276,48 @@ def test_a_demo_stopped_while_redis_hangs_says_once_that_it_did_not_leave_the_gr
     assert "Traceback" not in output, output
     assert output.count("stopping without leaving the consumer group") == 1, output
     assert "could not leave" not in output, output
+
+
+def test_a_sentinel_urls_command_timeout_is_set_as_the_hint_says(private_redis, tmp_path):
+    # A sentinel URL refused ?socket_timeout=, so its 5 s could not be changed; its error
+    # gave no hint (a redis:// URL's says to add it).
+    (port,) = free_ports()
+    sentinel = start_sentinel(tmp_path, port, private_redis.port, 1, PASSWORD)
+    try:
+        wait_for(
+            lambda: redis.Redis(port=port).sentinel_get_master_addr_by_name(SENTINEL_SERVICE),
+            BOUND_S,
+            "the sentinel to know the master",
+        )
+        url = f"redis+sentinel://:{PASSWORD}@127.0.0.1:{port}/{SENTINEL_SERVICE}"
+        with stopped(private_redis):
+            default = subprocess.Popen(
+                [sys.executable, "-m", "coordinator.cli", "status", "--redis-url", url],
+                env=subprocess_env(),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            shorter = perseus(["status", "--redis-url", f"{url}?socket_timeout=1"])
+            try:
+                err = default.communicate(timeout=BOUND_S)[1]
+            finally:
+                default.kill()
+                default.wait()
+    finally:
+        sentinel.terminate()
+        sentinel.wait(timeout=10)
+    shown = url.replace(PASSWORD, "***")
+    hint = "; to wait longer, add ?socket_timeout=SECONDS to the URL\n"
+    assert default.returncode == 1 and err == (
+        f"Error: Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s (Timeout "
+        f"reading from socket){hint}"
+    ), err
+    assert shorter.returncode == 1 and shorter.stderr == (
+        f"Error: Redis at {shown}?socket_timeout=1 did not answer within 1 s (Timeout "
+        f"reading from socket){hint}"
+    ), shorter.stderr
 
 
 @pytest.mark.parametrize("fault", ["hangs", "goes away"])
