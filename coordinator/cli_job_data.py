@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+import redis
 
 from coordinator.cli_common import connect_settings, load_settings
-from coordinator.dump import dump_job
-from protocol.cli_options import connect_or_fail, redis_url_option
+from coordinator.dump import COMPLETE, dump_job
+from protocol.cli_options import connect_or_fail, lost_redis_message, redis_url_option
 from protocol.constants import MAX_TARGET_ITERATION_S, MIN_TARGET_ITERATION_S
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.job_lifecycle import JobLifecycle
@@ -27,13 +28,27 @@ def dump_command(redis_url: str | None, job_id: str, out_dir: str) -> None:
     settings = load_settings(redis_url=redis_url)
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise click.BadParameter(f"{out_dir} exists and is not a folder", param_hint="--out")
+    store = JobStore(connect_or_fail(settings.redis_url))
+    folder = Path(out_dir) / job_id
     try:
-        folder = dump_job(JobStore(connect_or_fail(settings.redis_url)), job_id, out_dir)
+        folder = dump_job(store, job_id, out_dir)
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
+    except (redis.TimeoutError, redis.ConnectionError) as exc:
+        # Mid-dump: what was written looked like a whole dump, and the error did not say.
+        raise click.ClickException(f"{_incomplete(folder)}{lost_redis_message(exc)}") from None
     except OSError as exc:
-        raise click.ClickException(f"cannot write the dump under {out_dir}: {exc}") from None
+        raise click.ClickException(
+            f"{_incomplete(folder)}cannot write the dump under {out_dir}: {exc}"
+        ) from None
     click.echo(f"wrote {folder}")
+
+
+def _incomplete(folder: Path) -> str:
+    """``the dump in FOLDER is incomplete ...: `` where a failed dump left part of one."""
+    if not folder.is_dir() or (folder / COMPLETE).exists():
+        return ""  # nothing written yet (an earlier dump's files are whole)
+    return f"the dump in {folder} is incomplete (it has no {COMPLETE!r} file; run it again): "
 
 
 @click.command("profile")

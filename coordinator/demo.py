@@ -31,10 +31,12 @@ import redis
 
 from coordinator.embedded import EmbeddedRedis
 from coordinator.health import agree_settings, last_beats, live_coordinators
-from coordinator.service import Coordinator
+from coordinator.resilience import STOP_GRACE_S
+from coordinator.service import STOP_WAIT_S, Coordinator
 from coordinator.settings import PerseusSettings
 from protocol import keys
 from protocol.acl import wrong_user
+from protocol.cli_options import COMMAND_TIMEOUT_S
 from protocol.connection import connect
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, stage_order
@@ -51,6 +53,10 @@ from worker_client.simulated.training import launch_simulated_job, rows_of_table
 
 Progress = Callable[[str], None]
 ROOT = Path(__file__).resolve().parent.parent
+_BLOCK_MS = 200  # the demo's coordinator's read: a stop is seen soon
+# Its longest stop, Redis hanging: the read's block and grace, the stop watcher's poll
+# (0.5 s), the tidy-up's wait and the cut that ends it; and a second to spare.
+_COORDINATOR_STOP_S = _BLOCK_MS / 1000 + 0.5 + 2 * STOP_GRACE_S + STOP_WAIT_S + 1
 
 
 @dataclass
@@ -150,7 +156,7 @@ def _own_coordinator(
 
     def run() -> None:
         try:
-            coordinator.run(block_ms=200)
+            coordinator.run(block_ms=_BLOCK_MS)
         except BaseException as exc:  # reported below, or by the profiling watcher
             failed.append(exc)
 
@@ -183,7 +189,8 @@ def services(redis_url: str | None, progress: Progress) -> Iterator[str]:
             server = EmbeddedRedis()
             redis_url = server.url
             progress(f"started a private Redis at {redis_url}")
-        conn = connect(redis_url, ping=True)
+        # A Redis that hangs fails the demo within seconds, not its commands' 30 s.
+        conn = connect(redis_url, ping=True, check_timeout=COMMAND_TIMEOUT_S)
         own = _own_coordinator(conn, redis_url, progress)
         env = {
             **os.environ,
@@ -222,7 +229,8 @@ def services(redis_url: str | None, progress: Progress) -> Iterator[str]:
                 if worker.poll() is None:
                     worker.kill()
             if own is not None:
-                own[1].join(timeout=5)
+                # Its stop must be over before the client closes under it (below).
+                own[1].join(timeout=_COORDINATOR_STOP_S)
         finally:
             if conn is not None:
                 conn.close()

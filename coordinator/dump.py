@@ -6,7 +6,8 @@ Redis keeps only the newest schedules and the results not yet consumed by a sche
 snapshot, so ``perseus dump`` writes what is left, plus ``summaries.json`` (each observed
 version's rank count, iteration time and energy). With ``--dump-dir`` (``dump_data``) every
 version is written as it is published, and the results a converged scheduler observes
-without publishing one as they are recorded, so nothing is missed. :func:`load_ranks`,
+without publishing one as they are recorded, so nothing is missed. ``perseus dump`` writes
+``complete`` last: a folder without it holds a dump that failed part-way. :func:`load_ranks`,
 :func:`load_sched` and :func:`load_prof` read those files back (Zeus's names and arguments).
 """
 
@@ -23,6 +24,8 @@ from protocol.models import FrequencySchedule, ProfilingResult, RankInfo, valida
 from protocol.store import JobRecord, JobStore
 
 M = TypeVar("M", bound=BaseModel)
+COMPLETE = "complete"
+"""The file :func:`dump_job` writes last: without it, the folder's dump stopped part-way."""
 
 
 def _write(path: Path, payload: Any) -> None:
@@ -72,9 +75,15 @@ def dump_observed(store: JobStore, record: JobRecord, version: int) -> Path:
 
 
 def dump_job(store: JobStore, job_id: str, out_dir: str) -> Path:
-    """Write everything Redis holds about a job (``perseus dump``)."""
-    record = store.get_job(job_id)
+    """Write everything Redis holds about a job (``perseus dump``), :data:`COMPLETE` last.
+
+    An earlier dump's :data:`COMPLETE` goes first, so that a dump that fails part-way (Redis
+    hangs or goes away, the disk fills) leaves none: its files look like a whole dump.
+    """
+    record = store.get_job(job_id)  # an unknown job gets no folder
     folder = Path(out_dir) / job_id
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / COMPLETE).unlink(missing_ok=True)
     latest = store.version(job_id)
     for version in range(1, latest + 1):
         dump_version(store, record, version, out_dir)
@@ -97,6 +106,7 @@ def dump_job(store: JobStore, job_id: str, out_dir: str) -> Path:
     journal = store.journal(job_id)
     _write(folder / "journal.json", _dump_models(list(journal)))
     _write(folder / "summaries.json", {str(v): s for v, s in store.summaries(job_id).items()})
+    (folder / COMPLETE).write_text(f"perseus dump of {job_id} at schedule version {latest}\n")
     return folder
 
 

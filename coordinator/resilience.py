@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import redis
@@ -166,3 +166,55 @@ def cut_when_stop_hangs(
         done.set()
         if stop.is_set():  # a cut under way ends first: it must not hit what follows the block
             watcher.join()
+
+
+def tidy_up_within(
+    tidy: Callable[[threading.Event], None],
+    conn: redis.Redis,
+    seconds: float,
+    what: str,
+    skipped: str,
+) -> None:
+    """Run a stop's tidy-up, ``tidy(abandoned)``, in a thread for ``seconds`` at most.
+
+    Redis may hang: each command of the tidy-up would wait its socket timeout (30 s). Past
+    ``seconds`` the tidy-up is abandoned: one line says so, ``abandoned`` is set (``tidy``
+    then logs and does nothing more) and its command in flight is cut. It is over when this
+    returns, so the caller may close ``conn``: the demo did so while it still waited, and
+    its failure was logged after the line that said it was skipped.
+
+    Args:
+        tidy: The tidy-up; it checks ``abandoned`` before each step and each log line.
+        conn: The client it uses.
+        seconds: How long the stop waits for it.
+        what: Names the stopping component in the log line.
+        skipped: What is left undone, for the log line.
+
+    Raises:
+        BaseException: What ``tidy`` raised within ``seconds``.
+    """
+    failed: list[BaseException] = []
+    abandoned = threading.Event()
+
+    def run() -> None:
+        try:
+            tidy(abandoned)
+        except BaseException as exc:  # raised by the caller, not printed by the thread's hook
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="stop-tidy-up", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not thread.is_alive():
+        if failed:
+            raise failed[0]
+        return
+    abandoned.set()
+    logger.warning(
+        "%s: redis did not answer the stop's tidy-up within %g s; stopping without %s",
+        what,
+        seconds,
+        skipped,
+    )
+    conn.connection_pool.disconnect()
+    thread.join(STOP_GRACE_S)  # the cut command fails at once

@@ -39,6 +39,7 @@ from coordinator.resilience import (
     check_redis_version,
     cut_when_stop_hangs,
     prepare_server,
+    tidy_up_within,
 )
 from coordinator.settings import PerseusSettings
 from coordinator.sweep import Sweeper
@@ -122,24 +123,15 @@ class Coordinator:
         grace = block_ms / 1000 + STOP_GRACE_S
         with cut_when_stop_hangs(self.conn, self.stop_event, what, grace):
             self._loop(block_ms, Backoff(self.stop_event, what))
-        # Redis may hang: each command of the tidy-up would wait its socket timeout (30 s).
-        # Left undone, it is what a killed coordinator leaves: the others claim its pending
-        # entries and the sweep removes its consumer.
-        failed: list[BaseException] = []
-        tidy = threading.Thread(
-            target=self._tidy_up, args=(failed,), name="coordinator-stop", daemon=True
+        # Left undone, the tidy-up is what a killed coordinator leaves: the others claim its
+        # pending entries and the sweep removes its consumer.
+        tidy_up_within(
+            self._tidy_up,
+            self.conn,
+            STOP_WAIT_S,
+            what,
+            "leaving the consumer group (the others claim what it held)",
         )
-        tidy.start()
-        tidy.join(STOP_WAIT_S)
-        if failed:
-            raise failed[0]  # as it was raised before the tidy-up had a thread of its own
-        if tidy.is_alive():
-            logger.warning(
-                "coordinator %s: redis did not answer the stop's tidy-up within %g s; "
-                "stopping without leaving the consumer group (the others claim what it held)",
-                self.consumer,
-                STOP_WAIT_S,
-            )
 
     def _loop(self, block_ms: int, backoff: Backoff) -> None:
         """Start, then process entries, riding through Redis errors, until stopped."""
@@ -175,15 +167,15 @@ class Coordinator:
             except redis.RedisError as exc:
                 backoff.failed(exc)
 
-    def _tidy_up(self, failed: list[BaseException]) -> None:
-        try:
-            self._drain()
-            GroupMembers(self.conn).leave_on_stop(self.consumer)
+    def _tidy_up(self, abandoned: threading.Event) -> None:
+        """Handle the last read, leave the group, forget the record; until ``abandoned``."""
+        self._drain(abandoned)
+        if not abandoned.is_set():
+            GroupMembers(self.conn).leave_on_stop(self.consumer, quiet=abandoned)
+        if not abandoned.is_set():
             forget(self.conn, self.consumer)
-        except BaseException as exc:  # raised in run(), not printed by the thread's hook
-            failed.append(exc)
 
-    def _drain(self) -> None:
+    def _drain(self, abandoned: threading.Event) -> None:
         """Handle what the read sent ahead with the last write brings (it is ours now)."""
         if not self.reader.read_pending:
             return
@@ -191,7 +183,10 @@ class Coordinator:
             self.handle_batch(list(self.reader.read(">", None)))
         except redis.RedisError as exc:
             # Left pending for this consumer: a coordinator's claim of stale entries takes them.
-            logger.warning("coordinator %s: last read not handled at stop (%s)", self.consumer, exc)
+            if not abandoned.is_set():
+                logger.warning(
+                    "coordinator %s: last read not handled at stop (%s)", self.consumer, exc
+                )
         finally:
             self.reader.reset()
 

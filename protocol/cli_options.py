@@ -11,7 +11,6 @@ import redis
 
 from protocol.connection import (
     DEFAULT_REDIS_URL,
-    SENTINEL_SCHEMES,
     connect,
     did_not_answer,
     redact_url,
@@ -102,6 +101,9 @@ def connect_or_fail(
 ) -> redis.Redis:
     """A client on ``url`` (default :data:`DEFAULT_REDIS_URL`) that answered a PING.
 
+    The PING waits :data:`COMMAND_TIMEOUT_S` for its answer whatever ``socket_timeout``: a
+    service (coordinator, worker) started against a hanging Redis says so within seconds.
+
     A Redis that stops answering or goes away later, in the command, is one line too (see
     :func:`lost_redis_message`).
 
@@ -117,7 +119,13 @@ def connect_or_fail(
     """
     url = DEFAULT_REDIS_URL if url is None else url
     try:
-        conn = connect(url, socket_timeout=socket_timeout, ping=True, dedicated=dedicated)
+        conn = connect(
+            url,
+            socket_timeout=socket_timeout,
+            ping=True,
+            check_timeout=COMMAND_TIMEOUT_S,
+            dedicated=dedicated,
+        )
     except PerseusError as exc:
         # A service's longer timeout (its blocking reads) is not for the user to shorten.
         hint = _wait_longer_hint(url, str(exc)) if socket_timeout == COMMAND_TIMEOUT_S else ""
@@ -129,8 +137,8 @@ def connect_or_fail(
 
 
 def _wait_longer_hint(url: str, message: str) -> str:
-    if "did not answer" not in message or url.startswith(SENTINEL_SCHEMES):
-        return ""  # a sentinel URL takes no ?socket_timeout=
+    if "did not answer" not in message:
+        return ""
     return "; to wait longer, add ?socket_timeout=SECONDS to the URL"
 
 

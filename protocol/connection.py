@@ -4,12 +4,14 @@ Besides redis-py's ``redis://``, ``rediss://`` (TLS) and ``unix://`` URLs, every
 ``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]`` (``rediss+sentinel``
 with TLS): the client asks the sentinels for the current master of ``service`` and finds the new
 one after a failover. The password, if any, is the data nodes' password; sentinels are asked
-without one unless ``sentinel_password`` is given as a query parameter.
+without one unless ``sentinel_password`` is given as a query parameter. ``socket_timeout``, as
+in a ``redis://`` URL, sets the seconds a command waits for the master's reply.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -172,6 +174,7 @@ def connect(
     socket_timeout: float | None = SOCKET_TIMEOUT_S,
     connect_timeout: float = CONNECT_TIMEOUT_S,
     ping: bool = False,
+    check_timeout: float | None = None,
     dedicated: bool = False,
 ) -> redis.Redis:
     """A Redis client with explicit connect and socket timeouts.
@@ -185,6 +188,10 @@ def connect(
         socket_timeout: Seconds a command may take (``None``: no limit).
         connect_timeout: Seconds to connect.
         ping: Check the server answers now.
+        check_timeout: Seconds that check waits for its answer, on a client of its own that
+            is closed then (default: ``socket_timeout``; a URL's ``?socket_timeout=`` wins). A
+            service's start against a hanging Redis then fails within seconds, not its
+            blocking reads' longer ``socket_timeout``.
         dedicated: A client that keeps one connection for itself (and connects now), for a
             loop on one thread such as the coordinator's: each command skips redis-py's
             pool checkout, about 10 us with redis-py 8 (a poll of the socket and two
@@ -199,10 +206,18 @@ def connect(
         ConfigError: ``url`` is not a Redis URL.
 
     """
+    if ping and check_timeout is not None and check_timeout != socket_timeout:
+        connect(
+            url, socket_timeout=check_timeout, connect_timeout=connect_timeout, ping=True
+        ).close()
+        ping = False
     conn: redis.Redis | None = None
     try:
         if url.startswith(SENTINEL_SCHEMES):
-            conn = _sentinel_master(parse_sentinel_url(url), socket_timeout, connect_timeout)
+            parsed = parse_sentinel_url(url)
+            if parsed.socket_timeout is not None:  # the URL's wins, as redis-py's from_url does
+                socket_timeout = parsed.socket_timeout
+            conn = _sentinel_master(parsed, socket_timeout, connect_timeout)
         else:
             conn = redis.Redis.from_url(
                 url,
@@ -315,15 +330,18 @@ class SentinelURL:
     password: str | None = None
     sentinel_password: str | None = None
     ssl: bool = False
+    socket_timeout: float | None = None
 
 
 def parse_sentinel_url(url: str) -> SentinelURL:
-    """Parse ``redis+sentinel://[user:pw@]h1:p1[,h2:p2...]/service[/db][?sentinel_password=..]``.
+    """Parse ``redis+sentinel://[user:pw@]h1:p1[,h2:p2...]/service[/db][?query]``.
+
+    The query takes ``sentinel_password`` and ``socket_timeout`` (seconds, above 0).
 
     Raises:
-        ValueError: The URL names no host, no service, a bad port or a bad db, has a
-            query parameter other than ``sentinel_password`` (or that one twice), or a
-            ``#`` fragment.
+        ValueError: The URL names no host, no service, a bad port or a bad db, has another
+            query parameter (or one twice), a ``socket_timeout`` that is not a number of
+            seconds, or a ``#`` fragment.
 
     """
     scheme, sep, rest = url.partition("://")
@@ -349,14 +367,27 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     if len(path) > 2 or (len(path) == 2 and not is_ascii_digits(path[1])):
         raise ValueError(f"sentinel URL path must be /service[/db]: {redact_url(url)}")
     query = parse_qs(parts.query, keep_blank_values=True)
-    unused = sorted(set(query) - {"sentinel_password"})
+    unused = sorted(set(query) - {"sentinel_password", "socket_timeout"})
     if unused:  # read by nothing: a setting that would do nothing, unsaid (or a misspelling)
         raise ValueError(
             f"sentinel URL parameter(s) {', '.join(unused)} not supported: a sentinel URL "
-            "takes only ?sentinel_password="
+            "takes only ?sentinel_password= and ?socket_timeout="
         )
-    if len(query.get("sentinel_password", ())) > 1:
-        raise ValueError("sentinel URL gives sentinel_password more than once: give it once")
+    for name in ("sentinel_password", "socket_timeout"):
+        if len(query.get(name, ())) > 1:
+            raise ValueError(f"sentinel URL gives {name} more than once: give it once")
+    socket_timeout = None
+    if "socket_timeout" in query:
+        given = query["socket_timeout"][-1]
+        try:
+            socket_timeout = float(given)
+        except ValueError:
+            socket_timeout = math.nan
+        if not 0 < socket_timeout < math.inf:
+            raise ValueError(
+                f"sentinel URL parameter socket_timeout={given!r} is not a number of seconds "
+                "above 0 (as in ?socket_timeout=10)"
+            )
     return SentinelURL(
         hosts=tuple(hosts),
         service=path[0],
@@ -365,6 +396,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         password=password,
         sentinel_password=query.get("sentinel_password", [None])[0],
         ssl=scheme == "rediss+sentinel",
+        socket_timeout=socket_timeout,
     )
 
 

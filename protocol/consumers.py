@@ -8,6 +8,7 @@ claimed by the others (XAUTOCLAIM) first, and nothing is lost.
 from __future__ import annotations
 
 import logging
+import threading
 
 import redis
 
@@ -53,16 +54,22 @@ class GroupMembers:
             stays += left == 0
         return stays
 
-    def leave_on_stop(self, consumer: str) -> None:
+    def leave_on_stop(self, consumer: str, quiet: threading.Event | None = None) -> None:
         """:meth:`leave`, as a coordinator stops cleanly: logs what it did, never raises.
 
         Entries still pending stay for the other coordinators to claim (XAUTOCLAIM); a later
         sweep removes the consumer once they have.
+
+        Args:
+            consumer: The coordinator's consumer name.
+            quiet: Once set, a failure is not logged: the stop went on without this and said
+                so, and the failure is its cut.
         """
         try:
             stays = self.leave(consumer)
         except redis.RedisError as exc:
-            logger.warning("coordinator %s: could not leave the group: %s", consumer, exc)
+            if quiet is None or not quiet.is_set():
+                logger.warning("coordinator %s: could not leave the group: %s", consumer, exc)
             return
         if stays:
             logger.info(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -140,6 +141,34 @@ def test_a_coordinator_stopped_while_redis_hangs_stops_within_seconds():
     assert took < 0.1 + STOP_GRACE_S + STOP_WAIT_S + 3.0, took
 
 
+def test_a_stop_that_skips_the_tidy_up_says_so_once_and_leaves_nothing_running(caplog):
+    # run() returned while its tidy-up still waited on the hanging Redis: the demo then
+    # closed the client, and the tidy-up logged "could not leave the group: Bad file
+    # descriptor" after run() had said it stopped without leaving.
+    before = set(threading.enumerate())
+    with EmbeddedRedis() as server:
+        conn = connect(server.url, socket_timeout=SOCKET_TIMEOUT_S, dedicated=True)
+        coord = Coordinator(conn, make_settings(server.url))
+        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 100}, daemon=True)
+        thread.start()
+        wait_for(lambda: coord.consumer in consumers(redis.Redis.from_url(server.url)), 10, "it")
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.5)  # its next read is in flight
+            with caplog.at_level(logging.INFO):
+                coord.stop_event.set()
+                thread.join(20)
+                assert not thread.is_alive()
+                conn.close()  # as the demo does once its coordinator's thread returned
+                wait_for(lambda: set(threading.enumerate()) <= before, 10, "no thread of it")
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 2, warned
+    assert "cutting its connections" in warned[0]
+    assert "stopping without leaving the consumer group" in warned[1]
+
+
 def test_an_error_in_the_stops_tidy_up_is_raised_by_run_not_printed_by_a_thread(
     r, redis_url, monkeypatch, capsys
 ):
@@ -147,7 +176,7 @@ def test_an_error_in_the_stops_tidy_up_is_raised_by_run_not_printed_by_a_thread(
     # raises still ends run() as before, not as a traceback from threading's hook.
     coord = Coordinator(r, make_settings(redis_url))
 
-    def refused(self: Coordinator) -> None:
+    def refused(self: Coordinator, abandoned: threading.Event) -> None:
         raise redis.exceptions.NoPermissionError("this user has no permissions")
 
     monkeypatch.setattr(Coordinator, "_drain", refused)

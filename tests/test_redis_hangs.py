@@ -6,6 +6,7 @@ within its command timeout and says so in one line, and no entry is lost.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,14 +20,19 @@ import redis
 
 from coordinator.embedded import EmbeddedRedis
 from protocol import keys
-from protocol.cli_options import COMMAND_TIMEOUT_S
+from protocol.cli_options import COMMAND_TIMEOUT_S, connect_or_fail
+from protocol.connection import SOCKET_TIMEOUT_S
 from protocol.models import ReportResult, encode_message
+from protocol.store import JobStore
 from tests.helpers import (
     ROOT,
+    SENTINEL_SERVICE,
     WITH_SIGINT,
     free_ports,
+    new_job,
     result,
     start_perseus,
+    start_sentinel,
     stop,
     subprocess_env,
     wait_for,
@@ -191,6 +197,129 @@ def test_operator_commands_give_up_on_a_hanging_redis_with_one_line(private_redi
     assert not (tmp_path / "dump").exists()
 
 
+SERVICES = [
+    ["coordinator", "--scheduler", ""],
+    ["worker", "--no-preload"],
+    ["demo", "--out", "demo-out"],
+]
+
+
+def test_a_service_started_against_a_hanging_redis_says_so_within_seconds(private_redis, tmp_path):
+    # Their first PING waited the services' 30 s socket timeout (measured 30.5-31.2 s).
+    shown = f"redis://:***@127.0.0.1:{private_redis.port}/0"
+    with stopped(private_redis):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "coordinator.cli", *args, "--redis-url", private_redis.url],
+                env=subprocess_env(tmp_path),
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for args in SERVICES
+        ]
+        try:
+            outputs = [proc.communicate(timeout=BOUND_S) for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    for args, proc, (_out, err) in zip(SERVICES, procs, outputs, strict=True):
+        assert proc.returncode == 1, (args, err)
+        assert err.endswith(
+            f"Error: Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s (Timeout "
+            "reading from socket)\n"
+        ), (args, err)
+    # Only the check is that short: a service's commands still wait its longer timeout.
+    conn = connect_or_fail(private_redis.url, SOCKET_TIMEOUT_S, dedicated=True)
+    try:
+        assert conn.connection is not None
+        assert conn.connection.socket_timeout == SOCKET_TIMEOUT_S
+    finally:
+        conn.close()
+
+
+def test_a_demo_stopped_while_redis_hangs_says_once_that_it_did_not_leave_the_group(
+    private_redis, tmp_path
+):
+    # The demo closed its Redis client while its coordinator's tidy-up still waited: after
+    # "stopping without leaving the consumer group" came "could not leave the group: Bad
+    # file descriptor" (or "Connection closed by server.").
+    args = ["demo", "--stages", "2", "--microbatches", "2", "--redis-url", private_redis.url]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        env=subprocess_env(tmp_path, PYTHONUNBUFFERED="1"),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, like a job in a terminal
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[1/4]"):
+                break
+        time.sleep(2)  # ranks, coordinator and worker are busy profiling
+        with stopped(private_redis):
+            time.sleep(1.5)  # the coordinator's next read waits on the stopped server
+            os.killpg(proc.pid, signal.SIGINT)
+            output = "".join(lines) + proc.communicate(timeout=60)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 1 and output.endswith("Aborted!\n"), output
+    assert "Traceback" not in output, output
+    assert output.count("stopping without leaving the consumer group") == 1, output
+    assert "could not leave" not in output, output
+
+
+def test_a_sentinel_urls_command_timeout_is_set_as_the_hint_says(private_redis, tmp_path):
+    # A sentinel URL refused ?socket_timeout=, so its 5 s could not be changed; its error
+    # gave no hint (a redis:// URL's says to add it).
+    (port,) = free_ports()
+    sentinel = start_sentinel(tmp_path, port, private_redis.port, 1, PASSWORD)
+    try:
+        wait_for(
+            lambda: redis.Redis(port=port).sentinel_get_master_addr_by_name(SENTINEL_SERVICE),
+            BOUND_S,
+            "the sentinel to know the master",
+        )
+        url = f"redis+sentinel://:{PASSWORD}@127.0.0.1:{port}/{SENTINEL_SERVICE}"
+        with stopped(private_redis):
+            default = subprocess.Popen(
+                [sys.executable, "-m", "coordinator.cli", "status", "--redis-url", url],
+                env=subprocess_env(),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            shorter = perseus(["status", "--redis-url", f"{url}?socket_timeout=1"])
+            try:
+                err = default.communicate(timeout=BOUND_S)[1]
+            finally:
+                default.kill()
+                default.wait()
+    finally:
+        sentinel.terminate()
+        sentinel.wait(timeout=10)
+    shown = url.replace(PASSWORD, "***")
+    hint = "; to wait longer, add ?socket_timeout=SECONDS to the URL\n"
+    assert default.returncode == 1 and err == (
+        f"Error: Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s (Timeout "
+        f"reading from socket){hint}"
+    ), err
+    assert shorter.returncode == 1 and shorter.stderr == (
+        f"Error: Redis at {shown}?socket_timeout=1 did not answer within 1 s (Timeout "
+        f"reading from socket){hint}"
+    ), shorter.stderr
+
+
 @pytest.mark.parametrize("fault", ["hangs", "goes away"])
 def test_redis_that_hangs_or_goes_away_mid_command_is_one_line_not_a_traceback(
     private_redis, fault
@@ -223,3 +352,44 @@ def test_redis_that_hangs_or_goes_away_mid_command_is_one_line_not_a_traceback(
     else:
         said = f"Error: lost the connection to Redis at {shown}: "
     assert err.startswith(said) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("fault", ["hangs", "goes away"])
+def test_a_dump_that_fails_part_way_says_its_folder_is_incomplete(private_redis, tmp_path, fault):
+    # It left the files written so far, which looked like a whole dump, and its one line
+    # did not say so; a dump run again into a folder kept the earlier dump's files as well.
+    job_id = "2026-11-28-00-00-00.000+dp1+pp4+tp1+StepDown+dump"
+    new_job(JobStore(redis.Redis.from_url(private_redis.url)), job_id, "StepDown")
+    folder = tmp_path / "dump" / job_id
+    whole = perseus(["dump", job_id, "--redis-url", private_redis.url, "--out", str(folder.parent)])
+    assert whole.returncode == 0 and (folder / "complete").exists(), whole.stderr
+    with SilentProxy(private_redis.url) as proxy:
+        url = proxy.url.replace("redis://", f"redis://:{PASSWORD}@")
+        proxy.silence_from(b"LRANGE")  # the journal, read after job.json and ranks.json
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "dump", job_id, "--redis-url", url],
+            env=subprocess_env(),
+            cwd=tmp_path,  # ./dump
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            if fault == "goes away":
+                wait_for(proxy.silent.is_set, BOUND_S, "the dump to read the journal")
+                proxy.close()
+            out, err = proc.communicate(timeout=BOUND_S)
+        finally:
+            proc.kill()
+            proc.wait()
+    shown = proxy.url.replace("redis://", "redis://:***@")
+    assert proc.returncode == 1 and out == "", err
+    said = f"Error: the dump in dump/{job_id} is incomplete (it has no 'complete' file; run "
+    said += "it again): "
+    if fault == "hangs":
+        said += f"Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s ("
+    else:
+        said += f"lost the connection to Redis at {shown}: "
+    assert err.startswith(said) and err.count("\n") == 1, err
+    assert (folder / "ranks.json").exists()  # what it had written
+    assert not (folder / "complete").exists()  # the earlier dump's went first

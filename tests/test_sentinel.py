@@ -12,46 +12,26 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
 
-from coordinator.embedded import EmbeddedRedis, redis_server_binary
+from coordinator.embedded import EmbeddedRedis
 from protocol.connection import connect, parse_sentinel_url, redact_url
 from protocol.exceptions import CoordinatorUnavailableError
 from tests.helpers import (
     FAST_RECOVERY,
+    SENTINEL_SERVICE,
     TOY_SCHEDULER,
     free_ports,
     make_hook,
     start_perseus,
+    start_sentinel,
     step_until,
     wait_for,
 )
 from tests.helpers import stop as stop_procs
 from worker_client.gpu.frequency import DryRunFrequencyController
-
-SERVICE = "perseus"
-
-
-def start_sentinel(folder: Path, port: int, master_port: int) -> subprocess.Popen:
-    folder.mkdir(parents=True, exist_ok=True)
-    conf = folder / "sentinel.conf"
-    conf.write_text(
-        f"port {port}\nbind 127.0.0.1\ndir {folder}\nlogfile {folder / 'sentinel.log'}\n"
-        f"sentinel monitor {SERVICE} 127.0.0.1 {master_port} 2\n"
-        f"sentinel down-after-milliseconds {SERVICE} 1000\n"
-        f"sentinel failover-timeout {SERVICE} 5000\n"
-        f"sentinel parallel-syncs {SERVICE} 1\n"
-    )
-    return subprocess.Popen(
-        [str(redis_server_binary()), str(conf), "--sentinel"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
 
 
 @pytest.fixture
@@ -78,7 +58,7 @@ def sentinel_cluster(tmp_path) -> Iterator[tuple[str, EmbeddedRedis, EmbeddedRed
             for port in p_sentinels:
                 try:
                     peer = redis.Redis(port=port, socket_timeout=1)
-                    if not peer.sentinel_slaves(SERVICE):
+                    if not peer.sentinel_slaves(SENTINEL_SERVICE):
                         return False
                 except redis.RedisError:
                     return False
@@ -86,7 +66,7 @@ def sentinel_cluster(tmp_path) -> Iterator[tuple[str, EmbeddedRedis, EmbeddedRed
 
         wait_for(all_see_the_replica, 30, "sentinels to discover the replica", poll=0.2)
         hosts = ",".join(f"127.0.0.1:{port}" for port in p_sentinels)
-        yield f"redis+sentinel://{hosts}/{SERVICE}/0", master, replica
+        yield f"redis+sentinel://{hosts}/{SENTINEL_SERVICE}/0", master, replica
     finally:
         for proc in sentinels:
             proc.terminate()
@@ -166,12 +146,12 @@ def test_no_sentinel_answering_is_one_short_line():
 
 
 def test_a_sentinel_url_parameter_that_is_not_used_is_refused_by_name():
-    # Only sentinel_password is read: ?socket_timeout=5 or ?ssl_cert_reqs=none did nothing,
+    # Only sentinel_password and socket_timeout are read: ?ssl_cert_reqs=none did nothing,
     # unsaid, and a misspelt sentinel_pasword sent no password.
     url = "redis+sentinel://a:26379/mymaster?sentinel_password=pw"
     assert parse_sentinel_url(url).sentinel_password == "pw"
     for query, named in (
-        ("socket_timeout=5", "socket_timeout"),
+        ("socket_timeot=5", "socket_timeot"),
         ("sentinel_pasword=pw", "sentinel_pasword"),
         ("ssl_cert_reqs=none&sentinel_password=pw", "ssl_cert_reqs"),
         ("verbose", "verbose"),
@@ -179,3 +159,14 @@ def test_a_sentinel_url_parameter_that_is_not_used_is_refused_by_name():
         with pytest.raises(ValueError, match=named) as caught:
             parse_sentinel_url(f"rediss+sentinel://a:26379/mymaster?{query}")
         assert "pw" not in str(caught.value).replace("sentinel_pasword", "")
+
+
+def test_a_sentinel_urls_socket_timeout_is_a_number_of_seconds():
+    # It was refused, so an operator command's 5 s could not be changed (the hint for a
+    # redis:// URL says to add it).
+    url = "redis+sentinel://a:26379/mymaster"
+    assert parse_sentinel_url(f"{url}?socket_timeout=2.5").socket_timeout == 2.5
+    assert parse_sentinel_url(url).socket_timeout is None
+    for value in ("", "abc", "0", "-1", "nan", "inf"):
+        with pytest.raises(ValueError, match=f"socket_timeout='{value}' is not a number"):
+            parse_sentinel_url(f"{url}?socket_timeout={value}")
