@@ -139,6 +139,8 @@ def connect_or_fail(
 def _wait_longer_hint(url: str, message: str) -> str:
     if "did not answer" not in message:
         return ""
+    if "socket_timeout=" in url.partition("?")[2]:  # told to add what the URL has
+        return "; to wait longer, raise the URL's ?socket_timeout="
     return "; to wait longer, add ?socket_timeout=SECONDS to the URL"
 
 
