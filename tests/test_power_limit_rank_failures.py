@@ -11,29 +11,6 @@ from tests.power_limit_rank import run_two_ranks
 LOST = "GPUError: the energy sampler thread failed: GPU is lost"
 
 
-@pytest.mark.parametrize("option", ["fail-window", "fail-window-carry"])
-def test_a_window_that_fails_on_one_rank_stops_every_rank_naming_it(
-    tmp_path: Path, option: str
-) -> None:
-    # Rank 1's monitor failed to end the 250 W window (its sampler died; with
-    # carry_across_epochs at an epoch end): rank 1 raised alone and rank 0 waited in the
-    # limit's all-reduce (gloo's "Connection closed by peer" once rank 1 was gone).
-    outputs = run_two_ranks(
-        tmp_path,
-        [str(tmp_path / "profile0.json")],
-        [str(tmp_path / "profile1.json"), "300", option],
-    )
-    lines = [out.splitlines() for out in outputs]
-    assert lines[1][0] == LOST, outputs
-    assert lines[0][0] == (
-        f"PerseusError: another rank could not measure power limit 250 W (rank 1: {LOST}): "
-        "no rank records it (a step begin after this error profiles it again)"
-    ), outputs
-    # Every rank kept 300 W only, and would profile 250 W again.
-    assert [line[1] for line in lines] == ["Ready(250,1) 1"] * 2
-    assert not (tmp_path / "profile0.json").exists()
-
-
 def test_a_monitor_that_fails_on_one_rank_stops_every_rank_naming_it(tmp_path: Path) -> None:
     # Rank 1's EnergyMonitor could not start (README's usage: the monitor first, then the
     # optimizer): rank 1 raised before its optimizer existed and rank 0 waited in the
@@ -56,23 +33,28 @@ SET = "GPUError: NVML nvmlDeviceSetPowerManagementLimit on GPU 0 failed: lost"
 @pytest.mark.parametrize(
     ("option", "why"),
     [
-        ("fail-set", SET),
-        ("fail-set-epoch", SET),
-        ("fail-max", SET),
-        ("fail-set-carry", SET),
-        ("fail-cancel", LOST),
+        pytest.param(option, why, id=option)
+        for option, why in [
+            ("fail-window", LOST),
+            ("fail-window-carry", LOST),
+            ("fail-set", SET),
+            ("fail-set-epoch", SET),
+            ("fail-max", SET),
+            ("fail-set-carry", SET),
+            ("fail-cancel", LOST),
+        ]
     ],
-    ids=["fail-set", "fail-set-epoch", "fail-max", "fail-set-carry", "fail-cancel"],
 )
-def test_a_limit_or_cancel_that_fails_on_one_rank_stops_every_rank_naming_it(
+def test_a_window_limit_or_cancel_that_fails_on_one_rank_stops_every_rank_naming_it(
     tmp_path: Path, option: str, why: str
 ) -> None:
-    # Rank 1's NVML could not set 250 W (after 300 W was measured, at a step begin after an
-    # epoch end, or as its paused warm-up resumed), or restore 300 W at an epoch end; or its
-    # monitor could not cancel the 250 W window at an epoch end (Zeus's default mode). Rank 1
-    # raised alone, at that step begin or epoch end, and rank 0 waited in 250 W's all-reduce
-    # (gloo's "Connection closed by peer" once rank 1 was gone). Now both raise in that
-    # all-reduce, rank 0 naming rank 1's error.
+    # Rank 1's monitor failed to end the 250 W window (its sampler died; with
+    # carry_across_epochs at an epoch end), or its NVML could not set 250 W (after 300 W was
+    # measured, at a step begin after an epoch end, or as its paused warm-up resumed) or
+    # restore 300 W at an epoch end, or its monitor could not cancel the 250 W window at an
+    # epoch end (Zeus's default mode). Rank 1 raised alone, at that step begin or epoch end,
+    # and rank 0 waited in 250 W's all-reduce (gloo's "Connection closed by peer" once rank 1
+    # was gone). Now both raise in that all-reduce, rank 0 naming rank 1's error.
     outputs = run_two_ranks(
         tmp_path,
         [str(tmp_path / "profile0.json")],
@@ -84,6 +66,7 @@ def test_a_limit_or_cancel_that_fails_on_one_rank_stops_every_rank_naming_it(
         f"PerseusError: another rank could not measure power limit 250 W (rank 1: {why}): "
         "no rank records it (a step begin after this error profiles it again)"
     ), outputs
+    # Every rank kept 300 W only, and would profile 250 W again.
     assert [line[1] for line in lines] == ["Ready(250,1) 1"] * 2
     assert not (tmp_path / "profile0.json").exists()
 
