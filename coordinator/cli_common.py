@@ -70,7 +70,8 @@ def load_settings(**overrides: Any) -> PerseusSettings:
     for note in zeus_variables(os.environ):
         click.echo(f"note: {note}", err=True)
     given = {k: v for k, v in overrides.items() if v is not None}
-    if "redis_url" not in given and "PERSEUS_REDIS_URL" not in os.environ:
+    # Settings are read whatever the case of their variables (see unknown_variables).
+    if "redis_url" not in given and "PERSEUS_REDIS_URL" not in {k.upper() for k in os.environ}:
         note_default_url()
     try:
         return PerseusSettings(**given)

@@ -233,19 +233,34 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """Messages for ``PERSEUS_*`` variables that nothing reads (a typo would go unnoticed).
 
     pydantic-settings ignores prefixed variables that match no field, so ``extra="forbid"``
-    alone does not catch ``PERSEUS_SCHEDULR``.
+    alone does not catch ``PERSEUS_SCHEDULR``. It reads the settings whatever their case
+    (``perseus_scheduler`` too, as Zeus's server read ``zeus_pfo_scheduler``), so they are
+    checked whatever the case; the other variables are read only as written in
+    :data:`OTHER_VARIABLES`, and a setting spelt two ways (either of which pydantic-settings
+    might take) is refused.
     """
     fields = {f"PERSEUS_{name.upper()}" for name in PerseusSettings.model_fields}
     known = fields | OTHER_VARIABLES
+    prefix = len("PERSEUS_")
     messages = []
+    spellings: dict[str, list[str]] = {}
     for name in sorted(environ):
-        if name.startswith("PERSEUS_") and name not in known:
-            # Compared without the prefix, which every name shares: PERSEUS_FOO is not
-            # close to PERSEUS_PLAN.
-            prefix = len("PERSEUS_")
-            close = difflib.get_close_matches(name[prefix:], sorted(k[prefix:] for k in known), n=1)
-            hint = f" (did you mean PERSEUS_{close[0]}?)" if close else ""
-            messages.append(f"unknown environment variable {name}{hint}")
+        upper = name.upper()
+        if not upper.startswith("PERSEUS_"):
+            continue
+        if upper in fields:
+            spellings.setdefault(upper, []).append(name)
+            continue
+        if name in OTHER_VARIABLES:
+            continue
+        # Compared without the prefix, which every name shares: PERSEUS_FOO is not
+        # close to PERSEUS_PLAN.
+        close = difflib.get_close_matches(upper[prefix:], sorted(k[prefix:] for k in known), n=1)
+        hint = f" (did you mean PERSEUS_{close[0]}?)" if close else ""
+        messages.append(f"unknown environment variable {name}{hint}")
+    for names in spellings.values():
+        if len(names) > 1:
+            messages.append(f"{' and '.join(names)} are one setting spelt two ways: keep one")
     return messages
 
 
@@ -260,15 +275,17 @@ def zeus_variables(environ: Mapping[str, str]) -> list[str]:
     started with no default scheduler, unsaid.
     """
     fields = {name.upper() for name in PerseusSettings.model_fields}
+    # Zeus's settings read their variables whatever the case (pydantic v1), and so do ours.
+    present = {name.upper() for name in environ}
     notes = []
     for name in sorted(environ):
-        if not name.startswith(ZEUS_PREFIX):
+        if not name.upper().startswith(ZEUS_PREFIX):
             continue
         note = f"{name} is Zeus's server variable, not read here"
         field = name[len(ZEUS_PREFIX) :].upper()
         if field in fields:
             ours = f"PERSEUS_{field}"
-            state = "set: that value is used" if ours in environ else "not set"
+            state = "set: that value is used" if ours in present else "not set"
             note += f": set {ours} instead ({state})"
         notes.append(note)
     return notes

@@ -588,6 +588,37 @@ def test_zeus_server_variables_are_named_as_not_read(redis_url):
     assert "note: ZEUS_PFO_FOO is Zeus's server variable, not read here" in result.output
 
 
+def test_variables_are_checked_whatever_their_case(redis_url):
+    # Settings are read whatever the case (pydantic-settings, as Zeus's settings were), so
+    # perseus_scheduler worked while a misspelt perseus_schedulr went unsaid, and so did
+    # zeus_pfo_scheduler, which Zeus's server reads as ZEUS_PFO_SCHEDULER.
+    assert unknown_variables({"perseus_schedulr": "x"}) == [
+        "unknown environment variable perseus_schedulr (did you mean PERSEUS_SCHEDULER?)"
+    ]
+    assert unknown_variables({"perseus_scheduler": "PointSolution"}) == []
+    # The simulated GPU's variables are read as written: another case is not read at all.
+    assert unknown_variables({"perseus_sim_gpu_dir": "/tmp/x"}) == [
+        "unknown environment variable perseus_sim_gpu_dir (did you mean PERSEUS_SIM_GPU_DIR?)"
+    ]
+    # Two spellings of one setting: pydantic-settings would take either, unsaid.
+    assert unknown_variables({"PERSEUS_SCHEDULER": "a", "perseus_scheduler": "b"}) == [
+        "PERSEUS_SCHEDULER and perseus_scheduler are one setting spelt two ways: keep one"
+    ]
+    env = {"zeus_pfo_scheduler": "PointSolution", "perseus_max_job_idle_time": "60"}
+    result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
+    assert result.exit_code == 0, result.output
+    assert "note: zeus_pfo_scheduler is Zeus's server variable, not read here" in result.output
+    assert "set PERSEUS_SCHEDULER instead (not set)" in result.output
+    env = {"ZEUS_PFO_MAX_JOB_IDLE_TIME": "60", "perseus_max_job_idle_time": "60"}
+    result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
+    assert "PERSEUS_MAX_JOB_IDLE_TIME instead (set: that value is used)" in result.output
+    # The URL read from perseus_redis_url is no default that another tool's variable hides.
+    env = {"perseus_redis_url": redis_url, "REDIS_URL": "redis://elsewhere:1/0"}
+    result = CliRunner().invoke(main, ["status"], env=env)
+    assert result.exit_code == 0, result.output
+    assert "REDIS_URL is set" not in result.output
+
+
 def test_an_invalid_setting_is_named_with_its_value_on_one_line(redis_url):
     env = {"PERSEUS_MAX_JOB_IDLE_TIME": "abc", "PERSEUS_STREAM_MAXLEN": "5"}
     result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
