@@ -265,6 +265,13 @@ def connect(
         if "scheme" in why:  # redis-py's list leaves out the sentinel schemes
             why = "it must start with redis://, rediss://, unix://, "
             why += " or ".join(SENTINEL_SCHEMES)
+            if url.lower().startswith(("http://", "https://")):
+                # Zeus's PerseusOptimizer took its HTTP server's URL in redis_url's place.
+                why += (
+                    "; this is an HTTP server's URL, as Zeus's server_url was: ranks and "
+                    "services meet in Redis, so give the Redis URL that `perseus coordinator` "
+                    "uses"
+                )
         elif reserved := _reserved_in_password(url):
             # redis-py's own message quotes the piece of the password before the character
             # (as a port: "Port could not be cast to integer value as 'abc'").

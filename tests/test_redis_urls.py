@@ -74,3 +74,13 @@ def test_a_database_given_twice_must_agree_and_a_unix_socket_may_name_localhost(
     client = connect("unix://localhost/tmp/redis.sock")
     assert client.connection_pool.connection_kwargs["path"] == "/tmp/redis.sock"
     client.close()
+
+
+@pytest.mark.parametrize("url", ["http://localhost:7787", "https://perseus.example.org/"])
+def test_an_http_url_is_told_to_be_the_coordinators_redis(url: str) -> None:
+    # Zeus's PerseusOptimizer took its HTTP server's URL in redis_url's place (server_url);
+    # the refusal listed Redis's schemes only, as if the scheme were a typo.
+    with pytest.raises(ConfigError, match="it must start with redis://") as caught:
+        connect(url)
+    assert "an HTTP server's URL, as Zeus's server_url was" in str(caught.value)
+    assert "the Redis URL that `perseus coordinator` uses" in str(caught.value)
