@@ -139,8 +139,35 @@ def test_tuples_accepted_instead_of_lists() -> None:
 
 
 def test_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"nope\.py: plan file not found"):
+    with pytest.raises(ConfigError, match=r"nope\.py: plan file not found$"):
         read_plan_file(tmp_path / "nope.py")
+
+
+def test_the_docs_placeholder_for_a_plan_number_is_named(tmp_path: Path) -> None:
+    # The Perseus docs' command gives "path/to/freqs_pipeline_%05d.py": copied as it is, the
+    # error said only "plan file not found", as if the file had gone.
+    with pytest.raises(ConfigError, match="plan file not found") as caught:
+        read_plan_file(tmp_path / "freqs_pipeline_%05d.py")
+    assert "%05d stands for a plan's number (freqs_pipeline_00042.py)" in str(caught.value)
+    assert "perseus choose" in str(caught.value)
+
+
+def test_a_plan_file_as_zeus_run_optimization_writes_it_is_read(tmp_path: Path) -> None:
+    # run_optimization.py writes `f"{stage_freq},\n"` per stage (a list of tuples, as repr
+    # gives it) between "[" and "]", then three "# Iteration N ..." comments.
+    stages = [
+        [(F, 1740), (F, 1725), (B, 1740), (B, 1710)],
+        [(F, 1740), (B, 1740), (F, 1725), (B, 1710)],
+    ]
+    body = "[\n" + "".join(f"{stage},\n" for stage in stages) + "]\n"
+    body += "# Iteration 3 cost change: 0.123\n# Iteration 3 total cost: 456.7\n"
+    body += "# Iteration 3 total cost with P2P: 789.0\n"
+    path = tmp_path / "freqs_pipeline_00003.py"
+    path.write_text(body)
+    plan = read_plan_file(path)
+    assert plan.stages == stages
+    assert plan.header == {} and len(plan.notes) == 3
+    assert plan.schedule == "1f1b"
 
 
 GOOD_STAGE = '[("forward", 1980), ("backward", 1980)]'

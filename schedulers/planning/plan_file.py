@@ -134,7 +134,13 @@ def read_plan_file(path: str | os.PathLike[str]) -> PlanFile:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{path}: plan file not found") from None
+        hint = ""
+        if "%05d" in path.name:  # The Perseus docs' placeholder, copied as it is.
+            hint = (
+                " (%05d stands for a plan's number (freqs_pipeline_00042.py): pick one with "
+                "`perseus choose DIR`)"
+            )
+        raise ConfigError(f"{path}: plan file not found{hint}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: plan file is not UTF-8 text ({exc.reason})") from None
     except OSError as exc:
