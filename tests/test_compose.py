@@ -59,11 +59,14 @@ def test_commands_are_real_cli_commands():
     assert coordinator_env["PERSEUS_PLAN"] == "${PERSEUS_PLAN:-/plans/plan.py}"
 
 
-def test_perseus_services_read_dot_env():
+def test_perseus_services_read_dot_env_and_run_under_an_init():
     services = load()["services"]
     for name in ("coordinator", "worker"):
         # Every PERSEUS_* line of .env reaches the service (not only those named here).
         assert services[name]["env_file"] == ".env", name
+        # A SIGTERM in a perseus process's first seconds, before its handlers, was ignored
+        # while it was PID 1: `docker compose stop` waited its 10 s and killed it.
+        assert services[name]["init"] is True, name
 
 
 def test_dockerfile_installs_the_console_script():
