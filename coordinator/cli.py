@@ -260,11 +260,12 @@ def worker(
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Redis first: an unreachable one is said at once, not after the preload's imports (1-2 s).
+    conn = connect_or_fail(settings.redis_url, SOCKET_TIMEOUT_S)  # rq's waits are longer
     if not no_preload:
         preload_schedulers()
     tune_gc()
     cls = PerseusWorker if fork else PerseusSimpleWorker
-    conn = connect_or_fail(settings.redis_url, SOCKET_TIMEOUT_S)  # rq's waits are longer
     kind = "forking" if fork else "long-lived"
     click.echo(
         f"perseus worker: queue={keys.RQ_QUEUE} {kind} redis={redact_url(settings.redis_url)}"

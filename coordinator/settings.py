@@ -7,6 +7,7 @@ values directly: ``PerseusSettings(redis_url=..., scheduler="PointSolution3D")``
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import os
 from collections.abc import Mapping
@@ -46,6 +47,11 @@ class PerseusSettings(BaseSettings):
             default): every job names its scheduler when it registers.
         scheduler_args: Extra keyword arguments for the scheduler's constructor, as JSON in the
             environment, e.g. ``PERSEUS_SCHEDULER_ARGS='{"solution_path": "plan.py"}'``.
+        plan: A plan file (``perseus choose``'s output) for a scheduler that takes a
+            ``solution_path`` (``PointSolution``, ``PointSolution3D``), used when
+            ``scheduler_args`` are empty: ``PERSEUS_PLAN=plan.py`` is then
+            ``PERSEUS_SCHEDULER_ARGS='{"solution_path": "plan.py"}'``. Unused otherwise (with no
+            scheduler, or one without that argument): docker-compose.yml always sets it.
         log_level: Logging level name.
         dump_data: Also write ranks, schedules and profiling results of each job to files.
         dump_dir: Where dumps go, one folder per job.
@@ -90,6 +96,7 @@ class PerseusSettings(BaseSettings):
     scheduler: str = ""
     # Parsed here, not by pydantic-settings' json.loads: a key given twice is refused.
     scheduler_args: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
+    plan: str = ""
     log_level: str = "INFO"
     dump_data: bool = False
     dump_dir: str = "./dump"
@@ -182,8 +189,11 @@ class PerseusSettings(BaseSettings):
                     "for, e.g. --scheduler PointSolution"
                 )
             return  # No default: every job must name its scheduler when it registers.
-        check_scheduler_args(self.scheduler, self.scheduler_args)
         scheduler = resolve_scheduler(self.scheduler)
+        takes_plan = "solution_path" in inspect.signature(scheduler).parameters
+        if self.plan and not self.scheduler_args and takes_plan:
+            self.scheduler_args = {"solution_path": self.plan}
+        check_scheduler_args(self.scheduler, self.scheduler_args)
         self.scheduler_args = scheduler.absolute_paths(self.scheduler_args)
         scheduler.check_files(self.scheduler_args)
 
@@ -216,7 +226,6 @@ OTHER_VARIABLES = frozenset(
         "PERSEUS_SIM_GPU_COUNT",
         "PERSEUS_SIM_GPU_DENY",
         # Read by docker-compose.yml and benchmarks/device_h100.sh, not by the services.
-        "PERSEUS_PLAN",
         "PERSEUS_REDIS_PASSWORD",
         "PERSEUS_REDIS_PORT",
         "PERSEUS_DEVICE_SIMULATE",

@@ -48,6 +48,10 @@ ADVANCE_TASK = "coordinator.tasks.advance_job"
 # whose first read went with the transaction that started it (queue_start). advance_job takes
 # its entry; the worker drops one left unused once the task ends (forget_start).
 _STARTED: dict[str, tuple[str, str, JobState | Exception]] = {}
+# rq task id -> (job id, lease token), chosen by a forking worker before it forks the task's
+# work horse (lease_before_fork): the horse's advance_job leases with that token, so that the
+# worker, which outlives a killed horse, can release the lease (release_after_horse).
+_FORKED: dict[str, tuple[str, str]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +77,10 @@ def queue_start(task: Job, pipe: Pipeline) -> StartRead | None:
     Returns:
         None for a task that is not :func:`advance_job`.
     """
-    try:
-        if task.func_name != ADVANCE_TASK or len(task.args) < 2:
-            return None
-        job_id, lease_ms = str(task.args[0]), int(task.args[1])
-    except Exception:  # An undecodable task: rq's own start writes must go on; rq fails
-        return None  # the task when it calls it, as it would without this read.
+    advance = _advance_args(task)
+    if advance is None:
+        return None
+    job_id, lease_ms = advance
     token = uuid.uuid4().hex
     lease, prefetch = (token, lease_ms), LIVE.expected_observation(job_id)
     count = JobStore.queue_job_state(pipe, job_id, lease=lease, prefetch=prefetch)
@@ -92,6 +94,50 @@ def queue_start(task: Job, pipe: Pipeline) -> StartRead | None:
             _STARTED[task.id] = (job_id, token, state)
 
     return StartRead(count, keep)
+
+
+def _advance_args(task: Job) -> tuple[str, int] | None:
+    """The job id and lease TTL (ms) of an :func:`advance_job` task; None for any other task."""
+    try:
+        if task.func_name != ADVANCE_TASK or len(task.args) < 2:
+            return None
+        return str(task.args[0]), int(task.args[1])
+    except Exception:  # An undecodable task: rq's own start writes must go on; rq fails
+        return None  # the task when it calls it.
+
+
+def lease_before_fork(task: Job) -> None:
+    """Choose the lease token of an advance task that a forked work horse is about to run.
+
+    The horse inherits it (a fork copies this process), and :func:`release_after_horse` in the
+    worker can then release a lease the horse left behind.
+    """
+    advance = _advance_args(task)
+    if advance is not None:
+        _FORKED[task.id] = (advance[0], uuid.uuid4().hex)
+
+
+def release_after_horse(conn: redis.Redis, task: Job, clean: bool) -> None:
+    """Once ``task``'s work horse has ended: release the lease it held, unless it exited cleanly.
+
+    A horse killed (rq's cold stop, its time-out, the OOM killer) could not release its lease:
+    the job waited for the lease to expire (``stall_timeout``, 10 s by default) before another
+    worker could compute it. The horse is gone, so nobody computes under that token any more;
+    a horse that exited by itself released it (or never took it) already.
+
+    Args:
+        conn: The worker's Redis client.
+        task: The rq task the horse ran.
+        clean: The horse exited with status 0.
+    """
+    left = _FORKED.pop(task.id, None)
+    if left is None or clean:
+        return
+    job_id, token = left
+    try:
+        JobStore(conn).release_lease(job_id, token)  # only if that token still holds it
+    except redis.RedisError as exc:  # it expires by itself
+        logger.warning("job %s: lease of a killed work horse not released: %s", job_id, exc)
 
 
 def forget_start(conn: redis.Redis, task: Job) -> None:
@@ -116,6 +162,13 @@ def _read_at_start(job_id: str) -> tuple[str, JobState | Exception] | None:
         return None
     _, token, read = _STARTED.pop(task.id)
     return token, read
+
+
+def _forked_token(job_id: str) -> str | None:
+    """The lease token the forking worker chose for the running task (None: none chosen)."""
+    task = get_current_job()
+    forked = _FORKED.get(task.id) if task is not None else None
+    return forked[1] if forked is not None and forked[0] == job_id else None
 
 
 def _connection() -> redis.Redis:
@@ -370,7 +423,7 @@ def advance_job(
     conn = conn if conn is not None else _connection()
     store = JobStore(conn) if stream_maxlen is None else JobStore(conn, stream_maxlen)
     started = _read_at_start(job_id)
-    token = started[0] if started is not None else uuid.uuid4().hex
+    token = started[0] if started is not None else _forked_token(job_id) or uuid.uuid4().hex
     published: list[int] = []
     for _ in range(_MAX_ROUNDS):
         # Taking the lease and reading the job's state is one round trip, and so is reading

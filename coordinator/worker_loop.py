@@ -42,7 +42,12 @@ from rq.worker import BaseWorker, WorkerStatus
 
 from coordinator.abandoned import clean_registries
 from coordinator.task_beats import TaskBeats
-from coordinator.tasks import forget_start, queue_start
+from coordinator.tasks import (
+    forget_start,
+    lease_before_fork,
+    queue_start,
+    release_after_horse,
+)
 from coordinator.worker_names import PROCESS_FIELD, claim_name, process_identity
 from coordinator.worker_outage import OutageLog
 from coordinator.worker_suspend import SuspendAwareQueue, TakenWhileSuspended
@@ -211,7 +216,33 @@ class _StopAware:
 
 
 class PerseusWorker(_StopAware, Worker):
-    """rq's forking worker that knows whether it was asked to stop."""
+    """rq's forking worker that knows whether it was asked to stop.
+
+    It chooses an advance task's lease token before forking the task's work horse, and
+    releases the lease once it has reaped a horse that did not exit by itself (rq's cold stop
+    kills it with SIGKILL): the job no longer waits for the lease to expire.
+    """
+
+    _horse_task: Job | None = None  # the task of the horse being waited for
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        """Run the task in a work horse as rq does, its lease token chosen first."""
+        lease_before_fork(job)
+        self._horse_task = job
+        try:
+            super().execute_job(job, queue)
+        finally:
+            self._horse_task = None
+            release_after_horse(self.connection, job, clean=True)  # forget the token
+
+    def wait_for_horse(self) -> tuple[int | None, int | None, Any]:
+        """Reap the horse as rq does; release the lease of one that was killed or failed."""
+        pid, stat, rusage = super().wait_for_horse()
+        task = self._horse_task
+        if pid is not None and stat is not None and task is not None:
+            clean = os.WIFEXITED(stat) and os.WEXITSTATUS(stat) == 0
+            release_after_horse(self.connection, task, clean)
+        return pid, stat, rusage
 
 
 # rq 3's worker records an execution, then the job's start, each in its own transaction.

@@ -294,6 +294,34 @@ def test_no_redis_at_the_url_says_what_to_start(tmp_path):
         assert "--redis-url or PERSEUS_REDIS_URL" in out
 
 
+# Run as `perseus ARGV`; at exit, print whether the schedulers' heavy modules were imported.
+_HEAVY_AT_EXIT = """
+import atexit, sys
+heavy = ("scipy", "numpy")
+atexit.register(lambda: print("heavy imported:", [m for m in heavy if m in sys.modules]))
+from coordinator.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_worker_without_redis_says_so_before_preloading_the_schedulers(tmp_path):
+    # Preloading the schedulers (scipy, numpy: about 1.5 s) came first: a worker pointed where
+    # no Redis listens said so only after importing them all.
+    (port,) = free_ports()
+    url = f"redis://127.0.0.1:{port}/0"
+    proc = subprocess.run(
+        [sys.executable, "-c", _HEAVY_AT_EXIT, "worker", "--redis-url", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=subprocess_env(tmp_path),
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"cannot reach Redis at {url}" in proc.stderr, proc.stderr
+    assert "heavy imported: []" in proc.stdout, proc.stdout
+
+
 def test_status_watch_refreshes_until_interrupted(redis_url, job, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "status", "--watch", "--interval", "0.2"],

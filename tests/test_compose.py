@@ -52,13 +52,21 @@ def test_commands_are_real_cli_commands():
 
         for var in env:
             assert var.removeprefix("PERSEUS_").lower() in PerseusSettings.model_fields, var
-    # The scheduler arguments are JSON once compose fills in the plan path.
-    import json
-    import re
+    # The scheduler's arguments come from .env (env_file) alone: the compose file names the
+    # plan, which the coordinator uses when they are not set (tests/test_compose_env.py).
+    coordinator_env = services["coordinator"]["environment"]
+    assert "PERSEUS_SCHEDULER_ARGS" not in coordinator_env
+    assert coordinator_env["PERSEUS_PLAN"] == "${PERSEUS_PLAN:-/plans/plan.py}"
 
-    raw = services["coordinator"]["environment"]["PERSEUS_SCHEDULER_ARGS"]
-    filled = re.sub(r"\$\{PERSEUS_PLAN:-([^}]*)\}", r"\1", raw)
-    assert json.loads(filled) == {"solution_path": "/plans/plan.py"}
+
+def test_perseus_services_read_dot_env_and_run_under_an_init():
+    services = load()["services"]
+    for name in ("coordinator", "worker"):
+        # Every PERSEUS_* line of .env reaches the service (not only those named here).
+        assert services[name]["env_file"] == ".env", name
+        # A SIGTERM in a perseus process's first seconds, before its handlers, was ignored
+        # while it was PID 1: `docker compose stop` waited its 10 s and killed it.
+        assert services[name]["init"] is True, name
 
 
 def test_dockerfile_installs_the_console_script():
@@ -155,9 +163,12 @@ def test_compose_config_validates(compose, tmp_path):
         pytest.skip(f"`{compose}` is not installed")
     if subprocess.run([*argv, "version"], capture_output=True, timeout=60).returncode != 0:
         pytest.skip(f"`{compose}` is not installed")
+    # A project of its own: the services' env_file is the .env beside the compose file.
+    shutil.copy(ROOT / "docker-compose.yml", tmp_path / "docker-compose.yml")
+    (tmp_path / ".env").write_text("")
     empty = tmp_path / "empty.env"
     empty.write_text("")
-    base = [*argv, "--env-file", str(empty), "-f", str(ROOT / "docker-compose.yml"), "config"]
+    base = [*argv, "--env-file", str(empty), "-f", str(tmp_path / "docker-compose.yml"), "config"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PERSEUS_")}
 
     def config(**extra: str) -> subprocess.CompletedProcess:

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from protocol import keys
 from protocol.models import JobInfo, ProfilingResult, RankInfo
 from protocol.store import JobStore
@@ -109,9 +111,12 @@ def test_killed_worker_and_coordinator_lose_nothing(tmp_path, redis_url, r):
     assert r.xlen(keys.DEADLETTER_STREAM) == 0
 
 
-def test_a_cold_shutdown_mid_task_releases_the_lease(tmp_path, redis_url, r):
+@pytest.mark.parametrize("mode", [[], ["--fork"]], ids=["long-lived", "fork"])
+def test_a_cold_shutdown_mid_task_releases_the_lease(tmp_path, redis_url, r, mode):
     # A second SIGTERM (rq's cold shutdown) ends the running advance task with SystemExit: the
     # lease must be released on the way out, not left to expire while no worker computes.
+    # The forking worker kills the task's work horse (SIGKILL), which can release nothing: the
+    # worker releases its lease once it has reaped it (the job waited out the 10 s lease).
     coordinator = start_perseus(
         [
             "coordinator",
@@ -125,7 +130,7 @@ def test_a_cold_shutdown_mid_task_releases_the_lease(tmp_path, redis_url, r):
         tmp_path,
         "coordinator.log",
     )
-    worker = start_perseus(["worker", "--redis-url", redis_url], tmp_path, "worker.log")
+    worker = start_perseus(["worker", "--redis-url", redis_url, *mode], tmp_path, "worker.log")
     store = JobStore(r)
     client = CoordinatorClient(redis_url, reply_timeout=30)
     try:
