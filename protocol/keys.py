@@ -40,7 +40,7 @@ FINISHED_JOBS = f"{PREFIX}:jobs:finished"
 # and idle for ``start_retention``, and drops the others from the set.
 STARTING_JOBS = f"{PREFIX}:jobs:starting"
 
-# Hash: coordinator consumer name (``<host>-<pid>``) -> unix time of its last loop round
+# Hash: coordinator consumer name (``<host>-<pid>``) -> Redis server time of its last loop round
 # (the container healthcheck, coordinator/health.py).
 COORDINATORS = f"{PREFIX}:coordinators"
 # Hash: coordinator consumer name -> JSON of the settings coordinators must agree on.
@@ -128,7 +128,7 @@ def job_artifacts(job_id: str) -> str:
 
 
 def job_summaries(job_id: str) -> str:
-    """Hash: version -> msgpack summary of its results (kept after the results expire)."""
+    """Hash: version -> msgpack summary of its results (kept after a snapshot deletes them)."""
     return job_key(job_id, "summaries")
 
 
@@ -138,12 +138,15 @@ def job_snapshot(job_id: str) -> str:
 
 
 def job_alive(job_id: str) -> str:
-    """Sorted set: rank -> Redis server time (s) of its last heartbeat (``perseus status``)."""
+    """Sorted set: ``<rank>:<proof>`` -> Redis server time (s) of its last heartbeat.
+
+    Drives ALIVE in ``perseus status``; an entry without the rank's proof is ignored.
+    """
     return job_key(job_id, "alive")
 
 
 def job_finished(job_id: str) -> str:
-    """Set of the ranks whose hook closed (finished training); all of them: job finished."""
+    """Set of ``<rank>:<proof>`` of the ranks whose hook closed; all of them: job finished."""
     return job_key(job_id, "finished")
 
 
