@@ -7,15 +7,20 @@ snapshot, so ``perseus dump`` writes what is left, plus ``summaries.json`` (each
 version's rank count, iteration time and energy). With ``--dump-dir`` (``dump_data``) every
 version is written as it is published, and the results a converged scheduler observes
 without publishing one as they are recorded, so nothing is missed. ``perseus dump`` writes
-``complete`` last: a folder without it holds a dump that failed part-way. :func:`load_ranks`,
-:func:`load_sched` and :func:`load_prof` read those files back (Zeus's names and arguments).
+``complete`` last: a folder without it holds a dump that failed part-way. A scheduler's
+artifacts (``profile.csv``, say) go in ``artifacts/`` (:func:`artifact_path`), so that no name
+a scheduler chooses (``complete``, ``job.json``) overwrites the dump's own files, or is
+overwritten by them. :func:`load_ranks`, :func:`load_sched` and :func:`load_prof` read those
+files back (Zeus's names and arguments).
 """
 
 from __future__ import annotations
 
 import json
+import string
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from pydantic import BaseModel
 
@@ -26,6 +31,23 @@ from protocol.store import JobRecord, JobStore
 M = TypeVar("M", bound=BaseModel)
 COMPLETE = "complete"
 """The file :func:`dump_job` writes last: without it, the folder's dump stopped part-way."""
+ARTIFACTS = "artifacts"
+"""The folder of a dump that holds the job's artifacts, one file each."""
+# Kept as they are in an artifact's file name: what no file system reads specially. Anything
+# else ('/', '%', a control character) is percent-encoded, so two names never share a file.
+_PLAIN = frozenset(string.ascii_letters + string.digits + " !#$&'()+,-.;=@[]^_`{}~")
+
+
+def artifact_path(folder: Path, name: str) -> Path:
+    """Where :func:`dump_job` writes the artifact ``name``: ``folder/artifacts/<name>``.
+
+    A name that is not a plain file name is percent-encoded (``a/b.csv`` is ``a%2Fb.csv``;
+    ``.`` and ``..`` are ``%2E`` and ``%2E%2E``; an empty one is ``%``), one file per name.
+    """
+    encoded = "".join(c if c in _PLAIN else quote(c, safe="") for c in name)
+    if encoded in ("", ".", ".."):
+        encoded = "%2E" * len(encoded) or "%"
+    return folder / ARTIFACTS / encoded
 
 
 def _write(path: Path, payload: Any) -> None:
@@ -100,9 +122,11 @@ def dump_job(store: JobStore, job_id: str, out_dir: str) -> Path:
     results = store.results(job_id, latest) if latest else []
     if results:
         _write(folder / f"{latest}.prof.json", _dump_models(list(results)))
-    for name, data in store.artifacts(job_id).items():
-        # Artifact names come from schedulers: keep only the last path component.
-        (folder / Path(name).name).write_bytes(data)
+    artifacts = store.artifacts(job_id)
+    if artifacts:
+        (folder / ARTIFACTS).mkdir(exist_ok=True)
+    for name, data in artifacts.items():
+        artifact_path(folder, name).write_bytes(data)
     journal = store.journal(job_id)
     _write(folder / "journal.json", _dump_models(list(journal)))
     _write(folder / "summaries.json", {str(v): s for v, s in store.summaries(job_id).items()})

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import redis
 
 from protocol import keys, rank_functions
+from protocol.connection import SOCKET_TIMEOUT_S, socket_timeout_of
 from protocol.exceptions import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,32 @@ class Backoff:
 
 STOP_GRACE_S = 1.0
 """How long, past its longest blocking read, a loop's command in flight may hold a stop."""
+
+
+def check_read_timeout(conn: redis.Redis, block_s: float, what: str) -> None:
+    """Refuse a client whose socket timeout would cut the loop's blocking reads short.
+
+    A read that blocks ``block_s`` for entries needs its reply that long: a URL's
+    ``?socket_timeout=`` at or below it timed out every idle read, and the loop only retried
+    with backoff (logged once), handling entries seconds late. The minimum leaves
+    :data:`STOP_GRACE_S` for the reply to travel.
+
+    Args:
+        conn: The loop's client (a URL's ``?socket_timeout=`` wins over the service's 30 s).
+        block_s: The loop's longest blocking read, seconds.
+        what: The loop, for the message (``coordinator HOST-PID``).
+
+    Raises:
+        ConfigError: The timeout is shorter than ``block_s`` + :data:`STOP_GRACE_S`.
+    """
+    timeout = socket_timeout_of(conn)
+    least = block_s + STOP_GRACE_S
+    if timeout is not None and timeout < least:
+        raise ConfigError(
+            f"{what}: socket_timeout={timeout:g} s (the Redis URL's ?socket_timeout=) is too "
+            f"short: its reads block up to {block_s:g} s waiting for entries; give at least "
+            f"?socket_timeout={least:g}, or leave it out ({SOCKET_TIMEOUT_S:g} s)"
+        )
 
 
 @contextmanager

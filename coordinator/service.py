@@ -36,6 +36,7 @@ from coordinator.registration import RankRegistrar, check_still_awaited
 from coordinator.resilience import (
     STOP_GRACE_S,
     Backoff,
+    check_read_timeout,
     check_redis_version,
     cut_when_stop_hangs,
     prepare_server,
@@ -114,11 +115,13 @@ class Coordinator:
         """Process entries until :attr:`stop_event` is set.
 
         Raises:
-            ConfigError: The Redis server is too old, a running coordinator has other
-                shared settings (see :func:`coordinator.health.agree_settings`), or the Redis
-                user may not do what a coordinator does (not the service role's user).
+            ConfigError: The client's socket timeout is too short for ``block_ms``, the
+                Redis server is too old, a running coordinator has other shared settings (see
+                :func:`coordinator.health.agree_settings`), or the Redis user may not do what
+                a coordinator does (not the service role's user).
         """
         what = f"coordinator {self.consumer}"
+        check_read_timeout(self.conn, block_ms / 1000, what)
         # A healthy Redis answers the read in flight within its block time.
         grace = block_ms / 1000 + STOP_GRACE_S
         with cut_when_stop_hangs(self.conn, self.stop_event, what, grace):

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from protocol.constants import MAX_CLOCK_MHZ
+from protocol.constants import MAX_CLOCK_MHZ, MAX_RANK_CLOCKS
 from protocol.exceptions import ConfigError
 from protocol.json_text import DuplicateKeyError, loads_unique
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
@@ -33,7 +33,36 @@ _MS = 0.001
 _REDIS_INT = 2**63 - 1
 # The most a rank's clock list may be: every whole MHz up to 10 GHz (an H100 has 110 clocks).
 # Past it the limit guards nothing: 10**18 let a rank register a list of any length.
-MAX_FREQUENCIES_LIMIT = MAX_CLOCK_MHZ
+MAX_FREQUENCIES_LIMIT = MAX_RANK_CLOCKS
+# The most ranks a job may have: ten times the default, past any training run yet (the largest
+# use about 100,000 GPUs). Each rank costs Redis a registration and a result per version.
+MAX_WORLD_SIZE_LIMIT = 1_000_000
+# The longest profiling sweep: one version per clock swept, so no longer than the clocks a
+# rank may register.
+MAX_SWEEP_VERSIONS_LIMIT = MAX_FREQUENCIES_LIMIT
+# The largest entry the coordinator decodes, 64 MiB: a result of 65,536 microbatches (the most
+# InstructionProfiler takes) over a few steps is about 12 MB, and decoding takes up to about
+# 65 times an entry's size in memory (msgpack's one-byte empty lists).
+MAX_ENTRY_BYTES_LIMIT = 64 * 1024 * 1024
+# Each ceiling with why it is there, for the error.
+_CEILINGS: dict[str, tuple[int, str]] = {
+    "max_frequencies": (
+        MAX_FREQUENCIES_LIMIT,
+        f"every whole MHz up to {MAX_CLOCK_MHZ // 1000} GHz; an H100 has 110 clocks",
+    ),
+    "max_world_size": (
+        MAX_WORLD_SIZE_LIMIT,
+        "ranks per job, past any training run: the largest use about 100,000 GPUs",
+    ),
+    "max_sweep_versions": (
+        MAX_SWEEP_VERSIONS_LIMIT,
+        "one version per clock swept, and a rank registers at most as many clocks",
+    ),
+    "max_entry_bytes": (
+        MAX_ENTRY_BYTES_LIMIT,
+        "64 MiB; the coordinator decodes an entry whole, into many times its size",
+    ),
+}
 
 
 class PerseusSettings(BaseSettings):
@@ -77,13 +106,16 @@ class PerseusSettings(BaseSettings):
         job_timeout: Seconds one rq scheduler task may run (planning a large pipeline inside
             a scheduler takes minutes; rq's own default is 180 s).
         max_entry_bytes: Largest stream entry the coordinator decodes; a larger one is
-            dead-lettered with its first bytes and size only.
-        max_world_size: Most ranks a job may register with.
+            dead-lettered with its first bytes and size only. At most
+            :data:`MAX_ENTRY_BYTES_LIMIT` (64 MiB).
+        max_world_size: Most ranks a job may register with; at most
+            :data:`MAX_WORLD_SIZE_LIMIT` (1,000,000).
         max_frequencies: Most clocks a rank may register (an H100 has 110); at most
-            :data:`MAX_FREQUENCIES_LIMIT`.
+            :data:`MAX_FREQUENCIES_LIMIT` (10,000).
         max_sweep_versions: Most schedule versions a job's profiling sweep may take (one per
             clock swept, e.g. ``InstructionProfiler``); a rank whose clocks would make it
-            longer is refused when it registers.
+            longer is refused when it registers. At most :data:`MAX_SWEEP_VERSIONS_LIMIT`
+            (10,000).
         snapshot_every: Schedule versions between snapshots of a job's scheduler state
             (schedulers that support them); each snapshot deletes the profiling results it
             consumed, so a long job's Redis memory stays flat. 0: never.
@@ -129,14 +161,13 @@ class PerseusSettings(BaseSettings):
                 raise ValueError(f"not JSON: {exc}") from None
         return value
 
-    @field_validator("max_frequencies")
+    @field_validator(*_CEILINGS)
     @classmethod
-    def _max_frequencies(cls, value: int) -> int:
-        if value > MAX_FREQUENCIES_LIMIT:
-            raise ValueError(
-                f"must be at most {MAX_FREQUENCIES_LIMIT} (every whole MHz up to "
-                f"{MAX_CLOCK_MHZ // 1000} GHz; an H100 has 110 clocks), got {value}"
-            )
+    def _at_most_ceiling(cls, value: int, info: ValidationInfo) -> int:
+        # A limit past its ceiling guards nothing: 10**18 was taken, and then used.
+        ceiling, why = _CEILINGS[str(info.field_name)]
+        if value > ceiling:
+            raise ValueError(f"must be at most {ceiling} ({why}), got {value}")
         return value
 
     @field_validator("log_level")

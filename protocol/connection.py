@@ -203,7 +203,8 @@ def connect(
     Raises:
         CoordinatorUnavailableError: ``ping`` and the server does not answer; the message
             names the URL with its password hidden.
-        ConfigError: ``url`` is not a Redis URL.
+        ConfigError: ``url`` is not a Redis URL, or (``ping``) names a database the server
+            does not have (see :func:`no_such_database`).
 
     """
     if ping and check_timeout is not None and check_timeout != socket_timeout:
@@ -257,6 +258,9 @@ def connect(
             f"{did_not_answer(url, waited)} ({exc}){_tls_hint(url, exc)}"
         ) from None
     except redis.RedisError as exc:
+        # Redis answered, refusing the SELECT of the URL's database sent on connecting.
+        if isinstance(exc, redis.ResponseError) and (why := no_such_database(url, conn, exc)):
+            raise ConfigError(why) from None
         raise CoordinatorUnavailableError(
             f"cannot reach Redis at {redact_url(url)}: {exc}{_tls_hint(url, exc)}"
         ) from None
@@ -282,6 +286,65 @@ def connect(
             )
         raise ConfigError(f"invalid Redis URL {redact_url(url)!r}: {why}") from None
     return conn
+
+
+# Redis's answers to SELECT past its databases, and past a 32-bit number.
+_DB_OUT_OF_RANGE = ("DB index is out of range", "value is out of range")
+
+
+def no_such_database(url: str, conn: redis.Redis | None, exc: Exception) -> str | None:
+    """``database N does not exist on URL: the server has M (0 to M-1)``, for SELECT's error.
+
+    Redis says only "DB index is out of range", which read as "cannot reach Redis". The count
+    is found with SELECT on a connection of its own (a user that may select the URL's
+    database may select the others; CONFIG needs rights an ACL user may lack); where that
+    fails, the message says Redis's default instead.
+
+    Args:
+        url: The URL ``conn`` was made from (its password is not shown).
+        conn: The client whose connection was refused.
+        exc: The error Redis answered with.
+
+    Returns:
+        The message, or None where ``exc`` is not that error.
+    """
+    if conn is None or not any(text in str(exc) for text in _DB_OUT_OF_RANGE):
+        return None
+    db = int(conn.connection_pool.connection_kwargs.get("db") or 0)
+    if not db:  # database 0 always exists: the error is another command's
+        return None
+    count = _database_count(conn, db)
+    has = (
+        f"the server has {count} (0 to {count - 1})"
+        if count
+        else "the server has fewer (its `databases` setting; 16 unless set: 0 to 15)"
+    )
+    return f"database {db} does not exist on {redact_url(url)}: {has}; use one of those"
+
+
+def _database_count(conn: redis.Redis, db: int) -> int | None:
+    """How many databases the server has, below ``db``, by binary search with SELECT."""
+    pool = conn.connection_pool
+    if type(pool) is not redis.ConnectionPool:  # a Sentinel's pool makes its own connections
+        return None
+    link = pool.connection_class(**{**pool.connection_kwargs, "db": 0})
+    low, high = 1, db  # database 0 exists; ``db`` does not
+    try:
+        link.connect()
+        while low < high:  # the count lies in [low, high]
+            middle = (low + high + 1) // 2
+            link.send_command("SELECT", middle - 1)
+            try:
+                link.read_response()
+            except redis.ResponseError:
+                high = middle - 1
+            else:
+                low = middle
+    except (redis.RedisError, OSError):
+        return None
+    finally:
+        link.disconnect()
+    return low
 
 
 def socket_timeout_of(conn: redis.Redis | None) -> float | None:

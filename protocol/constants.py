@@ -12,6 +12,10 @@ MAX_CLOCK_MHZ: int = 10_000
 """Highest GPU clock a profile may name, MHz: 10 GHz, five times an H100's top clock (1980)
 and past any GPU's; a larger one (10^20) is a typo or a unit mix-up (Hz or kHz for MHz)."""
 
+MAX_RANK_CLOCKS: int = MAX_CLOCK_MHZ
+"""Most clocks a rank may register, and a sweep's ``frequencies`` may list: every whole MHz up
+to :data:`MAX_CLOCK_MHZ` (an H100 has 110). The ceiling of ``PERSEUS_MAX_FREQUENCIES``."""
+
 MIN_TARGET_ITERATION_S: float = 1e-6
 """Shortest target iteration time (``perseus target``), seconds: no pipeline iteration is faster
 than a microsecond, and a smaller number (1e-300) is a typo, not a target."""

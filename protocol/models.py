@@ -14,7 +14,13 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from protocol.constants import MAX_TARGET_ITERATION_S, MAX_UNIX_TIME, MIN_TARGET_ITERATION_S
+from protocol.constants import (
+    MAX_CLOCK_MHZ,
+    MAX_RANK_CLOCKS,
+    MAX_TARGET_ITERATION_S,
+    MAX_UNIX_TIME,
+    MIN_TARGET_ITERATION_S,
+)
 from protocol.exceptions import ProtocolError
 from protocol.tokens import sign
 
@@ -73,15 +79,22 @@ class RankInfo(_Model):
         dp_rank: Data parallel rank.
         pp_rank: Pipeline parallel rank (the pipeline stage).
         tp_rank: Tensor parallel rank.
-        available_frequencies: Supported GPU graphics clocks in MHz, highest first.
+        available_frequencies: Supported GPU graphics clocks in MHz, highest first: at most
+            :data:`~protocol.constants.MAX_RANK_CLOCKS` of them, each at most
+            :data:`~protocol.constants.MAX_CLOCK_MHZ`.
     """
 
     rank: int = Field(ge=0)
     dp_rank: int = Field(ge=0)
     pp_rank: int = Field(ge=0)
     tp_rank: int = Field(ge=0)
-    # Positive: checked by pydantic-core, item by item (the error names the index).
-    available_frequencies: list[Annotated[int, Field(gt=0)]] = Field(min_length=1)
+    # Checked by pydantic-core, item by item (the error names the index). The length first,
+    # before any item: ten million clocks were validated and deduplicated whole before the
+    # coordinator's max_frequencies refused them, and a clock of 10**15 MHz was swept and
+    # failed the planner (which takes up to MAX_CLOCK_MHZ) after the sweep.
+    available_frequencies: list[Annotated[int, Field(gt=0, le=MAX_CLOCK_MHZ)]] = Field(
+        min_length=1, max_length=MAX_RANK_CLOCKS
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RankInfo:

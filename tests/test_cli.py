@@ -23,7 +23,12 @@ from rq import Queue
 from coordinator.cli import main
 from coordinator.cli_common import load_settings
 from coordinator.service import Coordinator
-from coordinator.settings import unknown_variables
+from coordinator.settings import (
+    MAX_ENTRY_BYTES_LIMIT,
+    MAX_SWEEP_VERSIONS_LIMIT,
+    MAX_WORLD_SIZE_LIMIT,
+    unknown_variables,
+)
 from protocol import keys
 from protocol.connection import DEFAULT_REDIS_URL, connect
 from protocol.exceptions import ConfigError
@@ -682,6 +687,26 @@ def test_max_frequencies_has_a_ceiling_that_the_error_states(redis_url):
     assert f"PERSEUS_MAX_FREQUENCIES = '{10**18}': must be at most 10000" in result.output
     assert "an H100 has 110 clocks" in result.output
     env = {"PERSEUS_MAX_FREQUENCIES": "10000"}
+    result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(
+    ("name", "ceiling", "why"),
+    [
+        ("MAX_WORLD_SIZE", MAX_WORLD_SIZE_LIMIT, "ranks per job"),
+        ("MAX_SWEEP_VERSIONS", MAX_SWEEP_VERSIONS_LIMIT, "one version per clock swept"),
+        ("MAX_ENTRY_BYTES", MAX_ENTRY_BYTES_LIMIT, "decodes an entry whole"),
+    ],
+)
+def test_the_limits_on_clients_have_ceilings_that_the_error_states(redis_url, name, ceiling, why):
+    # Each took 10**18 and then used it: a job of 10**18 ranks, entries of any size decoded.
+    env = {f"PERSEUS_{name}": str(ceiling + 1)}
+    result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
+    assert result.exit_code == 2, result.output
+    assert f"PERSEUS_{name} = '{ceiling + 1}': must be at most {ceiling} (" in result.output
+    assert why in result.output
+    env = {f"PERSEUS_{name}": str(ceiling)}
     result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
     assert result.exit_code == 0, result.output
 

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from protocol import keys
+from protocol.constants import MAX_CLOCK_MHZ, MAX_RANK_CLOCKS
 from protocol.deadletter import list_dead_letters
 from protocol.exceptions import ProtocolError
 from protocol.models import (
@@ -17,6 +18,7 @@ from protocol.models import (
     RankInfo,
     RegisterJob,
     Reply,
+    decode_message,
     encode_message,
     unpack,
     validate,
@@ -130,6 +132,27 @@ def test_huge_counts_are_refused_at_registration(service, redis_url):
     )
     with pytest.raises(ProtocolError, match="5000 frequencies, over max_frequencies=1024"):
         client.register_rank(job_id, rank)
+
+
+@pytest.mark.parametrize(
+    ("clocks", "words"),
+    [
+        # Ten million clocks were read, checked one by one and deduplicated first.
+        (list(range(1, MAX_RANK_CLOCKS + 2)), f"should have at most {MAX_RANK_CLOCKS} items"),
+        # A clock of 10**15 MHz was swept, and failed the planner after the sweep.
+        ([1980, 10**15], "available_frequencies.1: Input should be less than or equal to"),
+    ],
+)
+def test_a_ranks_clock_list_is_bounded_whatever_the_settings(clocks, words):
+    rank = {"rank": 0, "dp_rank": 0, "pp_rank": 0, "tp_rank": 0, "available_frequencies": clocks}
+    raw = {"kind": "register_rank", "request_id": "r1", "job_id": "j", "rank_info": rank}
+    with pytest.raises(ProtocolError, match=r"rank_info\.available_frequencies") as info:
+        decode_message({b"data": msgpack.packb(raw)})
+    assert words in str(info.value)
+    rank["available_frequencies"] = list(range(MAX_CLOCK_MHZ, MAX_CLOCK_MHZ - MAX_RANK_CLOCKS, -1))
+    assert len(decode_message({b"data": msgpack.packb(raw)}).rank_info.available_frequencies) == (
+        MAX_RANK_CLOCKS
+    )
 
 
 def test_a_check_of_several_fields_reads_as_one_plain_sentence() -> None:

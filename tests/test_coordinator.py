@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -429,10 +430,34 @@ def test_scheduler_artifacts_are_stored_and_dumped(r, redis_url, tmp_path):
     advance_job("j3", conn=r)
     assert store.artifacts("j3") == {"note.txt": b"made by version 1"}
     folder = dump_job(store, "j3", str(tmp_path))
-    assert (folder / "note.txt").read_bytes() == b"made by version 1"
+    assert (folder / "artifacts" / "note.txt").read_bytes() == b"made by version 1"
     assert (folder / "1.sched.json").exists() and (folder / "journal.json").exists()
     store.delete_job("j3")
     assert r.exists(keys.job_artifacts("j3")) == 0
+
+
+def test_artifacts_named_like_the_dumps_own_files_overwrite_nothing(r, redis_url, tmp_path):
+    from coordinator.dump import dump_job
+    from protocol.models import JobConfig
+
+    # Written beside them, an artifact "job.json" replaced the job's file, and "complete"
+    # was replaced by the dump's marker; "a/x" and "b/x" both went to "x".
+    store = JobStore(r)
+    job = JobInfo(job_id="j4", pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    store.create_job(job, JobConfig(scheduler="PointSolution"), "1-0")
+    named = ["complete", "job.json", "journal.json", "1.sched.json", "a/x", "b/x", "..", "."]
+    artifacts = {name: f"artifact {name}".encode() for name in named}
+    store.save_artifacts("j4", artifacts)
+    folder = dump_job(store, "j4", str(tmp_path))
+    assert json.loads((folder / "job.json").read_text())["info"]["job_id"] == "j4"
+    assert (folder / "complete").read_text().startswith("perseus dump of j4")
+    assert json.loads((folder / "journal.json").read_text()) == []
+    assert not (folder / "1.sched.json").exists() and not (folder / "x").exists()
+    from coordinator.dump import artifact_path
+
+    assert {name: artifact_path(folder, name).read_bytes() for name in named} == artifacts
+    assert len(list((folder / "artifacts").iterdir())) == len(named)
+    assert artifact_path(folder, "a/x").name == "a%2Fx"
 
 
 def test_dump_and_status_commands(service, r, redis_url, tmp_path):

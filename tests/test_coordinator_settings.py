@@ -10,6 +10,7 @@ import pytest
 from coordinator.health import agree_settings, beat
 from coordinator.service import Coordinator
 from protocol import keys
+from protocol.connection import connect
 from protocol.exceptions import ConfigError
 from tests.helpers import make_settings, wait_for
 
@@ -93,3 +94,34 @@ def test_a_beat_stamped_just_after_the_check_reads_no_negative_age(r, redis_url)
     with pytest.raises(ConfigError) as caught:
         agree_settings(r, "host-b-1", other.shared(), now)
     assert "(running: last round 0.0 s ago)" in str(caught.value)
+
+
+def _run_briefly(coordinator: Coordinator) -> BaseException | None:
+    """Run ``coordinator`` in a thread for at most 5 s; what it raised (None: it ran)."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            coordinator.run()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(5)
+    coordinator.stop_event.set()
+    thread.join(10)
+    return raised[0] if raised else None
+
+
+def test_a_socket_timeout_that_cuts_the_blocking_reads_is_refused_at_start(redis_url):
+    # ?socket_timeout=1 timed out every idle read of 1 s: the coordinator only retried with
+    # backoff, handling entries seconds late, with one warning in its log.
+    sep = "&" if "?" in redis_url else "?"
+    short = connect(f"{redis_url}{sep}socket_timeout=1")
+    failed = _run_briefly(Coordinator(short, make_settings(redis_url)))
+    assert isinstance(failed, ConfigError), failed
+    assert "socket_timeout=1 s (the Redis URL's ?socket_timeout=) is too short" in str(failed)
+    assert "give at least ?socket_timeout=2, or leave it out (30 s)" in str(failed)
+    enough = connect(f"{redis_url}{sep}socket_timeout=2")
+    assert _run_briefly(Coordinator(enough, make_settings(redis_url))) is None

@@ -10,7 +10,8 @@ import pytest
 from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from protocol.scheduler import FrequencyScheduler
-from schedulers.parallel3d import make_3d_parallel, merge_stage_results
+from schedulers.parallel3d import check_rank_infos, make_3d_parallel, merge_stage_results
+from tests.helpers import make_settings
 
 
 class Recorder(FrequencyScheduler):
@@ -284,3 +285,17 @@ def test_missing_rank_infos_rejected() -> None:
         ProtocolError, match="ranks 0 and 1 both registered as dp_rank 0, pp_rank 0"
     ):
         Recorder3D(job(2, dp=2), same)
+
+
+@pytest.mark.timeout(60)
+def test_a_job_at_the_default_world_size_limit_is_checked_at_once() -> None:
+    # Duplicates were counted rank by rank: 40,000 ranks took 99 s, and a job of
+    # max_world_size's default (100,000) held its rq worker about ten minutes per build.
+    size = make_settings("redis://localhost:1").max_world_size
+    infos = [
+        RankInfo(rank=i, dp_rank=i, pp_rank=0, tp_rank=0, available_frequencies=[1980])
+        for i in range(size)
+    ]
+    assert len(check_rank_infos(job(1, dp=size), infos)) == size
+    with pytest.raises(ProtocolError, match=r"ranks \[7\] registered twice"):
+        check_rank_infos(job(1, dp=size), [*infos, infos[7]])

@@ -7,7 +7,9 @@ from click.testing import CliRunner
 
 from coordinator.cli import main
 from protocol.connection import connect
-from protocol.exceptions import ConfigError
+from protocol.exceptions import ConfigError, CoordinatorUnavailableError
+from protocol.models import JobInfo
+from worker_client.hook.session import CoordinatorClient
 
 
 def status(url: str) -> tuple[int, str]:
@@ -84,3 +86,32 @@ def test_an_http_url_is_told_to_be_the_coordinators_redis(url: str) -> None:
         connect(url)
     assert "an HTTP server's URL, as Zeus's server_url was" in str(caught.value)
     assert "the Redis URL that `perseus coordinator` uses" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["status"],
+        ["jobs", "list"],
+        ["deadletter", "list"],
+        ["coordinator", "--scheduler", ""],
+        ["worker", "--burst", "--no-preload"],
+    ],
+)
+def test_a_database_the_server_lacks_is_named_with_how_many_it_has(r, redis_url, command):
+    # Said as "cannot reach Redis at URL: DB index is out of range", though Redis answered.
+    count = int(r.config_get("databases")["databases"])
+    sep = "&" if "?" in redis_url else "?"
+    for db in (count, 10**12):  # the second is past SELECT's 32-bit range
+        url = f"{redis_url}{sep}db={db}"
+        result = CliRunner().invoke(main, [*command, "--redis-url", url])
+        assert result.exit_code == 1, result.output
+        assert result.output == (
+            f"Error: database {db} does not exist on {url}: the server has {count} "
+            f"(0 to {count - 1}); use one of those\n"
+        )
+    # A training hook's registration says so too.
+    client = CoordinatorClient(f"{redis_url}{sep}db={count}", reply_timeout=5)
+    job = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    with pytest.raises(CoordinatorUnavailableError, match=f"database {count} does not exist"):
+        client.register_job(job, "PointSolution")

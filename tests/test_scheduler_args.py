@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from coordinator.cli import main
 from coordinator.job_config import job_config
 from protocol import keys
+from protocol.constants import MAX_RANK_CLOCKS
 from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import JobInfo, RegisterJob
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
@@ -301,6 +302,12 @@ def test_a_plan_text_that_does_not_parse_is_refused_when_the_job_registers(
         ({"microbatches": 2, "frequencies": [1980, 1980]}, "lists 1980 MHz more than once"),
         # A worker built 2 x 2**28 instruction names per stage (gigabytes) for such a job.
         ({"microbatches": 2**28}, "microbatches must be <= 65536, got 268435456"),
+        # Counted for duplicates one clock at a time: 200,000 (a 1 MiB entry) held the
+        # coordinator for minutes.
+        (
+            {"microbatches": 2, "frequencies": list(range(MAX_RANK_CLOCKS + 1, 0, -1))},
+            f"frequencies lists {MAX_RANK_CLOCKS + 1} clocks, more than {MAX_RANK_CLOCKS}",
+        ),
     ],
 )
 def test_a_job_sending_unusable_profiler_values_is_refused_at_registration(

@@ -20,7 +20,7 @@ from redis.retry import Retry
 
 from protocol import keys
 from protocol.acl import refused
-from protocol.connection import SOCKET_TIMEOUT_S, connect, redact_url
+from protocol.connection import SOCKET_TIMEOUT_S, connect, no_such_database, redact_url
 from protocol.exceptions import (
     ConfigError,
     CoordinatorUnavailableError,
@@ -221,7 +221,8 @@ class CoordinatorClient:
 
     def unavailable(self, exc: redis.RedisError) -> CoordinatorUnavailableError:
         """The error a training script gets for a Redis failure (the server, not redis-py's)."""
-        return CoordinatorUnavailableError(f"redis at {self.where}: {exc}")
+        why = no_such_database(self.redis_url, self.conn, exc)  # the URL's ?db=, not Redis
+        return CoordinatorUnavailableError(why or f"redis at {self.where}: {exc}")
 
     def fetch_schedule(self, job_id: str, version: int, rank: int) -> FrequencySchedule:
         """Read and check one rank's schedule of ``version``."""
