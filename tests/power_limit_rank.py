@@ -16,7 +16,8 @@ epochs, NVML fails to set 250 W again as its paused warm-up resumes. ``fail-opti
 every limit is measured, NVML fails to set the optimum it chose (250 W), once; training then
 goes on for one step more (so does ``go-on``, on a rank that fails in nothing).
 ``fail-optimum-loaded``: the profile PROFILE_PATH holds is loaded, and NVML fails to set its
-optimum (250 W) as the optimizer starts. Prints its final state, or the error that refused
+optimum (250 W) as the optimizer starts. ``fail-selector``: a selector that raises once every
+limit is measured. Prints its final state, or the error that refused
 the optimizer, or the error training raised and the state then (and the GPU's limit, in W,
 after the step more).
 :func:`run_two_ranks` starts two of them.
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
 from protocol.exceptions import ConfigError, GPUError, PerseusError
+from protocol.models import PowerLimitMeasurement
 from tests import fake_nvml_power as fake
 from worker_client.gpu.energy import EnergyMonitor
 from worker_client.gpu.nvml import NVML
@@ -76,6 +79,13 @@ class RefusingNVML(NVML):
         super().set_power_limit_mw(index, milliwatts)
 
 
+class FailingSelector(Energy):
+    """A user's selector that fails on this rank (it reads a file this node lacks, say)."""
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
+        raise ConfigError("the selector's table is missing on this node")
+
+
 REFUSALS = {
     "fail-set": (250, 1),
     "fail-set-epoch": (250, 2),
@@ -105,7 +115,7 @@ def main() -> None:
     fake.reset(num_gpus=1, min_limit_mw=200_000, max_limit_mw=max_w * 1000)
     training = fake.ReplayTraining(TABLE, [0])
     option = sys.argv[5] if len(sys.argv) > 5 else ""
-    selector = Energy() if option == "energy" else None
+    selector = {"energy": Energy(), "fail-selector": FailingSelector()}.get(option)
     monitor_type = fake.ReplayMonitor
     if option.startswith("fail-window"):
         monitor_type = FailingMonitor

@@ -135,3 +135,22 @@ def test_a_loaded_optimum_that_cannot_be_set_on_one_rank_stops_every_rank_at_sta
     assert outputs[0].startswith(
         f"PerseusError: another rank could not set the optimal power limit 250 W (rank 1: {SET})"
     ), outputs
+
+
+def test_a_selector_that_fails_on_one_rank_stops_every_rank_naming_it(tmp_path: Path) -> None:
+    # Rank 1's selector raised once every limit was measured, alone: rank 0 chose 250 W and
+    # waited in the all-reduce that agrees on it (gloo's "Connection closed by peer" once
+    # rank 1 was gone). Now rank 1's error reaches rank 0 there.
+    outputs = run_two_ranks(
+        tmp_path,
+        [str(tmp_path / "profile0.json")],
+        [str(tmp_path / "profile1.json"), "300", "fail-selector"],
+    )
+    why = "ConfigError: the selector's table is missing on this node"
+    lines = [out.splitlines() for out in outputs]
+    assert lines[1][0] == why, outputs
+    assert lines[0][0].startswith(
+        f"PerseusError: another rank could not set the optimal power limit 250 W (rank 1: {why})"
+    ), outputs
+    # Every limit measured is kept: rank 1 saved them without an optimum.
+    assert load_profile_file(tmp_path / "profile1.json").optimal_power_limit is None

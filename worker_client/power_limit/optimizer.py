@@ -213,7 +213,7 @@ class GlobalPowerLimitOptimizer(Callback):
         if profile is not None:
             self.measurements = list(profile.measurements)
             self._profiled_at = profile.updated_at
-            optimal = self._compute_optimal_power_limit()
+            optimal = self._compute_optimal_power_limit(at_start=True)
             logger.info("%s", describe_reuse(profile, optimal, self.optimum_selector))
             self.state = Done(optimal_power_limit=optimal)
             if self.profile_path is not None and not self.profile_path.exists():
@@ -476,7 +476,7 @@ class GlobalPowerLimitOptimizer(Callback):
         except Exception as exc:
             self._windows.fail(milliwatts if profiled is None else profiled, exc)
 
-    def _compute_optimal_power_limit(self) -> int:
+    def _compute_optimal_power_limit(self, at_start: bool = False) -> int:
         # Every rank gets here together (its last window, or the profile all ranks load) and
         # reduces, whatever its selector: a rank given another one left the rest waiting.
         _, gpus = self.reducer(0.0, float(len(self.gpu_indices)))
@@ -484,7 +484,11 @@ class GlobalPowerLimitOptimizer(Callback):
             # Energy is summed over the ranks' GPUs, so MaxPower must count all of them: Zeus's
             # len(monitor.gpu_indices) made 2 ranks x 1 GPU choose otherwise than 1 x 2.
             self.optimum_selector = ZeusCost(eta_knob=0.5, world_size=max(1, round(gpus)))
-        watts = chosen_limit(self.optimum_selector, self.measurements)
+        try:
+            watts = chosen_limit(self.optimum_selector, self.measurements)
+        except Exception as exc:  # a user's selector that fails on one rank alone: the others
+            agree_on_optimum(0, exc, self.reducer, at_start=at_start)  # agree on the optimum
+            raise
         return limit_to_set(watts, self.power_limits, self.min_power_limit_mw)
 
     def _save_profile(self, stamp: bool = True, store: bool = True) -> None:
