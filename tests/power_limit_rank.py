@@ -12,9 +12,14 @@ epoch end; ``fail-set-epoch``, NVML fails to set 250 W again after the epoch end
 NVML fails to restore 300 W at the epoch end. Without epochs, ``fail-set``: NVML fails to set
 250 W once 300 W is measured; ``fail-start``, NVML fails to raise a GPU left at 250 W to
 300 W as the optimizer starts. ``fail-set-carry``: with ``carry_across_epochs`` and 4-step
-epochs, NVML fails to set 250 W again as its paused warm-up resumes. Prints its final state,
-or the error that refused the optimizer, or the error training raised and the state
-then.
+epochs, NVML fails to set 250 W again as its paused warm-up resumes. ``fail-optimum``: once
+every limit is measured, NVML fails to set the optimum it chose (250 W), once; training then
+goes on for one step more (so does ``go-on``, on a rank that fails in nothing).
+``fail-optimum-loaded``: the profile PROFILE_PATH holds is loaded, and NVML fails to set its
+optimum (250 W) as the optimizer starts. ``fail-selector``: a selector that raises once every
+limit is measured. Prints its final state, or the error that refused
+the optimizer, or the error training raised and the state then (and the GPU's limit, in W,
+after the step more).
 :func:`run_two_ranks` starts two of them.
 """
 
@@ -22,12 +27,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
-from protocol.exceptions import ConfigError, GPUError
+from protocol.exceptions import ConfigError, GPUError, PerseusError
+from protocol.models import PowerLimitMeasurement
 from tests import fake_nvml_power as fake
 from worker_client.gpu.energy import EnergyMonitor
 from worker_client.gpu.nvml import NVML
@@ -56,20 +63,27 @@ class FailingCancelMonitor(fake.ReplayMonitor):
 
 
 class RefusingNVML(NVML):
-    """The fake GPUs' NVML, failing the ``first``-th and later writes of ``watts``."""
+    """The fake GPUs' NVML, failing the ``first``-th to ``last``-th writes of ``watts``."""
 
-    def __init__(self, watts: int, first: int) -> None:
+    def __init__(self, watts: int, first: int, last: int | None = None) -> None:
         super().__init__(fake.__name__)
-        self.watts, self.first, self.writes = watts, first, 0
+        self.watts, self.first, self.last, self.writes = watts, first, last, 0
 
     def set_power_limit_mw(self, index: int, milliwatts: int) -> None:
         if milliwatts == self.watts * 1000:
             self.writes += 1
-            if self.writes >= self.first:
+            if self.first <= self.writes <= (self.last or self.writes):
                 raise GPUError(
                     f"NVML nvmlDeviceSetPowerManagementLimit on GPU {index} failed: lost"
                 )
         super().set_power_limit_mw(index, milliwatts)
+
+
+class FailingSelector(Energy):
+    """A user's selector that fails on this rank (it reads a file this node lacks, say)."""
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement]) -> int:
+        raise ConfigError("the selector's table is missing on this node")
 
 
 REFUSALS = {
@@ -78,7 +92,10 @@ REFUSALS = {
     "fail-set-carry": (250, 2),
     "fail-max": (300, 1),
     "fail-start": (300, 1),
+    "fail-optimum": (250, 2, 2),  # the first write of 250 W is the one that profiles it
+    "fail-optimum-loaded": (250, 1),
 }
+GO_ON = ("go-on", "fail-optimum")
 EPOCH_STEPS = {
     "fail-window-carry": 3,
     "fail-set-carry": 4,
@@ -98,7 +115,7 @@ def main() -> None:
     fake.reset(num_gpus=1, min_limit_mw=200_000, max_limit_mw=max_w * 1000)
     training = fake.ReplayTraining(TABLE, [0])
     option = sys.argv[5] if len(sys.argv) > 5 else ""
-    selector = Energy() if option == "energy" else None
+    selector = {"energy": Energy(), "fail-selector": FailingSelector()}.get(option)
     monitor_type = fake.ReplayMonitor
     if option.startswith("fail-window"):
         monitor_type = FailingMonitor
@@ -132,7 +149,7 @@ def main() -> None:
             carry_across_epochs=carry,
             nvml=nvml,
         )
-    except (ConfigError, GPUError) as exc:
+    except PerseusError as exc:  # its ConfigError or GPUError, or another rank's
         print(f"{type(exc).__name__}: {exc}", flush=True)
         dist.destroy_process_group()
         return
@@ -140,7 +157,11 @@ def main() -> None:
         fake.run_steps(opt, training, 20 if carry else 12, epoch_steps=epoch_steps)
     except Exception as exc:
         print(f"{type(exc).__name__}: {exc}", flush=True)
+        if option in GO_ON:  # training goes on, and so does the optimizer
+            opt.on_step_begin()
     print(fake.describe_state(opt.state), len(opt.measurements), flush=True)
+    if option in GO_ON:
+        print(fake.STATE.gpus[0].limit_mw // 1000, flush=True)
     dist.destroy_process_group()
 
 

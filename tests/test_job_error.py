@@ -31,6 +31,8 @@ from tests.helpers import (
     wait_for,
 )
 from worker_client.gpu.frequency import DryRunFrequencyController
+from worker_client.hook.session import CoordinatorClient
+from worker_client.hook.watchers import ScheduleWatcher
 
 
 @pytest.fixture
@@ -191,3 +193,54 @@ def test_a_failure_after_publishing_is_logged_and_the_job_goes_on(r, tmp_path, c
         assert advance_job("dumps", conn=r) == [2]
     assert store.job_error("dumps") == ""
     assert "saving its artifacts, dump or snapshot failed" in caplog.text
+
+
+def _failed_then_mended(r, tmp_path, job_id: str, failing_now: bool) -> None:
+    """A one-rank job whose scheduler failed after version 1 (and computed again, unless
+    ``failing_now``), driven in-process as rq's worker and `rq requeue` would."""
+    flag = tmp_path / "flag"
+    store = JobStore(r)
+    job = JobInfo(job_id=job_id, pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    config = JobConfig(
+        scheduler="tests.toy_schedulers:StepsUnlessFlagged", scheduler_args={"flag": str(flag)}
+    )
+    store.create_job(job, config, "1-1")
+    info = RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+    store.add_rank(job, info)
+    assert advance_job(job_id, conn=r) == [1]
+    store.add_result(job, result(0, 1))
+    flag.touch()
+    with pytest.raises(RuntimeError, match="is in the way"):
+        advance_job(job_id, conn=r)
+    assert "is in the way" in store.job_error(job_id)
+    if not failing_now:
+        flag.unlink()
+        assert advance_job(job_id, conn=r) == [2]
+        assert store.job_error(job_id) == ""
+
+
+@pytest.mark.parametrize("failing_now", [False, True], ids=["mended", "failing"])
+def test_a_rank_that_joins_after_a_failure_logs_only_the_jobs_state_now(
+    r, redis_url, tmp_path, caplog, failing_now
+):
+    """A joining rank's watcher replays the updates stream from its start: it logged the
+    scheduler's failure, and then its end, as news, although the job had long computed again
+    (and where it still failed, it said so as if it had just happened). Now the replay is read
+    as the job's state when the rank joined: a failure logged only if it still lasts, once."""
+    _failed_then_mended(r, tmp_path, "mended", failing_now)
+    version = JobStore(r).version("mended")
+    client = CoordinatorClient(redis_url)
+    watcher = ScheduleWatcher(client, "mended", rank=0, version=version, heartbeat_interval=60)
+    try:
+        with caplog.at_level(logging.WARNING, logger="worker_client.hook.watchers"):
+            watcher.start()
+            wait_for(lambda: version in watcher._seen, 10, "the watcher to read the stream")
+        said = [m for m in (rec.getMessage() for rec in caplog.records) if "its scheduler" in m]
+        if failing_now:
+            assert len(said) == 1 and "its scheduler failed" in said[0], said
+            assert "is in the way" in watcher.job_error
+        else:
+            assert said == [] and watcher.job_error == ""
+    finally:
+        watcher.stop()
+        client.close()

@@ -324,10 +324,12 @@ def test_reducer_is_pluggable(training: ReplayTraining) -> None:
     run_steps(opt, training, 17)
     # First the ladder's mark (max, then min as max of its negative) and whether any rank
     # lacks a profile (this one does: energy 1, summed), then each limit, then the GPUs as
-    # the limit is chosen (every rank reduces then, whatever its selector).
+    # the limit is chosen (every rank reduces then, whatever its selector), then the ranks
+    # that could not set it (none: 0, summed).
     assert calls[0][0] == -calls[1][0] > 0 and (calls[0][1], calls[1][1]) == (0.0, 1.0)
-    assert len(calls) == 2 + len(LADDER) + 1 and calls[-1] == (0.0, len(opt.gpu_indices))
-    for call, pl in zip(calls[2:-1], LADDER, strict=True):
+    assert len(calls) == 2 + len(LADDER) + 2
+    assert calls[-2:] == [(0.0, len(opt.gpu_indices)), (0.0, 0.0)]
+    for call, pl in zip(calls[2:-2], LADDER, strict=True):
         assert call == pytest.approx(expected(pl))
     assert opt.measurements[0].time == pytest.approx(expected(300)[0] + 1.0)
     assert opt.measurements[0].energy == pytest.approx(expected(300)[1] * 4)

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.power_limit_rank import run_two_ranks
+from protocol.models import PowerLimitMeasurement, PowerLimitProfile
+from tests.power_limit_rank import TABLE, run_two_ranks
+from worker_client.power_limit.profile import load_profile_file, save_profile_file
 
 LOST = "GPUError: the energy sampler thread failed: GPU is lost"
 
@@ -84,3 +86,71 @@ def test_a_maximum_that_cannot_be_set_on_one_rank_stops_every_rank_at_start(tmp_
     assert outputs[0].startswith(
         f"ConfigError: 1 other rank(s) could not start their power-limit optimizer (rank 1: {SET})"
     ), outputs
+
+
+def test_an_optimum_that_cannot_be_set_on_one_rank_stops_every_rank_naming_it(
+    tmp_path: Path,
+) -> None:
+    # Every limit measured, rank 1's NVML could not set the optimum (250 W): rank 1 raised
+    # alone without saving the profile, while rank 0 saved its own and trained on at 250 W,
+    # rank 1's GPU at 200 W, with no collective left to tell it. Now every rank saves the
+    # profile, then raises, and the next step begin sets the optimum on every rank again.
+    outputs = run_two_ranks(
+        tmp_path,
+        [str(tmp_path / "profile0.json"), "300", "go-on"],
+        [str(tmp_path / "profile1.json"), "300", "fail-optimum"],
+    )
+    lines = [out.splitlines() for out in outputs]
+    assert lines[1][0] == SET, outputs
+    assert lines[0][0] == (
+        f"PerseusError: another rank could not set the optimal power limit 250 W (rank 1: {SET}): "
+        "the profile is saved, and a step begin after this error sets the limit again"
+    ), outputs
+    assert [line[1:] for line in lines] == [["Done(250) 3", "250"]] * 2
+    profiles = [load_profile_file(tmp_path / f"profile{rank}.json") for rank in (0, 1)]
+    assert [p.optimal_power_limit for p in profiles] == [250, 250]
+    assert profiles[0].measurements == profiles[1].measurements
+
+
+def test_a_loaded_optimum_that_cannot_be_set_on_one_rank_stops_every_rank_at_start(
+    tmp_path: Path,
+) -> None:
+    # Both ranks loaded a profile whose optimum is 250 W; rank 1's NVML could not set it: its
+    # constructor raised alone, after the last collective of rank 0's, which trained on at
+    # 250 W (rank 1's GPU at 300 W). Now every constructor raises, naming it.
+    measured = [
+        PowerLimitMeasurement(power_limit=w, time=2 * t, energy=4 * t * p)
+        for w, (t, p) in TABLE.items()
+    ]
+    for rank in (0, 1):
+        save_profile_file(
+            PowerLimitProfile(measurements=measured), tmp_path / f"profile{rank}.json"
+        )
+    outputs = run_two_ranks(
+        tmp_path,
+        [str(tmp_path / "profile0.json")],
+        [str(tmp_path / "profile1.json"), "300", "fail-optimum-loaded"],
+    )
+    assert outputs[1].startswith(SET), outputs
+    assert outputs[0].startswith(
+        f"PerseusError: another rank could not set the optimal power limit 250 W (rank 1: {SET})"
+    ), outputs
+
+
+def test_a_selector_that_fails_on_one_rank_stops_every_rank_naming_it(tmp_path: Path) -> None:
+    # Rank 1's selector raised once every limit was measured, alone: rank 0 chose 250 W and
+    # waited in the all-reduce that agrees on it (gloo's "Connection closed by peer" once
+    # rank 1 was gone). Now rank 1's error reaches rank 0 there.
+    outputs = run_two_ranks(
+        tmp_path,
+        [str(tmp_path / "profile0.json")],
+        [str(tmp_path / "profile1.json"), "300", "fail-selector"],
+    )
+    why = "ConfigError: the selector's table is missing on this node"
+    lines = [out.splitlines() for out in outputs]
+    assert lines[1][0] == why, outputs
+    assert lines[0][0].startswith(
+        f"PerseusError: another rank could not set the optimal power limit 250 W (rank 1: {why})"
+    ), outputs
+    # Every limit measured is kept: rank 1 saved them without an optimum.
+    assert load_profile_file(tmp_path / "profile1.json").optimal_power_limit is None

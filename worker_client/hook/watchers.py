@@ -53,6 +53,8 @@ class ScheduleWatcher(threading.Thread):
     and right after an outage, it marks the job active, so that a long run on a converged
     schedule (which reports nothing new) is not deleted as idle, and checks that Redis still
     has the job (one restarted without persistence has forgotten it: see :attr:`job_lost`).
+    The scheduler's failures and recoveries it logs as they come (:attr:`job_error`); of those
+    from before the rank joined, only the job's state then (a failure that still lasts).
 
     Its commands go over connections of its own (:meth:`CoordinatorClient.background_client`),
     which :meth:`stop` disconnects to end the one in flight: a heartbeat whose reply a silent
@@ -100,6 +102,7 @@ class ScheduleWatcher(threading.Thread):
     def run(self) -> None:
         """Follow the updates stream until stopped (thread body)."""
         last_id = "0"
+        caught_up = False  # the first read returns the stream so far: from before this rank
         while not self._stop_event.is_set():
             try:
                 # Block until the next heartbeat is due: an idle watcher costs one command
@@ -123,15 +126,20 @@ class ScheduleWatcher(threading.Thread):
                 for _stream, entries in reply or []:
                     last_id = entries[-1][0].decode()
                     versions = self._announced(entries)
-                    for _, fields in entries:
-                        if b"error" in fields:
-                            self._note_error(fields[b"error"].decode(errors="replace"))
+                    errors = [
+                        f[b"error"].decode(errors="replace") for _, f in entries if b"error" in f
+                    ]
+                    # Of the stream so far, only the last says the job's state now: failures and
+                    # recoveries before it are history, not news for a rank that just joined.
+                    for error in errors if caught_up else errors[-1:]:
+                        self._note_error(error)
                     if not versions:
                         continue
                     self._note_announcements(versions)
                     newest = max(versions)
                     if newest > self._version:
                         self._take_newest(newest)
+                caught_up = True
             except TRANSIENT_ERRORS as exc:
                 if self._stop_event.is_set():
                     return

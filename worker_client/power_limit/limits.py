@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import NoReturn
 
 from protocol.exceptions import ConfigError, GPUError, PerseusError
 from worker_client.gpu.nvml import NVML
 from worker_client.power_limit.monitor import (
     Reducer,
+    WindowMonitor,
     torch_distributed_reasons,
     torch_distributed_reducer,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def power_limit_ladder(max_mw: int, min_mw: int, pl_step: int) -> list[int]:
@@ -22,6 +26,24 @@ def power_limit_ladder(max_mw: int, min_mw: int, pl_step: int) -> list[int]:
 def format_watts(milliwatts: int) -> str:
     """A limit for a message: ``250 W``."""
     return f"{milliwatts / 1000:g} W"
+
+
+def limit_to_set(watts: int, ladder: list[int], min_mw: int) -> int:
+    """The limit (mW) to set for a selector's choice of ``watts`` among ``ladder``'s limits.
+
+    Measured at a limit of the ladder, recorded in whole watts: the one measured. A loaded
+    profile's limit outside the GPUs' range (``min_mw`` to ``ladder[0]``) is clamped to it,
+    with a warning.
+    """
+    chosen = next((mw for mw in ladder if mw // 1000 == watts), watts * 1000)
+    clamped = min(max(chosen, min_mw), ladder[0])
+    if clamped != chosen:
+        logger.warning(
+            "profile's limit %s is outside this GPU's range; using %s",
+            format_watts(chosen),
+            format_watts(clamped),
+        )
+    return clamped
 
 
 def _ladder_mark(ladder: list[int]) -> float:
@@ -144,6 +166,44 @@ def refuse_failed_window(
     )
 
 
+def agree_on_optimum(
+    power_limit_mw: int, failure: Exception | None, reducer: Reducer, *, at_start: bool = False
+) -> None:
+    """Return once every rank set the optimal limit; else raise on every rank.
+
+    A collective: every rank calls it once it has tried to set the limit profiling chose (or
+    a loaded profile's), so that a write NVML refuses on one rank (the others then trained on
+    at another limit, silently) is every rank's error. The rank that failed raises its own
+    error, the others a :class:`PerseusError` naming it and its error where the reducer is
+    :func:`torch_distributed_reducer` (one more collective gathers the errors, only then).
+
+    Args:
+        power_limit_mw: The optimal limit, mW.
+        failure: What stopped this rank setting it, if anything.
+        reducer: The optimizer's reducer.
+        at_start: The optimizer's constructor sets it (from a loaded profile).
+
+    Raises:
+        Exception: ``failure`` itself, on its rank.
+        PerseusError: On every other rank.
+    """
+    _, failed = reducer(0.0, float(failure is not None))
+    if failed == 0 and failure is None:
+        return
+    why = _failed_ranks(failure, reducer) or " (its own error says why)"
+    if failure is not None:
+        raise failure
+    then = (
+        "no rank starts its optimizer"
+        if at_start
+        else "the profile is saved, and a step begin after this error sets the limit again"
+    )
+    raise PerseusError(
+        f"another rank could not set the optimal power limit {format_watts(power_limit_mw)}"
+        f"{why}: {then}"
+    )
+
+
 def _is_permission_error(exc: GPUError) -> bool:
     text = str(exc).lower()
     return "no permission" in text or "insufficient permission" in text
@@ -163,6 +223,19 @@ def common_range(nvml: NVML, nvml_of: dict[int, int]) -> tuple[int, int]:
             "optimizer needs GPUs of one kind (monitor them with one optimizer each)"
         )
     return ranges[next(iter(nvml_of))]
+
+
+def nvml_indices_of(monitor: WindowMonitor, nvml: NVML) -> dict[int, int]:
+    """``monitor``'s GPUs (its CUDA indices) mapped to the NVML indices their limits go to.
+
+    An ``EnergyMonitor`` knows them (``nvml_indices``); a ZeusMonitor's CUDA indices are mapped
+    through ``CUDA_VISIBLE_DEVICES``.
+    """
+    gpus = list(monitor.gpu_indices)
+    nvml_indices = getattr(monitor, "nvml_indices", None)
+    if nvml_indices is None:
+        nvml_indices = [nvml.cuda_to_nvml(i) for i in gpus]
+    return dict(zip(gpus, nvml_indices, strict=True))
 
 
 def set_power_limit(nvml: NVML, nvml_of: dict[int, int], milliwatts: int) -> None:

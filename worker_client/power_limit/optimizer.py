@@ -27,7 +27,8 @@ States (``optimizer.state``; limits in milliwatts as in Zeus), driven by the
         step of an epoch includes the data loader's restart), then the window resumes where
         it stopped. Profiling finishes even when epochs are shorter than
         ``warmup_steps + profile_steps`` (at least 2 steps long).
-    Done(optimal limit): nothing more happens
+    Done(optimal limit): set on every rank's GPUs (the ranks agree it is, in one more
+        all-reduce: where one rank could not, every rank raises, and step begins set it again)
 
 Each state's ``steps`` counts down as Zeus's does: the step begins left until the next
 transition. The first ``wait_steps`` step begins are ignored (e.g. a first step that compiles
@@ -56,8 +57,11 @@ from worker_client.callback import Callback
 from worker_client.gpu.nvml import NVML
 from worker_client.power_limit.arguments import check_arguments
 from worker_client.power_limit.limits import (
+    agree_on_optimum,
     common_range,
     format_watts,
+    limit_to_set,
+    nvml_indices_of,
     power_limit_ladder,
     ranks_without_profile,
     refuse_to_start,
@@ -95,29 +99,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = [  # re-exported: the selectors (selectors.py), monitor.py, limits.py, protocol.models
-    "Done",
-    "Energy",
-    "GlobalPowerLimitOptimizer",
-    "MaxSlowdownConstraint",
-    "OptimumSelector",
-    "Paused",
-    "PowerLimitMeasurement",
-    "PowerLimitProfile",
-    "Profiling",
-    "Ready",
-    "Reducer",
-    "State",
-    "Time",
-    "Warmup",
-    "WindowMonitor",
-    "ZeusCost",
-    "load_profile_file",
-    "power_limit_ladder",
-    "refuse_to_start",
-    "save_profile_file",
-    "torch_distributed_reducer",
-]
+# Re-exported: the selectors (selectors.py), monitor.py, limits.py, protocol.models.
+__all__ = [
+    "Done", "Energy", "GlobalPowerLimitOptimizer", "MaxSlowdownConstraint", "OptimumSelector",
+    "Paused", "PowerLimitMeasurement", "PowerLimitProfile", "Profiling", "Ready", "Reducer",
+    "State", "Time", "Warmup", "WindowMonitor", "ZeusCost", "load_profile_file",
+    "power_limit_ladder", "refuse_to_start", "save_profile_file", "torch_distributed_reducer"
+]  # fmt: skip
 
 
 class GlobalPowerLimitOptimizer(Callback):
@@ -145,8 +133,9 @@ class GlobalPowerLimitOptimizer(Callback):
         workload: Name of the workload in ``profile_store``.
         reducer: Combines this rank's (time, energy) with the other ranks' (max of times,
             sum of energies); default :func:`torch_distributed_reducer`. Also called twice at
-            construction (the ranks that found no profile, and whether all profile one ladder)
-            and once as the limit is chosen (the GPUs of all ranks, for the default selector).
+            construction (the ranks that found no profile, and whether all profile one ladder),
+            once as the limit is chosen (the GPUs of all ranks, for the default selector) and
+            once as it is set (the ranks that could not).
         restore_on_exit: Register :meth:`close` to run at interpreter exit.
 
     Raises:
@@ -157,7 +146,9 @@ class GlobalPowerLimitOptimizer(Callback):
 
     What stops one rank's constructor stops every rank's at once, the others with a
     ConfigError naming it (see :func:`~worker_client.power_limit.limits.ranks_without_profile`);
-    a rank that fails before (its monitor) hands its error to :func:`refuse_to_start`.
+    a rank that fails before (its monitor) hands its error to :func:`refuse_to_start`. A
+    loaded profile's optimum that one rank cannot set is every rank's PerseusError too (see
+    :func:`~worker_client.power_limit.limits.agree_on_optimum`).
 
     """
 
@@ -188,6 +179,7 @@ class GlobalPowerLimitOptimizer(Callback):
         self._resume_steps = 0  # measured steps a paused window resumes from
         self._profiled_at = 0.0  # unix time the profile was made (0: unknown)
         self.current_power_limit: int | None = None  # mW, the last one set
+        self._optimum_unset = False  # Done, but some rank's GPUs may not be at the optimum
 
         # One rank's failure here (its arguments, its GPUs, its profile file or folder) is
         # every rank's: the others would otherwise wait for ever in the collectives below.
@@ -221,13 +213,17 @@ class GlobalPowerLimitOptimizer(Callback):
         if profile is not None:
             self.measurements = list(profile.measurements)
             self._profiled_at = profile.updated_at
-            optimal = self._compute_optimal_power_limit()
+            optimal = self._compute_optimal_power_limit(at_start=True)
             logger.info("%s", describe_reuse(profile, optimal, self.optimum_selector))
             self.state = Done(optimal_power_limit=optimal)
-            self._set_power_limit(optimal)
             if self.profile_path is not None and not self.profile_path.exists():
                 # Found in the Redis store: the file is still written, as profiling writes it.
                 self._save_profile(stamp=False, store=False)
+            try:
+                self._apply_optimum(at_start=True)
+            except Exception:  # on every rank; nothing would restore the maximum on this one
+                self._restore_maximum()
+                raise
         else:  # set above, unless this rank found a profile that another rank lacked
             self._set_profiled(self.max_power_limit_mw, self.power_limits[0])
         if restore_on_exit:
@@ -262,12 +258,7 @@ class GlobalPowerLimitOptimizer(Callback):
         if not self.gpu_indices:
             raise ConfigError("the monitor has no GPUs")
         self.nvml: NVML = nvml or getattr(monitor, "nvml", None) or NVML()
-        # Limits go to NVML's indices: an EnergyMonitor knows them; a ZeusMonitor's CUDA
-        # indices are mapped through CUDA_VISIBLE_DEVICES.
-        nvml_indices = getattr(monitor, "nvml_indices", None)
-        if nvml_indices is None:
-            nvml_indices = [self.nvml.cuda_to_nvml(i) for i in self.gpu_indices]
-        self._nvml_of = dict(zip(self.gpu_indices, nvml_indices, strict=True))
+        self._nvml_of = nvml_indices_of(monitor, self.nvml)
         # The default's world_size is set to every rank's GPUs when the limit is chosen.
         self._default_selector = optimum_selector is None
         self.optimum_selector = optimum_selector or ZeusCost(
@@ -290,6 +281,9 @@ class GlobalPowerLimitOptimizer(Callback):
                 NVML setting a limit while profiling it (at a step begin or an epoch end).
             PerseusError: Another rank could not (every rank raises at that step begin; the
                 limit is not recorded, and the next step begin profiles it again).
+            Exception: This rank could not set the optimum profiling chose (or another rank
+                could not: PerseusError). Every rank raises, after saving the profile, and
+                the next step begin sets it again.
         """
         if self._closed:
             self._reopen()
@@ -325,6 +319,8 @@ class GlobalPowerLimitOptimizer(Callback):
                 return
             self._windows.end(state.current_power_limit)
             self._finish_limit(state.current_power_limit)
+        elif isinstance(state, Done) and self._optimum_unset:  # after a failure, or close()
+            self._apply_optimum()
 
     def on_epoch_end(self) -> None:
         """Mark the end of an epoch: interrupt the limit being profiled, back to the maximum."""
@@ -350,7 +346,8 @@ class GlobalPowerLimitOptimizer(Callback):
         """Restore the maximum power limit on every GPU (idempotent; also runs at exit).
 
         Training may go on afterwards (e.g. Hugging Face ``train()`` called again): the next
-        step begin re-applies the optimum, or goes on profiling where it stopped.
+        step begin re-applies the optimum (on every rank together: call it on every rank),
+        or goes on profiling where it stopped.
         """
         if self._closed:
             return
@@ -359,10 +356,7 @@ class GlobalPowerLimitOptimizer(Callback):
             self._at_exit.cancel()
         if isinstance(self.state, Warmup | Profiling):
             self._interrupt(self.state)  # a failure is kept for the limit's reduction
-        try:
-            self._set_power_limit(self.max_power_limit_mw)
-        except GPUError as exc:
-            logger.warning("could not restore the maximum power limit: %s", exc)
+        self._restore_maximum()
 
     def profile(self) -> PowerLimitProfile | None:
         """The measurements and the chosen limit once Done (what a profile file holds)."""
@@ -384,8 +378,9 @@ class GlobalPowerLimitOptimizer(Callback):
         self._closed = False
         if self._restore_on_exit:
             self._at_exit = Finalize(None, self._close_at_exit, exitpriority=0)
-        if isinstance(self.state, Done):
-            self._set_power_limit(self.state.optimal_power_limit)
+        # Every rank reopens (close() runs on every rank, as on_train_end): the step begin
+        # sets the optimum on all of them, and they agree on whether it was.
+        self._optimum_unset = isinstance(self.state, Done)
 
     def _reset_carried(self) -> None:
         self._windows.reset()
@@ -440,12 +435,34 @@ class GlobalPowerLimitOptimizer(Callback):
         except Exception:
             # Every limit is measured: a selector that fails (a user's) must not lose that. Kept
             # without an optimum; the next start's selector chooses from it.
-            self._save_profile(measured_only=True)
+            self._save_profile()
             raise
         logger.info("profiling done; optimal power limit %s", format_watts(optimal))
         self.state = Done(optimal_power_limit=optimal)
-        self._set_power_limit(optimal)
-        self._save_profile()
+        self._save_profile()  # by every rank, whether or not every rank can set the optimum
+        self._apply_optimum()
+
+    def _apply_optimum(self, at_start: bool = False) -> None:
+        """Set the optimum (state Done); every rank raises if some rank could not (a collective).
+
+        Until every rank has set it, each step begin tries again (on every rank, together).
+        """
+        assert isinstance(self.state, Done)
+        optimal = self.state.optimal_power_limit
+        failure: Exception | None = None
+        try:
+            self._set_power_limit(optimal)
+        except Exception as exc:  # the other ranks must hear of it
+            failure = exc
+        self._optimum_unset = True
+        agree_on_optimum(optimal, failure, self.reducer, at_start=at_start)
+        self._optimum_unset = False
+
+    def _restore_maximum(self) -> None:
+        try:
+            self._set_power_limit(self.max_power_limit_mw)
+        except GPUError as exc:
+            logger.warning("could not restore the maximum power limit: %s", exc)
 
     def _set_power_limit(self, milliwatts: int) -> None:
         set_power_limit(self.nvml, self._nvml_of, milliwatts)
@@ -459,7 +476,7 @@ class GlobalPowerLimitOptimizer(Callback):
         except Exception as exc:
             self._windows.fail(milliwatts if profiled is None else profiled, exc)
 
-    def _compute_optimal_power_limit(self) -> int:
+    def _compute_optimal_power_limit(self, at_start: bool = False) -> int:
         # Every rank gets here together (its last window, or the profile all ranks load) and
         # reduces, whatever its selector: a rank given another one left the rest waiting.
         _, gpus = self.reducer(0.0, float(len(self.gpu_indices)))
@@ -467,38 +484,29 @@ class GlobalPowerLimitOptimizer(Callback):
             # Energy is summed over the ranks' GPUs, so MaxPower must count all of them: Zeus's
             # len(monitor.gpu_indices) made 2 ranks x 1 GPU choose otherwise than 1 x 2.
             self.optimum_selector = ZeusCost(eta_knob=0.5, world_size=max(1, round(gpus)))
-        watts = chosen_limit(self.optimum_selector, self.measurements)
-        # Measured at a limit of the ladder, recorded in whole watts: set the one measured.
-        chosen = next((mw for mw in self.power_limits if mw // 1000 == watts), watts * 1000)
-        clamped = min(max(chosen, self.min_power_limit_mw), self.max_power_limit_mw)
-        if clamped != chosen:
-            logger.warning(
-                "profile's limit %s is outside this GPU's range; using %s",
-                format_watts(chosen),
-                format_watts(clamped),
-            )
-        return clamped
+        try:
+            watts = chosen_limit(self.optimum_selector, self.measurements)
+        except Exception as exc:  # a user's selector that fails on one rank alone: the others
+            agree_on_optimum(0, exc, self.reducer, at_start=at_start)  # agree on the optimum
+            raise
+        return limit_to_set(watts, self.power_limits, self.min_power_limit_mw)
 
-    def _save_profile(
-        self, stamp: bool = True, store: bool = True, measured_only: bool = False
-    ) -> None:
+    def _save_profile(self, stamp: bool = True, store: bool = True) -> None:
         """Write the profile to ``profile_path`` and the Redis store (those given).
+
+        Before Done (a selector failed), the measurements without an optimum.
 
         Args:
             stamp: Date the profile now (it was just measured).
             store: Write the Redis store too (not when the profile came from there).
-            measured_only: The measurements without an optimum (none was chosen).
         """
         if stamp:
             self._profiled_at = time.time()
-        profile = self.profile()
-        if measured_only:
-            profile = PowerLimitProfile(
-                measurements=self.measurements,
-                selector=repr(self.optimum_selector),
-                updated_at=self._profiled_at,
-            )
-        assert profile is not None
+        profile = self.profile() or PowerLimitProfile(
+            measurements=self.measurements,
+            selector=repr(self.optimum_selector),
+            updated_at=self._profiled_at,
+        )
         save_or_warn(
             profile, self.profile_path, self.profile_store if store else None, self.workload
         )
