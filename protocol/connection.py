@@ -358,6 +358,19 @@ def socket_timeout_of(conn: redis.Redis | None) -> float | None:
     return None if value is None else float(value)
 
 
+def longest_block(conn: redis.Redis | None, wanted: float) -> float:
+    """Seconds a blocking read on ``conn`` may wait: ``wanted``, cut below its socket time-out.
+
+    A URL's ``?socket_timeout=`` wins over the time-out a caller chose for its blocking
+    reads: a read blocking as long would fail with a time-out on a healthy Redis. Leaves a
+    second (or half of a shorter time-out) for the reply to travel.
+    """
+    timeout = socket_timeout_of(conn)
+    if timeout is None:
+        return wanted
+    return min(wanted, max(timeout - 1.0, timeout / 2))
+
+
 def did_not_answer(url: str, seconds: float | None) -> str:
     """``Redis at URL did not answer within N s``, the password hidden."""
     within = f" within {seconds:g} s" if seconds is not None else ""

@@ -339,3 +339,30 @@ def test_at_exit_the_hook_hands_its_last_clock_requests_over_before_the_controll
     writes = [name for name, _ in read_log(log) if "Set" in name or "Reset" in name]
     # Requests the side process had not applied when told to stop are dropped: clocks reset.
     assert writes[-2:] == ["nvmlDeviceResetGpuLockedClocks", "nvmlDeviceResetMemoryLockedClocks"]
+
+
+def test_a_urls_short_socket_timeout_cuts_no_blocking_read_into_an_outage(r, redis_url, caplog):
+    # A URL's ?socket_timeout= wins over the hook's own: an idle watcher's 20 s read (and a
+    # registration's wait for its reply) then timed out, and the watcher logged Redis as
+    # unavailable, then back, every few seconds of a healthy run.
+    new_job(r, "short")
+    sep = "&" if "?" in redis_url else "?"
+    client = CoordinatorClient(f"{redis_url}{sep}socket_timeout=1.5", reply_timeout=4)
+    watcher = ScheduleWatcher(client, "short", rank=0, version=0, heartbeat_interval=60)
+    caplog.set_level(logging.INFO)
+    watcher.start()
+    try:
+        time.sleep(4)
+        assert watcher.outage.since is None and watcher.error is None
+    finally:
+        watcher.stop()
+    assert "unavailable" not in caplog.text
+    # A registration nobody answers waits its whole reply_timeout, then says so (it said that
+    # Redis did not answer within 1.5 s, or retried the read as an outage).
+    started = time.monotonic()
+    job = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
+    with pytest.raises(CoordinatorUnavailableError, match="no coordinator answered"):
+        client.register_job(job, "PointSolution")
+    assert 3.5 < time.monotonic() - started < 8
+    assert "unavailable" not in caplog.text
+    client.close()

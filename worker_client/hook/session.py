@@ -20,7 +20,13 @@ from redis.retry import Retry
 
 from protocol import keys
 from protocol.acl import refused
-from protocol.connection import SOCKET_TIMEOUT_S, connect, no_such_database, redact_url
+from protocol.connection import (
+    SOCKET_TIMEOUT_S,
+    connect,
+    longest_block,
+    no_such_database,
+    redact_url,
+)
 from protocol.exceptions import (
     ConfigError,
     CoordinatorUnavailableError,
@@ -110,14 +116,17 @@ class CoordinatorClient:
         entry = encode_message(message, wait_s=self.reply_timeout)
         retry = _Retry(self, f"registration ({message.kind})", deadline)
         sent = False
+        # Waits of at most this long: a URL's ?socket_timeout= may be shorter than the wait.
+        longest = longest_block(self.conn, self.reply_timeout)
         while True:
             try:
                 if not sent:
                     self.conn.xadd(keys.REGISTRATIONS_STREAM, entry)
                     sent = True
-                wait = max(deadline - time.monotonic(), 0.01)
+                wait = max(min(deadline - time.monotonic(), longest), 0.01)
                 answer = self.conn.blpop([keys.reply_key(message.request_id)], timeout=wait)
-                break
+                if answer is not None or time.monotonic() >= deadline:
+                    break
             except redis.RedisError as exc:
                 retry.after(exc)
         retry.done()
@@ -293,7 +302,7 @@ class CoordinatorClient:
                     f"no schedule for rank {rank} of job {job_id} after {timeout:.0f} s "
                     f"(latest version {version}); are `perseus worker` processes running?"
                 )
-            block = max(1, int(min(remaining, 1.0) * 1000))
+            block = max(1, int(min(remaining, longest_block(self.conn, 1.0)) * 1000))
             reply = self.conn.xread({keys.job_updates(job_id): last_id}, block=block, count=100)
             for _stream, entries in reply or []:
                 last_id = entries[-1][0].decode()

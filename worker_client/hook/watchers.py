@@ -14,6 +14,7 @@ import time
 import redis
 
 from protocol import keys
+from protocol.connection import longest_block
 from protocol.exceptions import ProtocolError, WrongTokenError
 from protocol.models import FrequencySchedule, ProfilingResult
 from worker_client.hook.outage import Outage
@@ -98,6 +99,7 @@ class ScheduleWatcher(threading.Thread):
         # stop() ends a command in flight by disconnecting them.
         self._client = client.background_client()
         self._conn = self._client.conn
+        self._max_block = longest_block(self._conn, MAX_BLOCK_S)  # a URL's time-out may be shorter
 
     def run(self) -> None:
         """Follow the updates stream until stopped (thread body)."""
@@ -109,7 +111,7 @@ class ScheduleWatcher(threading.Thread):
                 # per MAX_BLOCK_S, and stop() interrupts the read by closing the connection.
                 # In an outage, barely: the heartbeat that ends it (or finds the job gone)
                 # must not wait out a long read on a Redis that is back.
-                wait = min(MAX_BLOCK_S, max(0.001, self._next_beat - time.monotonic()))
+                wait = min(self._max_block, max(0.001, self._next_beat - time.monotonic()))
                 if self.outage.since is not None:
                     wait = 0.001
                 updates = {keys.job_updates(self.job_id): last_id}
