@@ -428,7 +428,7 @@ def test_scheduler_artifacts_are_stored_and_dumped(r, redis_url, tmp_path):
     )
     advance_job("j3", conn=r)
     assert store.artifacts("j3") == {"note.txt": b"made by version 1"}
-    folder = dump_job(store, "j3", str(tmp_path))
+    folder = dump_job(store, "j3", str(tmp_path)).folder
     assert (folder / "note.txt").read_bytes() == b"made by version 1"
     assert (folder / "1.sched.json").exists() and (folder / "journal.json").exists()
     store.delete_job("j3")
