@@ -4,11 +4,13 @@ Layout, one folder per job: ``<dump_dir>/<job_id>/ranks.json``, ``<version>.sche
 ``<version>.prof.json`` (the results measured while running that version), plus ``job.json``.
 Redis keeps only the newest schedules and the results not yet consumed by a scheduler
 snapshot, so ``perseus dump`` writes what is left, plus ``summaries.json`` (each observed
-version's rank count, iteration time and energy). With ``--dump-dir`` (``dump_data``) every
-version is written as it is published, and the results a converged scheduler observes
-without publishing one as they are recorded, so nothing is missed. ``perseus dump`` writes
-``complete`` last: a folder without it holds a dump that failed part-way. :func:`load_ranks`,
-:func:`load_sched` and :func:`load_prof` read those files back (Zeus's names and arguments).
+version's rank count, iteration time and energy), and names the versions whose files the
+folder lacks (``job.json``'s ``missing``, and the line it prints). With ``--dump-dir``
+(``dump_data``) every version is written as it is published, and the results a converged
+scheduler observes without publishing one as they are recorded, so nothing is missed.
+``perseus dump`` writes ``complete`` last: a folder without it holds a dump that failed
+part-way. :func:`load_ranks`, :func:`load_sched` and :func:`load_prof` read those files back
+(Zeus's names and arguments).
 """
 
 from __future__ import annotations
