@@ -31,7 +31,7 @@ def dump_command(redis_url: str | None, job_id: str, out_dir: str) -> None:
     store = JobStore(connect_or_fail(settings.redis_url))
     folder = Path(out_dir) / job_id
     try:
-        folder = dump_job(store, job_id, out_dir)
+        dump = dump_job(store, job_id, out_dir)
     except PerseusError as exc:
         raise click.ClickException(str(exc)) from None
     except (redis.TimeoutError, redis.ConnectionError) as exc:
@@ -41,7 +41,7 @@ def dump_command(redis_url: str | None, job_id: str, out_dir: str) -> None:
         raise click.ClickException(
             f"{_incomplete(folder)}cannot write the dump under {out_dir}: {exc}"
         ) from None
-    click.echo(f"wrote {folder}")
+    click.echo(f"wrote {dump.folder}{dump.note()}")
 
 
 def _incomplete(folder: Path) -> str:

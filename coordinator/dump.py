@@ -4,20 +4,23 @@ Layout, one folder per job: ``<dump_dir>/<job_id>/ranks.json``, ``<version>.sche
 ``<version>.prof.json`` (the results measured while running that version), plus ``job.json``.
 Redis keeps only the newest schedules and the results not yet consumed by a scheduler
 snapshot, so ``perseus dump`` writes what is left, plus ``summaries.json`` (each observed
-version's rank count, iteration time and energy). With ``--dump-dir`` (``dump_data``) every
-version is written as it is published, and the results a converged scheduler observes
-without publishing one as they are recorded, so nothing is missed. ``perseus dump`` writes
-``complete`` last: a folder without it holds a dump that failed part-way. A scheduler's
-artifacts (``profile.csv``, say) go in ``artifacts/`` (:func:`artifact_path`), so that no name
-a scheduler chooses (``complete``, ``job.json``) overwrites the dump's own files, or is
-overwritten by them. :func:`load_ranks`, :func:`load_sched` and :func:`load_prof` read those
-files back (Zeus's names and arguments).
+version's rank count, iteration time and energy), and names the versions whose files the
+folder lacks (``job.json``'s ``missing``, and the line it prints). With ``--dump-dir``
+(``dump_data``) every version is written as it is published, and the results a converged
+scheduler observes without publishing one as they are recorded, so nothing is missed.
+``perseus dump`` writes ``complete`` last: a folder without it holds a dump that failed
+part-way. A scheduler's artifacts (``profile.csv``, say) go in ``artifacts/``
+(:func:`artifact_path`), so that no name a scheduler chooses (``complete``, ``job.json``)
+overwrites the dump's own files, or is overwritten by them. :func:`load_ranks`,
+:func:`load_sched` and :func:`load_prof` read those files back (Zeus's names and arguments).
 """
 
 from __future__ import annotations
 
 import json
 import string
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -26,7 +29,7 @@ from pydantic import BaseModel
 
 from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, ProfilingResult, RankInfo, validate
-from protocol.store import JobRecord, JobStore
+from protocol.store import KEEP_SCHEDULES, JobRecord, JobStore
 
 M = TypeVar("M", bound=BaseModel)
 COMPLETE = "complete"
@@ -96,11 +99,63 @@ def dump_observed(store: JobStore, record: JobRecord, version: int) -> Path:
     return folder
 
 
-def dump_job(store: JobStore, job_id: str, out_dir: str) -> Path:
+@dataclass
+class JobDump:
+    """What :func:`dump_job` wrote, and the versions whose files the folder lacks.
+
+    Attributes:
+        folder: ``<out_dir>/<job id>``.
+        missing: ``"sched.json"`` / ``"prof.json"`` -> versions without that file in the
+            folder (Redis no longer held them, and no earlier dump there wrote them); a kind
+            with none is left out. Also in ``job.json`` as ``missing``.
+    """
+
+    folder: Path
+    missing: dict[str, list[int]] = field(default_factory=dict)
+
+    def note(self) -> str:
+        """``; no 1.sched.json to 46.sched.json: ...`` for the printed line ('' if none)."""
+        why = {
+            "sched.json": f"Redis keeps a job's newest {KEEP_SCHEDULES} schedules only",
+            "prof.json": (
+                "a scheduler snapshot consumed those results (summaries.json keeps each "
+                "version's rank count, iteration time and energy)"
+            ),
+        }
+        return "".join(
+            f"; no {_spans(versions, kind)}: {why[kind]}" for kind, versions in self.missing.items()
+        )
+
+
+def _spans(versions: list[int], kind: str) -> str:
+    """``1.sched.json to 46.sched.json, 50.sched.json`` (runs of consecutive versions)."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"{a}.{kind}" if a == b else f"{a}.{kind} to {b}.{kind}" for a, b in runs)
+
+
+def _missing(folder: Path, latest: int, observed: Iterable[int]) -> dict[str, list[int]]:
+    """Versions whose schedule (1..``latest``) or results (``observed``) have no file here."""
+    missing = {
+        "sched.json": [
+            v for v in range(1, latest + 1) if not (folder / f"{v}.sched.json").exists()
+        ],
+        "prof.json": [v for v in sorted(observed) if not (folder / f"{v}.prof.json").exists()],
+    }
+    return {kind: versions for kind, versions in missing.items() if versions}
+
+
+def dump_job(store: JobStore, job_id: str, out_dir: str) -> JobDump:
     """Write everything Redis holds about a job (``perseus dump``), :data:`COMPLETE` last.
 
     An earlier dump's :data:`COMPLETE` goes first, so that a dump that fails part-way (Redis
-    hangs or goes away, the disk fills) leaves none: its files look like a whole dump.
+    hangs or goes away, the disk fills) leaves none: its files look like a whole dump. Files
+    Redis no longer holds (old schedules, results a snapshot consumed) are named in
+    ``job.json``'s ``missing`` and in :meth:`JobDump.note`.
     """
     record = store.get_job(job_id)  # an unknown job gets no folder
     folder = Path(out_dir) / job_id
@@ -110,18 +165,21 @@ def dump_job(store: JobStore, job_id: str, out_dir: str) -> Path:
     for version in range(1, latest + 1):
         dump_version(store, record, version, out_dir)
     folder.mkdir(parents=True, exist_ok=True)
+    _write(folder / "ranks.json", _dump_models(list(store.ranks(job_id))))
+    results = store.results(job_id, latest) if latest else []
+    if results:
+        _write(folder / f"{latest}.prof.json", _dump_models(list(results)))
+    summaries = store.summaries(job_id)  # one per observed version, kept after its results
+    missing = _missing(folder, latest, summaries)
     _write(
         folder / "job.json",
         {
             "info": record.info.model_dump(mode="json"),
             "config": record.config.model_dump(mode="json"),
             "fields": record.fields,
+            "missing": missing,
         },
     )
-    _write(folder / "ranks.json", _dump_models(list(store.ranks(job_id))))
-    results = store.results(job_id, latest) if latest else []
-    if results:
-        _write(folder / f"{latest}.prof.json", _dump_models(list(results)))
     artifacts = store.artifacts(job_id)
     if artifacts:
         (folder / ARTIFACTS).mkdir(exist_ok=True)
@@ -129,9 +187,9 @@ def dump_job(store: JobStore, job_id: str, out_dir: str) -> Path:
         artifact_path(folder, name).write_bytes(data)
     journal = store.journal(job_id)
     _write(folder / "journal.json", _dump_models(list(journal)))
-    _write(folder / "summaries.json", {str(v): s for v, s in store.summaries(job_id).items()})
+    _write(folder / "summaries.json", {str(v): s for v, s in summaries.items()})
     (folder / COMPLETE).write_text(f"perseus dump of {job_id} at schedule version {latest}\n")
-    return folder
+    return JobDump(folder, missing)
 
 
 def _load_models(path: Path, model: type[M]) -> list[M]:

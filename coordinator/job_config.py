@@ -89,7 +89,8 @@ def check_rank_limits(
     """Refuse a rank whose clocks are over the limits; return the job's scheduler class.
 
     Raises:
-        ProtocolError: Too many clocks, or a profiling sweep over ``max_sweep_versions``.
+        ProtocolError: Too many clocks, a profiling sweep over ``max_sweep_versions``, or
+            clocks the job's scheduler arguments ask for that the rank's GPU lacks.
     """
     clocks = len(rank.available_frequencies)
     if clocks > settings.max_frequencies:
@@ -106,4 +107,5 @@ def check_rank_limits(
             f"{settings.max_sweep_versions} (PERSEUS_MAX_SWEEP_VERSIONS); restrict its "
             "frequencies"
         )
+    scheduler.check_rank(config.scheduler_args, rank)
     return scheduler

@@ -87,6 +87,15 @@ class FrequencyScheduler:
         return None
 
     @classmethod
+    def check_rank(cls, args: dict[str, Any], rank: RankInfo) -> None:
+        """Raise ProtocolError if a rank with ``rank``'s clocks cannot run under ``args``.
+
+        The coordinator calls it when each rank registers (a job's registration carries no
+        clocks), so that arguments a rank's GPU cannot follow refuse that rank's registration
+        instead of failing the job when its first schedule is built, after every rank joined.
+        """
+
+    @classmethod
     def check_args(cls, args: dict[str, Any]) -> None:
         """Raise ConfigError if ``args`` cannot work, beyond fitting the signature.
 

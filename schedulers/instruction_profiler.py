@@ -64,7 +64,12 @@ from schedulers.profile_then import (
     plan_in_folder,
     write_if_changed,
 )
-from schedulers.profiler_args import check_counts, check_frequencies, check_writable
+from schedulers.profiler_args import (
+    check_counts,
+    check_frequencies,
+    check_rank_clocks,
+    check_writable,
+)
 
 Key = tuple[int, str]  # (stage, instruction)
 
@@ -237,6 +242,11 @@ class InstructionProfiler(FrequencyScheduler):
         if isinstance(restrict, list | tuple):
             return min(frequencies, len(set(restrict)))
         return frequencies
+
+    @classmethod
+    def check_rank(cls, args: dict[str, Any], rank: RankInfo) -> None:
+        """Every clock of ``frequencies`` must be the rank's (else the job failed later)."""
+        check_rank_clocks(cls.__name__, args.get("frequencies"), rank)
 
     def __init__(
         self,

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from protocol.constants import MAX_RANK_CLOCKS
-from protocol.exceptions import ConfigError
+from protocol.exceptions import ConfigError, ProtocolError
+from protocol.models import RankInfo
 
 #: Most microbatches a sweep may run: each version holds 2 instructions per microbatch for
 #: every rank, so a job sending 2**28 made a worker build gigabytes of schedules per stage.
@@ -52,6 +53,30 @@ def check_frequencies(frequencies: Sequence[int] | None) -> None:
     twice = sorted(f for f, n in Counter(frequencies).items() if n > 1)
     if twice:
         raise ConfigError(f"frequencies lists {twice[0]} MHz more than once")
+
+
+def check_rank_clocks(scheduler: str, restrict: object, rank: RankInfo) -> None:
+    """Raise ProtocolError unless ``rank``'s GPU has every clock of ``restrict``.
+
+    Checked when the rank registers: found by the constructor instead, the job failed when
+    its first schedule was built, after every rank had registered.
+
+    Args:
+        scheduler: The scheduler's name, for the message.
+        restrict: The ``frequencies`` argument (None or not a list: nothing to check).
+        rank: The registering rank.
+    """
+    if not isinstance(restrict, list | tuple):
+        return
+    lacking = sorted(set(restrict) - set(rank.available_frequencies), reverse=True)
+    if lacking:
+        clocks = rank.available_frequencies
+        raise ProtocolError(
+            f"rank {rank.rank} (stage {rank.pp_rank}): its GPU lacks {lacking} MHz of "
+            f"{scheduler}'s scheduler argument frequencies={list(restrict)} (it has "
+            f"{len(clocks)} clocks, {max(clocks)}..{min(clocks)} MHz); profile only clocks "
+            "every GPU supports, or leave frequencies out to sweep each stage's own"
+        )
 
 
 def check_writable(name: str, path: Path, folder: bool) -> None:

@@ -86,7 +86,7 @@ def test_a_worker_that_lost_its_cache_rebuilds_from_the_snapshot_not_the_start(r
     assert not r.exists(keys.job_schedule("snap", 40))
     assert all(store.schedules("snap", v) for v in (48, 49, 50, 51))
     # `perseus dump` writes what is left, and the summaries of everything observed.
-    folder = dump_job(store, "snap", str(tmp_path))
+    folder = dump_job(store, "snap", str(tmp_path)).folder
     assert sorted(p.name for p in folder.glob("*.sched.json")) == [
         f"{v}.sched.json" for v in (48, 49, 50, 51)
     ]

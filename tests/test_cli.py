@@ -279,12 +279,19 @@ def test_the_no_default_start_a_refusal_offers_starts_with_the_same_variables(
         stderr=subprocess.STDOUT,
         text=True,
     )
+    timer = threading.Timer(60, proc.kill)  # one that ignores SIGTERM: the read ends anyway
+    timer.start()
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline()  # the start line, or a refusal's "Usage:"
-    finally:
         proc.terminate()
-        rest, _ = proc.communicate(timeout=10)
+        # All output through the one reader: communicate() reads the pipe itself and missed
+        # what readline() had buffered past the first line (a refusal's message, say).
+        rest = proc.stdout.read()
+        proc.wait(timeout=10)
+    finally:
+        timer.cancel()
+        proc.kill()  # no-op once it exited
     assert first.startswith("perseus coordinator: scheduler=none (each job"), first + rest
 
 

@@ -429,7 +429,7 @@ def test_scheduler_artifacts_are_stored_and_dumped(r, redis_url, tmp_path):
     )
     advance_job("j3", conn=r)
     assert store.artifacts("j3") == {"note.txt": b"made by version 1"}
-    folder = dump_job(store, "j3", str(tmp_path))
+    folder = dump_job(store, "j3", str(tmp_path)).folder
     assert (folder / "artifacts" / "note.txt").read_bytes() == b"made by version 1"
     assert (folder / "1.sched.json").exists() and (folder / "journal.json").exists()
     store.delete_job("j3")
@@ -448,7 +448,7 @@ def test_artifacts_named_like_the_dumps_own_files_overwrite_nothing(r, redis_url
     named = ["complete", "job.json", "journal.json", "1.sched.json", "a/x", "b/x", "..", "."]
     artifacts = {name: f"artifact {name}".encode() for name in named}
     store.save_artifacts("j4", artifacts)
-    folder = dump_job(store, "j4", str(tmp_path))
+    folder = dump_job(store, "j4", str(tmp_path)).folder
     assert json.loads((folder / "job.json").read_text())["info"]["job_id"] == "j4"
     assert (folder / "complete").read_text().startswith("perseus dump of j4")
     assert json.loads((folder / "journal.json").read_text()) == []

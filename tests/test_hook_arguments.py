@@ -74,3 +74,23 @@ def test_redis_url_must_be_a_string(gloo: None, redis_url: str) -> None:
     # A TypeError from a regular expression, naming nothing.
     with pytest.raises(ConfigError, match=r"redis_url must be a string .* got 5 \(int\)"):
         _hook(5)
+
+
+def test_zeus_server_url_keyword_is_refused_naming_redis_url(
+    gloo: None, r: redis.Redis, redis_url: str
+) -> None:
+    # Zeus's keyword gave Python's bare "unexpected keyword argument 'server_url'".
+    args: dict[str, Any] = {"server_url": "http://localhost:7787"}
+    with pytest.raises(ConfigError) as info:
+        PerseusOptimizer(  # type: ignore[call-arg]
+            rank=0, dp_rank=0, pp_rank=0, tp_rank=0, device_id=0, dp_degree=1, pp_degree=1,
+            tp_degree=1, world_size=1, nvml_module=SIMULATED_NVML, **args,
+        )  # fmt: skip
+    words = str(info.value)
+    assert "PerseusOptimizer" in words and "server_url" in words, words
+    assert "redis_url" in words and "perseus coordinator" in words, words
+    assert r.dbsize() == 0
+    # Alongside redis_url too: Zeus's name is never taken unsaid.
+    with pytest.raises(ConfigError, match="server_url"):
+        _hook(redis_url, **args)
+    assert r.dbsize() == 0

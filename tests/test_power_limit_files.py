@@ -18,7 +18,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from protocol.exceptions import ConfigError
+from protocol.exceptions import ConfigError, ProtocolError
 from tests import fake_nvml_power as fake
 from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, run_steps
 from worker_client.power_limit.cli import power_limit_group
@@ -30,9 +30,12 @@ from worker_client.power_limit.optimizer import (
     PowerLimitProfile,
     ZeusCost,
 )
-from worker_client.power_limit.profile import load_profile_file, save_profile_file
+from worker_client.power_limit.profile import (
+    load_profile_file,
+    save_profile_file,
+)
 from worker_client.power_limit.selectors import Energy
-from worker_client.power_limit.store import PowerLimitProfileStore
+from worker_client.power_limit.store import MAX_PLAUSIBLE_POWER_LIMIT_W, PowerLimitProfileStore
 
 TABLE = {300: (0.100, 280.0), 250: (0.104, 245.0), 200: (0.115, 198.0)}
 # Measurements (limit W, time s, energy J) where the selectors disagree.
@@ -392,3 +395,71 @@ def test_a_stored_limit_chosen_anew_by_another_selector_says_so(
         "using a stored power-limit profile: 200 W, chosen now by Energy() "
         "(stored with it: 300 W, chosen by Time())"
     ], said
+
+
+@pytest.mark.parametrize(
+    ("document", "where", "watts"),
+    [
+        (
+            {"measurements": [{"power_limit": 300_000, "energy": 1000.0, "time": 10.0}]},
+            "measurements[0].power_limit is 300000 W",
+            "300 W",
+        ),
+        (
+            {
+                "measurements": [
+                    {"power_limit": 300, "energy": 1000.0, "time": 10.0},
+                    {"power_limit": 250, "energy": 900.0, "time": 10.2},
+                ],
+                "optimal_power_limit": 250_000,
+            },
+            "optimal_power_limit is 250000 W",
+            "250 W",
+        ),
+    ],
+    ids=["measured limit", "optimal limit"],
+)
+def test_a_profile_file_in_milliwatts_is_refused_saying_so(
+    r: redis.Redis,
+    redis_url: str,
+    tmp_path: Path,
+    document: dict[str, Any],
+    where: str,
+    watts: str,
+) -> None:
+    """NVML takes milliwatts, Zeus's profile watts: 300000 was imported as a 300 kW limit."""
+    path = tmp_path / "zeus.json"
+    path.write_text(json.dumps(document))
+    runner = CliRunner()
+    for args in (
+        ["import", str(path), "bert", "--redis-url", redis_url],
+        ["show", "--file", str(path)],
+    ):
+        result = runner.invoke(power_limit_group, args)
+        assert result.exit_code == 1, result.output
+        said = " ".join(result.output.split())
+        assert f"bad power-limit profile {path}: {where}" in said, said
+        assert f"above {MAX_PLAUSIBLE_POWER_LIMIT_W} W" in said, said
+        assert "milliwatts" in said and f"divide by 1000 ({watts})" in said, said
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert PowerLimitProfileStore(r).load("bert") is None
+    # The ceiling itself is a limit (a file of watts still loads).
+    document["measurements"][0]["power_limit"] = MAX_PLAUSIBLE_POWER_LIMIT_W
+    document.pop("optimal_power_limit", None)
+    path.write_text(json.dumps(document))
+    assert load_profile_file(path).measurements[0].power_limit == MAX_PLAUSIBLE_POWER_LIMIT_W
+
+
+def test_a_stored_profile_in_milliwatts_is_refused_naming_the_workload(
+    r: redis.Redis, redis_url: str
+) -> None:
+    """One imported before `import` checked: shown as 300000 W, and used as such."""
+    store = PowerLimitProfileStore(r)
+    store.save(
+        "bert",
+        PowerLimitProfile(measurements=[MEASURED[0].model_copy(update={"power_limit": 300_000})]),
+    )
+    with pytest.raises(ProtocolError, match=r"'bert': measurements\[0\]\.power_limit is 300000 W"):
+        store.load("bert")
+    result = CliRunner().invoke(power_limit_group, ["show", "bert", "--redis-url", redis_url])
+    assert result.exit_code == 1 and "divide by 1000 (300 W)" in result.output, result.output

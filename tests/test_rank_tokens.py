@@ -165,3 +165,36 @@ def test_a_refused_heartbeat_is_logged_once_and_training_goes_on(service, r, red
     assert watcher.error is None and watcher.token_refused and not watcher.job_lost
     assert caplog.text.count(f"wrong token for rank 0 of job {job_id}") == 1
     assert JobStore(r).ranks_heard(job_id) == {}
+
+
+def test_a_rank_whose_clocks_lack_the_profilers_frequencies_is_refused_when_it_registers(
+    r, redis_url
+):
+    # The job's `frequencies` could only be matched with the ranks' clocks once the first
+    # schedule was built, after every rank had registered: the job then failed.
+    coord = Coordinator(r, make_settings(redis_url))
+    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
+    thread.start()
+    try:
+        client = CoordinatorClient(redis_url, reply_timeout=10)
+        job = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
+        wanted = [FREQS[0], 1600]
+        assert 1600 not in FREQS
+        job_id = client.register_job(
+            job, "InstructionProfiler", {"microbatches": 1, "frequencies": wanted}
+        )
+        has_it = RankInfo(
+            rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=[*FREQS, 1600]
+        )
+        assert client.register_rank(job_id, has_it).ok
+        lacks = RankInfo(rank=1, dp_rank=0, pp_rank=1, tp_rank=0, available_frequencies=FREQS)
+        with pytest.raises(ProtocolError) as info:
+            client.register_rank(job_id, lacks)
+        words = str(info.value)
+        assert "rank 1" in words and "[1600]" in words, words
+        assert "InstructionProfiler" in words and "frequencies" in words, words
+        assert "frequencies" in _reasons(r)[-1]
+        assert [info.rank for info in JobStore(r).ranks(job_id)] == [0]
+    finally:
+        coord.stop_event.set()
+        thread.join(timeout=5)

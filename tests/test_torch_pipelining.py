@@ -385,3 +385,14 @@ def test_bad_wrap_arguments_are_named(
             wrap(schedule, redis_url, **kw)
     assert words in str(info.value)
     assert r.dbsize() == 0  # nothing was registered
+
+
+def test_zeus_server_url_as_a_hook_option_is_refused_naming_redis_url(gloo: None, r: Any) -> None:
+    # Passed on to PerseusOptimizer(**options): Python's bare TypeError, naming nothing else.
+    schedule, _ = one_stage_schedule(Schedule1F1B, 2)
+    with pytest.raises(ConfigError) as info:
+        PerseusPipeline(schedule, server_url="http://localhost:7787", nvml_module=SIMULATED_NVML)
+    words = str(info.value)
+    assert "PerseusPipeline" in words and "server_url" in words, words
+    assert "redis_url" in words and "perseus coordinator" in words, words
+    assert r.dbsize() == 0

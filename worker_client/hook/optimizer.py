@@ -43,7 +43,7 @@ from worker_client.hook.energy_source import (
     measured_result,
 )
 from worker_client.hook.joining import RankGPU, finish_rank
-from worker_client.hook.options import check_identity, check_options
+from worker_client.hook.options import check_identity, check_options, zeus_keywords
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.startup import start_rank
 from worker_client.hook.step_order import StepOrder
@@ -122,6 +122,7 @@ class PerseusOptimizer(Callback):
         ConfigError: An argument of the wrong type or range, named before anything starts.
     """
 
+    @zeus_keywords
     def __init__(
         self,
         rank: int,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
+from typing import ParamSpec
 
 import torch
 
@@ -13,6 +15,35 @@ from worker_client.hook.clock_requests import Marker, cuda_marker
 #: Fewest seconds between a rank's heartbeats: a shorter interval (a value meant in
 #: milliseconds, say) made every rank's watcher send one per 1 ms read, flooding Redis.
 MIN_HEARTBEAT_INTERVAL_S = 0.1
+
+
+_P = ParamSpec("_P")
+
+
+def refuse_zeus_keywords(owner: str, kwargs: Mapping[str, object]) -> None:
+    """Raise ConfigError if ``kwargs`` hold Zeus's ``server_url``, saying what to pass instead.
+
+    Zeus's PerseusOptimizer met its HTTP server at ``server_url``; perseus-mq's ranks meet in
+    Redis, at ``redis_url`` in the same positional place. Passed as a keyword, Zeus's name got
+    Python's bare "unexpected keyword argument".
+    """
+    if "server_url" in kwargs:
+        raise ConfigError(
+            f"{owner} takes no server_url (Zeus's HTTP server): perseus-mq takes redis_url, "
+            'the Redis URL `perseus coordinator` uses (e.g. redis_url="redis://host:6379/0"), '
+            "in the same place"
+        )
+
+
+def zeus_keywords(init: Callable[_P, None]) -> Callable[_P, None]:
+    """Wrap a constructor so that Zeus's ``server_url`` is a clear ConfigError (same signature)."""
+
+    @functools.wraps(init)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        refuse_zeus_keywords("PerseusOptimizer", kwargs)
+        init(*args, **kwargs)
+
+    return checked
 
 
 def _shown(value: object) -> str:

@@ -47,7 +47,7 @@ from protocol.pipeline_schedules import (
 )
 from worker_client.hook.joining import agree, refuse_to_join
 from worker_client.hook.optimizer import PerseusOptimizer
-from worker_client.hook.options import whole_number
+from worker_client.hook.options import refuse_zeus_keywords, whole_number
 
 #: torch schedule class -> the planner's name for its order.
 SUPPORTED_SCHEDULES: dict[type, str] = {Schedule1F1B: "1f1b", ScheduleGPipe: "gpipe"}
@@ -185,6 +185,7 @@ class PerseusPipeline:
         failure: Exception | None = None
         options: dict[str, Any] = {}
         try:
+            refuse_zeus_keywords("PerseusPipeline", hook_options)
             _check_layout(hook, dp_rank, dp_degree, tp_rank, tp_degree, device_id)
             stage = self._check_wrappable(schedule)
             self.schedule = schedule

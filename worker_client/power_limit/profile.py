@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
 from protocol.json_text import DuplicateKeyError, loads_unique
 from protocol.models import PowerLimitProfile
+from worker_client.power_limit.store import implausible_limit
 
 if TYPE_CHECKING:
     from worker_client.power_limit.store import PowerLimitProfileStore
@@ -103,11 +104,15 @@ def parse_profile(text: str | bytes, source: str) -> PowerLimitProfile:
         )
     try:
         # Strict: a JSON true is no power limit (it was read as 1 W) and "250" no number.
-        return PowerLimitProfile.model_validate(_whole_watts(data), strict=True)
+        profile = PowerLimitProfile.model_validate(_whole_watts(data), strict=True)
     except ValidationError as exc:
         raise ConfigError(
             f"bad power-limit profile {source}: {describe_validation_error(exc)}"
         ) from None
+    why = implausible_limit(profile)
+    if why is not None:  # 300000 was taken as 300 kW, and imported as such
+        raise ConfigError(f"bad power-limit profile {source}: {why}")
+    return profile
 
 
 def load_profile_file(path: str | Path) -> PowerLimitProfile:

@@ -57,6 +57,34 @@ class StoredProfileSummary:
     num_measurements: int
 
 
+#: Highest limit a profile may hold, W. No GPU's power limit comes near 10 kW, but a limit
+#: written in milliwatts (NVML's unit; Zeus's profile holds watts) does: 300000 for 300 W.
+MAX_PLAUSIBLE_POWER_LIMIT_W = 10_000
+
+
+def implausible_limit(profile: PowerLimitProfile) -> str | None:
+    """Why a limit of ``profile`` cannot be watts (the first one over the ceiling), if one is.
+
+    Returns:
+        ``measurements[0].power_limit is 300000 W, ...: divide by 1000 (300 W)``, or None.
+    """
+    entries = [
+        (f"measurements[{i}].power_limit", m.power_limit)
+        for i, m in enumerate(profile.measurements)
+    ]
+    entries.append(("optimal_power_limit", profile.optimal_power_limit or 0))
+    over = [(where, limit) for where, limit in entries if limit > MAX_PLAUSIBLE_POWER_LIMIT_W]
+    if not over:
+        return None
+    where, limit = over[0]
+    more = f"; {len(over)} of its limits are above it" if len(over) > 1 else ""
+    return (
+        f"{where} is {limit} W, above {MAX_PLAUSIBLE_POWER_LIMIT_W} W (no GPU's limit comes "
+        f"near{more}): it looks like milliwatts, NVML's unit, but the profile holds watts "
+        f"as Zeus's does: divide by 1000 ({limit / 1000:g} W)"
+    )
+
+
 def _decode(workload: str, raw: Any) -> PowerLimitProfile:
     if not isinstance(raw, bytes):
         raise ProtocolError(
@@ -64,9 +92,13 @@ def _decode(workload: str, raw: Any) -> PowerLimitProfile:
             "decode_responses=False"
         )
     try:
-        return PowerLimitProfile.model_validate(msgpack.unpackb(raw, raw=False), strict=True)
+        profile = PowerLimitProfile.model_validate(msgpack.unpackb(raw, raw=False), strict=True)
     except (ValueError, ValidationError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"bad stored power-limit profile of {workload!r}: {exc}") from None
+    why = implausible_limit(profile)  # imported before `import` checked it
+    if why is not None:
+        raise ProtocolError(f"bad stored power-limit profile of {workload!r}: {why}")
+    return profile
 
 
 class PowerLimitProfileStore:
