@@ -165,8 +165,8 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def run_two_ranks(tmp_path: Path, *rank_args: list[str]) -> list[str]:
-    """Run this script as ranks 0 and 1 of a gloo group; their outputs."""
+def run_two_ranks(tmp_path: Path, *rank_args: list[str], stderr: bool = False) -> list[str]:
+    """Run this script as ranks 0 and 1 of a gloo group; their outputs (``stderr``: and logs)."""
     from tests.helpers import subprocess_env  # the ranks need none of its imports
 
     init = tmp_path / "pg"
@@ -187,7 +187,7 @@ def run_two_ranks(tmp_path: Path, *rank_args: list[str]) -> list[str]:
         for proc in procs:
             out, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, err
-            outputs.append(out)
+            outputs.append(out + err if stderr else out)
     finally:
         for proc in procs:
             proc.kill()

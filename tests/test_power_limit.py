@@ -325,11 +325,13 @@ def test_reducer_is_pluggable(training: ReplayTraining) -> None:
     # First the ladder's mark (max, then min as max of its negative) and whether any rank
     # lacks a profile (this one does: energy 1, summed), then each limit, then the GPUs as
     # the limit is chosen (every rank reduces then, whatever its selector), then the ranks
-    # that could not set it (none: 0, summed).
+    # that could not set it (none: 0, summed) with the highest optimum (max), then the
+    # lowest (max of its negative).
     assert calls[0][0] == -calls[1][0] > 0 and (calls[0][1], calls[1][1]) == (0.0, 1.0)
-    assert len(calls) == 2 + len(LADDER) + 2
-    assert calls[-2:] == [(0.0, len(opt.gpu_indices)), (0.0, 0.0)]
-    for call, pl in zip(calls[2:-2], LADDER, strict=True):
+    assert len(calls) == 2 + len(LADDER) + 3
+    optimum = float(opt.state.optimal_power_limit)  # type: ignore[union-attr]
+    assert calls[-3:] == [(0.0, len(opt.gpu_indices)), (optimum, 0.0), (-optimum, 0.0)]
+    for call, pl in zip(calls[2:-3], LADDER, strict=True):
         assert call == pytest.approx(expected(pl))
     assert opt.measurements[0].time == pytest.approx(expected(300)[0] + 1.0)
     assert opt.measurements[0].energy == pytest.approx(expected(300)[1] * 4)

@@ -18,9 +18,10 @@ import pytest
 from pydantic import BaseModel, PositiveFloat, PositiveInt
 
 from protocol.exceptions import ConfigError
-from protocol.models import PowerLimitMeasurement
+from protocol.models import PowerLimitMeasurement, PowerLimitProfile
 from tests import fake_nvml_power as fake
 from tests.fake_nvml_power import ReplayMonitor, ReplayTraining, limits_now, limits_set, run_steps
+from tests.power_limit_rank import TABLE as RANK_TABLE
 from tests.power_limit_rank import run_two_ranks
 from worker_client.power_limit.hf import HFGlobalPowerLimitOptimizer
 from worker_client.power_limit.optimizer import GlobalPowerLimitOptimizer
@@ -477,3 +478,25 @@ def test_hf_callback_takes_every_trainer_event_in_the_trainers_order(
     cb.on_train_end(*a)
     assert profiled(cb.optimizer) == [300, 250, 200]
     assert limits_now() == [300, 300]
+
+
+def test_ranks_that_loaded_profiles_of_other_runs_say_their_limits_differ(tmp_path: Path) -> None:
+    # A stale profile on one node's disk: the ranks trained at 250 W and 300 W, unsaid.
+    from worker_client.power_limit.profile import save_profile_file
+
+    measured = [
+        PowerLimitMeasurement(power_limit=w, time=2 * t, energy=4 * t * p)
+        for w, (t, p) in RANK_TABLE.items()
+    ]
+    save_profile_file(PowerLimitProfile(measurements=measured), tmp_path / "p0.json")
+    save_profile_file(PowerLimitProfile(measurements=measured[:1]), tmp_path / "p1.json")
+    same = run_two_ranks(tmp_path, *([str(tmp_path / "p0.json")] for _ in range(2)), stderr=True)
+    assert [out.split()[0] for out in same] == ["Done(250)"] * 2, same
+    assert not any("limits differ" in out for out in same), same
+    (tmp_path / "pg").unlink(missing_ok=True)
+    outputs = run_two_ranks(
+        tmp_path, [str(tmp_path / "p0.json")], [str(tmp_path / "p1.json")], stderr=True
+    )
+    assert [out.split()[0] for out in outputs] == ["Done(250)", "Done(300)"], outputs
+    for out, mine in zip(outputs, ("250 W", "300 W"), strict=True):
+        assert f"optimal power limits differ: 250 W to 300 W (this rank: {mine})" in out, out

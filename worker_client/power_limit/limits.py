@@ -173,7 +173,8 @@ def agree_on_optimum(
 
     A collective: every rank calls it once it has tried to set the limit profiling chose (or
     a loaded profile's), so that a write NVML refuses on one rank (the others then trained on
-    at another limit, silently) is every rank's error. The rank that failed raises its own
+    at another limit, silently) is every rank's error, and ranks whose optima differ (loaded
+    profiles of other runs) log a warning that says so. The rank that failed raises its own
     error, the others a :class:`PerseusError` naming it and its error where the reducer is
     :func:`torch_distributed_reducer` (one more collective gathers the errors, only then).
 
@@ -187,8 +188,20 @@ def agree_on_optimum(
         Exception: ``failure`` itself, on its rank.
         PerseusError: On every other rank.
     """
-    _, failed = reducer(0.0, float(failure is not None))
+    highest, failed = reducer(float(power_limit_mw), float(failure is not None))
     if failed == 0 and failure is None:
+        # Every rank set its optimum: the lowest too (a second collective, on every rank alike).
+        lowest = -reducer(-float(power_limit_mw), 0.0)[0]
+        if lowest != highest:
+            # Stored profiles that differ (a stale profile_path on one node, say) set other
+            # limits on some ranks, unsaid; GPUs of other kinds may rightly do so too.
+            logger.warning(
+                "the ranks' optimal power limits differ: %s to %s (this rank: %s): they loaded "
+                "profiles of other runs (profile_path), or have other selectors or GPU kinds",
+                format_watts(int(lowest)),
+                format_watts(int(highest)),
+                format_watts(power_limit_mw),
+            )
         return
     why = _failed_ranks(failure, reducer) or " (its own error says why)"
     if failure is not None:
