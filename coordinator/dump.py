@@ -19,8 +19,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from protocol.codec import validate
 from protocol.exceptions import ConfigError, ProtocolError
-from protocol.models import FrequencySchedule, ProfilingResult, RankInfo, validate
+from protocol.models import FrequencySchedule, ProfilingResult, RankInfo
 from protocol.store import JobRecord, JobStore
 
 M = TypeVar("M", bound=BaseModel)
