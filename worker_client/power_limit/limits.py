@@ -9,6 +9,7 @@ from protocol.exceptions import ConfigError, GPUError, PerseusError
 from worker_client.gpu.nvml import NVML
 from worker_client.power_limit.monitor import (
     Reducer,
+    WindowMonitor,
     torch_distributed_reasons,
     torch_distributed_reducer,
 )
@@ -147,6 +148,34 @@ def refuse_failed_window(
 def _is_permission_error(exc: GPUError) -> bool:
     text = str(exc).lower()
     return "no permission" in text or "insufficient permission" in text
+
+
+def monitored_gpus(
+    monitor: WindowMonitor, nvml: NVML | None
+) -> tuple[list[int], NVML, dict[int, int]]:
+    """The monitored GPUs, the NVML facade for their limits, and each one's NVML index.
+
+    Args:
+        monitor: The optimizer's monitor (``gpu_indices``: CUDA indices).
+        nvml: The NVML facade given (default: ``monitor.nvml`` or the real one).
+
+    Returns:
+        ``(gpu_indices, nvml, nvml_of)``: ``nvml_of`` maps a monitored index to NVML's.
+
+    Raises:
+        ConfigError: The monitor has no GPUs, or one is not a visible CUDA device.
+        GPUError: NVML cannot be opened.
+    """
+    gpu_indices = list(monitor.gpu_indices)
+    if not gpu_indices:
+        raise ConfigError("the monitor has no GPUs")
+    nvml = nvml or getattr(monitor, "nvml", None) or NVML()
+    # Limits go to NVML's indices: an EnergyMonitor knows them; a ZeusMonitor's CUDA
+    # indices are mapped through CUDA_VISIBLE_DEVICES.
+    nvml_indices = getattr(monitor, "nvml_indices", None)
+    if nvml_indices is None:
+        nvml_indices = [nvml.cuda_to_nvml(i) for i in gpu_indices]
+    return gpu_indices, nvml, dict(zip(gpu_indices, nvml_indices, strict=True))
 
 
 def common_range(nvml: NVML, nvml_of: dict[int, int]) -> tuple[int, int]:
