@@ -25,6 +25,7 @@ from tests.helpers import (
     SENT,
     TOY_SCHEDULER,
     make_settings,
+    running,
     start_perseus,
     stop,
 )
@@ -106,12 +107,8 @@ def gloo() -> Iterator[None]:
 @pytest.fixture
 def service(r, redis_url):
     """A coordinator (toy StepDown scheduler) consuming in a background thread."""
-    coord = Coordinator(r, make_settings(redis_url), claim_idle_ms=60_000)
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    yield coord
-    coord.stop_event.set()
-    thread.join(timeout=5)
+    with running(Coordinator(r, make_settings(redis_url), claim_idle_ms=60_000)) as coord:
+        yield coord
 
 
 @pytest.fixture
@@ -123,19 +120,15 @@ def hook_service(r, redis_url, tmp_path, monkeypatch):
     """
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
     settings = make_settings(redis_url, TOY_SCHEDULER, scheduler_args={"microbatches": 2})
-    coord = Coordinator(r, settings)
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
     workers: list[subprocess.Popen] = []
 
     def start_worker() -> None:
         args = ["worker", "--simple", "--redis-url", redis_url]
         workers.append(start_perseus(args, tmp_path, "worker.log"))
 
-    yield coord, start_worker
-    stop(workers)
-    coord.stop_event.set()
-    thread.join(timeout=5)
+    with running(Coordinator(r, settings)) as coord:
+        yield coord, start_worker
+        stop(workers)
 
 
 @pytest.fixture

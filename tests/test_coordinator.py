@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import msgpack
@@ -35,8 +34,31 @@ from protocol.models import (
 from protocol.store import JobStore
 from protocol.store_scripts import ADD_RANK
 from protocol.tokens import credentials, new_token
-from tests.helpers import FREQS, age_job, drain, make_settings, register, result, wait_for
+from tests.helpers import (
+    FREQS,
+    age_job,
+    drain,
+    make_settings,
+    register,
+    result,
+    running,
+    wait_for,
+)
 from worker_client.hook.session import CoordinatorClient
+
+# A two-stage plan for PointSolution: the scheduler converges on its first version.
+POINT_PLAN = (
+    "[\n[('forward', 1965), ('backward', 1950)],\n[('forward', 1980), ('backward', 1980)],\n]\n"
+)
+
+
+def report_round(client: CoordinatorClient, r: redis.Redis, job_id: str, version: int) -> None:
+    """Both ranks report ``version``; run the task that their results make due."""
+    for rank in range(2):
+        client.report(job_id, result(rank, version))
+    wait_for(lambda: JobStore(r).result_count(job_id, version) == 2)
+    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+    drain(r)
 
 
 def test_register_schedule_report_advance(service, r, redis_url):
@@ -50,11 +72,7 @@ def test_register_schedule_report_advance(service, r, redis_url):
     assert first.frequencies == [("forward", 1980), ("backward", 1980)] * 2
 
     for version in (1, 2):
-        for rank in range(2):
-            client.report(job_id, result(rank, version))
-        wait_for(lambda v=version: JobStore(r).result_count(job_id, v) == 2)
-        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
-        drain(r)
+        report_round(client, r, job_id, version)
     store = JobStore(r)
     assert store.version(job_id) == 3
     assert store.schedule(job_id, 3, 0).frequencies[0] == ("forward", 1950)
@@ -77,11 +95,7 @@ def test_a_redis_that_lost_its_scripts_gets_them_again(service, r, redis_url):
     wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
     drain(r)
     r.script_flush()  # results go in a batch, with the version's task in its transaction
-    for rank in range(2):
-        client.report(job_id, result(rank, 1))
-    wait_for(lambda: JobStore(r).result_count(job_id, 1) == 2)
-    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
-    drain(r)
+    report_round(client, r, job_id, 1)
     assert JobStore(r).version(job_id) == 2
     assert not r.xlen(keys.DEADLETTER_STREAM)
 
@@ -258,9 +272,7 @@ def test_invalid_scheduler_output_reaches_clients(r, redis_url):
     for name, message in (("WrongRank", "ranks \\[0\\]"), ("Broken", "broken on purpose")):
         r.flushdb()
         coord = Coordinator(r, make_settings(redis_url, scheduler=f"tests.toy_schedulers:{name}"))
-        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-        thread.start()
-        try:
+        with running(coord):
             client = CoordinatorClient(redis_url, reply_timeout=5)
             job_id = register(client)
             with pytest.raises((PerseusError, RuntimeError)):
@@ -272,9 +284,6 @@ def test_invalid_scheduler_output_reaches_clients(r, redis_url):
                 not JobStore(r).due(JobStore(r).get_job(job_id))
                 or JobStore(r).get_job(job_id).error
             )
-        finally:
-            coord.stop_event.set()
-            thread.join(timeout=5)
 
 
 def test_publish_is_compare_and_set(r, redis_url):
@@ -467,22 +476,11 @@ def test_dump_and_status_commands(service, r, redis_url, tmp_path):
 
 def test_dump_data_writes_each_version_as_it_is_published(r, redis_url, tmp_path):
     settings = make_settings(redis_url, dump_data=True, dump_dir=str(tmp_path))
-    coord = Coordinator(r, settings)
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    try:
+    with running(Coordinator(r, settings)):
         client = CoordinatorClient(redis_url, reply_timeout=5)
         job_id = register(client)
-        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
         drain(r)
-        for rank in range(2):
-            client.report(job_id, result(rank, 1))
-        wait_for(lambda: JobStore(r).result_count(job_id, 1) == 2)
-        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
-        drain(r)
-    finally:
-        coord.stop_event.set()
-        thread.join(timeout=5)
+        report_round(client, r, job_id, 1)
     folder = tmp_path / job_id
     names = {p.name for p in folder.iterdir()}
     assert {"job.json", "ranks.json", "1.sched.json", "2.sched.json", "1.prof.json"} <= names
@@ -501,57 +499,21 @@ def test_dump_data_writes_the_results_a_converged_scheduler_observed(r, redis_ur
     # Zeus's server dumps every round's results; a PointSolution job publishes no version
     # after its first, so its results were never dumped.
     settings = make_settings(redis_url, dump_data=True, dump_dir=str(tmp_path))
-    coord = Coordinator(r, settings)
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    plan = (
-        "[\n[('forward', 1965), ('backward', 1950)],\n[('forward', 1980), ('backward', 1980)],\n]\n"
-    )
-    try:
+    with running(Coordinator(r, settings)):
         client = CoordinatorClient(redis_url, reply_timeout=5)
-        job = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
-        job_id = client.register_job(job, "PointSolution", {"plan_text": plan})
-        for rank in range(2):
-            client.register_rank(
-                job_id,
-                RankInfo(
-                    rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS
-                ),
-            )
-        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+        job_id = register(client, 2, "PointSolution", {"plan_text": POINT_PLAN})
         drain(r)
-        for rank in range(2):
-            client.report(job_id, result(rank, 1))
-        wait_for(lambda: JobStore(r).result_count(job_id, 1) == 2)
-        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
-        drain(r)
-    finally:
-        coord.stop_event.set()
-        thread.join(timeout=5)
+        report_round(client, r, job_id, 1)
     assert JobStore(r).version(job_id) == 1  # converged: no version 2
     assert load_prof(tmp_path / job_id, 1) == [result(0, 1), result(1, 1)]
 
 
 def test_converged_scheduler_records_observation_without_new_version(service, r, redis_url):
-    plan = (
-        "[\n[('forward', 1965), ('backward', 1950)],\n[('forward', 1980), ('backward', 1980)],\n]\n"
-    )
     client = CoordinatorClient(redis_url, reply_timeout=5)
-    job = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
-    job_id = client.register_job(job, "PointSolution", {"plan_text": plan})
-    for rank in range(2):
-        client.register_rank(
-            job_id,
-            RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS),
-        )
-    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+    job_id = register(client, 2, "PointSolution", {"plan_text": POINT_PLAN})
     drain(r)
-    for rank in range(2):
-        client.report(job_id, result(rank, 1))
+    report_round(client, r, job_id, 1)
     store = JobStore(r)
-    wait_for(lambda: store.result_count(job_id, 1) == 2)
-    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
-    drain(r)
     journal = store.journal(job_id)
     assert [(e.version, e.observed_version, e.published) for e in journal] == [
         (1, None, True),
