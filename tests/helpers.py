@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 from rq import Queue, SimpleWorker
 
-from coordinator.embedded import redis_server_binary
 from coordinator.resilience import ensure_groups
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
@@ -130,29 +129,49 @@ def start_perseus(
     )
 
 
-SENTINEL_SERVICE = "perseus"  # the master's name for the sentinels of start_sentinel
+def launch_perseus(
+    args: list[str],
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    stderr: int | None = subprocess.PIPE,
+    **popen: Any,
+) -> subprocess.Popen[str]:
+    """Start ``perseus ARGS`` with its output piped, as text, to read in the test.
 
-
-def start_sentinel(
-    folder: Path, port: int, master_port: int, quorum: int = 2, master_password: str = ""
-) -> subprocess.Popen:
-    """A redis-server in sentinel mode on ``port`` watching the master on ``master_port``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    conf = folder / "sentinel.conf"
-    auth = f"sentinel auth-pass {SENTINEL_SERVICE} {master_password}\n" if master_password else ""
-    conf.write_text(
-        f"port {port}\nbind 127.0.0.1\ndir {folder}\nlogfile {folder / 'sentinel.log'}\n"
-        f"sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {master_port} {quorum}\n{auth}"
-        f"sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000\n"
-        f"sentinel failover-timeout {SENTINEL_SERVICE} 5000\n"
-        f"sentinel parallel-syncs {SENTINEL_SERVICE} 1\n"
-    )
+    ``stderr``: ``subprocess.STDOUT`` merges it into stdout, ``None`` leaves it the test's;
+    ``env``: default :func:`subprocess_env`.
+    """
     return subprocess.Popen(
-        [str(redis_server_binary()), str(conf), "--sentinel"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+        [sys.executable, "-m", "coordinator.cli", *args],
+        env=env or subprocess_env(),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        **popen,
+    )
+
+
+def run_perseus(
+    args: list[str],
+    timeout: float | None,
+    env: dict[str, str] | None = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``perseus ARGS`` to its end, its output captured as text.
+
+    Raises:
+        subprocess.TimeoutExpired: It ran past ``timeout`` s (None: no limit); it is killed.
+        subprocess.CalledProcessError: ``check`` and it failed.
+    """
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        env=env or subprocess_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=check,
     )
 
 
@@ -184,34 +203,6 @@ def stop(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
             proc.wait()
             hung.append(proc.args)
     assert not hung, f"did not stop within {timeout} s of SIGTERM: {hung}"
-
-
-IMPORT_BLOCKER = """
-import sys
-
-class _Blocked:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {names!r}:
-            raise ImportError(name + " {reason}")
-        return None
-
-sys.meta_path.insert(0, _Blocked())
-"""
-
-
-def blocking_env(tmp_path: Path, names: Iterable[str], reason: str, **extra: str) -> dict[str, str]:
-    """A subprocess environment in which the top-level packages ``names`` cannot be imported.
-
-    A ``sitecustomize`` on ``PYTHONPATH`` installs the block, so processes those spawn (rq's
-    work horses, P2P ranks) are blocked too. Importing one raises ``ImportError(name + reason)``.
-    """
-    site = tmp_path / "blocked-site"
-    site.mkdir(exist_ok=True)
-    text = IMPORT_BLOCKER.format(names=set(names), reason=reason)
-    (site / "sitecustomize.py").write_text(text)
-    env = subprocess_env(tmp_path, **extra)
-    env["PYTHONPATH"] = os.pathsep.join((str(site), env["PYTHONPATH"]))
-    return env
 
 
 @contextmanager

@@ -8,7 +8,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +28,14 @@ from protocol.connection import DEFAULT_REDIS_URL, connect
 from protocol.exceptions import ConfigError
 from protocol.models import JobInfo
 from schedulers.planning.plan_file import write_plan_file
-from tests.helpers import ROOT, free_ports, make_settings, subprocess_env, wait_for
+from tests.helpers import (
+    free_ports,
+    launch_perseus,
+    make_settings,
+    run_perseus,
+    subprocess_env,
+    wait_for,
+)
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -37,6 +43,24 @@ def perseus(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     """Run ``perseus ARGS`` in this process; return the exit code and everything printed."""
     result = CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
     return result.exit_code, result.output
+
+
+def first_line(args: list[str], tmp_path: Path, variables: dict[str, str]) -> tuple[str, bool, str]:
+    """Start ``perseus ARGS`` (``variables`` set), read its first line, then stop it.
+
+    Returns:
+        That line, whether it still ran after printing it, and what it printed afterwards.
+    """
+    env = subprocess_env(tmp_path, **variables)
+    proc = launch_perseus(args, env=env, stderr=subprocess.STDOUT)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        ran_on = proc.poll() is None
+    finally:
+        proc.terminate()
+        rest, _ = proc.communicate(timeout=10)
+    return first, ran_on, rest
 
 
 def test_version():
@@ -189,22 +213,9 @@ def test_a_database_path_takes_one_trailing_slash_and_nothing_else() -> None:
 
 
 def test_coordinator_without_scheduler_settings_starts(redis_url, tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "coordinator", "--redis-url", redis_url],
-        env=subprocess_env(tmp_path),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
-        assert first.startswith("perseus coordinator: scheduler=none (each job names its own")
-        assert proc.poll() is None
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    first, ran_on, rest = first_line(["coordinator", "--redis-url", redis_url], tmp_path, {})
+    assert first.startswith("perseus coordinator: scheduler=none (each job names its own")
+    assert ran_on, first + rest
 
 
 @pytest.mark.parametrize(
@@ -266,20 +277,8 @@ def test_the_no_default_start_a_refusal_offers_starts_with_the_same_variables(
     offered = next(line for line in out.splitlines() if "(no default" in line)
     argv = shlex.split(offered.split("(no default")[0])
     assert argv[:2] == ["perseus", "coordinator"], offered
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", *argv[1:], "--redis-url", redis_url],
-        env=subprocess_env(tmp_path, **variables),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()  # the start line, or a refusal's "Usage:"
-    finally:
-        proc.terminate()
-        rest, _ = proc.communicate(timeout=10)
+    # The start line, or a refusal's "Usage:".
+    first, _, rest = first_line([*argv[1:], "--redis-url", redis_url], tmp_path, variables)
     assert first.startswith("perseus coordinator: scheduler=none (each job"), first + rest
 
 
@@ -295,13 +294,10 @@ def test_no_redis_at_the_url_says_what_to_start(tmp_path):
 
 
 def test_status_watch_refreshes_until_interrupted(redis_url, job, tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "status", "--watch", "--interval", "0.2"],
+    proc = launch_perseus(
+        ["status", "--watch", "--interval", "0.2"],
         env=subprocess_env(tmp_path, PERSEUS_REDIS_URL=redis_url),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
     )
     # Interrupted once it refreshed (a slow start must not turn into too few refreshes).
     timer = threading.Timer(30, proc.kill)
@@ -334,13 +330,8 @@ def _start_perseus_redis(
     tmp_path: Path, preexec_fn: Callable[[], None] | None = None
 ) -> tuple[subprocess.Popen, str]:
     """Start ``perseus redis``; the process and the URL it printed."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "redis"],
-        env=subprocess_env(tmp_path),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-        preexec_fn=preexec_fn,
+    proc = launch_perseus(
+        ["redis"], env=subprocess_env(tmp_path), stderr=None, preexec_fn=preexec_fn
     )
     assert proc.stdout is not None
     return proc, proc.stdout.readline().split("redis url: ", 1)[1].strip()
@@ -389,14 +380,7 @@ def test_profile_p2p_on_the_simulated_gpu_leaves_no_state_behind(tmp_path):
     before = set(shm.glob("perseus-sim-gpu-*")) if shm.exists() else set()
     env = subprocess_env(tmp_path, TMPDIR=str(tmp_path))
     env.pop("PERSEUS_SIM_GPU_DIR", None)
-    out = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "profile-p2p", "--gpu", "simulated", *P2P_ARGS],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_perseus(["profile-p2p", "--gpu", "simulated", *P2P_ARGS], 120, env)
     assert out.returncode == 0, out.stderr
     after = set(shm.glob("perseus-sim-gpu-*")) if shm.exists() else set()
     assert after <= before
@@ -422,14 +406,7 @@ def test_perseus_worker_runs_tasks_with_its_startup_heap_frozen(r, redis_url):
     queue = Queue(keys.RQ_QUEUE, connection=r)
     job = queue.enqueue("gc.get_freeze_count")
     threshold = queue.enqueue("gc.get_threshold")
-    proc = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "worker", "--burst", "--redis-url", redis_url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=subprocess_env(),
-    )
+    proc = run_perseus(["worker", "--burst", "--redis-url", redis_url], 120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert job.return_value(refresh=True) > 10_000  # the imports and preloaded schedulers
     assert threshold.return_value(refresh=True)[0] == 20_000

@@ -10,12 +10,9 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -28,17 +25,18 @@ from protocol.models import ReportResult, encode_message
 from protocol.store import JobStore
 from tests.helpers import (
     ROOT,
-    SENTINEL_SERVICE,
     WITH_SIGINT,
     free_ports,
+    launch_perseus,
     new_job,
     result,
+    run_perseus,
     start_perseus,
-    start_sentinel,
     stop,
     subprocess_env,
     wait_for,
 )
+from tests.sentinel_server import SENTINEL_SERVICE, start_sentinel
 from tests.silent_proxy import SilentProxy
 
 PASSWORD = "hang-test-secret"
@@ -137,25 +135,6 @@ def test_entries_a_hanging_redis_held_stay_pending_and_are_processed_after_a_res
     assert entry_id.encode() in letter[1].values(), letter
 
 
-def launch(
-    args: list[str],
-    cwd: Path,
-    env: dict[str, str] | None = None,
-    stderr: int = subprocess.PIPE,
-    **popen: Any,
-) -> subprocess.Popen[str]:
-    """Start ``perseus ARGS`` with its output piped (``stderr=subprocess.STDOUT``: merged)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", *args],
-        env=env or subprocess_env(),
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        **popen,
-    )
-
-
 def outputs_of(
     procs: list[subprocess.Popen[str]], meanwhile: Callable[[], None] | None = None
 ) -> list[tuple[str, str]]:
@@ -188,14 +167,7 @@ def fault(proxy: SilentProxy, kind: str, what: str) -> Callable[[], None]:
 
 def perseus(args: list[str], timeout: float = BOUND_S) -> subprocess.CompletedProcess[str]:
     """Run ``perseus ARGS`` to its end; ``subprocess.TimeoutExpired`` after ``timeout`` s."""
-    return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args],
-        env=subprocess_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_perseus(args, timeout)
 
 
 OPERATOR_COMMANDS = [
@@ -219,7 +191,9 @@ def test_operator_commands_give_up_on_a_hanging_redis_with_one_line(private_redi
     with stopped(private_redis):
         procs = [
             # cwd: dump's ./dump folder
-            launch([*args, "--redis-url", private_redis.url], tmp_path, stderr=subprocess.STDOUT)
+            launch_perseus(
+                [*args, "--redis-url", private_redis.url], tmp_path, stderr=subprocess.STDOUT
+            )
             for args in OPERATOR_COMMANDS
         ]
         # A longer wait is asked for in the URL, as the message says.
@@ -252,7 +226,9 @@ def test_a_service_started_against_a_hanging_redis_says_so_within_seconds(privat
     shown = f"redis://:***@127.0.0.1:{private_redis.port}/0"
     with stopped(private_redis):
         procs = [
-            launch([*args, "--redis-url", private_redis.url], tmp_path, subprocess_env(tmp_path))
+            launch_perseus(
+                [*args, "--redis-url", private_redis.url], tmp_path, subprocess_env(tmp_path)
+            )
             for args in SERVICES
         ]
         outputs = outputs_of(procs)
@@ -278,7 +254,7 @@ def test_a_demo_stopped_while_redis_hangs_says_once_that_it_did_not_leave_the_gr
     # "stopping without leaving the consumer group" came "could not leave the group: Bad
     # file descriptor" (or "Connection closed by server.").
     args = ["demo", "--stages", "2", "--microbatches", "2", "--redis-url", private_redis.url]
-    proc = launch(
+    proc = launch_perseus(
         args,
         tmp_path,
         subprocess_env(tmp_path, PYTHONUNBUFFERED="1"),
@@ -320,7 +296,7 @@ def test_a_sentinel_urls_command_timeout_is_set_as_the_hint_says(private_redis, 
         )
         url = f"redis+sentinel://:{PASSWORD}@127.0.0.1:{port}/{SENTINEL_SERVICE}"
         with stopped(private_redis):
-            default = launch(["status", "--redis-url", url], ROOT)
+            default = launch_perseus(["status", "--redis-url", url], ROOT)
             shorter = perseus(["status", "--redis-url", f"{url}?socket_timeout=1"])
             ((_, err),) = outputs_of([default])
     finally:
@@ -344,7 +320,7 @@ def test_redis_that_hangs_or_goes_away_mid_command_is_one_line_not_a_traceback(p
     with SilentProxy(private_redis.url) as proxy:
         url = proxy.url.replace("redis://", f"redis://:{PASSWORD}@")
         proxy.silence_from(b"XLEN")  # `perseus status` reads the streams' lengths
-        proc = launch(["status", "--redis-url", url], ROOT)
+        proc = launch_perseus(["status", "--redis-url", url], ROOT)
         what = "status to ask for a stream's length"
         ((out, err),) = outputs_of([proc], fault(proxy, kind, what))
     shown = proxy.url.replace("redis://", "redis://:***@")
@@ -369,7 +345,7 @@ def test_a_dump_that_fails_part_way_says_its_folder_is_incomplete(private_redis,
     with SilentProxy(private_redis.url) as proxy:
         url = proxy.url.replace("redis://", f"redis://:{PASSWORD}@")
         proxy.silence_from(b"LRANGE")  # the journal, read after job.json and ranks.json
-        proc = launch(["dump", job_id, "--redis-url", url], tmp_path)  # into ./dump
+        proc = launch_perseus(["dump", job_id, "--redis-url", url], tmp_path)  # into ./dump
         what = "the dump to read the journal"
         ((out, err),) = outputs_of([proc], fault(proxy, kind, what))
     shown = proxy.url.replace("redis://", "redis://:***@")
