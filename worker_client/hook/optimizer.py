@@ -37,7 +37,7 @@ from worker_client.hook.clock_requests import (
 from worker_client.hook.energy_source import EnergySource, Mark
 from worker_client.hook.joining import RankGPU, finish_rank
 from worker_client.hook.options import check_identity, check_options
-from worker_client.hook.result_builder import ResultBuilder
+from worker_client.hook.result_builder import ResultBuilder, Window
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.startup import start_rank
 from worker_client.hook.step_order import StepOrder
@@ -340,14 +340,10 @@ class PerseusOptimizer(Callback):
         self._measuring = False
         if not self._reported and len(self._iter_time) >= self.report_every:
             # The window's lists are not touched again: a swap replaces them.
-            self._results.submit(
-                self.report_every,
-                self.schedule.version,
-                self._iter_time,
-                self._iter_marks,
-                self._breakdown,
-                self._mark_breakdown,
+            window = Window(
+                self._iter_time, self._iter_marks, self._breakdown, self._mark_breakdown
             )
+            self._results.submit(self.report_every, self.schedule.version, window)
             self._reported = True
         build_error, remeasure = self._results.take()
         if remeasure and self._reported:

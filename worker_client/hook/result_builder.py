@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import NamedTuple
 
 from pydantic import ValidationError
 
@@ -14,6 +15,15 @@ from worker_client.hook.watchers import ResultReporter
 
 # The hook's logger: what it says of results keeps the name it had before this module split off.
 logger = logging.getLogger("worker_client.hook.optimizer")
+
+
+class Window(NamedTuple):
+    """One schedule version's profiling window as the training thread measured it."""
+
+    iter_time: list[float]
+    iter_marks: list[Mark]
+    breakdown: dict[str, list[list[float]]]
+    mark_breakdown: dict[str, list[list[Mark]]]
 
 
 class ResultBuilder:
@@ -40,22 +50,12 @@ class ResultBuilder:
         self._remeasure = False  # set when a window must be measured again
         self.last_result: ProfilingResult | None = None  # the last result handed on
 
-    def submit(
-        self,
-        n: int,
-        version: int,
-        iter_time: list[float],
-        iter_marks: list[Mark],
-        breakdown: dict[str, list[list[float]]],
-        mark_breakdown: dict[str, list[list[Mark]]],
-    ) -> None:
+    def submit(self, n: int, version: int, window: Window) -> None:
         """Build the result of ``version``'s window from its first ``n`` steps, in turn.
 
-        The lists must not change afterwards (a new window gets new ones).
+        The window's lists must not change afterwards (a new window gets new ones).
         """
-        self._thread.submit(
-            self._build, n, version, iter_time, iter_marks, breakdown, mark_breakdown
-        )
+        self._thread.submit(self._build, n, version, window)
 
     def take(self) -> tuple[Exception | None, bool]:
         """The build error to raise (or None) and whether to measure the window again; cleared."""
@@ -77,25 +77,17 @@ class ResultBuilder:
                 self._error,
             )
 
-    def _build(
-        self,
-        n: int,
-        version: int,
-        iter_time: list[float],
-        iter_marks: list[Mark],
-        breakdown: dict[str, list[list[float]]],
-        mark_breakdown: dict[str, list[list[Mark]]],
-    ) -> None:
+    def _build(self, n: int, version: int, window: Window) -> None:
         """Builder thread: marks -> Joules, then hand the result to the reporter."""
         try:
             result = measured_result(
                 self._source,
                 self._rank,
                 version,
-                iter_time[:n],
-                iter_marks[:n],
-                {k: v[:n] for k, v in breakdown.items()},
-                {k: v[:n] for k, v in mark_breakdown.items()},
+                window.iter_time[:n],
+                window.iter_marks[:n],
+                {k: v[:n] for k, v in window.breakdown.items()},
+                {k: v[:n] for k, v in window.mark_breakdown.items()},
             )
         except ValidationError as exc:
             # A glitch of the energy source (NaN, a counter that went backwards) must not stop
