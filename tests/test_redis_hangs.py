@@ -13,6 +13,8 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -135,6 +137,13 @@ def test_entries_a_hanging_redis_held_stay_pending_and_are_processed_after_a_res
     assert entry_id.encode() in letter[1].values(), letter
 
 
+def launch_each(
+    commands: list[list[str]], server: EmbeddedRedis, cwd: Path, **launch: Any
+) -> list[subprocess.Popen[str]]:
+    """``perseus COMMAND --redis-url URL`` of ``server`` for each command, all at once."""
+    return [launch_perseus([*args, "--redis-url", server.url], cwd, **launch) for args in commands]
+
+
 def outputs_of(
     procs: list[subprocess.Popen[str]], meanwhile: Callable[[], None] | None = None
 ) -> list[tuple[str, str]]:
@@ -189,13 +198,8 @@ def test_operator_commands_give_up_on_a_hanging_redis_with_one_line(private_redi
     # Each waited its PING's 30 s socket timeout, then said "Timeout reading from socket".
     shown = f"redis://:***@127.0.0.1:{private_redis.port}/0"
     with stopped(private_redis):
-        procs = [
-            # cwd: dump's ./dump folder
-            launch_perseus(
-                [*args, "--redis-url", private_redis.url], tmp_path, stderr=subprocess.STDOUT
-            )
-            for args in OPERATOR_COMMANDS
-        ]
+        # In tmp_path: dump's ./dump folder.
+        procs = launch_each(OPERATOR_COMMANDS, private_redis, tmp_path, stderr=subprocess.STDOUT)
         # A longer wait is asked for in the URL, as the message says.
         longer = perseus(["status", "--redis-url", f"{private_redis.url}?socket_timeout=1"])
         outputs = outputs_of(procs)
@@ -225,12 +229,7 @@ def test_a_service_started_against_a_hanging_redis_says_so_within_seconds(privat
     # Their first PING waited the services' 30 s socket timeout (measured 30.5-31.2 s).
     shown = f"redis://:***@127.0.0.1:{private_redis.port}/0"
     with stopped(private_redis):
-        procs = [
-            launch_perseus(
-                [*args, "--redis-url", private_redis.url], tmp_path, subprocess_env(tmp_path)
-            )
-            for args in SERVICES
-        ]
+        procs = launch_each(SERVICES, private_redis, tmp_path, env=subprocess_env(tmp_path))
         outputs = outputs_of(procs)
     for args, proc, (_out, err) in zip(SERVICES, procs, outputs, strict=True):
         assert proc.returncode == 1, (args, err)
