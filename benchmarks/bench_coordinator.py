@@ -32,22 +32,20 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 
-import msgpack
 import redis
 from rq import Queue, Worker
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_cpu import Turns, cpu_seconds  # noqa: E402
+from benchmarks.bench_raw_limit import RAW, raw_request, raw_server  # noqa: E402
 from coordinator.embedded import EmbeddedRedis  # noqa: E402
 from protocol import keys  # noqa: E402
 from protocol.connection import SOCKET_TIMEOUT_S, connect  # noqa: E402
@@ -65,7 +63,6 @@ FREQS = list(H100_GRAPHICS_CLOCKS)
 MICROBATCHES = 8  # 16 instructions per step
 ITERS = 10  # the hook's default report_every
 SCHEDULER = "tests.toy_schedulers:SnapshotStepDown"
-RAW = "bench-raw"  # job id of the raw limit's keys (built with protocol.keys like the rest)
 WINDOWS = ((2, 21), (182, 201))
 
 
@@ -289,133 +286,6 @@ def start_coordinator(url: str) -> subprocess.Popen:
     )
 
 
-# --- the raw limit ------------------------------------------------------------------------------
-def raw_server(url: str, ranks: int) -> None:
-    """One process, one pipeline per batch, msgpack only: answers requests, publishes versions.
-
-    It stores what the coordinator stores (each rank's info, each result) and connects as it
-    does (``protocol.connection.connect``: the same socket time-outs, one dedicated connection).
-    """
-    conn = connect(url, dedicated=True)
-    results, requests = keys.job_key(RAW, "in"), keys.job_key(RAW, "requests")
-    for stream in (results, requests):
-        try:
-            conn.xgroup_create(stream, "raw", id="0", mkstream=True)
-        except redis.ResponseError:
-            pass
-    version = 1
-    counts: dict[int, int] = {}  # version -> results received
-    conn.set(keys.job_version(RAW), version)
-    conn.xadd(keys.job_updates(RAW), {"version": version})
-    while True:
-        reply = conn.xreadgroup("raw", "raw", {results: ">", requests: ">"}, count=100, block=1000)
-        with conn.pipeline(transaction=False) as pipe:
-            for stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    data = msgpack.unpackb(fields[b"data"], raw=False)
-                    if stream.decode() == requests:
-                        rank_info = data["rank_info"]
-                        pipe.hset(
-                            keys.job_ranks(RAW), str(rank_info["rank"]), msgpack.packb(rank_info)
-                        )
-                        reply_key = keys.reply_key(data["request_id"])
-                        reply = dict(RAW_REPLY, job_id=data["job_id"])
-                        pipe.lpush(reply_key, msgpack.packb(reply))
-                        pipe.expire(reply_key, 300)
-                    else:
-                        result = data["result"]
-                        v = result["schedule_version"]
-                        pipe.hset(
-                            keys.job_results(RAW, v), str(result["rank"]), msgpack.packb(result)
-                        )
-                        counts[v] = counts.get(v, 0) + 1
-                    pipe.xack(stream, "raw", entry_id)
-            if counts.get(version, 0) >= ranks:
-                version += 1
-                freq = FREQS[min(version, len(FREQS) - 1)]
-                names = ["forward", "backward"] * MICROBATCHES
-                for rank in range(ranks):
-                    schedule = {
-                        "rank": rank,
-                        "version": version,
-                        "frequencies": [[n, freq] for n in names],
-                    }
-                    pipe.hset(keys.job_schedule(RAW, version), str(rank), msgpack.packb(schedule))
-                pipe.set(keys.job_version(RAW), version)
-                pipe.xadd(keys.job_updates(RAW), {"version": version})
-            pipe.execute()
-
-
-# The raw server's answer: the fields and sizes of a registration reply (a 43-character token
-# like protocol.tokens makes), none of the work.
-RAW_REPLY = {"ok": True, "job_id": RAW, "error": "", "instruction_energy": False, "token": "t" * 43}
-
-
-def raw_request(conn: redis.Redis, job_id: str) -> Callable[[int], None]:
-    """The client side of the raw limit: the same request/reply traffic as CoordinatorClient.
-
-    The request carries what a rank's registration carries (a job id as long as a real one,
-    the rank's coordinates and clocks), packed with msgpack alone: no models, no validation.
-    """
-    stream = keys.job_key(RAW, "requests")
-
-    def request(rank: int) -> None:
-        request_id = uuid.uuid4().hex
-        message = {
-            "kind": "register_rank",
-            "request_id": request_id,
-            "job_id": job_id,
-            "rank_info": {
-                "rank": rank,
-                "dp_rank": 0,
-                "pp_rank": rank,
-                "tp_rank": 0,
-                "available_frequencies": FREQS,
-            },
-        }
-        fields = {"kind": "register_rank", "data": msgpack.packb(message), "job_id": job_id}
-        conn.xadd(stream, fields)
-        if conn.blpop([keys.reply_key(request_id)], timeout=30) is None:
-            raise TimeoutError("raw server did not answer")
-
-    return request
-
-
-def cpu_seconds(pid: int | None = None, children: bool = False) -> float:
-    """CPU time (user + system) of process ``pid`` so far (default: this one); Linux only.
-
-    With ``children``, also that of its children it has waited for (a forking worker's tasks).
-    """
-    if pid is None:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_utime + usage.ru_stime
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    ticks = int(fields[11]) + int(fields[12])
-    if children:
-        ticks += int(fields[13]) + int(fields[14])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-class Turns:
-    """Time and CPU (client, server, Redis) spent in one side's turns."""
-
-    def __init__(self, stack: Stack) -> None:
-        self.pids = (None, stack.procs[0].pid, stack.server.pid)
-        self.wall = 0.0
-        self.cpu = [0.0, 0.0, 0.0]
-
-    def __enter__(self) -> Turns:
-        self._cpu = [cpu_seconds(pid) for pid in self.pids]
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall += time.perf_counter() - self._start
-        for i, pid in enumerate(self.pids):
-            self.cpu[i] += cpu_seconds(pid) - self._cpu[i]
-
-
 def registrations(raw: Stack, ours: Stack, ranks: int, jobs: int) -> tuple[Turns, Turns]:
     """Registrations (raw limit, coordinator) from one client, interleaved job by job.
 
@@ -425,8 +295,12 @@ def registrations(raw: Stack, ours: Stack, ranks: int, jobs: int) -> tuple[Turns
     client = CoordinatorClient(ours.url)
     # Connected as CoordinatorClient connects (its reply wait, its socket time-out).
     conn = connect(raw.url, socket_timeout=client.reply_timeout + SOCKET_TIMEOUT_S)
-    request = raw_request(conn, job_id=ours.job_id)  # an id as long as a real one
-    turns = Turns(raw), Turns(ours)
+    request = raw_request(conn, ours.job_id, FREQS)  # an id as long as a real one
+    # Client, coordinator (raw server) and Redis of each side.
+    turns = (
+        Turns((None, raw.procs[0].pid, raw.server.pid)),
+        Turns((None, ours.procs[0].pid, ours.server.pid)),
+    )
 
     def raw_turn() -> None:
         with turns[0]:
@@ -523,7 +397,7 @@ def main() -> None:
     parser.add_argument("--raw-server", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_server:
-        raw_server(args.raw_server, args.ranks)
+        raw_server(args.raw_server, args.ranks, FREQS, MICROBATCHES)
         return
     last = args.versions + 1
     windows = [(a, min(b, last)) for a, b in WINDOWS if a <= last]

@@ -27,7 +27,9 @@ from coordinator.cli_common import (
     PerseusGroup,
     check_variables,
     load_settings,
+    out_option,
     stop_signals_interrupt,
+    write_out,
 )
 from coordinator.cli_deadletter import deadletter_group
 from coordinator.cli_demo import demo_command
@@ -331,13 +333,7 @@ def status(
 
 
 @main.command("acl")
-@click.option(
-    "--out",
-    "out_path",
-    default="-",
-    show_default=True,
-    help="ACL file to write (- for standard output); load it with redis-server --aclfile.",
-)
+@out_option("-", "ACL file to write (- for standard output); load it with redis-server --aclfile.")
 @click.option(
     "--redis-major",
     type=click.IntRange(min=6),
@@ -359,15 +355,8 @@ def acl_command(out_path: str, redis_major: int) -> None:
         passwords[role] = given or secrets.token_urlsafe(24)
         if not given:
             click.echo(f"{role_user(role)} password: {passwords[role]}", err=True)
-    text = acl_file(passwords, redis_major)
-    if out_path == "-":
-        click.echo(text, nl=False)
+    if not write_out(out_path, acl_file(passwords, redis_major), private=True):
         return
-    try:
-        Path(out_path).write_text(text)
-        os.chmod(out_path, 0o600)
-    except OSError as exc:
-        raise click.ClickException(f"cannot write {out_path}: {exc}") from None
     click.echo(f"wrote {out_path}: users {', '.join(role_user(r) for r in ROLES)}", err=True)
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import re
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import click
@@ -112,6 +113,45 @@ def connect_settings(redis_url: str | None) -> redis.Redis:
     Each reply is waited for :data:`protocol.cli_options.COMMAND_TIMEOUT_S` at most.
     """
     return connect_or_fail(load_settings(redis_url=redis_url).redis_url)
+
+
+def out_option(default: str, help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--out`` (``out_path``): the file to write, ``-`` for standard output (:func:`write_out`).
+
+    Args:
+        default: The file when ``--out`` is not given.
+        help_text: The option's help (it should say what ``-`` means).
+    """
+    return click.option("--out", "out_path", default=default, show_default=True, help=help_text)
+
+
+def write_out(out_path: str, data: str | bytes, private: bool = False) -> bool:
+    """Write ``data`` to the ``--out`` file, or to standard output where it is ``-``.
+
+    Args:
+        out_path: The ``--out`` value.
+        data: What to write (bytes go to standard output decoded as UTF-8).
+        private: Readable by its owner only (0600): it holds secrets or their hashes.
+
+    Returns:
+        Whether a file was written (the caller then says so).
+
+    Raises:
+        click.ClickException: The file could not be written (its name and the reason).
+    """
+    if out_path == "-":
+        click.echo(data if isinstance(data, str) else data.decode(), nl=False)
+        return False
+    try:
+        if isinstance(data, str):
+            Path(out_path).write_text(data)
+        else:
+            Path(out_path).write_bytes(data)
+        if private:
+            os.chmod(out_path, 0o600)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {out_path}: {exc}") from None
+    return True
 
 
 @contextmanager

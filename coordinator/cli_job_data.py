@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 import redis
 
-from coordinator.cli_common import connect_settings, load_settings
+from coordinator.cli_common import connect_settings, load_settings, out_option, write_out
 from coordinator.dump import COMPLETE, dump_job
 from protocol.cli_options import connect_or_fail, lost_redis_message, redis_url_option
 from protocol.constants import MAX_TARGET_ITERATION_S, MIN_TARGET_ITERATION_S
@@ -54,13 +54,7 @@ def _incomplete(folder: Path) -> str:
 @click.command("profile")
 @redis_url_option
 @click.argument("job_id")
-@click.option(
-    "--out",
-    "out_path",
-    default="profile.csv",
-    show_default=True,
-    help="File to write; - for standard output.",
-)
+@out_option("profile.csv", "File to write; - for standard output.")
 def profile_command(redis_url: str | None, job_id: str, out_path: str) -> None:
     """Fetch the instruction profile that JOB_ID's InstructionProfiler measured.
 
@@ -79,13 +73,8 @@ def profile_command(redis_url: str | None, job_id: str, out_path: str) -> None:
             f"job {job_id} has no profile yet ({record.config.scheduler}, {state}); a job that "
             "registers with scheduler='InstructionProfiler' gets one when its sweep ends"
         )
-    if out_path == "-":
-        click.echo(data.decode(), nl=False)
+    if not write_out(out_path, data):
         return
-    try:
-        Path(out_path).write_bytes(data)
-    except OSError as exc:
-        raise click.ClickException(f"cannot write {out_path}: {exc}") from None
     click.echo(f"wrote {out_path} ({len(data.splitlines()) - 1} rows); next: perseus optimize")
 
 

@@ -27,8 +27,9 @@ from urllib.parse import quote
 
 from pydantic import BaseModel
 
+from protocol.codec import validate
 from protocol.exceptions import ConfigError, ProtocolError
-from protocol.models import FrequencySchedule, ProfilingResult, RankInfo, validate
+from protocol.models import FrequencySchedule, ProfilingResult, RankInfo
 from protocol.store import KEEP_SCHEDULES, JobRecord, JobStore
 
 M = TypeVar("M", bound=BaseModel)

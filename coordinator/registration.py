@@ -7,9 +7,10 @@ import math
 from coordinator.job_config import check_rank_limits
 from coordinator.settings import PerseusSettings
 from protocol import keys
+from protocol.codec import pack_rank_reply
 from protocol.exceptions import ProtocolError
 from protocol.job_record import JobRecord
-from protocol.models import RegisterJob, RegisterRank, pack_rank_reply
+from protocol.models import RegisterJob, RegisterRank
 from protocol.store_batch import Answer, StoreBatch
 from protocol.tokens import TokenSupply
 

@@ -47,6 +47,7 @@ from coordinator.sweep import Sweeper
 from coordinator.trust import ResultKeys
 from protocol import keys, streams
 from protocol.acl import wrong_user
+from protocol.codec import pack
 from protocol.consumers import GroupMembers
 from protocol.exceptions import DuplicateEntryError, PerseusError, UnknownJobError
 from protocol.job_record import make_job_id
@@ -55,7 +56,6 @@ from protocol.models import (
     RegisterRank,
     Reply,
     ReportResult,
-    pack,
 )
 from protocol.scheduler import resolve_scheduler
 from protocol.store import JobRecord, JobStore

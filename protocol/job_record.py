@@ -9,8 +9,9 @@ from datetime import datetime, timezone
 import msgpack
 import redis
 
+from protocol.codec import validate
 from protocol.exceptions import ProtocolError, UnknownJobError
-from protocol.models import JobConfig, JobInfo, JournalEntry, ProfilingResult, validate
+from protocol.models import JobConfig, JobInfo, JournalEntry, ProfilingResult
 
 
 @dataclass(frozen=True)

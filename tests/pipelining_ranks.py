@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import os
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,47 +56,76 @@ def _train(schedule: Any, stage: Any, keep_going: Any) -> list[float]:
             return losses_per_step
 
 
-def run_rank(
-    rank: int,
-    world_size: int,
-    init_method: str,
-    redis_url: str,
-    schedule_name: str,
-    microbatches: int,
-    bare_steps: int,
-    max_steps: int,
-    out_dir: str,
-    report_every: int = 2,
-) -> None:
+@dataclass(frozen=True)
+class PipelineRank:
+    """One spawned rank of a pipeline: where it joins, what it runs, where it writes its record."""
+
+    rank: int
+    world_size: int
+    init_method: str
+    redis_url: str
+    schedule_name: str  # "1f1b" or "gpipe"
+    microbatches: int
+    out_dir: str
+
+    def join(self, pg_timeout_s: float | None = None) -> None:
+        """Join the gloo process group (``pg_timeout_s``: its timeout, else torch's default)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist  # torch: only in the spawned rank processes
+
+        timeout = {} if pg_timeout_s is None else {"timeout": timedelta(seconds=pg_timeout_s)}
+        dist.init_process_group(
+            "gloo",
+            init_method=self.init_method,
+            rank=self.rank,
+            world_size=self.world_size,
+            **timeout,
+        )
+
+    def schedule(self, loss: bool = True) -> tuple[Any, Any]:
+        """A fresh ``(schedule, stage)`` of this rank's stage (``loss=False``: no ``loss_fn``)."""
+        import torch  # torch: only in the spawned rank processes
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        classes = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+        module = _stage_module(self.rank, self.world_size)
+        stage = PipelineStage(module, self.rank, self.world_size, torch.device("cpu"))
+        loss_fn = torch.nn.MSELoss() if loss else None
+        return classes[self.schedule_name](stage, self.microbatches, loss_fn=loss_fn), stage
+
+    @contextmanager
+    def recording(self) -> Iterator[dict[str, Any]]:
+        """This rank's record to fill; then written (with what the block raised) and exit."""
+        record: dict[str, Any] = {"rank": self.rank}
+        try:
+            yield record
+        except BaseException:
+            record["error"] = traceback.format_exc()
+        Path(self.out_dir, f"rank{self.rank}.json").write_text(json.dumps(record))
+        os._exit(0)
+
+
+def run_rank(spec: PipelineRank, bare_steps: int, max_steps: int, report_every: int = 2) -> None:
     """Bare run, then hooked run until every rank runs version 2 for ``report_every`` steps."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from worker_client.gpu.frequency import DryRunFrequencyController
     from worker_client.gpu.nvml import SIMULATED_NVML
     from worker_client.integrations.torch_pipelining import PerseusPipeline
 
-    classes = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-    record: dict[str, Any] = {"rank": rank}
-    try:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-
-        def build() -> tuple[Any, Any]:
-            module = _stage_module(rank, world_size)
-            stage = PipelineStage(module, rank, world_size, torch.device("cpu"))
-            loss_fn = torch.nn.MSELoss()
-            return classes[schedule_name](stage, microbatches, loss_fn=loss_fn), stage
-
-        schedule, stage = build()
+    with spec.recording() as record:
+        spec.join()
+        schedule, stage = spec.schedule()
         record["bare_losses"] = _train(schedule, stage, lambda done: done < bare_steps)
 
-        schedule, stage = build()
-        controller = DryRunFrequencyController(rank)
+        schedule, stage = spec.schedule()
+        controller = DryRunFrequencyController(spec.rank)
         perseus = PerseusPipeline(
             schedule,
-            redis_url=redis_url,
-            device_id=rank,
+            redis_url=spec.redis_url,
+            device_id=spec.rank,
             nvml_module=SIMULATED_NVML,
             controller=controller,
             report_every=report_every,
@@ -123,20 +155,10 @@ def run_rank(
             "backward_one_chunk",
         } & set(vars(stage))
         dist.destroy_process_group()
-    except BaseException:
-        record["error"] = traceback.format_exc()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
-    os._exit(0)
 
 
 def start_rank(
-    rank: int,
-    world_size: int,
-    init_method: str,
-    redis_url: str,
-    schedule_name: str,
-    microbatches: int,
-    out_dir: str,
+    spec: PipelineRank,
     loss: bool = True,
     pg_timeout_s: float = 20.0,
     hook_options: dict[str, Any] | None = None,
@@ -147,34 +169,18 @@ def start_rank(
     last stage only); ``pg_timeout_s`` is the process group's timeout, so that a rank left
     waiting in a collective fails soon; ``hook_options`` go to the hook (a scheduler, say).
     """
-    from datetime import timedelta
-
-    import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from worker_client.gpu.nvml import SIMULATED_NVML
     from worker_client.integrations.torch_pipelining import PerseusPipeline
 
-    classes = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-    record: dict[str, Any] = {"rank": rank}
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout_s),
-        )
-        stage = PipelineStage(
-            _stage_module(rank, world_size), rank, world_size, torch.device("cpu")
-        )
-        loss_fn = torch.nn.MSELoss() if loss else None
-        schedule = classes[schedule_name](stage, microbatches, loss_fn=loss_fn)
+    with spec.recording():
+        spec.join(pg_timeout_s)
+        schedule, stage = spec.schedule(loss)
         with PerseusPipeline(
             schedule,
-            redis_url=redis_url,
-            device_id=rank,
+            redis_url=spec.redis_url,
+            device_id=spec.rank,
             nvml_module=SIMULATED_NVML,
             controller="dry-run",
             schedule_timeout=30,
@@ -182,7 +188,3 @@ def start_rank(
         ):
             _train(schedule, stage, lambda done: False)
         dist.destroy_process_group()
-    except BaseException:
-        record["error"] = traceback.format_exc()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
-    os._exit(0)

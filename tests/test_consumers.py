@@ -7,6 +7,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import redis
@@ -30,6 +32,30 @@ def consumers(r: redis.Redis) -> set[str]:
             continue
         names |= {row["name"].decode() for row in rows}
     return names
+
+
+@contextmanager
+def consuming_when_redis_hangs() -> Iterator[tuple[Coordinator, threading.Thread, redis.Redis]]:
+    """A coordinator thread (reads block 0.1 s) whose redis-server then stops (SIGSTOP).
+
+    Inside, its next read is in flight on the stopped server, which answers nothing and
+    closes nothing, as a stalled network does; the server goes on (SIGCONT) after the block.
+
+    Yields:
+        The coordinator, its thread and its connection.
+    """
+    with EmbeddedRedis() as server:
+        conn = connect(server.url, socket_timeout=SOCKET_TIMEOUT_S, dedicated=True)
+        coord = Coordinator(conn, make_settings(server.url))
+        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 100}, daemon=True)
+        thread.start()
+        wait_for(lambda: coord.consumer in consumers(redis.Redis.from_url(server.url)), 10, "it")
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.5)  # its next read is in flight
+            yield coord, thread, conn
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
 
 
 @pytest.mark.parametrize(
@@ -121,21 +147,11 @@ def test_a_coordinator_stopped_while_redis_hangs_stops_within_seconds():
     # nothing. The stop's tidy-up (leave the group on three streams, forget the record) waited
     # a whole socket timeout per command (90 s more with the default 30 s), and the read in
     # flight at the stop its own: 30 s. That read is cut once its block time is long past.
-    with EmbeddedRedis() as server:
-        conn = connect(server.url, socket_timeout=SOCKET_TIMEOUT_S, dedicated=True)
-        coord = Coordinator(conn, make_settings(server.url))
-        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 100}, daemon=True)
-        thread.start()
-        wait_for(lambda: coord.consumer in consumers(redis.Redis.from_url(server.url)), 10, "it")
-        os.kill(server.pid, signal.SIGSTOP)
-        try:
-            time.sleep(0.5)  # its next read is in flight
-            stopped = time.monotonic()
-            coord.stop_event.set()
-            thread.join(20)
-            took = time.monotonic() - stopped
-        finally:
-            os.kill(server.pid, signal.SIGCONT)
+    with consuming_when_redis_hangs() as (coord, thread, _):
+        stopped = time.monotonic()
+        coord.stop_event.set()
+        thread.join(20)
+        took = time.monotonic() - stopped
     assert not thread.is_alive()
     # The read's block (0.1 s) and STOP_GRACE_S, then the tidy-up's STOP_WAIT_S; not 30 s.
     assert took < 0.1 + STOP_GRACE_S + STOP_WAIT_S + 3.0, took
@@ -146,23 +162,12 @@ def test_a_stop_that_skips_the_tidy_up_says_so_once_and_leaves_nothing_running(c
     # closed the client, and the tidy-up logged "could not leave the group: Bad file
     # descriptor" after run() had said it stopped without leaving.
     before = set(threading.enumerate())
-    with EmbeddedRedis() as server:
-        conn = connect(server.url, socket_timeout=SOCKET_TIMEOUT_S, dedicated=True)
-        coord = Coordinator(conn, make_settings(server.url))
-        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 100}, daemon=True)
-        thread.start()
-        wait_for(lambda: coord.consumer in consumers(redis.Redis.from_url(server.url)), 10, "it")
-        os.kill(server.pid, signal.SIGSTOP)
-        try:
-            time.sleep(0.5)  # its next read is in flight
-            with caplog.at_level(logging.INFO):
-                coord.stop_event.set()
-                thread.join(20)
-                assert not thread.is_alive()
-                conn.close()  # as the demo does once its coordinator's thread returned
-                wait_for(lambda: set(threading.enumerate()) <= before, 10, "no thread of it")
-        finally:
-            os.kill(server.pid, signal.SIGCONT)
+    with consuming_when_redis_hangs() as (coord, thread, conn), caplog.at_level(logging.INFO):
+        coord.stop_event.set()
+        thread.join(20)
+        assert not thread.is_alive()
+        conn.close()  # as the demo does once its coordinator's thread returned
+        wait_for(lambda: set(threading.enumerate()) <= before, 10, "no thread of it")
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 2, warned
     assert "cutting its connections" in warned[0]

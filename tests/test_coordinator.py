@@ -6,7 +6,6 @@ import json
 import threading
 import time
 
-import msgpack
 import pytest
 import redis
 from rq import Queue
@@ -18,9 +17,7 @@ from coordinator.settings import PerseusSettings
 from coordinator.tasks import advance_job, rebuild_scheduler
 from protocol import keys
 from protocol.exceptions import (
-    PerseusError,
     ProtocolError,
-    UnknownJobError,
 )
 from protocol.models import (
     FrequencySchedule,
@@ -31,13 +28,35 @@ from protocol.models import (
     ReportResult,
     SetTarget,
     encode_message,
-    pack,
 )
 from protocol.store import JobStore
 from protocol.store_scripts import ADD_RANK
 from protocol.tokens import credentials, new_token
-from tests.helpers import FREQS, age_job, drain, make_settings, register, result, wait_for
+from tests.helpers import (
+    FREQS,
+    age_job,
+    drain,
+    make_settings,
+    register,
+    result,
+    running,
+    wait_for,
+)
 from worker_client.hook.session import CoordinatorClient
+
+# A two-stage plan for PointSolution: the scheduler converges on its first version.
+POINT_PLAN = (
+    "[\n[('forward', 1965), ('backward', 1950)],\n[('forward', 1980), ('backward', 1980)],\n]\n"
+)
+
+
+def report_round(client: CoordinatorClient, r: redis.Redis, job_id: str, version: int) -> None:
+    """Both ranks report ``version``; run the task that their results make due."""
+    for rank in range(2):
+        client.report(job_id, result(rank, version))
+    wait_for(lambda: JobStore(r).result_count(job_id, version) == 2)
+    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+    drain(r)
 
 
 def test_register_schedule_report_advance(service, r, redis_url):
@@ -51,11 +70,7 @@ def test_register_schedule_report_advance(service, r, redis_url):
     assert first.frequencies == [("forward", 1980), ("backward", 1980)] * 2
 
     for version in (1, 2):
-        for rank in range(2):
-            client.report(job_id, result(rank, version))
-        wait_for(lambda v=version: JobStore(r).result_count(job_id, v) == 2)
-        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
-        drain(r)
+        report_round(client, r, job_id, version)
     store = JobStore(r)
     assert store.version(job_id) == 3
     assert store.schedule(job_id, 3, 0).frequencies[0] == ("forward", 1950)
@@ -78,11 +93,7 @@ def test_a_redis_that_lost_its_scripts_gets_them_again(service, r, redis_url):
     wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
     drain(r)
     r.script_flush()  # results go in a batch, with the version's task in its transaction
-    for rank in range(2):
-        client.report(job_id, result(rank, 1))
-    wait_for(lambda: JobStore(r).result_count(job_id, 1) == 2)
-    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
-    drain(r)
+    report_round(client, r, job_id, 1)
     assert JobStore(r).version(job_id) == 2
     assert not r.xlen(keys.DEADLETTER_STREAM)
 
@@ -119,163 +130,6 @@ def test_the_worker_publishes_with_the_coordinators_stream_cap(r, redis_url):
     coord = Coordinator(r, make_settings(redis_url, stream_maxlen=150, snapshot_every=3))
     task = coord.enqueue_advance("some-job")
     assert task.kwargs == {"snapshot_every": 3, "stream_maxlen": 150}
-
-
-def test_redelivered_entries_change_nothing_twice(r, redis_url):
-    coord = Coordinator(r, make_settings(redis_url))
-    job = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
-    fields = {
-        k.encode(): (v.encode() if isinstance(v, str) else v)
-        for k, v in encode_message(RegisterJob(request_id="req1", job=job)).items()
-    }
-    coord.handle(keys.REGISTRATIONS_STREAM, "1700000000000-0", fields)
-    coord.handle(keys.REGISTRATIONS_STREAM, "1700000000000-0", fields)
-    store = JobStore(r)
-    assert len(store.list_jobs()) == 1
-    job_id = store.list_jobs()[0][0]
-    assert r.llen(keys.reply_key("req1")) == 2  # answered twice, identically
-    replies = r.lrange(keys.reply_key("req1"), 0, -1)
-    assert replies[0] == replies[1]
-
-    store.add_rank(
-        store.get_job(job_id).info,
-        RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS),
-        token="t0",
-    )
-    advance_job(job_id, conn=r)
-    message = ReportResult(job_id=job_id, result=result(0, 1))
-    report = {
-        k.encode(): (v.encode() if isinstance(v, str) else v)
-        for k, v in encode_message(message, token="t0").items()
-    }
-    coord.handle(keys.RESULTS_STREAM, "1700000000001-0", report)
-    coord.handle(keys.RESULTS_STREAM, "1700000000001-0", report)
-    assert store.result_count(job_id, 1) == 1
-    # Two enqueued tasks, but the version moves exactly once.
-    drain(r)
-    assert store.version(job_id) == 2
-    assert [e.version for e in store.journal(job_id)] == [1, 2]
-
-
-def test_malformed_entries_go_to_dead_letter_and_loop_continues(r, redis_url):
-    coord = Coordinator(r, make_settings(redis_url))
-    bad = [
-        {"data": b"\xc1\xff\x00garbage"},
-        {"foo": "bar"},
-        {
-            "data": msgpack.packb(
-                {"kind": "register_job", "request_id": "x", "job": {"pp_degree": 0}}
-            )
-        },
-        {"data": msgpack.packb({"kind": "launch_rockets"})},
-    ]
-    for fields in bad:
-        r.xadd(keys.REGISTRATIONS_STREAM, fields)
-    good = encode_message(
-        RegisterJob(
-            request_id="ok", job=JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
-        )
-    )
-    r.xadd(keys.REGISTRATIONS_STREAM, good)
-    from coordinator.resilience import ensure_groups
-
-    ensure_groups(r)
-    coord.step(block_ms=None)
-    dead = r.xrange(keys.DEADLETTER_STREAM)
-    assert len(dead) == 4
-    reasons = [fields[b"reason"].decode() for _, fields in dead]
-    assert "not valid msgpack" in reasons[0]
-    assert "no 'data' field" in reasons[1] and "foo" in reasons[1]
-    assert "job.pp_degree" in reasons[2]
-    assert "kind" in reasons[3]
-    # Nothing lost: every original field is kept byte for byte.
-    assert dead[0][1][b"orig:data"] == b"\xc1\xff\x00garbage"
-    assert dead[1][1][b"orig:foo"] == b"bar"
-    # The valid entry after them was still processed, and everything was acknowledged.
-    assert len(JobStore(r).list_jobs()) == 1
-    pending = r.xpending(keys.REGISTRATIONS_STREAM, keys.COORDINATOR_GROUP)
-    assert pending["pending"] == 0
-
-
-def test_unknown_job_id_is_a_clear_error(service, r, redis_url):
-    client = CoordinatorClient(redis_url, reply_timeout=5)
-    with pytest.raises(UnknownJobError, match="no-such-job"):
-        client.register_rank(
-            "no-such-job",
-            RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS),
-        )
-    dead = r.xrange(keys.DEADLETTER_STREAM)
-    assert b"unknown job id" in dead[-1][1][b"reason"]
-
-
-def test_invalid_job_info_is_rejected_on_both_sides(service, r, redis_url):
-    with pytest.raises(ValueError, match="world_size=7"):
-        JobInfo(pp_degree=4, dp_degree=2, tp_degree=1, world_size=7)
-    # A client that skips validation still gets a clear answer from the coordinator.
-    raw = {
-        "kind": "register_job",
-        "request_id": "bad1",
-        "job": {"pp_degree": 4, "dp_degree": 2, "tp_degree": 1, "world_size": 7},
-    }
-    r.xadd(keys.REGISTRATIONS_STREAM, {"kind": "register_job", "data": msgpack.packb(raw)})
-    answer = r.blpop([keys.reply_key("bad1")], timeout=5)
-    assert answer is not None
-    assert b"world_size=7" in answer[1]
-
-
-def test_rank_out_of_range_and_result_for_unpublished_version(service, r, redis_url):
-    client = CoordinatorClient(redis_url, reply_timeout=5)
-    job_id = client.register_job(JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2))
-    with pytest.raises(ProtocolError, match="pp_rank=5"):
-        client.register_rank(
-            job_id, RankInfo(rank=1, dp_rank=0, pp_rank=5, tp_rank=0, available_frequencies=FREQS)
-        )
-    client.register_rank(
-        job_id, RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
-    )
-    client.report(job_id, result(0, 3))
-    reason = wait_for(
-        lambda: [
-            f[b"reason"]
-            for _, f in r.xrange(keys.DEADLETTER_STREAM)
-            if b"version 3" in f[b"reason"]
-        ]
-    )
-    assert b"latest published version is 0" in reason[0]
-
-
-def test_schedule_for_another_rank_is_refused(service, r, redis_url):
-    client = CoordinatorClient(redis_url, reply_timeout=5)
-    job_id = register(client)
-    drain(r)
-    # Tamper with the stored schedule: rank 1's slot now holds rank 0's schedule.
-    bad = FrequencySchedule(rank=0, version=1, frequencies=[("forward", 1980)])
-    r.hset(keys.job_schedule(job_id, 1), "1", pack(bad))
-    with pytest.raises(ProtocolError, match="schedule for rank 0 to rank 1"):
-        client.fetch_schedule(job_id, 1, 1)
-
-
-def test_invalid_scheduler_output_reaches_clients(r, redis_url):
-    for name, message in (("WrongRank", "ranks \\[0\\]"), ("Broken", "broken on purpose")):
-        r.flushdb()
-        coord = Coordinator(r, make_settings(redis_url, scheduler=f"tests.toy_schedulers:{name}"))
-        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-        thread.start()
-        try:
-            client = CoordinatorClient(redis_url, reply_timeout=5)
-            job_id = register(client)
-            with pytest.raises((PerseusError, RuntimeError)):
-                advance_job(job_id, conn=r)
-            with pytest.raises(PerseusError, match=message):
-                client.wait_schedule(job_id, rank=0, timeout=2)
-            # A deterministic failure is not re-enqueued forever.
-            assert (
-                not JobStore(r).due(JobStore(r).get_job(job_id))
-                or JobStore(r).get_job(job_id).error
-            )
-        finally:
-            coord.stop_event.set()
-            thread.join(timeout=5)
 
 
 def test_publish_is_compare_and_set(r, redis_url):
@@ -492,22 +346,11 @@ def test_dump_and_status_commands(service, r, redis_url, tmp_path):
 
 def test_dump_data_writes_each_version_as_it_is_published(r, redis_url, tmp_path):
     settings = make_settings(redis_url, dump_data=True, dump_dir=str(tmp_path))
-    coord = Coordinator(r, settings)
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    try:
+    with running(Coordinator(r, settings)):
         client = CoordinatorClient(redis_url, reply_timeout=5)
         job_id = register(client)
-        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
         drain(r)
-        for rank in range(2):
-            client.report(job_id, result(rank, 1))
-        wait_for(lambda: JobStore(r).result_count(job_id, 1) == 2)
-        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
-        drain(r)
-    finally:
-        coord.stop_event.set()
-        thread.join(timeout=5)
+        report_round(client, r, job_id, 1)
     folder = tmp_path / job_id
     names = {p.name for p in folder.iterdir()}
     assert {"job.json", "ranks.json", "1.sched.json", "2.sched.json", "1.prof.json"} <= names
@@ -526,57 +369,21 @@ def test_dump_data_writes_the_results_a_converged_scheduler_observed(r, redis_ur
     # Zeus's server dumps every round's results; a PointSolution job publishes no version
     # after its first, so its results were never dumped.
     settings = make_settings(redis_url, dump_data=True, dump_dir=str(tmp_path))
-    coord = Coordinator(r, settings)
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    plan = (
-        "[\n[('forward', 1965), ('backward', 1950)],\n[('forward', 1980), ('backward', 1980)],\n]\n"
-    )
-    try:
+    with running(Coordinator(r, settings)):
         client = CoordinatorClient(redis_url, reply_timeout=5)
-        job = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
-        job_id = client.register_job(job, "PointSolution", {"plan_text": plan})
-        for rank in range(2):
-            client.register_rank(
-                job_id,
-                RankInfo(
-                    rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS
-                ),
-            )
-        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+        job_id = register(client, 2, "PointSolution", {"plan_text": POINT_PLAN})
         drain(r)
-        for rank in range(2):
-            client.report(job_id, result(rank, 1))
-        wait_for(lambda: JobStore(r).result_count(job_id, 1) == 2)
-        wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
-        drain(r)
-    finally:
-        coord.stop_event.set()
-        thread.join(timeout=5)
+        report_round(client, r, job_id, 1)
     assert JobStore(r).version(job_id) == 1  # converged: no version 2
     assert load_prof(tmp_path / job_id, 1) == [result(0, 1), result(1, 1)]
 
 
 def test_converged_scheduler_records_observation_without_new_version(service, r, redis_url):
-    plan = (
-        "[\n[('forward', 1965), ('backward', 1950)],\n[('forward', 1980), ('backward', 1980)],\n]\n"
-    )
     client = CoordinatorClient(redis_url, reply_timeout=5)
-    job = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
-    job_id = client.register_job(job, "PointSolution", {"plan_text": plan})
-    for rank in range(2):
-        client.register_rank(
-            job_id,
-            RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=FREQS),
-        )
-    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
+    job_id = register(client, 2, "PointSolution", {"plan_text": POINT_PLAN})
     drain(r)
-    for rank in range(2):
-        client.report(job_id, result(rank, 1))
+    report_round(client, r, job_id, 1)
     store = JobStore(r)
-    wait_for(lambda: store.result_count(job_id, 1) == 2)
-    wait_for(lambda: Queue(keys.RQ_QUEUE, connection=r).count)
-    drain(r)
     journal = store.journal(job_id)
     assert [(e.version, e.observed_version, e.published) for e in journal] == [
         (1, None, True),
@@ -588,32 +395,6 @@ def test_converged_scheduler_records_observation_without_new_version(service, r,
     scheduler, _ = rebuild_scheduler(store, store.get_job(job_id))
     assert scheduler.converged
     assert [int(f[b"version"]) for _, f in r.xrange(keys.job_updates(job_id))] == [1]
-
-
-def test_unexpected_error_dead_letters_instead_of_crashing(r, redis_url, monkeypatch):
-    from coordinator.resilience import ensure_groups
-
-    coord = Coordinator(r, make_settings(redis_url))
-    ensure_groups(r)
-
-    def boom(*args):
-        raise KeyError("bug")
-
-    monkeypatch.setattr(coord, "_dispatch", boom)
-    r.xadd(
-        keys.REGISTRATIONS_STREAM,
-        encode_message(
-            RegisterJob(
-                request_id="b1", job=JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
-            )
-        ),
-    )
-    coord.step(block_ms=None)
-    dead = r.xrange(keys.DEADLETTER_STREAM)
-    assert len(dead) == 1 and b"internal error KeyError" in dead[0][1][b"reason"]
-    assert r.xpending(keys.REGISTRATIONS_STREAM, keys.COORDINATOR_GROUP)["pending"] == 0
-    answer = r.blpop([keys.reply_key("b1")], timeout=1)
-    assert answer is not None and b"internal error" in answer[1]
 
 
 def test_idle_deletion_spares_a_job_refreshed_since_it_was_listed(r, redis_url):

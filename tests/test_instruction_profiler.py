@@ -8,119 +8,28 @@ hook would report them; the multi-process tests run real `perseus coordinator` a
 from __future__ import annotations
 
 import json
-import logging
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
-import msgpack
 import pytest
 
-from coordinator.replay import LiveSchedulers
-from coordinator.tasks import advance_once
-from protocol import keys
 from protocol.exceptions import ConfigError, ProtocolError
-from protocol.models import FrequencySchedule, JobConfig, JobInfo, ProfilingResult, RankInfo
-from protocol.store import JobStore
-from schedulers.instruction_profiler import PROFILE_ARTIFACT, InstructionProfiler
+from protocol.models import JobInfo
+from schedulers.instruction_profiler import InstructionProfiler
 from schedulers.planning.pipeline_dag import PipelineShape, one_f_one_b_order
 from schedulers.planning.plan_file import read_plan_file, write_plan_file
 from schedulers.planning.profile_csv import read_profile_csv
-from schedulers.profile_then import MEASURED_PROFILE, PLAN_MARKER
+from schedulers.profile_then import PLAN_MARKER
 from tests.helpers import start_perseus, stop
+from tests.profiler_jobs import PROFILER, check_profile_matches, drive, fake_results, make_job
 from worker_client.simulated.gpu import (
     GRAPHICS_CLOCKS,
     InstructionTable,
     synthetic_instruction_table,
 )
 from worker_client.simulated.training import launch_simulated_job
-
-PROFILER = "schedulers.instruction_profiler:InstructionProfiler"
-TOL = 0.02
-
-
-def make_job(pp: int, dp: int) -> tuple[JobInfo, list[RankInfo]]:
-    job = JobInfo(job_id="job", pp_degree=pp, dp_degree=dp, tp_degree=1, world_size=pp * dp)
-    ranks = [
-        RankInfo(
-            rank=r,
-            dp_rank=r // pp,
-            pp_rank=r % pp,
-            tp_rank=0,
-            available_frequencies=list(GRAPHICS_CLOCKS),
-        )
-        for r in range(pp * dp)
-    ]
-    return job, ranks
-
-
-def fake_results(
-    schedules: list[FrequencySchedule],
-    job: JobInfo,
-    table: InstructionTable,
-    iters: int = 3,
-    warmup: int = 1,
-    version: int = 1,
-) -> list[ProfilingResult]:
-    """What each rank's hook would report after running its schedule ``iters`` times."""
-    out = []
-    for sched in schedules:
-        stage = sched.rank % job.pp_degree
-        times: dict[str, list[list[float]]] = {"forward": [], "backward": []}
-        energies: dict[str, list[list[float]]] = {"forward": [], "backward": []}
-        for it in range(iters):
-            for name in times:
-                times[name].append([])
-                energies[name].append([])
-            for name, freq in sched.frequencies:
-                t, e = table.lookup(stage, name, freq)
-                if it < warmup:  # Warm-up iterations are off; the profiler must drop them.
-                    t, e = 3 * t, 5 * e
-                times[name][-1].append(t)
-                energies[name][-1].append(e)
-        out.append(
-            ProfilingResult(
-                rank=sched.rank,
-                schedule_version=version,
-                iter_time=[sum(sum(x) for x in (times[n][i] for n in times)) for i in range(iters)],
-                iter_energy=[sum(sum(energies[n][i]) for n in energies) for i in range(iters)],
-                time_breakdown=times,
-                energy_breakdown=energies,
-            )
-        )
-    return out
-
-
-def drive(
-    profiler: InstructionProfiler, job: JobInfo, table: InstructionTable, **kw
-) -> tuple[list[list[FrequencySchedule]], list[list[ProfilingResult]]]:
-    """Run the profiler to completion; return every version's schedules and results."""
-    versions, observed = [], []
-    for version in range(1, 500):
-        schedules = profiler.next_schedule()
-        versions.append(schedules)
-        if profiler.done:
-            return versions, observed
-        results = fake_results(schedules, job, table, version=version, **kw)
-        observed.append(results)
-        profiler.observe(results)
-    raise AssertionError("the profiler never finished")
-
-
-def check_profile_matches(csv_path: Path, table: InstructionTable, job: JobInfo) -> None:
-    """Every rank's row within TOL of the table, rows for both instructions of every rank."""
-    profile = read_profile_csv(csv_path, num_stages=job.pp_degree)
-    assert profile.full_form
-    ranks_seen = set()
-    for row in profile.rows:
-        ranks_seen.add(row.rank)
-        assert row.stage == row.rank % job.pp_degree
-        t, e = table.expected(row.stage, row.instruction, row.frequency)
-        where = f"rank {row.rank} {row.instruction} {row.frequency} MHz"
-        assert row.time == pytest.approx(t, rel=TOL), where
-        assert row.energy == pytest.approx(e, rel=TOL), where
-    assert ranks_seen == set(range(job.world_size))
 
 
 def first_stop(energies: list[float], rises: int = 5) -> int:
@@ -248,157 +157,6 @@ def test_bad_arguments(tmp_path):
         InstructionProfiler(
             job, ranks, out_path=out, microbatches=2, then={"out_dir": "x", "policy": "?"}
         )
-
-
-def test_profile_csv_feeds_the_planner(tmp_path):
-    from schedulers.planning.planner import plan_frontier
-
-    job, ranks = make_job(pp=2, dp=2)
-    table = synthetic_instruction_table(2, noise=0.002, seed=5)
-    out = tmp_path / "profile.csv"
-    clocks = list(GRAPHICS_CLOCKS[::6])
-    drive(
-        InstructionProfiler(job, ranks, out_path=str(out), microbatches=2, frequencies=clocks),
-        job,
-        table,
-    )
-    profile = read_profile_csv(out, num_stages=2)
-    assert profile.replicas[(0, "forward", 1980)] == 2  # Two dp replicas per stage.
-    result = plan_frontier(profile, 2, 2, out_dir=tmp_path / "plans", unit_time=0.001)
-    assert len(result.points) >= 2
-    assert result.points[-1].iteration_time <= result.points[0].iteration_time
-
-
-def test_then_plans_once_and_serves_the_chosen_plan(tmp_path):
-    job, ranks = make_job(pp=2, dp=2)
-    table = synthetic_instruction_table(2, noise=0.002, seed=11)
-    out, plans = tmp_path / "profile.csv", tmp_path / "plans"
-    args = {
-        "out_path": str(out),
-        "microbatches": 2,
-        "frequencies": list(GRAPHICS_CLOCKS[::8]),
-        "then": {"out_dir": str(plans), "p2p_power": 100.0, "unit_time": 0.001},
-    }
-    first = InstructionProfiler(job, ranks, **args)
-    versions, observed = drive(first, job, table)
-    folder = plans / job.job_id  # each job plans in a folder of its own
-    assert first.planned and (folder / PLAN_MARKER).is_file()
-    assert (folder / MEASURED_PROFILE).read_bytes() == out.read_bytes()  # full form, as measured
-    assert first.chosen is not None and first.chosen.policy == "no-slowdown"
-    plan = read_plan_file(first.chosen.file)
-    assert [s.frequencies for s in versions[-1]] == [plan.stages[r % 2] for r in range(4)]
-    assert first.chosen.saving_j >= 0
-
-    # An rq worker rebuilds the scheduler by replay: same schedules, no second planning run.
-    stamp = (folder / "frontier.csv").stat().st_mtime_ns
-    replayed = InstructionProfiler(job, ranks, **args)
-    for schedules, results in zip(versions, observed, strict=False):
-        assert replayed.next_schedule() == schedules
-        replayed.observe(results)
-    assert replayed.next_schedule() == versions[-1]
-    assert not replayed.planned
-    assert (folder / "frontier.csv").stat().st_mtime_ns == stamp
-
-    # Another job of the same coordinator, another profile: its own folder, the first's intact.
-    other_job = job.model_copy(update={"job_id": "job2"})
-    other = InstructionProfiler(other_job, ranks, **args | {"out_path": str(tmp_path / "p2.csv")})
-    drive(other, other_job, synthetic_instruction_table(2, noise=0.002, seed=12))
-    assert other.planned and (plans / "job2" / "frontier.csv").is_file()
-    assert (folder / "frontier.csv").stat().st_mtime_ns == stamp
-    assert (folder / MEASURED_PROFILE).read_bytes() == out.read_bytes()
-
-
-def test_then_without_p2p_power_warns_when_it_plans(tmp_path, caplog):
-    """Planning with 0 W of P2P power counts waiting as free: `perseus optimize` warned."""
-    job, ranks = make_job(pp=2, dp=1)
-    table = synthetic_instruction_table(2, noise=0.002, seed=11)
-    args = {"microbatches": 2, "frequencies": list(GRAPHICS_CLOCKS[::8])}
-    then = {"out_dir": str(tmp_path / "plans"), "unit_time": 0.001}
-    with caplog.at_level(logging.WARNING, logger="schedulers.instruction_profiler"):
-        first = InstructionProfiler(job, ranks, **args, then=then)
-        versions, observed = drive(first, job, table)
-        replayed = InstructionProfiler(job, ranks, **args, then=then)  # planner folder cached
-        for results in observed:
-            replayed.next_schedule()
-            replayed.observe(results)
-        assert replayed.next_schedule() == versions[-1] and not replayed.planned
-        other = job.model_copy(update={"job_id": "measured"})
-        given = InstructionProfiler(other, ranks, **args, then=then | {"p2p_power": 0.0})
-        drive(given, other, table)
-    assert first.planned and given.planned
-    notes = [rec.getMessage() for rec in caplog.records]
-    assert notes == [
-        "job job: InstructionProfiler's then.p2p_power not given: planning with 0 W while a GPU "
-        "waits on its neighbour stage, so waiting counts as free and slower plans look cheaper "
-        "than they are (Zeus's example assumed 70 W); measure it with `perseus profile-p2p`"
-    ]
-
-
-@pytest.mark.parametrize("at", [1, 4, "end"])
-def test_a_restored_profiler_continues_the_same_sequence(tmp_path, at):
-    """A snapshot taken after any version, restored into a new profiler, goes on identically."""
-    job, ranks = make_job(pp=2, dp=2)
-    table = synthetic_instruction_table(2, noise=0.005, seed=5)
-    args = {"out_path": str(tmp_path / "profile.csv"), "microbatches": 2}
-    versions, observed = drive(InstructionProfiler(job, ranks, **args), job, table)
-    cut = len(observed) if at == "end" else at  # versions served before the snapshot
-
-    original = InstructionProfiler(job, ranks, **args)
-    for schedules, results in zip(versions[:cut], observed[:cut], strict=True):
-        assert original.next_schedule() == schedules
-        original.observe(results)
-    assert original.next_schedule() == versions[cut]
-    state = msgpack.unpackb(msgpack.packb(original.snapshot()), raw=False)  # as Redis keeps it
-
-    restored = InstructionProfiler(job, ranks, **args)
-    restored.restore(state)
-    assert restored.next_schedule() == versions[cut]
-    for schedules, results in zip(versions[cut + 1 :], observed[cut:], strict=False):
-        for profiler in (original, restored):
-            profiler.observe(results)
-            assert profiler.next_schedule() == schedules
-    assert restored.done and restored.artifacts() == original.artifacts()
-    assert restored.sweeps == original.sweeps and restored.rank_data == original.rank_data
-    # Converged alike: results no longer change anything.
-    for profiler in (original, restored):
-        profiler.observe(observed[-1])
-        assert profiler.next_schedule() == versions[-1] and profiler.converged
-
-
-def test_workers_that_restart_profile_from_snapshots_like_one_that_does_not(r, tmp_path):
-    """Through Redis: a fresh cache every 3 versions rebuilds from the newest snapshot."""
-    job, ranks = make_job(pp=2, dp=2)
-    table = synthetic_instruction_table(2, noise=0.005, seed=7)
-    args = {"microbatches": 2, "frequencies": list(GRAPHICS_CLOCKS[:12])}
-    reference = InstructionProfiler(job, ranks, **args)
-    versions, observed = drive(reference, job, table)  # (the table's noise is drawn per lookup)
-    store = JobStore(r)
-    job_info = job.model_copy(update={"job_id": "prof"})
-    store.create_job(job_info, JobConfig(scheduler=PROFILER, scheduler_args=args), "1-1")
-    for info in ranks:
-        store.add_rank(job_info, info)
-    cache = LiveSchedulers()
-    for version in range(1, len(versions) + 1):
-        if version % 3 == 0:
-            cache = LiveSchedulers()  # a restarted worker
-        assert advance_once(store, "prof", cache, snapshot_every=2) == version
-        served = store.schedules("prof", version)
-        assert [s.frequencies for s in served] == [s.frequencies for s in versions[version - 1]]
-        for res in observed[version - 1] if version <= len(observed) else []:
-            store.add_result(job_info, res)
-    assert int(store.job_fields("prof", "snapshot_len")["snapshot_len"]) >= len(versions) - 2
-    assert not r.exists(keys.job_results("prof", 1))  # consumed by a snapshot, deleted
-    assert store.artifacts("prof")[PROFILE_ARTIFACT] == reference.csv_bytes()
-
-
-def test_a_snapshot_of_another_job_shape_is_refused(tmp_path):
-    job, ranks = make_job(pp=2, dp=2)
-    profiler = InstructionProfiler(job, ranks, microbatches=2)
-    profiler.next_schedule()
-    state = profiler.snapshot()
-    other = InstructionProfiler(job, ranks, microbatches=2, frequencies=list(GRAPHICS_CLOCKS[::8]))
-    with pytest.raises(ValueError, match="other clocks"):
-        other.restore(state)
 
 
 # --- multi-process ---------------------------------------------------------------------------

@@ -127,7 +127,7 @@ def test_a_job_whose_scheduler_needs_instruction_energy_gets_it_without_asking(s
     try:
         assert hook.instruction_energy
         step_until(hook, lambda: hook.schedule.version >= 2, 30, "version 2")
-        sent = hook._last_result
+        sent = hook._results.last_result
         assert sent is not None and set(sent.energy_breakdown) == {"forward", "backward"}
     finally:
         hook.close()

@@ -14,21 +14,15 @@ from protocol.constants import H100_GRAPHICS_CLOCKS
 from protocol.models import JobInfo, RankInfo
 from protocol.store import JobStore
 from schedulers.planning.synthetic_profile import write_synthetic_profile
-from tests.helpers import ROOT, blocking_env, start_perseus, stop, wait_for
+from tests.helpers import run_perseus, start_perseus, stop, wait_for
+from tests.import_blocker import blocking_env
 from worker_client.hook.session import CoordinatorClient
 
 REASON = "is not installed here (test_no_torch)"
 
 
 def perseus(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_perseus(list(args), 300, env)
 
 
 def test_services_and_planner_run_without_torch(r, redis_url, tmp_path):

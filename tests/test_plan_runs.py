@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,18 +22,11 @@ from protocol.store import JobStore
 from schedulers.planning.job import PLAN_KEY_TTL, enqueue_planning
 from schedulers.planning.profile_csv import read_profile_csv
 from schedulers.planning.synthetic_profile import write_synthetic_profile
-from tests.helpers import ROOT, start_perseus, stop, subprocess_env, wait_for
+from tests.helpers import run_perseus, start_perseus, stop, subprocess_env, wait_for
 
 
 def perseus(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args],
-        env=subprocess_env(tmp_path),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_perseus(list(args), 60, subprocess_env(tmp_path))
 
 
 def record(r: redis.Redis, plan_id: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ from protocol.store import JobStore
 from schedulers.planning.pipeline_dag import one_f_one_b_order
 from schedulers.planning.plan_file import write_plan_file
 from tests.helpers import free_ports, join_ranks, spawn_ranks, wait_for
-from tests.pipelining_ranks import start_rank
+from tests.pipelining_ranks import PipelineRank, start_rank
 from worker_client.simulated.gpu import synthetic_instruction_table
 from worker_client.simulated.training import launch_simulated_job
 
@@ -115,7 +115,7 @@ def run_two_stages(
     procs = [
         ctx.Process(
             target=start_rank,
-            args=(rank, 2, init, redis_url, schedule, 2, str(out)),
+            args=(PipelineRank(rank, 2, init, redis_url, schedule, 2, str(out)),),
             kwargs={"pg_timeout_s": PG_TIMEOUT_S, **kw},
         )
         for rank, kw in enumerate(per_rank)

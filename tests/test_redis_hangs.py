@@ -10,10 +10,11 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -26,17 +27,18 @@ from protocol.models import ReportResult, encode_message
 from protocol.store import JobStore
 from tests.helpers import (
     ROOT,
-    SENTINEL_SERVICE,
     WITH_SIGINT,
     free_ports,
+    launch_perseus,
     new_job,
     result,
+    run_perseus,
     start_perseus,
-    start_sentinel,
     stop,
     subprocess_env,
     wait_for,
 )
+from tests.sentinel_server import SENTINEL_SERVICE, start_sentinel
 from tests.silent_proxy import SilentProxy
 
 PASSWORD = "hang-test-secret"
@@ -135,16 +137,46 @@ def test_entries_a_hanging_redis_held_stay_pending_and_are_processed_after_a_res
     assert entry_id.encode() in letter[1].values(), letter
 
 
+def launch_each(
+    commands: list[list[str]], server: EmbeddedRedis, cwd: Path, **launch: Any
+) -> list[subprocess.Popen[str]]:
+    """``perseus COMMAND --redis-url URL`` of ``server`` for each command, all at once."""
+    return [launch_perseus([*args, "--redis-url", server.url], cwd, **launch) for args in commands]
+
+
+def outputs_of(
+    procs: list[subprocess.Popen[str]], meanwhile: Callable[[], None] | None = None
+) -> list[tuple[str, str]]:
+    """Each process's ``(stdout, stderr)`` within ``BOUND_S``; all are killed whatever happens.
+
+    ``meanwhile`` runs first, while they run (a fault to inject, say).
+    """
+    try:
+        if meanwhile is not None:
+            meanwhile()
+        return [proc.communicate(timeout=BOUND_S) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def fault(proxy: SilentProxy, kind: str, what: str) -> Callable[[], None]:
+    """For :func:`outputs_of`: ``"hangs"``, nothing (the proxy is silent already); ``"goes
+    away"``, once the proxy swallowed ``what``, every connection closed as by a Redis that exits.
+    """
+
+    def inject() -> None:
+        if kind == "goes away":
+            wait_for(proxy.silent.is_set, BOUND_S, what)
+            proxy.close()
+
+    return inject
+
+
 def perseus(args: list[str], timeout: float = BOUND_S) -> subprocess.CompletedProcess[str]:
     """Run ``perseus ARGS`` to its end; ``subprocess.TimeoutExpired`` after ``timeout`` s."""
-    return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args],
-        env=subprocess_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_perseus(args, timeout)
 
 
 OPERATOR_COMMANDS = [
@@ -166,26 +198,12 @@ def test_operator_commands_give_up_on_a_hanging_redis_with_one_line(private_redi
     # Each waited its PING's 30 s socket timeout, then said "Timeout reading from socket".
     shown = f"redis://:***@127.0.0.1:{private_redis.port}/0"
     with stopped(private_redis):
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "coordinator.cli", *args, "--redis-url", private_redis.url],
-                env=subprocess_env(),
-                cwd=tmp_path,  # dump's ./dump folder
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for args in OPERATOR_COMMANDS
-        ]
+        # In tmp_path: dump's ./dump folder.
+        procs = launch_each(OPERATOR_COMMANDS, private_redis, tmp_path, stderr=subprocess.STDOUT)
         # A longer wait is asked for in the URL, as the message says.
         longer = perseus(["status", "--redis-url", f"{private_redis.url}?socket_timeout=1"])
-        try:
-            outputs = [proc.communicate(timeout=BOUND_S)[0] for proc in procs]
-        finally:
-            for proc in procs:
-                proc.kill()
-                proc.wait()
-    for args, proc, output in zip(OPERATOR_COMMANDS, procs, outputs, strict=True):
+        outputs = outputs_of(procs)
+    for args, proc, (output, _) in zip(OPERATOR_COMMANDS, procs, outputs, strict=True):
         assert proc.returncode == 1, (args, output)
         assert output == (
             f"Error: Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s (Timeout "
@@ -211,23 +229,8 @@ def test_a_service_started_against_a_hanging_redis_says_so_within_seconds(privat
     # Their first PING waited the services' 30 s socket timeout (measured 30.5-31.2 s).
     shown = f"redis://:***@127.0.0.1:{private_redis.port}/0"
     with stopped(private_redis):
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "coordinator.cli", *args, "--redis-url", private_redis.url],
-                env=subprocess_env(tmp_path),
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for args in SERVICES
-        ]
-        try:
-            outputs = [proc.communicate(timeout=BOUND_S) for proc in procs]
-        finally:
-            for proc in procs:
-                proc.kill()
-                proc.wait()
+        procs = launch_each(SERVICES, private_redis, tmp_path, env=subprocess_env(tmp_path))
+        outputs = outputs_of(procs)
     for args, proc, (_out, err) in zip(SERVICES, procs, outputs, strict=True):
         assert proc.returncode == 1, (args, err)
         assert err.endswith(
@@ -250,13 +253,11 @@ def test_a_demo_stopped_while_redis_hangs_says_once_that_it_did_not_leave_the_gr
     # "stopping without leaving the consumer group" came "could not leave the group: Bad
     # file descriptor" (or "Connection closed by server.").
     args = ["demo", "--stages", "2", "--microbatches", "2", "--redis-url", private_redis.url]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", *args],
-        env=subprocess_env(tmp_path, PYTHONUNBUFFERED="1"),
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
+    proc = launch_perseus(
+        args,
+        tmp_path,
+        subprocess_env(tmp_path, PYTHONUNBUFFERED="1"),
         stderr=subprocess.STDOUT,
-        text=True,
         start_new_session=True,  # its own process group, like a job in a terminal
     )
     try:
@@ -294,20 +295,9 @@ def test_a_sentinel_urls_command_timeout_is_set_as_the_hint_says(private_redis, 
         )
         url = f"redis+sentinel://:{PASSWORD}@127.0.0.1:{port}/{SENTINEL_SERVICE}"
         with stopped(private_redis):
-            default = subprocess.Popen(
-                [sys.executable, "-m", "coordinator.cli", "status", "--redis-url", url],
-                env=subprocess_env(),
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+            default = launch_perseus(["status", "--redis-url", url], ROOT)
             shorter = perseus(["status", "--redis-url", f"{url}?socket_timeout=1"])
-            try:
-                err = default.communicate(timeout=BOUND_S)[1]
-            finally:
-                default.kill()
-                default.wait()
+            ((_, err),) = outputs_of([default])
     finally:
         sentinel.terminate()
         sentinel.wait(timeout=10)
@@ -323,42 +313,27 @@ def test_a_sentinel_urls_command_timeout_is_set_as_the_hint_says(private_redis, 
     ), shorter.stderr
 
 
-@pytest.mark.parametrize("fault", ["hangs", "goes away"])
-def test_redis_that_hangs_or_goes_away_mid_command_is_one_line_not_a_traceback(
-    private_redis, fault
-):
+@pytest.mark.parametrize("kind", ["hangs", "goes away"])
+def test_redis_that_hangs_or_goes_away_mid_command_is_one_line_not_a_traceback(private_redis, kind):
     # After the command's PING succeeded: a traceback, after 30 s for a hang.
     with SilentProxy(private_redis.url) as proxy:
         url = proxy.url.replace("redis://", f"redis://:{PASSWORD}@")
         proxy.silence_from(b"XLEN")  # `perseus status` reads the streams' lengths
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "status", "--redis-url", url],
-            env=subprocess_env(),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            if fault == "goes away":
-                wait_for(proxy.silent.is_set, BOUND_S, "status to ask for a stream's length")
-                proxy.close()  # every connection closed, as by a Redis that exits
-            out, err = proc.communicate(timeout=BOUND_S)
-        finally:
-            proc.kill()
-            proc.wait()
+        proc = launch_perseus(["status", "--redis-url", url], ROOT)
+        what = "status to ask for a stream's length"
+        ((out, err),) = outputs_of([proc], fault(proxy, kind, what))
     shown = proxy.url.replace("redis://", "redis://:***@")
     assert proc.returncode == 1, err
     assert out == ""
-    if fault == "hangs":
+    if kind == "hangs":
         said = f"Error: Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s ("
     else:
         said = f"Error: lost the connection to Redis at {shown}: "
     assert err.startswith(said) and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("fault", ["hangs", "goes away"])
-def test_a_dump_that_fails_part_way_says_its_folder_is_incomplete(private_redis, tmp_path, fault):
+@pytest.mark.parametrize("kind", ["hangs", "goes away"])
+def test_a_dump_that_fails_part_way_says_its_folder_is_incomplete(private_redis, tmp_path, kind):
     # It left the files written so far, which looked like a whole dump, and its one line
     # did not say so; a dump run again into a folder kept the earlier dump's files as well.
     job_id = "2026-11-28-00-00-00.000+dp1+pp4+tp1+StepDown+dump"
@@ -369,27 +344,14 @@ def test_a_dump_that_fails_part_way_says_its_folder_is_incomplete(private_redis,
     with SilentProxy(private_redis.url) as proxy:
         url = proxy.url.replace("redis://", f"redis://:{PASSWORD}@")
         proxy.silence_from(b"LRANGE")  # the journal, read after job.json and ranks.json
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "dump", job_id, "--redis-url", url],
-            env=subprocess_env(),
-            cwd=tmp_path,  # ./dump
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            if fault == "goes away":
-                wait_for(proxy.silent.is_set, BOUND_S, "the dump to read the journal")
-                proxy.close()
-            out, err = proc.communicate(timeout=BOUND_S)
-        finally:
-            proc.kill()
-            proc.wait()
+        proc = launch_perseus(["dump", job_id, "--redis-url", url], tmp_path)  # into ./dump
+        what = "the dump to read the journal"
+        ((out, err),) = outputs_of([proc], fault(proxy, kind, what))
     shown = proxy.url.replace("redis://", "redis://:***@")
     assert proc.returncode == 1 and out == "", err
     said = f"Error: the dump in dump/{job_id} is incomplete (it has no 'complete' file; run "
     said += "it again): "
-    if fault == "hangs":
+    if kind == "hangs":
         said += f"Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s ("
     else:
         said += f"lost the connection to Redis at {shown}: "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import click
@@ -19,9 +18,9 @@ from protocol.exceptions import CoordinatorUnavailableError
 from protocol.models import JobInfo, PowerLimitMeasurement, PowerLimitProfile
 from schedulers.planning.synthetic_profile import write_synthetic_profile
 from tests.helpers import (
-    ROOT,
     TOY_SCHEDULER,
     free_ports,
+    launch_perseus,
     make_hook,
     run_step,
     start_perseus,
@@ -113,13 +112,8 @@ def test_commands_never_print_the_password(server, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("command", ["coordinator", "worker"])
 def test_services_log_no_password(server, tmp_path, command):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", command, "--redis-url", server.url],
-        env=subprocess_env(tmp_path),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = launch_perseus(
+        [command, "--redis-url", server.url], env=subprocess_env(tmp_path), stderr=subprocess.STDOUT
     )
     conn = redis.Redis.from_url(server.url)
     # Up: the coordinator's consumer group exists, or the worker registered with rq.

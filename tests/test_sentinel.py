@@ -21,16 +21,15 @@ from protocol.connection import connect, parse_sentinel_url, redact_url
 from protocol.exceptions import CoordinatorUnavailableError
 from tests.helpers import (
     FAST_RECOVERY,
-    SENTINEL_SERVICE,
     TOY_SCHEDULER,
     free_ports,
     make_hook,
     start_perseus,
-    start_sentinel,
     step_until,
     wait_for,
 )
 from tests.helpers import stop as stop_procs
+from tests.sentinel_server import SENTINEL_SERVICE, start_sentinel
 from worker_client.gpu.frequency import DryRunFrequencyController
 
 

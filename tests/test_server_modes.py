@@ -25,15 +25,14 @@ from protocol.models import JobInfo, RankInfo, ReportResult, encode_message
 from protocol.store import JobStore
 from tests.helpers import (
     TOY_SCHEDULER,
-    TLSProxy,
     drain,
     free_ports,
     result,
-    self_signed_cert,
     start_perseus,
     stop,
     wait_for,
 )
+from tests.tls_proxy import TLSProxy, self_signed_cert
 from worker_client.hook.session import CoordinatorClient
 
 PASSWORDS = {role: f"pw-{role}-8642" for role in ROLES}

@@ -14,14 +14,13 @@ from protocol.connection import connect
 from protocol.exceptions import CoordinatorUnavailableError
 from tests.helpers import (
     TOY_SCHEDULER,
-    TLSProxy,
     free_ports,
     make_hook,
-    self_signed_cert,
     start_perseus,
     step_until,
     stop,
 )
+from tests.tls_proxy import TLSProxy, self_signed_cert
 from worker_client.gpu.frequency import DryRunFrequencyController
 
 PASSWORD = "tls-pw-2468"

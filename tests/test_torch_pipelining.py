@@ -23,7 +23,7 @@ from protocol.pipeline_schedules import stage_actions, stage_order
 from protocol.store import JobStore
 from schedulers.planning.plan_file import write_plan_file
 from tests.helpers import make_hook, make_settings, start_perseus, stop, wait_for
-from tests.pipelining_ranks import run_rank
+from tests.pipelining_ranks import PipelineRank, run_rank
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.gpu.nvml import SIMULATED_NVML
 from worker_client.integrations.torch_pipelining import PerseusPipeline, schedule_kind
@@ -267,7 +267,8 @@ def launch(kind: str, redis_url: str, out: Path) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(
-            target=run_rank, args=(rank, STAGES, init, redis_url, kind, MICRO, 3, 400, str(out))
+            target=run_rank,
+            args=(PipelineRank(rank, STAGES, init, redis_url, kind, MICRO, str(out)), 3, 400),
         )
         for rank in range(STAGES)
     ]

@@ -12,9 +12,10 @@ from typing import Any, NoReturn
 import redis
 import torch.distributed as dist
 
+from protocol.codec import validate
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.job_lifecycle import JobLifecycle
-from protocol.models import JobInfo, RankInfo, validate
+from protocol.models import JobInfo, RankInfo
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import NVML
 from worker_client.hook.clock_requests import FrequencySetter

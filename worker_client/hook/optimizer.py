@@ -18,32 +18,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from multiprocessing.util import Finalize
 from typing import Any, Literal
 
 import torch.distributed as dist
-from pydantic import ValidationError
 
 from protocol.exceptions import JobFailedError, ScheduleError
-from protocol.models import FrequencySchedule, ProfilingResult
+from protocol.models import FrequencySchedule
 from worker_client.callback import Callback
-from worker_client.hook.build_thread import BuildThread
 from worker_client.hook.clock_requests import (
     ClockRequester,
     FrequencySetter,
     Marker,
     cuda_sync,
 )
-from worker_client.hook.energy_source import (
-    EnergySource,
-    Mark,
-    measured_result,
-)
+from worker_client.hook.energy_source import EnergySource, Mark
 from worker_client.hook.joining import RankGPU, finish_rank
 from worker_client.hook.options import check_identity, check_options, zeus_keywords
+from worker_client.hook.result_builder import ResultBuilder, Window
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.startup import start_rank
 from worker_client.hook.step_order import StepOrder
@@ -236,12 +230,7 @@ class PerseusOptimizer(Callback):
         self.reporter = ResultReporter(self.client, self.job_id, outage_timeout)
         self.reporter.start()
         # Turns marks into energies and results, in report order, off the training thread.
-        self._builder = BuildThread("perseus-result")
-        self._build_error: Exception | None = None
-        self._build_error_version = 0  # the schedule version whose result _build_error lost
-        self._remeasure = False  # set by the result builder when a window must be measured again
-        self._last_result: ProfilingResult | None = None  # set by the result-builder thread
-        self._build_lock = threading.Lock()
+        self._results = ResultBuilder(self.energy_source, rank, self.reporter)
         self._measuring = False
         self._reset_window()
         self.steps = 0
@@ -352,18 +341,12 @@ class PerseusOptimizer(Callback):
         self._measuring = False
         if not self._reported and len(self._iter_time) >= self.report_every:
             # The window's lists are not touched again: a swap replaces them.
-            self._builder.submit(
-                self._build_and_submit,
-                self.schedule.version,
-                self._iter_time,
-                self._iter_marks,
-                self._breakdown,
-                self._mark_breakdown,
+            window = Window(
+                self._iter_time, self._iter_marks, self._breakdown, self._mark_breakdown
             )
+            self._results.submit(self.report_every, self.schedule.version, window)
             self._reported = True
-        with self._build_lock:
-            build_error, self._build_error = self._build_error, None
-            remeasure, self._remeasure = self._remeasure, False
+        build_error, remeasure = self._results.take()
         if remeasure and self._reported:
             self._reset_window()  # before raising: a caller who goes on measures it again
         if build_error is not None:
@@ -389,7 +372,7 @@ class PerseusOptimizer(Callback):
     def _resend_if_republished(self) -> None:
         """Send this version's result again if Redis lost the version and got it back."""
         version = self.watcher.take_republished()
-        last = self._last_result
+        last = self._results.last_result
         if version is None or last is None or last.schedule_version != version:
             return  # Not reported yet: the regular report goes to the version now in Redis.
         logger.warning(
@@ -399,49 +382,6 @@ class PerseusOptimizer(Callback):
             version,
         )
         self.reporter.submit(last)
-
-    def _build_and_submit(
-        self,
-        version: int,
-        iter_time: list[float],
-        iter_marks: list[Mark],
-        breakdown: dict[str, list[list[float]]],
-        mark_breakdown: dict[str, list[list[Mark]]],
-    ) -> None:
-        """Result-builder thread: marks -> Joules, then hand the result to the reporter."""
-        n = self.report_every
-        try:
-            result = measured_result(
-                self.energy_source,
-                self.rank,
-                version,
-                iter_time[:n],
-                iter_marks[:n],
-                {k: v[:n] for k, v in breakdown.items()},
-                {k: v[:n] for k, v in mark_breakdown.items()},
-            )
-        except ValidationError as exc:
-            # A glitch of the energy source (NaN, a counter that went backwards) must not stop
-            # training, and a result the coordinator would refuse must not be sent: measure
-            # this version again.
-            logger.warning(
-                "rank %d: measurements of schedule version %d are unusable, measuring again: %s",
-                self.rank,
-                version,
-                exc.errors()[0].get("msg", exc) if exc.errors() else exc,
-            )
-            with self._build_lock:
-                self._remeasure = True
-            return
-        except Exception as exc:  # Raised on the training thread at the next step end.
-            with self._build_lock:
-                self._build_error, self._build_error_version = exc, version
-                # Nothing was sent for the version: should training go on, it is measured
-                # again (its job waits for this rank's result).
-                self._remeasure = True
-            return
-        self._last_result = result
-        self.reporter.submit(result)
 
     def _swap(self, schedule: FrequencySchedule) -> None:
         self.schedule = schedule
@@ -475,7 +415,7 @@ class PerseusOptimizer(Callback):
             steps.callback(self._finish_rank)
             steps.callback(self.watcher.stop)
             steps.callback(self.reporter.stop)
-            self._flush_results()
+            self._results.flush()
 
     def _close_at_exit(self) -> None:
         if os.getpid() != self._pid:
@@ -485,19 +425,6 @@ class PerseusOptimizer(Callback):
             self.close()
         except Exception:  # the interpreter is going down: say it, never mask its exit status
             logger.exception("rank %d: closing the hook at exit failed", self.rank)
-
-    def _flush_results(self) -> None:
-        """Let the results being built reach the reporter; say one whose building failed."""
-        self._builder.shutdown(wait=True)
-        if self._build_error is not None:  # no step end follows to raise it
-            logger.error(
-                "rank %d: the profiling result of schedule version %d was not sent: building "
-                "it failed: %s: %s",
-                self.rank,
-                self._build_error_version,
-                type(self._build_error).__name__,
-                self._build_error,
-            )
 
     def _close_energy_source(self) -> None:
         close = getattr(self.energy_source, "close", None)

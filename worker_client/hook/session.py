@@ -20,6 +20,7 @@ from redis.retry import Retry
 
 from protocol import keys
 from protocol.acl import refused
+from protocol.codec import unpack, validation_text
 from protocol.connection import (
     SOCKET_TIMEOUT_S,
     connect,
@@ -45,8 +46,6 @@ from protocol.models import (
     ReportResult,
     SetTarget,
     encode_message,
-    unpack,
-    validation_text,
 )
 from protocol.store import JobStore
 

@@ -222,6 +222,34 @@ def _is_permission_error(exc: GPUError) -> bool:
     return "no permission" in text or "insufficient permission" in text
 
 
+def monitored_gpus(
+    monitor: WindowMonitor, nvml: NVML | None
+) -> tuple[list[int], NVML, dict[int, int]]:
+    """The monitored GPUs, the NVML facade for their limits, and each one's NVML index.
+
+    Args:
+        monitor: The optimizer's monitor (``gpu_indices``: CUDA indices).
+        nvml: The NVML facade given (default: ``monitor.nvml`` or the real one).
+
+    Returns:
+        ``(gpu_indices, nvml, nvml_of)``: ``nvml_of`` maps a monitored index to NVML's.
+
+    Raises:
+        ConfigError: The monitor has no GPUs, or one is not a visible CUDA device.
+        GPUError: NVML cannot be opened.
+    """
+    gpu_indices = list(monitor.gpu_indices)
+    if not gpu_indices:
+        raise ConfigError("the monitor has no GPUs")
+    nvml = nvml or getattr(monitor, "nvml", None) or NVML()
+    # Limits go to NVML's indices: an EnergyMonitor knows them; a ZeusMonitor's CUDA
+    # indices are mapped through CUDA_VISIBLE_DEVICES.
+    nvml_indices = getattr(monitor, "nvml_indices", None)
+    if nvml_indices is None:
+        nvml_indices = [nvml.cuda_to_nvml(i) for i in gpu_indices]
+    return gpu_indices, nvml, dict(zip(gpu_indices, nvml_indices, strict=True))
+
+
 def common_range(nvml: NVML, nvml_of: dict[int, int]) -> tuple[int, int]:
     """The (min, max) power limit in mW that the GPUs ``nvml_of`` maps to NVML share.
 
@@ -236,19 +264,6 @@ def common_range(nvml: NVML, nvml_of: dict[int, int]) -> tuple[int, int]:
             "optimizer needs GPUs of one kind (monitor them with one optimizer each)"
         )
     return ranges[next(iter(nvml_of))]
-
-
-def nvml_indices_of(monitor: WindowMonitor, nvml: NVML) -> dict[int, int]:
-    """``monitor``'s GPUs (its CUDA indices) mapped to the NVML indices their limits go to.
-
-    An ``EnergyMonitor`` knows them (``nvml_indices``); a ZeusMonitor's CUDA indices are mapped
-    through ``CUDA_VISIBLE_DEVICES``.
-    """
-    gpus = list(monitor.gpu_indices)
-    nvml_indices = getattr(monitor, "nvml_indices", None)
-    if nvml_indices is None:
-        nvml_indices = [nvml.cuda_to_nvml(i) for i in gpus]
-    return dict(zip(gpus, nvml_indices, strict=True))
 
 
 def set_power_limit(nvml: NVML, nvml_of: dict[int, int], milliwatts: int) -> None:

@@ -51,7 +51,7 @@ from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from protocol.exceptions import ConfigError, GPUError
+from protocol.exceptions import GPUError
 from protocol.models import PowerLimitMeasurement, PowerLimitProfile
 from worker_client.callback import Callback
 from worker_client.gpu.nvml import NVML
@@ -61,7 +61,7 @@ from worker_client.power_limit.limits import (
     common_range,
     format_watts,
     limit_to_set,
-    nvml_indices_of,
+    monitored_gpus,
     power_limit_ladder,
     ranks_without_profile,
     refuse_to_start,
@@ -187,10 +187,22 @@ class GlobalPowerLimitOptimizer(Callback):
         profile: PowerLimitProfile | None = None
         self.power_limits: list[int] = []
         try:
-            self._setup(
-                monitor, optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step,
-                profile_path, carry_across_epochs, nvml, profile_store, workload,
+            check_arguments(
+                optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path,
+                profile_store, workload,
             )  # fmt: skip
+            self.monitor = monitor
+            self.gpu_indices, self.nvml, self._nvml_of = monitored_gpus(monitor, nvml)
+            # The default's world_size is set to every rank's GPUs when the limit is chosen.
+            self._default_selector = optimum_selector is None
+            self.optimum_selector = optimum_selector or ZeusCost(
+                eta_knob=0.5, world_size=len(self.gpu_indices)
+            )
+            self.warmup_steps, self.profile_steps = warmup_steps, profile_steps
+            self.pl_step = pl_step
+            self.carry_across_epochs = carry_across_epochs
+            self.profile_path = Path(profile_path) if profile_path is not None else None
+            self.profile_store, self.workload = profile_store, workload
             low, high = common_range(self.nvml, self._nvml_of)
             self.min_power_limit_mw, self.max_power_limit_mw = low, high
             self.power_limits = power_limit_ladder(high, low, pl_step)
@@ -228,49 +240,6 @@ class GlobalPowerLimitOptimizer(Callback):
             self._set_profiled(self.max_power_limit_mw, self.power_limits[0])
         if restore_on_exit:
             self._at_exit = Finalize(None, self._close_at_exit, exitpriority=0)
-
-    def _setup(
-        self,
-        monitor: WindowMonitor,
-        optimum_selector: OptimumSelector | None,
-        wait_steps: int,
-        warmup_steps: int,
-        profile_steps: int,
-        pl_step: int,
-        profile_path: str | Path | None,
-        carry_across_epochs: bool,
-        nvml: NVML | None,
-        profile_store: PowerLimitProfileStore | None,
-        workload: str | None,
-    ) -> None:
-        """Check the arguments and keep them; find the monitored GPUs' NVML indices.
-
-        Raises:
-            ConfigError: A bad argument, or a GPU that is not a visible CUDA device.
-            GPUError: NVML cannot be opened.
-        """
-        check_arguments(
-            optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path,
-            profile_store, workload,
-        )  # fmt: skip
-        self.monitor = monitor
-        self.gpu_indices = list(monitor.gpu_indices)
-        if not self.gpu_indices:
-            raise ConfigError("the monitor has no GPUs")
-        self.nvml: NVML = nvml or getattr(monitor, "nvml", None) or NVML()
-        self._nvml_of = nvml_indices_of(monitor, self.nvml)
-        # The default's world_size is set to every rank's GPUs when the limit is chosen.
-        self._default_selector = optimum_selector is None
-        self.optimum_selector = optimum_selector or ZeusCost(
-            eta_knob=0.5, world_size=len(self.gpu_indices)
-        )
-        self.warmup_steps = warmup_steps
-        self.profile_steps = profile_steps
-        self.pl_step = pl_step
-        self.carry_across_epochs = carry_across_epochs
-        self.profile_path = Path(profile_path) if profile_path is not None else None
-        self.profile_store = profile_store
-        self.workload = workload
 
     # --- training hooks ---------------------------------------------------------------------
     def on_step_begin(self) -> None:

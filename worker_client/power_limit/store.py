@@ -22,9 +22,10 @@ import redis
 from pydantic import ValidationError
 
 from protocol import keys
+from protocol.codec import pack
 from protocol.connection import connect, redact_url
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError, ProtocolError
-from protocol.models import PowerLimitProfile, pack
+from protocol.models import PowerLimitProfile
 
 # Workload names become part of a key name (perseus:powerlimit:profile:<workload>): no ':'.
 _WORKLOAD_RE = re.compile(r"^[A-Za-z0-9._+/-]{1,128}$")
