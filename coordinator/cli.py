@@ -368,19 +368,20 @@ def redis_command(appendonly: bool) -> None:
     For trying perseus-mq without Docker: prints the URL to pass as --redis-url and the
     redis-cli command to inspect it.
     """
-    with EmbeddedRedis(appendonly=appendonly) as server:
-        cli = Path(redis_server_binary()).with_name("redis-cli")
-        click.echo(f"redis url: {server.url}")
-        click.echo(f"inspect:   {cli} -s {server.socket_path}")
-        click.echo("Ctrl-C to stop (the data is deleted).")
-        # SIGTERM (kill, a service manager) and SIGHUP (the terminal closed) stop it as
-        # Ctrl-C does: the server, in a session of its own, goes with us.
-        try:
-            with stop_signals_interrupt():
-                while True:
-                    time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+    # SIGTERM (kill, a service manager) and SIGHUP (the terminal closed) stop it as Ctrl-C
+    # does: the server, in a session of its own, goes with us. Caught from before the server
+    # starts: one that came right after the URL was printed (a script that starts it, reads
+    # the URL and stops it) ended this process alone, and the server ran on.
+    try:
+        with stop_signals_interrupt(), EmbeddedRedis(appendonly=appendonly) as server:
+            cli = Path(redis_server_binary()).with_name("redis-cli")
+            click.echo(f"redis url: {server.url}")
+            click.echo(f"inspect:   {cli} -s {server.socket_path}")
+            click.echo("Ctrl-C to stop (the data is deleted).")
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
 
 
 @main.command()
