@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from protocol.exceptions import ConfigError
 from protocol.models import JobInfo
 from schedulers.planning.plan_file import write_plan_file
 from tests.helpers import (
+    ROOT,
     free_ports,
     launch_perseus,
     make_settings,
