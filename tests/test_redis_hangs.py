@@ -286,7 +286,9 @@ def test_a_sentinel_urls_command_timeout_is_set_as_the_hint_says(private_redis, 
     # A sentinel URL refused ?socket_timeout=, so its 5 s could not be changed; its error
     # gave no hint (a redis:// URL's says to add it).
     (port,) = free_ports()
-    sentinel = start_sentinel(tmp_path, port, private_redis.port, 1, PASSWORD)
+    # A master that hangs while its sentinel still names it: with the sentinel's usual 1 s,
+    # a loaded machine's slow start found the master flagged down (no master named at all).
+    sentinel = start_sentinel(tmp_path, port, private_redis.port, 1, PASSWORD, 120_000)
     try:
         wait_for(
             lambda: redis.Redis(port=port).sentinel_get_master_addr_by_name(SENTINEL_SERVICE),
