@@ -38,7 +38,6 @@ import math
 import os
 import tempfile
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +69,12 @@ from schedulers.profiler_args import (
     check_rank_clocks,
     check_writable,
 )
+from schedulers.profiler_measures import (
+    Sweep,
+    check_every_instruction,
+    check_per_microbatch,
+    instruction_average,
+)
 
 Key = tuple[int, str]  # (stage, instruction)
 
@@ -77,42 +82,6 @@ logger = logging.getLogger(__name__)
 
 PROFILE_ARTIFACT = "profile.csv"
 """The artifact name under which a finished sweep stores its profile (``perseus profile``)."""
-
-
-@dataclass
-class Sweep:
-    """The clock sweep of one (stage, instruction), highest clock first.
-
-    Attributes:
-        frequencies: Clocks to sweep, MHz, highest first.
-        measured: Clocks measured so far, in sweep order.
-        energies: Stage-average energy at each measured clock, J.
-        rises: Consecutive energy rises so far.
-        stopped: No more clocks to measure.
-
-    """
-
-    frequencies: list[int]
-    measured: list[int] = field(default_factory=list)
-    energies: list[float] = field(default_factory=list)
-    rises: int = 0
-    stopped: bool = False
-
-    @property
-    def current(self) -> int:
-        """The clock the next version measures."""
-        return self.frequencies[len(self.measured)]
-
-    def record(self, frequency: int, energy: float, stop_after_rises: int) -> None:
-        """Add the measurement of ``frequency`` and decide whether to stop."""
-        if self.energies and energy > self.energies[-1]:
-            self.rises += 1
-        else:
-            self.rises = 0
-        self.measured.append(frequency)
-        self.energies.append(energy)
-        if self.rises >= stop_after_rises or len(self.measured) >= len(self.frequencies):
-            self.stopped = True
 
 
 class InstructionProfiler(FrequencyScheduler):
@@ -156,45 +125,20 @@ class InstructionProfiler(FrequencyScheduler):
         ``on_instruction_end``, say).
         """
         super().check_result(result)
-        for name in INSTRUCTIONS:
-            if name not in result.time_breakdown:
-                raise ProtocolError(
-                    f"rank {result.rank}, schedule version {result.schedule_version}: no "
-                    f"{name!r} times in the result; InstructionProfiler measures every "
-                    "forward and backward (does the training loop call on_instruction_begin "
-                    "and on_instruction_end for each?)"
-                )
+        check_every_instruction(result)
 
     @classmethod
     def check_job_result(cls, result: ProfilingResult, args: dict[str, Any]) -> None:
         """Also what the sweep needs: each instruction once per microbatch, past warm-up.
 
         Every iteration must hold ``microbatches`` times of each instruction, and one must
-        come after the ``warmup_iters`` ones (see :meth:`_average`). Such a result reached
+        come after the ``warmup_iters`` ones (see
+        :func:`~schedulers.profiler_measures.instruction_average`). Such a result reached
         the sweep and failed the job for good; refused here, it is dead-lettered and the
         rank's next good result for the version is taken.
         """
         super().check_job_result(result, args)
-        # Every stage runs each instruction once per microbatch, under 1F1B and GPipe alike.
-        expected = args.get("microbatches")
-        warmup_iters = args.get("warmup_iters", 1)
-        if not isinstance(expected, int) or not isinstance(warmup_iters, int):
-            return  # Refused at registration; nothing to compare with.
-        who = f"rank {result.rank}, schedule version {result.schedule_version}"
-        for name in INSTRUCTIONS:
-            times = result.time_breakdown[name]
-            for i, iteration in enumerate(times):
-                if len(iteration) != expected:
-                    raise ProtocolError(
-                        f"{who}: time_breakdown[{name!r}][{i}] has {len(iteration)} times; "
-                        f"expected {expected}, one per microbatch (microbatches={expected})"
-                    )
-            if len(times) <= warmup_iters:
-                raise ProtocolError(
-                    f"{who}: time_breakdown[{name!r}] has {len(times)} iteration(s), all of "
-                    f"them warm-up (warmup_iters={warmup_iters}); set the hook's report_every "
-                    "above it"
-                )
+        check_per_microbatch(result, args)
 
     @classmethod
     def absolute_paths(cls, args: dict[str, Any]) -> dict[str, Any]:
@@ -356,44 +300,18 @@ class InstructionProfiler(FrequencyScheduler):
         for (stage, inst), freq in measuring.items():
             figures = []
             for info in self.stage_ranks[stage]:
-                t, e = self._average(by_rank[info.rank], stage, inst)
+                t, e = instruction_average(
+                    by_rank[info.rank],
+                    stage,
+                    inst,
+                    self.order[stage].count(inst),
+                    self.warmup_iters,
+                    self.microbatches,
+                )
                 self.rank_data[info.rank][(inst, freq)] = (t, e)
                 figures.append((t, e))
             stage_energy = math.fsum(e for _, e in figures) / len(figures)
             self.sweeps[(stage, inst)].record(freq, stage_energy, self.stop_after_rises)
-
-    def _average(self, res: ProfilingResult, stage: int, inst: str) -> tuple[float, float]:
-        """Mean time and energy of one instruction in one rank's result, warm-up dropped."""
-        who = f"rank {res.rank} (stage {stage}), schedule version {res.schedule_version}"
-        if not res.energy_breakdown:
-            raise ProtocolError(
-                f"{who}: the result has no energy_breakdown; InstructionProfiler needs "
-                "per-instruction energy: create PerseusOptimizer with instruction_energy=True"
-            )
-        times = res.time_breakdown.get(inst)
-        energies = res.energy_breakdown.get(inst)
-        if times is None or energies is None:
-            raise ProtocolError(f"{who}: no {inst!r} in time_breakdown or energy_breakdown")
-        if len(times) != len(energies):
-            raise ProtocolError(
-                f"{who}: {inst!r} has {len(times)} iterations of times but {len(energies)} "
-                "of energies"
-            )
-        expected = self.order[stage].count(inst)
-        for i, (ts, es) in enumerate(zip(times, energies, strict=True)):
-            if len(ts) != expected or len(es) != expected:
-                raise ProtocolError(
-                    f"{who}: iteration {i} has {len(ts)} {inst!r} times and {len(es)} energies; "
-                    f"expected {expected} (microbatches={self.microbatches})"
-                )
-        kept_t = [x for it in times[self.warmup_iters :] for x in it]
-        kept_e = [x for it in energies[self.warmup_iters :] for x in it]
-        if not kept_t:
-            raise ProtocolError(
-                f"{who}: {len(times)} iteration(s) reported, all of them warm-up "
-                f"(warmup_iters={self.warmup_iters}); set the hook's report_every above it"
-            )
-        return math.fsum(kept_t) / len(kept_t), math.fsum(kept_e) / len(kept_e)
 
     # --- snapshots ----------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
