@@ -25,14 +25,14 @@ from rq.job import Job
 
 from coordinator.advance_queue import enqueue, record_enqueued
 from coordinator.completion import CompletionGuess
-from coordinator.envelope import Message, check_envelope
+from coordinator.dispatch import MessageHandler
+from coordinator.envelope import Message
 from coordinator.health import HEARTBEAT_INTERVAL_S, agree_settings, beat, forget
 from coordinator.intake import Decoded, Entry, Pending, decode_ahead, screen
-from coordinator.job_config import check_job_limits, job_config
 from coordinator.outcome import Outcome, log_lost
 from coordinator.read_ahead import InputReader
 from coordinator.records import RecordCache
-from coordinator.registration import RankRegistrar, check_still_awaited
+from coordinator.registration import RankRegistrar
 from coordinator.resilience import (
     STOP_GRACE_S,
     Backoff,
@@ -49,15 +49,12 @@ from protocol import keys, streams
 from protocol.acl import wrong_user
 from protocol.codec import pack
 from protocol.consumers import GroupMembers
-from protocol.exceptions import DuplicateEntryError, PerseusError, UnknownJobError
-from protocol.job_record import make_job_id
+from protocol.exceptions import DuplicateEntryError, PerseusError
 from protocol.models import (
     RegisterJob,
     RegisterRank,
-    Reply,
     ReportResult,
 )
-from protocol.scheduler import resolve_scheduler
 from protocol.store import JobRecord, JobStore
 from protocol.store_batch import StoreBatch
 
@@ -106,6 +103,7 @@ class Coordinator:
         self.registrar = RankRegistrar(settings)
         self.reader = InputReader(conn, self.consumer, _BATCH)
         self.sweeper = Sweeper(self.store)
+        self.messages = MessageHandler(self.registrar, self.result_keys, self.records, self._guess)
         self.processed = 0
         self.dead_lettered = 0
         self.lost = 0  # entries removed from their stream before they were processed
@@ -358,7 +356,7 @@ class Coordinator:
                 continue
             if isinstance(message, RegisterRank):
                 outcome.answered(stream, entry_id)
-            self._settle_entry(message, result, jobs, outcome, now)
+            self.messages.settle(message, result, jobs, outcome, now)
         self._finish(outcome)
         return sum(len(ids) for ids in outcome.acks.values()) + outcome.self_acked
 
@@ -372,80 +370,8 @@ class Coordinator:
         jobs: dict[str, JobRecord | None],
         now: float,
     ) -> None:
-        check_envelope(stream, fields, message)
-        if isinstance(message, RegisterJob | RegisterRank):
-            check_still_awaited(message, fields, entry_id, now)
-        if isinstance(message, RegisterJob):
-            job = message.job
-            check_job_limits(self.settings, job)
-            config = job_config(self.settings, message)
-            name = config.scheduler.rpartition(":")[2] or config.scheduler
-            job = job.model_copy(update={"job_id": make_job_id(job, name, entry_id)})
-            message.job = job
-            batch.create_job(job, config, entry_id, now, request_id=message.request_id)
-            # Cached once stored (_settle_entry): the job's first rank then reads nothing.
-            jobs[job.job_id] = JobRecord(info=job, config=config, fields={})
-            return
-        record = jobs.get(message.job_id)
-        if record is None:
-            raise UnknownJobError(f"unknown job id {message.job_id!r}")
-        info = record.info
-        if isinstance(message, RegisterRank):
-            self.registrar.queue(batch, record, message, stream, entry_id, now)
-        elif isinstance(message, ReportResult):
-            self.result_keys.check(message, fields)
-            # One its scheduler cannot use is dead-lettered here: stored, it would fail the job.
-            scheduler = resolve_scheduler(record.config.scheduler)
-            scheduler.check_job_result(message.result, record.config.scheduler_args)
-            # Stored as it arrived (validated above): packing it again costs more than the rest.
-            batch.add_result(info, message.result, now, data=fields[b"data"])
-        else:
-            resolve_scheduler(record.config.scheduler).check_target(
-                info.job_id, message.iteration_time
-            )
-            batch.add_control(message, entry_id, now)
-
-    def _settle_entry(
-        self,
-        message: Message,
-        result: Any,
-        jobs: dict[str, JobRecord | None],
-        outcome: Outcome,
-        now: float,
-    ) -> None:
-        """Decide the reply and the scheduler work of an entry whose write succeeded."""
-        if isinstance(message, RegisterJob):
-            if isinstance(result, str):  # A retry of a request that created a job already.
-                logger.info("request %s: job %s registered before", message.request_id, result)
-                message.job = message.job.model_copy(update={"job_id": result})
-            elif result:
-                logger.info("registered job %s", message.job.job_id)
-                if record := jobs.get(message.job.job_id):
-                    self.records.add(record)
-            outcome.reply(message.request_id, Reply(ok=True, job_id=message.job.job_id))
-            return
-        record = jobs[message.job_id]
-        assert record is not None
-        info = record.info
-        if isinstance(message, RegisterRank):
-            logger.info(
-                "job %s: rank %d registered (%d/%d)",
-                info.job_id,
-                message.rank_info.rank,
-                result,
-                info.world_size,
-            )
-            self.registrar.stamped(info.job_id, now)
-            if result == info.world_size:
-                outcome.advance.add(info.job_id)
-        elif isinstance(message, ReportResult):
-            _added, latest, count = result
-            if message.result.schedule_version == latest:
-                self._guess.record(info.job_id, latest, count)
-                if count >= info.world_size:
-                    outcome.advance.add(info.job_id)
-        else:
-            outcome.advance.add(info.job_id)
+        """Queue ``message``'s store write (see :meth:`MessageHandler.dispatch`)."""
+        self.messages.dispatch(self.settings, batch, message, stream, entry_id, fields, jobs, now)
 
     def _finish(self, outcome: Outcome) -> None:
         """Replies, dead letters, rq enqueues and acknowledgements: one transaction."""
