@@ -206,15 +206,30 @@ def stop(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
 
 
 @contextmanager
-def running(coord: Coordinator, block_ms: int = 50) -> Iterator[Coordinator]:
-    """``coord`` consuming in a daemon thread inside the block; stopped (5 s to join) after it."""
+def coordinator_thread(
+    coord: Coordinator, block_ms: int = 50, join_s: float = 5.0
+) -> Iterator[threading.Thread]:
+    """``coord`` consuming in a daemon thread inside the block; stopped after it.
+
+    Yields the thread, for a test that checks it runs on or stops. ``join_s``: how long the
+    stop may take before the block ends anyway (a test that asserts what a stop leaves needs
+    the stop done).
+    """
     thread = threading.Thread(target=coord.run, kwargs={"block_ms": block_ms}, daemon=True)
     thread.start()
     try:
-        yield coord
+        yield thread
     finally:
         coord.stop_event.set()
-        thread.join(timeout=5)
+        thread.join(timeout=join_s)
+
+
+@contextmanager
+def running(coord: Coordinator, block_ms: int = 50, join_s: float = 5.0) -> Iterator[Coordinator]:
+    """``coord`` consuming in a daemon thread inside the block; stopped after it (see
+    :func:`coordinator_thread`)."""
+    with coordinator_thread(coord, block_ms, join_s):
+        yield coord
 
 
 def make_settings(redis_url: str, scheduler: str = TOY_SCHEDULER, **kw: Any) -> PerseusSettings:
