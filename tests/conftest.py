@@ -30,6 +30,7 @@ from tests.helpers import (
     running,
     start_perseus,
     stop,
+    subprocess_env,
 )
 
 
@@ -104,6 +105,20 @@ def gloo() -> Iterator[None]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def sim_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private state folder for the simulated GPUs, no GPU denied or limited in number.
+
+    Spawned children find the test modules (``PYTHONPATH`` names the repository).
+    """
+    directory = tmp_path / "simgpu"
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(directory))
+    monkeypatch.delenv("PERSEUS_SIM_GPU_DENY", raising=False)
+    monkeypatch.delenv("PERSEUS_SIM_GPU_COUNT", raising=False)
+    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
+    return directory
 
 
 @pytest.fixture
