@@ -162,6 +162,21 @@ def invoke_perseus(*args: str, env: dict[str, str] | None = None) -> tuple[int, 
     return result.exit_code, result.output
 
 
+def planner_cli() -> Any:
+    """A click group of the planner's two commands, ``optimize`` and ``choose``, to invoke."""
+    import click
+
+    from schedulers.planning.cli import choose_command, optimize_command
+
+    @click.group()
+    def main() -> None:
+        pass
+
+    main.add_command(optimize_command)
+    main.add_command(choose_command)
+    return main
+
+
 def run_perseus(
     args: list[str],
     timeout: float | None,
