@@ -23,15 +23,14 @@ from protocol.models import JobInfo
 from schedulers.planning.plan_file import write_plan_file
 from tests.helpers import (
     ROOT,
-    Output,
     free_ports,
     invoke_perseus,
     launch_perseus,
-    piped,
     run_perseus,
     subprocess_env,
     wait_for,
 )
+from tests.pipes import Output, piped
 from worker_client.hook.session import CoordinatorClient
 
 

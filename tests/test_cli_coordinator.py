@@ -13,7 +13,8 @@ import redis
 from coordinator.service import Coordinator
 from protocol.connection import connect
 from protocol.exceptions import ConfigError
-from tests.helpers import invoke_perseus, launch_perseus, make_settings, piped, subprocess_env
+from tests.helpers import invoke_perseus, launch_perseus, make_settings, subprocess_env
+from tests.pipes import piped
 
 
 def first_line(args: list[str], tmp_path: Path, variables: dict[str, str]) -> tuple[str, bool, str]:

@@ -21,7 +21,8 @@ import yaml
 
 from coordinator.cli_common import load_settings
 from coordinator.settings import unknown_variables
-from tests.helpers import ROOT, TOY_SCHEDULER, make_settings, piped, write_1f1b_plan
+from tests.helpers import ROOT, TOY_SCHEDULER, make_settings, write_1f1b_plan
+from tests.pipes import piped
 
 PASSWORD = "0123abcd"
 # docker-compose v1's interpolation: no nesting, and a default cannot hold "}".

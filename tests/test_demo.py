@@ -20,11 +20,11 @@ from tests.helpers import (
     TOY_SCHEDULER,
     free_ports,
     new_job,
-    piped,
     start_perseus,
     stop,
     wait_for,
 )
+from tests.pipes import piped
 
 
 def test_small_demo_saves_what_the_planner_predicts(tmp_path, redis_url, monkeypatch):

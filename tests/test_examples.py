@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from protocol.exceptions import GPUError
-from tests.helpers import ROOT, Output, piped, start_perseus, stop, subprocess_env, wait_for
+from tests.helpers import ROOT, start_perseus, stop, subprocess_env, wait_for
+from tests.pipes import Output, piped
 from worker_client.gpu.nvml import NVML
 
 

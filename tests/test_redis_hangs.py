@@ -31,7 +31,6 @@ from tests.helpers import (
     free_ports,
     launch_perseus,
     new_job,
-    piped,
     result,
     run_perseus,
     start_perseus,
@@ -39,6 +38,7 @@ from tests.helpers import (
     subprocess_env,
     wait_for,
 )
+from tests.pipes import piped
 from tests.sentinel_server import SENTINEL_SERVICE, start_sentinel
 from tests.silent_proxy import SilentProxy
 
