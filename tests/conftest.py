@@ -108,6 +108,20 @@ def gloo() -> Iterator[None]:
 
 
 @pytest.fixture
+def sim_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private state folder for the simulated GPUs, no GPU denied or limited in number.
+
+    Spawned children find the test modules (``PYTHONPATH`` names the repository).
+    """
+    directory = tmp_path / "simgpu"
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(directory))
+    monkeypatch.delenv("PERSEUS_SIM_GPU_DENY", raising=False)
+    monkeypatch.delenv("PERSEUS_SIM_GPU_COUNT", raising=False)
+    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
+    return directory
+
+
+@pytest.fixture
 def service(r, redis_url):
     """A coordinator (toy StepDown scheduler) consuming in a background thread."""
     with running(Coordinator(r, make_settings(redis_url), claim_idle_ms=60_000)) as coord:

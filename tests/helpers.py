@@ -152,6 +152,31 @@ def launch_perseus(
     )
 
 
+def invoke_perseus(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``perseus ARGS`` in this process (click's runner); the exit code and all it printed."""
+    from click.testing import CliRunner
+
+    from coordinator.cli import main  # here: not every test module needs the CLI loaded
+
+    result = CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def planner_cli() -> Any:
+    """A click group of the planner's two commands, ``optimize`` and ``choose``, to invoke."""
+    import click
+
+    from schedulers.planning.cli import choose_command, optimize_command
+
+    @click.group()
+    def main() -> None:
+        pass
+
+    main.add_command(optimize_command)
+    main.add_command(choose_command)
+    return main
+
+
 def run_perseus(
     args: list[str],
     timeout: float | None,
@@ -206,15 +231,30 @@ def stop(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
 
 
 @contextmanager
-def running(coord: Coordinator, block_ms: int = 50) -> Iterator[Coordinator]:
-    """``coord`` consuming in a daemon thread inside the block; stopped (5 s to join) after it."""
+def coordinator_thread(
+    coord: Coordinator, block_ms: int = 50, join_s: float = 5.0
+) -> Iterator[threading.Thread]:
+    """``coord`` consuming in a daemon thread inside the block; stopped after it.
+
+    Yields the thread, for a test that checks it runs on or stops. ``join_s``: how long the
+    stop may take before the block ends anyway (a test that asserts what a stop leaves needs
+    the stop done).
+    """
     thread = threading.Thread(target=coord.run, kwargs={"block_ms": block_ms}, daemon=True)
     thread.start()
     try:
-        yield coord
+        yield thread
     finally:
         coord.stop_event.set()
-        thread.join(timeout=5)
+        thread.join(timeout=join_s)
+
+
+@contextmanager
+def running(coord: Coordinator, block_ms: int = 50, join_s: float = 5.0) -> Iterator[Coordinator]:
+    """``coord`` consuming in a daemon thread inside the block; stopped after it (see
+    :func:`coordinator_thread`)."""
+    with coordinator_thread(coord, block_ms, join_s):
+        yield coord
 
 
 def make_settings(redis_url: str, scheduler: str = TOY_SCHEDULER, **kw: Any) -> PerseusSettings:

@@ -8,7 +8,6 @@ what is wrong, and the good one taken: the job advances and records no error.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +30,7 @@ from tests.helpers import (
     new_job,
     register,
     result,
+    running,
     wait_for,
 )
 from worker_client.hook.session import CoordinatorClient
@@ -44,17 +44,14 @@ def profiler_job(
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
     args = {"microbatches": 2, "warmup_iters": 1}
     coord = Coordinator(r, make_settings(redis_url, "InstructionProfiler", scheduler_args=args))
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    client = CoordinatorClient(redis_url, reply_timeout=20)
-    try:
-        job_id = register(client, pp=1)
-        drain_until(r, job_id, 1)
-        yield client, job_id
-    finally:
-        client.close()
-        coord.stop_event.set()
-        thread.join(timeout=5)
+    with running(coord):
+        client = CoordinatorClient(redis_url, reply_timeout=20)
+        try:
+            job_id = register(client, pp=1)
+            drain_until(r, job_id, 1)
+            yield client, job_id
+        finally:
+            client.close()
 
 
 def good_result() -> ProfilingResult:

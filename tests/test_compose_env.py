@@ -22,6 +22,7 @@ import yaml
 from coordinator.cli_common import load_settings
 from coordinator.settings import unknown_variables
 from tests.helpers import ROOT, TOY_SCHEDULER, make_settings, write_1f1b_plan
+from tests.pipes import piped
 
 PASSWORD = "0123abcd"
 # docker-compose v1's interpolation: no nesting, and a default cannot hold "}".
@@ -94,17 +95,11 @@ def start_coordinator(env: dict[str, str], redis_url: str, tmp_path: Path) -> st
         stderr=subprocess.STDOUT,
         text=True,
     )
-    try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
+    with piped(proc) as output:
+        first = output.readline(60)
         if first.startswith("perseus coordinator:"):  # started: it would run until stopped
             proc.terminate()
-        # Through the same reader (communicate would skip what readline buffered).
-        rest = proc.stdout.read()
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()  # no-op once it exited
-    return first + rest
+        return first + output.rest(60)
 
 
 def _command(service: str) -> list[str]:

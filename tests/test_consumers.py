@@ -19,7 +19,16 @@ from coordinator.service import STOP_WAIT_S, Coordinator
 from protocol import keys
 from protocol.connection import SOCKET_TIMEOUT_S, connect
 from protocol.models import ReportResult, encode_message
-from tests.helpers import WITH_SIGINT, make_settings, result, start_perseus, stop, wait_for
+from tests.helpers import (
+    WITH_SIGINT,
+    coordinator_thread,
+    make_settings,
+    result,
+    running,
+    start_perseus,
+    stop,
+    wait_for,
+)
 
 
 def consumers(r: redis.Redis) -> set[str]:
@@ -47,15 +56,16 @@ def consuming_when_redis_hangs() -> Iterator[tuple[Coordinator, threading.Thread
     with EmbeddedRedis() as server:
         conn = connect(server.url, socket_timeout=SOCKET_TIMEOUT_S, dedicated=True)
         coord = Coordinator(conn, make_settings(server.url))
-        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 100}, daemon=True)
-        thread.start()
-        wait_for(lambda: coord.consumer in consumers(redis.Redis.from_url(server.url)), 10, "it")
-        os.kill(server.pid, signal.SIGSTOP)
-        try:
-            time.sleep(0.5)  # its next read is in flight
-            yield coord, thread, conn
-        finally:
-            os.kill(server.pid, signal.SIGCONT)
+        with coordinator_thread(coord, block_ms=100) as thread:
+            wait_for(
+                lambda: coord.consumer in consumers(redis.Redis.from_url(server.url)), 10, "it"
+            )
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                time.sleep(0.5)  # its next read is in flight
+                yield coord, thread, conn
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
 
 
 @pytest.mark.parametrize(
@@ -126,10 +136,7 @@ def test_a_coordinator_rejoins_every_stream_after_redis_lost_its_group(r, redis_
     """Redis restarted without persistence: `perseus status` counted no consumer on the
     registrations and control streams, while the coordinator served them, until an entry came.
     """
-    coordinator = Coordinator(r, make_settings(redis_url), consumer="c-1")
-    thread = threading.Thread(target=coordinator.run, kwargs={"block_ms": 50})
-    thread.start()
-    try:
+    with running(Coordinator(r, make_settings(redis_url), consumer="c-1")):
         wait_for(lambda: all(members(r, s) == {"c-1"} for s in keys.INPUT_STREAMS), 10, "join")
         r.delete(*keys.INPUT_STREAMS)  # what a restart without persistence leaves
         # An entry on one stream only: its read finds the group gone, and it is re-created.
@@ -137,9 +144,6 @@ def test_a_coordinator_rejoins_every_stream_after_redis_lost_its_group(r, redis_
         wait_for(lambda: r.xlen(keys.DEADLETTER_STREAM) == 1, 10, "the entry's dead letter")
         for stream in keys.INPUT_STREAMS:
             assert members(r, stream) == {"c-1"}, stream
-    finally:
-        coordinator.stop_event.set()
-        thread.join()
 
 
 def test_a_coordinator_stopped_while_redis_hangs_stops_within_seconds():

@@ -12,7 +12,7 @@ from coordinator.service import Coordinator
 from protocol import keys
 from protocol.connection import connect
 from protocol.exceptions import ConfigError
-from tests.helpers import make_settings, wait_for
+from tests.helpers import make_settings, running, wait_for
 
 PLAN = "[[('forward', 1980), ('backward', 1980)]]"  # a plan text that parses
 
@@ -47,11 +47,8 @@ def test_same_settings_or_a_stopped_coordinator_do_not_block_a_start(r, redis_ur
 def test_a_coordinator_that_stopped_cleanly_does_not_block_a_restart(r, redis_url):
     """Its heartbeat goes with it: a restart with other settings need not wait it out."""
     first = Coordinator(r, make_settings(redis_url))
-    thread = threading.Thread(target=first.run, kwargs={"block_ms": 10})
-    thread.start()
-    wait_for(lambda: r.hexists(keys.COORDINATORS, first.consumer))
-    first.stop_event.set()
-    thread.join(10)
+    with running(first, block_ms=10, join_s=10):
+        wait_for(lambda: r.hexists(keys.COORDINATORS, first.consumer))
     assert not r.hexists(keys.COORDINATORS, first.consumer)
     assert not r.hexists(keys.COORDINATOR_SETTINGS, first.consumer)
     other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": PLAN})
@@ -61,9 +58,7 @@ def test_a_coordinator_that_stopped_cleanly_does_not_block_a_restart(r, redis_ur
 def test_settings_are_recorded_again_after_redis_lost_its_data(r, redis_url):
     """A Redis restarted without persistence forgets them; the next beat records them again."""
     first = Coordinator(r, make_settings(redis_url, "tests.toy_schedulers:StepDown"))
-    thread = threading.Thread(target=first.run, kwargs={"block_ms": 10})
-    thread.start()
-    try:
+    with running(first, block_ms=10, join_s=10):
         wait_for(lambda: r.hexists(keys.COORDINATOR_SETTINGS, first.consumer))
         r.flushall()  # what the running coordinator sees of a restart without persistence
         # Both: a FLUSHALL that lands inside a beat's pipeline leaves its settings without its
@@ -78,9 +73,6 @@ def test_settings_are_recorded_again_after_redis_lost_its_data(r, redis_url):
         other = make_settings(redis_url, "PointSolution", scheduler_args={"plan_text": PLAN})
         with pytest.raises(ConfigError, match=f"coordinator {first.consumer} \\(running"):
             agree_settings(r, "host-c-1", other.shared(), time.time())
-    finally:
-        first.stop_event.set()
-        thread.join(10)
 
 
 def test_a_beat_stamped_just_after_the_check_reads_no_negative_age(r, redis_url):

@@ -16,7 +16,15 @@ from coordinator.embedded import EmbeddedRedis
 from coordinator.health import last_beats
 from protocol.connection import connect
 from protocol.store import JobStore
-from tests.helpers import TOY_SCHEDULER, free_ports, new_job, start_perseus, stop, wait_for
+from tests.helpers import (
+    TOY_SCHEDULER,
+    free_ports,
+    new_job,
+    start_perseus,
+    stop,
+    wait_for,
+)
+from tests.pipes import piped
 
 
 def test_small_demo_saves_what_the_planner_predicts(tmp_path, redis_url, monkeypatch):
@@ -145,21 +153,24 @@ def test_ctrl_c_shuts_everything_down(tmp_path, how):
         text=True,
         start_new_session=True,  # its own process group, like a job in a terminal
     )
-    lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("[1/4]"):
-            break
-    match = re.search(r"unix://(\S+)/redis\.sock", "".join(lines))
-    assert match, lines
-    redis_dir = match.group(1)
-    time.sleep(2)  # ranks, coordinator and worker are busy profiling
-    if how == "Ctrl-C":
-        os.killpg(proc.pid, signal.SIGINT)
-    else:  # SIGHUP: the terminal closed
-        proc.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGHUP)
-    output = proc.communicate(timeout=60)[0]
+    try:
+        with piped(proc) as out:
+            lines = [out.readline(300)]
+            while lines[-1] and not lines[-1].startswith("[1/4]"):
+                lines.append(out.readline(300))
+            match = re.search(r"unix://(\S+)/redis\.sock", "".join(lines))
+            assert match, lines
+            redis_dir = match.group(1)
+            time.sleep(2)  # ranks, coordinator and worker are busy profiling
+            if how == "Ctrl-C":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:  # SIGHUP: the terminal closed
+                proc.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGHUP)
+            output = out.rest(60)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):  # nothing of it outlives a failure
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
     assert proc.returncode == 1 and "Aborted!" in output, output
     assert "Traceback" not in output, output
 

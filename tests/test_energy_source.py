@@ -22,12 +22,6 @@ from worker_client.hook.energy_source import (
 from worker_client.simulated.gpu import SimulatedGPU, synthetic_instruction_table
 
 
-@pytest.fixture
-def sim_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
-    return tmp_path / "simgpu"
-
-
 def test_counter_source_reads_the_simulated_counter(sim_dir):
     table = synthetic_instruction_table(1)
     gpu = SimulatedGPU(1, table=table)

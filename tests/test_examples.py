@@ -7,12 +7,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from protocol.exceptions import GPUError
 from tests.helpers import ROOT, start_perseus, stop, subprocess_env, wait_for
+from tests.pipes import Output, piped
 from worker_client.gpu.nvml import NVML
 
 
@@ -105,8 +108,10 @@ def _children(parent: int) -> list[int]:
     return found
 
 
-def _start_example(script: str, tmp_path: Path) -> tuple[subprocess.Popen, str]:
-    """Start ``examples/<script>``, output unbuffered; the process and its marker.
+@contextmanager
+def _example(script: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Output, str]]:
+    """``examples/<script>`` running inside the block, output unbuffered; the process, its
+    output and its marker (stopped after the block if it still runs).
 
     The marker (its simulated GPUs' folder) is in the environment of all it starts: what
     :func:`_processes_with` finds of it once it stopped was left running.
@@ -121,21 +126,22 @@ def _start_example(script: str, tmp_path: Path) -> tuple[subprocess.Popen, str]:
         text=True,
         cwd=tmp_path,
     )
-    return proc, marker
+    with piped(proc) as output:
+        yield proc, output, marker
 
 
 def test_torch_pipelining_example_stops_everything_on_sigterm(tmp_path):
     """SIGTERM (kill, timeout) left its private Redis, rq worker and 4 waiting ranks running."""
-    proc, marker = _start_example("torch_pipelining.py", tmp_path)
-    assert proc.stdout is not None
-    first = proc.stdout.readline()
-    assert "started a private Redis at unix://" in first, first
-    redis_dir = str(Path(first.split("unix://", 1)[1].strip()).parent)
-    assert "coordinator and rq worker running" in proc.stdout.readline()
-    time.sleep(1.0)  # the ranks are spawned (and wait for their schedule)
-    proc.send_signal(signal.SIGTERM)
-    output = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 1 and "interrupted" in output, output
+    with _example("torch_pipelining.py", tmp_path) as (proc, output, marker):
+        first = output.readline(120)
+        assert "started a private Redis at unix://" in first, first
+        redis_dir = str(Path(first.split("unix://", 1)[1].strip()).parent)
+        second = output.readline(120)
+        assert "coordinator and rq worker running" in second, first + second
+        time.sleep(1.0)  # the ranks are spawned (and wait for their schedule)
+        proc.send_signal(signal.SIGTERM)
+        out = output.rest(60)
+    assert proc.returncode == 1 and "interrupted" in out, out
     left: list[str] = []
 
     def nothing_left() -> bool:
@@ -155,27 +161,22 @@ def test_minimal_loop_example_stops_everything_on_sigterm(tmp_path, when):
     As its Redis starts, the server was left; after training, in the clean-up, the
     coordinator's thread (never told to stop) kept the process alive for ever.
     """
-    proc, marker = _start_example("minimal_loop.py", tmp_path)
+    with _example("minimal_loop.py", tmp_path) as (proc, output, marker):
 
-    def its_redis() -> list[int]:
-        # Redis overwrites its environment with its process title: found as the child.
-        return [pid for pid in _children(proc.pid) if b"redis-server" in _cmdline(pid)]
+        def its_redis() -> list[int]:
+            # Redis overwrites its environment with its process title: found as the child.
+            return [pid for pid in _children(proc.pid) if b"redis-server" in _cmdline(pid)]
 
-    try:
         (redis_pid,) = wait_for(its_redis, 60, "the example's private Redis")
         if when == "after training":
-            assert proc.stdout is not None
-            first = proc.stdout.readline()
+            first = output.readline(120)
             assert "ran schedule version 1" in first, first
         proc.send_signal(signal.SIGTERM)
-        output = proc.communicate(timeout=60)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        out = output.rest(60)
     if when == "starting":
-        assert proc.returncode == 1 and "interrupted" in output, output
+        assert proc.returncode == 1 and "interrupted" in out, out
     else:  # in the clean-up, or once it was done and the default handler was back
-        assert proc.returncode in (1, -signal.SIGTERM), output
+        assert proc.returncode in (1, -signal.SIGTERM), out
     left: list[str] = []
 
     def nothing_left() -> bool:

@@ -7,7 +7,6 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import click
 import pytest
 from click.testing import CliRunner
 
@@ -24,25 +23,14 @@ from schedulers.planning.plan_file import read_plan_file
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.profile_csv import read_profile_csv
 from schedulers.planning.synthetic_profile import synthetic_profile, write_synthetic_profile
+from tests.helpers import planner_cli
 
 P2P_W = 50.0  # Enough blocking power that the slowest plans cost more energy than faster ones.
 
 
-def _cli() -> click.Group:
-    from schedulers.planning.cli import choose_command, optimize_command
-
-    @click.group()
-    def main() -> None:
-        pass
-
-    main.add_command(optimize_command)
-    main.add_command(choose_command)
-    return main
-
-
 def _optimize(profile: Path, out: Path, *extra: str) -> str:
     args = ["optimize", str(profile), "-s", "2", "-m", "4", "--out", str(out), *extra]
-    res = CliRunner().invoke(_cli(), args)
+    res = CliRunner().invoke(planner_cli(), args)
     assert res.exit_code == 0, res.output
     return res.output
 
@@ -67,12 +55,14 @@ def test_one_time_per_plan_in_csv_choose_and_plots(tmp_path: Path) -> None:
     for point in (fr.points[0], fr.points[len(fr.points) // 2], fr.points[-1]):
         # The CSV's time is the real longest path at the plan's clocks (not the solver's units).
         assert point.iteration_time == pytest.approx(_longest_path(out, fr.path(point)), abs=1e-12)
-    res = CliRunner().invoke(_cli(), ["choose", str(out), "-p", "min-energy", "--json", "--plot"])
+    res = CliRunner().invoke(
+        planner_cli(), ["choose", str(out), "-p", "min-energy", "--json", "--plot"]
+    )
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     point = fr.point(data["plan"])
     assert data["iteration_time"] == point.iteration_time
-    res = CliRunner().invoke(_cli(), ["choose", str(out), "-p", "min-energy"])
+    res = CliRunner().invoke(planner_cli(), ["choose", str(out), "-p", "min-energy"])
     assert f"iteration time: {point.iteration_time:.4f} s" in res.output
     assert f"(all-max {fr.allmax.iteration_time:.4f} s" in res.output
     assert res.output.count("times:") == 1 and "0.1 ms" in res.output
@@ -115,7 +105,7 @@ def test_a_frontier_with_every_plan_dominated_is_refused_naming_the_file(tmp_pat
         writer.writeheader()
         writer.writerows(rows)
     words = f"{path}: every one of its {len(rows)} plans is marked dominated"
-    res = CliRunner().invoke(_cli(), ["choose", str(out), "--policy", "no-slowdown"])
+    res = CliRunner().invoke(planner_cli(), ["choose", str(out), "--policy", "no-slowdown"])
     assert res.exit_code != 0 and words in res.output, res.output
     with pytest.raises(ConfigError, match=r"every one of its \d+ plans is marked dominated"):
         FrontierScheduler.check_files({"frontier_dir": str(out)})
@@ -213,7 +203,7 @@ def test_rerun_leaves_no_stale_files_and_images_are_named_alike(tmp_path: Path) 
     out = tmp_path / "out"
     _optimize(profile, out, "--unit-time", "0.001")
     first = load_frontier(out)
-    res = CliRunner().invoke(_cli(), ["choose", str(out), "-p", "min-energy", "--plot"])
+    res = CliRunner().invoke(planner_cli(), ["choose", str(out), "-p", "min-energy", "--plot"])
     assert res.exit_code == 0, res.output
     least = choose_plan(out, "min-energy").plan
     fastest = choose_plan(out, "no-slowdown").plan
@@ -240,14 +230,14 @@ def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path: Path) -> No
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     args = ["optimize", str(profile), "-s", "2", "-m", "4", "--out", str(blocker / "out")]
-    res = CliRunner().invoke(_cli(), args)
+    res = CliRunner().invoke(planner_cli(), args)
     assert res.exit_code == 1 and res.exception is not None, res.output
     assert f"Error: {blocker / 'out'}: Not a directory" in res.output
     out = tmp_path / "out"
     _optimize(profile, out)
     (out / "frontier.png").unlink(missing_ok=True)
     (out / "frontier.png").mkdir()  # where choose --plot draws
-    res = CliRunner().invoke(_cli(), ["choose", str(out), "--plot"])
+    res = CliRunner().invoke(planner_cli(), ["choose", str(out), "--plot"])
     assert res.exit_code == 1 and f"Error: {out / 'frontier.png'}: Is a directory" in res.output
 
 

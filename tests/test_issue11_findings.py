@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 
 import msgpack
@@ -91,6 +90,7 @@ from tests.helpers import (
     make_settings,
     register,
     result,
+    running,
     spawn_ranks,
     start_perseus,
     stop,
@@ -100,17 +100,6 @@ from worker_client.hook import session
 from worker_client.hook.session import CoordinatorClient
 
 GROUP = keys.COORDINATOR_GROUP
-
-
-def run_in_thread(coord: Coordinator) -> threading.Thread:
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    return thread
-
-
-def halt(coord: Coordinator, thread: threading.Thread) -> None:
-    coord.stop_event.set()
-    thread.join(timeout=5)
 
 
 def status(redis_url: str, *args: str) -> str:
@@ -182,29 +171,24 @@ def test_pending_registrations_of_a_dead_coordinator_are_answered_after_a_flood(
     conn.xreadgroup(GROUP, "dead-coordinator", {keys.REGISTRATIONS_STREAM: ">"}, count=10)
     settings = make_settings(any_redis, reconcile_interval=0.1)
     busy = Coordinator(conn, settings, consumer="busy", claim_idle_ms=600_000)
-    thread = run_in_thread(busy)
-    client = CoordinatorClient(any_redis, reply_timeout=20)
-    rank = RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
-    try:
-        for _ in range(1500):  # answered at once (unknown job), trimmed by the sweeps
-            with pytest.raises(UnknownJobError):
-                client.register_rank("no-such-job", rank)
-        assert conn.xpending(keys.REGISTRATIONS_STREAM, GROUP)["pending"] == 10
-    finally:
-        client.close()
-        halt(busy, thread)
+    with running(busy):
+        client = CoordinatorClient(any_redis, reply_timeout=20)
+        rank = RankInfo(rank=0, dp_rank=0, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+        try:
+            for _ in range(1500):  # answered at once (unknown job), trimmed by the sweeps
+                with pytest.raises(UnknownJobError):
+                    client.register_rank("no-such-job", rank)
+            assert conn.xpending(keys.REGISTRATIONS_STREAM, GROUP)["pending"] == 10
+        finally:
+            client.close()
     # A coordinator that claims them answers every one.
-    claimer = Coordinator(conn, settings, consumer="claimer", claim_idle_ms=100)
-    thread = run_in_thread(claimer)
-    try:
+    with running(Coordinator(conn, settings, consumer="claimer", claim_idle_ms=100)):
         replies = []
         for request in requests:
             answer = conn.blpop([keys.reply_key(request.request_id)], timeout=30)
             assert answer is not None, f"no reply to {request.request_id}"
             replies.append(unpack(Reply, answer[1]))
         wait_for(lambda: conn.xlen(keys.REGISTRATIONS_STREAM) == 0, 10, "the stream trimmed")
-    finally:
-        halt(claimer, thread)
     assert all(reply.ok for reply in replies)
     assert len({reply.job_id for reply in replies}) == 10 == conn.zcard(keys.JOBS_INDEX)
     assert conn.xpending(keys.REGISTRATIONS_STREAM, GROUP)["pending"] == 0
@@ -225,45 +209,44 @@ def test_a_result_its_scheduler_cannot_use_is_dead_lettered_and_a_good_one_advan
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
     args = {"microbatches": 1, "warmup_iters": 0}
     coord = Coordinator(r, make_settings(redis_url, "InstructionProfiler", scheduler_args=args))
-    thread = run_in_thread(coord)
-    worker = start_perseus(["worker", "--simple", "--redis-url", redis_url], tmp_path, "w.log")
-    store = JobStore(r)
-    client = CoordinatorClient(redis_url, reply_timeout=20)
-    try:
-        job_id = register(client, pp=1)
-        wait_for(lambda: store.version(job_id) == 1, 30, "version 1")
+    with running(coord):
+        worker = start_perseus(["worker", "--simple", "--redis-url", redis_url], tmp_path, "w.log")
+        store = JobStore(r)
+        client = CoordinatorClient(redis_url, reply_timeout=20)
+        try:
+            job_id = register(client, pp=1)
+            wait_for(lambda: store.version(job_id) == 1, 30, "version 1")
 
-        # NaN sent past the client's checks: dead-lettered, naming the field.
-        good = ProfilingResult(
-            rank=0,
-            schedule_version=1,
-            iter_time=[1.0],
-            iter_energy=[2.0],
-            time_breakdown=breakdown(0.1),
-            energy_breakdown=breakdown(0.5),
-        )
-        raw = good.model_dump()
-        raw["iter_energy"] = [math.nan]
-        data = msgpack.packb({"kind": "report_result", "job_id": job_id, "result": raw})
-        r.xadd(keys.RESULTS_STREAM, {"kind": "report_result", "job_id": job_id, "data": data})
-        # A result without per-instruction energy: its scheduler cannot use it.
-        client.report(job_id, good.model_copy(update={"energy_breakdown": {}}))
-        letters = wait_for(lambda: len(list_dead_letters(r)) == 2 and list_dead_letters(r), 10)
-        assert "iter_energy" in letters[0].reason
-        assert "no energy_breakdown" in letters[1].reason, letters[1].reason
-        assert "InstructionProfiler" in letters[1].reason
-        assert store.result_count(job_id, 1) == 0 and store.job_error(job_id) == ""
+            # NaN sent past the client's checks: dead-lettered, naming the field.
+            good = ProfilingResult(
+                rank=0,
+                schedule_version=1,
+                iter_time=[1.0],
+                iter_energy=[2.0],
+                time_breakdown=breakdown(0.1),
+                energy_breakdown=breakdown(0.5),
+            )
+            raw = good.model_dump()
+            raw["iter_energy"] = [math.nan]
+            data = msgpack.packb({"kind": "report_result", "job_id": job_id, "result": raw})
+            r.xadd(keys.RESULTS_STREAM, {"kind": "report_result", "job_id": job_id, "data": data})
+            # A result without per-instruction energy: its scheduler cannot use it.
+            client.report(job_id, good.model_copy(update={"energy_breakdown": {}}))
+            letters = wait_for(lambda: len(list_dead_letters(r)) == 2 and list_dead_letters(r), 10)
+            assert "iter_energy" in letters[0].reason
+            assert "no energy_breakdown" in letters[1].reason, letters[1].reason
+            assert "InstructionProfiler" in letters[1].reason
+            assert store.result_count(job_id, 1) == 0 and store.job_error(job_id) == ""
 
-        # The rank's good result is taken and advances the job.
-        client.report(job_id, good)
-        wait_for(lambda: store.version(job_id) == 2, 30, "version 2 from the good result")
-        assert store.job_error(job_id) == ""
-        (job,) = json.loads(status(redis_url, "--json"))["jobs"]
-        assert job["state"] == "running" and job["error"] == ""
-    finally:
-        client.close()
-        stop([worker])
-        halt(coord, thread)
+            # The rank's good result is taken and advances the job.
+            client.report(job_id, good)
+            wait_for(lambda: store.version(job_id) == 2, 30, "version 2 from the good result")
+            assert store.job_error(job_id) == ""
+            (job,) = json.loads(status(redis_url, "--json"))["jobs"]
+            assert job["state"] == "running" and job["error"] == ""
+        finally:
+            client.close()
+            stop([worker])
 
 
 # --- 7 -----------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ import logging
 import math
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import pytest
 from rq import Queue
@@ -25,6 +25,7 @@ from tests.helpers import (
     make_settings,
     result,
     run_step,
+    running,
     start_perseus,
     step_until,
     stop,
@@ -40,24 +41,18 @@ def serve(gloo, r, redis_url, tmp_path, monkeypatch) -> Iterator[object]:
     """Factory: a coordinator thread with ``scheduler`` (and its arguments) as default, and one
     `perseus worker`."""
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
-    started: list[tuple[Coordinator, threading.Thread]] = []
     workers = []
+    with ExitStack() as coordinators:
 
-    def make(scheduler: str, **scheduler_args: object) -> None:
-        scheduler_args = scheduler_args or {"microbatches": 2}
-        settings = make_settings(redis_url, scheduler, scheduler_args=scheduler_args)
-        coord = Coordinator(r, settings)
-        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-        thread.start()
-        started.append((coord, thread))
-        args = ["worker", "--simple", "--redis-url", redis_url]
-        workers.append(start_perseus(args, tmp_path, "worker.log"))
+        def make(scheduler: str, **scheduler_args: object) -> None:
+            scheduler_args = scheduler_args or {"microbatches": 2}
+            settings = make_settings(redis_url, scheduler, scheduler_args=scheduler_args)
+            coordinators.enter_context(running(Coordinator(r, settings)))
+            args = ["worker", "--simple", "--redis-url", redis_url]
+            workers.append(start_perseus(args, tmp_path, "worker.log"))
 
-    yield make
-    stop(workers)
-    for coord, thread in started:
-        coord.stop_event.set()
-        thread.join(timeout=5)
+        yield make
+        stop(workers)
 
 
 def test_a_scheduler_failure_is_logged_once_and_training_goes_on(serve, redis_url, caplog):

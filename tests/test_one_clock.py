@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import timedelta
 
@@ -23,6 +22,7 @@ from tests.helpers import (
     make_settings,
     register,
     result,
+    running,
     start_perseus,
     stop,
     wait_for,
@@ -66,9 +66,7 @@ def test_a_coordinator_8_days_ahead_keeps_live_jobs_and_stamps_the_servers_time(
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + EIGHT_DAYS)
     coord = Coordinator(r, make_settings(redis_url, reconcile_interval=0.1), claim_idle_ms=60_000)
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    try:
+    with running(coord):
         # Its sweeps (every 0.1 s) see the live job as just active (idle limit: 7 days).
         wait_for(lambda: coord._last_sweep > 0, 5, "a first sweep")
         swept = coord._last_sweep
@@ -91,9 +89,6 @@ def test_a_coordinator_8_days_ahead_keeps_live_jobs_and_stamps_the_servers_time(
         # (while it runs: a clean stop removes it).
         (beat,) = [float(t) for t in r.hgetall(keys.COORDINATORS).values()]
         assert abs(beat - store.server_time()) < 5
-    finally:
-        coord.stop_event.set()
-        thread.join(timeout=5)
     assert store.get_job("live") and store.get_job(fresh)
 
 

@@ -33,6 +33,7 @@ from tests.helpers import (
     make_hook,
     make_settings,
     register,
+    running,
     start_perseus,
     stop,
     subprocess_env,
@@ -254,20 +255,17 @@ def test_a_rank_starting_rides_through_redis_restarts(tmp_path, monkeypatch):
         wait_for(lambda: conn.xlen(keys.REGISTRATIONS_STREAM) == 1, 10, "the registration")
         server.restart(downtime=1.0)
         coord = Coordinator(redis.Redis.from_url(server.url), make_settings(server.url))
-        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-        thread.start()
         worker = None
         try:
-            job_id = wait_for(lambda: [j for j, _ in store.list_jobs()], 20, "the job")[0]
-            wait_for(lambda: store.rank_count(job_id) == 1 or started, 20, "the rank")
-            assert "error" not in started, started.get("error")
-            # No worker runs yet: the rank waits for its first schedule.
-            server.restart(downtime=1.0)
-            worker = start_perseus(["worker", "--redis-url", server.url], tmp_path, "w.log")
-            rank.join(timeout=40)
+            with running(coord):
+                job_id = wait_for(lambda: [j for j, _ in store.list_jobs()], 20, "the job")[0]
+                wait_for(lambda: store.rank_count(job_id) == 1 or started, 20, "the rank")
+                assert "error" not in started, started.get("error")
+                # No worker runs yet: the rank waits for its first schedule.
+                server.restart(downtime=1.0)
+                worker = start_perseus(["worker", "--redis-url", server.url], tmp_path, "w.log")
+                rank.join(timeout=40)
         finally:
-            coord.stop_event.set()
-            thread.join(timeout=5)
             if worker is not None:
                 stop([worker])
         assert "error" not in started, started.get("error")
@@ -281,16 +279,13 @@ def test_a_rank_waiting_for_its_first_schedule_hears_that_redis_lost_the_job():
     with EmbeddedRedis(appendonly=False) as server:
         client = CoordinatorClient(server.url, reply_timeout=20)
         coord = Coordinator(redis.Redis.from_url(server.url), make_settings(server.url))
-        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-        thread.start()
         try:
-            job_id = register(client, pp=1)  # no worker runs: version 1 never comes
-            threading.Timer(0.5, server.restart, kwargs={"downtime": 0.5}).start()
-            started = time.monotonic()
-            with pytest.raises(UnknownJobError, match=r"gone from redis at .*restart training"):
-                client.wait_schedule(job_id, 0, timeout=30)
-            assert time.monotonic() - started < 15
+            with running(coord):
+                job_id = register(client, pp=1)  # no worker runs: version 1 never comes
+                threading.Timer(0.5, server.restart, kwargs={"downtime": 0.5}).start()
+                started = time.monotonic()
+                with pytest.raises(UnknownJobError, match=r"gone from redis at .*restart training"):
+                    client.wait_schedule(job_id, 0, timeout=30)
+                assert time.monotonic() - started < 15
         finally:
-            coord.stop_event.set()
-            thread.join(timeout=5)
             client.close()

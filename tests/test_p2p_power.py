@@ -29,15 +29,6 @@ from worker_client.gpu.p2p_power import (
 from worker_client.simulated import gpu as sim
 
 
-@pytest.fixture
-def sim_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "simgpu"
-    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(directory))
-    monkeypatch.delenv("PERSEUS_SIM_GPU_DENY", raising=False)
-    monkeypatch.delenv("PERSEUS_SIM_GPU_COUNT", raising=False)
-    return directory
-
-
 def _invoke(*args: str):
     return CliRunner().invoke(profile_p2p_command, list(args), catch_exceptions=False)
 

@@ -20,20 +20,7 @@ from schedulers.planning.synthetic_profile import (
     synthetic_profile,
     write_synthetic_profile,
 )
-
-
-def _cli():
-    import click
-
-    from schedulers.planning.cli import choose_command, optimize_command
-
-    @click.group()
-    def main() -> None:
-        pass
-
-    main.add_command(optimize_command)
-    main.add_command(choose_command)
-    return main
+from tests.helpers import planner_cli
 
 
 def test_cli_optimize_and_choose(tmp_path: Path) -> None:
@@ -41,18 +28,22 @@ def test_cli_optimize_and_choose(tmp_path: Path) -> None:
     out = tmp_path / "out"
     runner = CliRunner()
     res = runner.invoke(
-        _cli(),
+        planner_cli(),
         ["optimize", str(profile), "-s", "2", "-m", "2", "--out", str(out), "--unit-time", "0.002"],
     )
     assert res.exit_code == 0, res.output
     assert "no slowdown:" in res.output and "rounding:" in res.output
     assert (out / "frontier.png").is_file()
-    res = runner.invoke(_cli(), ["choose", str(out), "--policy", "max-slowdown 1.1", "--plot"])
+    res = runner.invoke(
+        planner_cli(), ["choose", str(out), "--policy", "max-slowdown 1.1", "--plot"]
+    )
     assert res.exit_code == 0, res.output
     assert "saving:" in res.output and "frontier plot:" in res.output
-    res = runner.invoke(_cli(), ["choose", str(out), "-p", "deadline", "--value", "0.001"])
+    res = runner.invoke(planner_cli(), ["choose", str(out), "-p", "deadline", "--value", "0.001"])
     assert res.exit_code == 1 and "infeasible" in res.output
-    res = runner.invoke(_cli(), ["optimize", str(profile), "-s", "3", "-m", "2", "--out", str(out)])
+    res = runner.invoke(
+        planner_cli(), ["optimize", str(profile), "-s", "3", "-m", "2", "--out", str(out)]
+    )
     assert res.exit_code == 1 and "no rows for stage 2" in res.output
 
 
@@ -63,7 +54,8 @@ def test_optimize_warns_about_a_profile_that_can_plan_nothing(tmp_path: Path) ->
     profile = tmp_path / "zero.csv"
     profile.write_text("\n".join(rows) + "\n")
     res = CliRunner().invoke(
-        _cli(), ["optimize", str(profile), "-s", "1", "-m", "2", "--out", str(tmp_path / "o")]
+        planner_cli(),
+        ["optimize", str(profile), "-s", "1", "-m", "2", "--out", str(tmp_path / "o")],
     )
     assert "warning: every energy in" in res.output and "is 0 J" in res.output
     assert "4 of 4 instruction times are under unit_time (0.001 s)" in res.output
@@ -74,13 +66,13 @@ def test_optimize_without_p2p_power_says_blocking_energy_is_not_counted(tmp_path
     # with 0 W here was chosen as if waiting on a neighbour stage cost no energy, unsaid.
     profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
     args = ["optimize", str(profile), "-s", "2", "-m", "2", "--no-plot", "--plans", "chosen"]
-    res = CliRunner().invoke(_cli(), [*args, "--out", str(tmp_path / "a")])
+    res = CliRunner().invoke(planner_cli(), [*args, "--out", str(tmp_path / "a")])
     assert res.exit_code == 0, res.output
     assert "warning: --p2p-power not given: planning with 0 W" in res.output
     assert "perseus profile-p2p" in res.output
     for watts in ("0", "70"):  # given, even as 0 W: no warning
         res = CliRunner().invoke(
-            _cli(), [*args, "--out", str(tmp_path / watts), "--p2p-power", watts]
+            planner_cli(), [*args, "--out", str(tmp_path / watts), "--p2p-power", watts]
         )
         assert res.exit_code == 0 and "--p2p-power not given" not in res.output, res.output
 
@@ -94,11 +86,11 @@ def test_a_unit_time_too_fine_to_plan_is_refused_before_planning(
     profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
     out = tmp_path / "out"
     args = ["optimize", str(profile), "-s", "2", "-m", "2", "--out", str(out), "--no-plot"]
-    res = CliRunner().invoke(_cli(), [*args, "--unit-time", unit_time])
+    res = CliRunner().invoke(planner_cli(), [*args, "--unit-time", unit_time])
     assert res.exit_code == 1, res.output
     assert f"{profile}: unit time {float(unit_time):g} s is too fine: stage 0 forward" in res.output
     suggested = float(res.output.rsplit("at least ", 1)[1].split()[0])
-    res = CliRunner().invoke(_cli(), [*args, "--unit-time", str(suggested * 100)])
+    res = CliRunner().invoke(planner_cli(), [*args, "--unit-time", str(suggested * 100)])
     assert res.exit_code == 0, res.output
 
 
@@ -127,7 +119,7 @@ def test_enqueue_runs_on_rq_worker(tmp_path: Path, redis_url: str) -> None:
     profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
     out = tmp_path / "plans"
     res = CliRunner().invoke(
-        _cli(),
+        planner_cli(),
         [
             "optimize",
             str(profile),

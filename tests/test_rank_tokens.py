@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 
@@ -22,7 +21,16 @@ from protocol.models import (
 )
 from protocol.store import JobStore
 from protocol.tokens import sign
-from tests.helpers import FREQS, drain, drain_until, make_settings, register, result, wait_for
+from tests.helpers import (
+    FREQS,
+    drain,
+    drain_until,
+    make_settings,
+    register,
+    result,
+    running,
+    wait_for,
+)
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.watchers import ScheduleWatcher
 
@@ -124,9 +132,7 @@ def test_a_rank_registers_once_and_a_redelivered_registration_gets_no_second_rep
 
 def test_a_sweep_over_max_sweep_versions_is_refused_at_registration(r, redis_url):
     coord = Coordinator(r, make_settings(redis_url, max_sweep_versions=8))
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    try:
+    with running(coord):
         client = CoordinatorClient(redis_url, reply_timeout=10)
         job = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
         profiled = client.register_job(job, "InstructionProfiler", {"microbatches": 1})
@@ -142,9 +148,6 @@ def test_a_sweep_over_max_sweep_versions_is_refused_at_registration(r, redis_url
         assert client.register_rank(few, many).ok
         plain = client.register_job(job)
         assert client.register_rank(plain, many).ok
-    finally:
-        coord.stop_event.set()
-        thread.join(timeout=5)
 
 
 def test_the_reply_never_shows_its_token():
@@ -173,9 +176,7 @@ def test_a_rank_whose_clocks_lack_the_profilers_frequencies_is_refused_when_it_r
     # The job's `frequencies` could only be matched with the ranks' clocks once the first
     # schedule was built, after every rank had registered: the job then failed.
     coord = Coordinator(r, make_settings(redis_url))
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    try:
+    with running(coord):
         client = CoordinatorClient(redis_url, reply_timeout=10)
         job = JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2)
         wanted = [FREQS[0], 1600]
@@ -195,6 +196,3 @@ def test_a_rank_whose_clocks_lack_the_profilers_frequencies_is_refused_when_it_r
         assert "InstructionProfiler" in words and "frequencies" in words, words
         assert "frequencies" in _reasons(r)[-1]
         assert [info.rank for info in JobStore(r).ranks(job_id)] == [0]
-    finally:
-        coord.stop_event.set()
-        thread.join(timeout=5)

@@ -38,6 +38,7 @@ from tests.helpers import (
     subprocess_env,
     wait_for,
 )
+from tests.pipes import piped
 from tests.sentinel_server import SENTINEL_SERVICE, start_sentinel
 from tests.silent_proxy import SilentProxy
 
@@ -261,17 +262,15 @@ def test_a_demo_stopped_while_redis_hangs_says_once_that_it_did_not_leave_the_gr
         start_new_session=True,  # its own process group, like a job in a terminal
     )
     try:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("[1/4]"):
-                break
-        time.sleep(2)  # ranks, coordinator and worker are busy profiling
-        with stopped(private_redis):
-            time.sleep(1.5)  # the coordinator's next read waits on the stopped server
-            os.killpg(proc.pid, signal.SIGINT)
-            output = "".join(lines) + proc.communicate(timeout=60)[0]
+        with piped(proc) as out:
+            lines = [out.readline(300)]
+            while lines[-1] and not lines[-1].startswith("[1/4]"):
+                lines.append(out.readline(300))
+            time.sleep(2)  # ranks, coordinator and worker are busy profiling
+            with stopped(private_redis):
+                time.sleep(1.5)  # the coordinator's next read waits on the stopped server
+                os.killpg(proc.pid, signal.SIGINT)
+                output = "".join(lines) + out.rest(60)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -9,6 +9,7 @@ from coordinator.cli import main
 from protocol.connection import connect
 from protocol.exceptions import ConfigError, CoordinatorUnavailableError
 from protocol.models import JobInfo
+from tests.helpers import free_ports, invoke_perseus
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -115,3 +116,93 @@ def test_a_database_the_server_lacks_is_named_with_how_many_it_has(r, redis_url,
     job = JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1)
     with pytest.raises(CoordinatorUnavailableError, match=f"database {count} does not exist"):
         client.register_job(job, "PointSolution")
+
+
+def test_a_redis_url_with_a_bad_database_or_query_parameter_is_one_line(redis_url):
+    # redis-py took /abc as database 0 (a shared server's data, silently), and passed a
+    # misspelt query parameter to the connection: a TypeError traceback at the first command.
+    code, out = invoke_perseus("status", "--redis-url", "redis://127.0.0.1:1/abc")
+    assert code == 1 and "the database 'abc' in the URL's path is not a number" in out
+    sep = "&" if "?" in redis_url else "?"
+    for command in (("status",), ("deadletter", "list"), ("jobs", "list")):
+        code, out = invoke_perseus(*command, "--redis-url", f"{redis_url}{sep}ssl_ca_cert=/ca.pem")
+        assert code == 1, out
+        assert "unknown query parameter(s) ssl_ca_cert" in out and "Traceback" not in out
+    code, out = invoke_perseus("status", "--redis-url", f"{redis_url}{sep}db=0&socket_timeout=5")
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("password", ["se/cret", "se?cret", "se#cret", "se@cr/et"])
+def test_a_password_a_url_cannot_hold_is_named_as_the_problem_and_never_printed(password):
+    # docker-compose.yml puts PERSEUS_REDIS_PASSWORD into the services' URLs: one made with
+    # `openssl rand -base64` holds "/", and every restart of the coordinator and the workers
+    # printed the URL with the password in clear (or redis-py's "Port could not be cast to
+    # integer value as 'se'") into `docker compose logs` and the healthcheck's log.
+    from coordinator.health import check
+
+    url = f"redis://:{password}@redis:6379/0"
+    for command in (("status",), ("jobs", "list"), ("coordinator",), ("worker",)):
+        code, out = invoke_perseus(*command, env={"PERSEUS_REDIS_URL": url})
+        assert code != 0, out
+        assert "cret" not in out and "'se'" not in out and "Traceback" not in out, out
+        assert "redis://:***@" in out, out
+        if "/" in password:
+            assert "its password holds '/'" in out and "%2F" in out, out
+    ok, message = check(url, "host", 30)
+    assert not ok and "cret" not in message and "'se'" not in message, message
+
+
+def test_a_query_parameter_redis_py_parses_but_the_connection_does_not_take_is_refused(redis_url):
+    # redis-py parses ?timeout= (its BlockingConnectionPool's) and ?ssl_check_hostname= (a TLS
+    # connection's) in any URL and hands them to the connection: on a plain one, the TypeError
+    # traceback at the first command that the check of query parameters is there to prevent.
+    sep = "&" if "?" in redis_url else "?"
+    for name, value in (("timeout", "5"), ("ssl_check_hostname", "false")):
+        with pytest.raises(ConfigError, match=rf"unknown query parameter\(s\) {name} "):
+            connect(f"{redis_url}{sep}{name}={value}", ping=True)
+    code, out = invoke_perseus("status", "--redis-url", f"{redis_url}{sep}ssl_ca_certs=/ca.pem")
+    assert code == 1 and "TLS settings need a rediss:// URL" in out, out
+    # Database digits are ASCII ones (redis-py read an Arabic-Indic one as database 1).
+    with pytest.raises(ConfigError, match="in the URL's path is not a number"):
+        connect("redis://127.0.0.1:1/\u0661")
+    # What redis-py's connection takes still passes, TLS settings with rediss:// too.
+    taken = "db=0&socket_timeout=5&health_check_interval=10&protocol=3&max_connections=8"
+    connect(f"{redis_url}{sep}{taken}&client_name=t", ping=True).close()
+    connect("rediss://127.0.0.1:1/0?ssl_cert_reqs=none&ssl_check_hostname=false").close()
+
+
+def test_a_query_parameter_without_a_value_is_refused_by_name() -> None:
+    # redis-py's parse_qs drops ?name and ?name= unsaid: a misspelt ?ssl_ca_cert passed.
+    for query in ("?foo", "?foo=", "?socket_timeout=5&foo"):
+        with pytest.raises(ConfigError, match=r"unknown query parameter\(s\) foo for a redis://"):
+            connect(f"redis://127.0.0.1:1/0{query}")
+    # A setting the connection takes, but with no value, would do nothing as well.
+    with pytest.raises(ConfigError, match=r"query parameter\(s\) socket_timeout without a value"):
+        connect("redis://127.0.0.1:1/0?socket_timeout=")
+    connect("redis://127.0.0.1:1/0?socket_timeout=5").close()
+
+
+def test_a_database_path_takes_one_trailing_slash_and_nothing_else() -> None:
+    # redis-py reads /0/ as database 0 (it drops every slash): accepted as it is.
+    for path, db in (("/0/", 0), ("/3/", 3), ("/3", 3), ("/", 0), ("", 0)):
+        client = connect(f"redis://127.0.0.1:1{path}")
+        assert client.connection_pool.connection_kwargs.get("db", 0) == db, path
+        client.close()
+    # redis-py reads /1/2 as database 12: refused, naming the path, the password hidden.
+    for path in ("/1/2", "/1/2/", "/0//", "//"):
+        with pytest.raises(ConfigError, match=f"the URL's path '{path}' is not /DB") as caught:
+            connect(f"redis://user:s3cret@127.0.0.1:1{path}")
+        assert "s3cret" not in str(caught.value) and "user:***@" in str(caught.value)
+    with pytest.raises(ConfigError, match="the database 'abc' in the URL's path is not a number"):
+        connect("redis://127.0.0.1:1/abc/")
+
+
+def test_no_redis_at_the_url_says_what_to_start(tmp_path):
+    # A first `perseus status` where no Redis runs: what is wrong, and what to do about it.
+    (port,) = free_ports()
+    for url in (f"redis://127.0.0.1:{port}/0", f"unix://{tmp_path}/redis.sock"):
+        code, out = invoke_perseus("status", "--redis-url", url)
+        assert code == 1, out
+        assert f"cannot reach Redis at {url}" in out
+        assert "no Redis listens there" in out and "`perseus redis`" in out, out
+        assert "--redis-url or PERSEUS_REDIS_URL" in out

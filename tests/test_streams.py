@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +14,7 @@ from coordinator.status import format_snapshot, snapshot
 from coordinator.sweep import trim_inputs
 from protocol import keys, streams
 from protocol.models import JobInfo, RegisterJob, Reply, ReportResult, encode_message, unpack
-from tests.helpers import make_settings, result, wait_for
+from tests.helpers import make_settings, result, running, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 GROUP = keys.COORDINATOR_GROUP
@@ -36,12 +35,6 @@ def add_results(conn: redis.Redis, count: int) -> list[str]:
         message = ReportResult(job_id=f"no-such-job-{i}", result=result(0, 1))
         ids.append(conn.xadd(keys.RESULTS_STREAM, encode_message(message)).decode())
     return ids
-
-
-def run_coordinator(coord: Coordinator) -> threading.Thread:
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    return thread
 
 
 def test_pending_entries_trimmed_away_are_counted_logged_and_shown(conn, any_redis, caplog):
@@ -68,12 +61,8 @@ def test_a_restarted_coordinators_own_trimmed_entries_are_counted(conn, any_redi
     conn.xtrim(keys.RESULTS_STREAM, maxlen=0, approximate=False)
     # Restarted under the same consumer name: it reads its own pending entries first.
     coord = Coordinator(conn, make_settings(any_redis), consumer="same-name", claim_idle_ms=60_000)
-    thread = run_coordinator(coord)
-    try:
+    with running(coord):
         wait_for(lambda: coord.lost == 3, what="3 lost entries counted")
-    finally:
-        coord.stop_event.set()
-        thread.join(timeout=5)
     assert streams.lost_counts(conn)[keys.RESULTS_STREAM] == 3
     assert conn.xpending(keys.RESULTS_STREAM, GROUP)["pending"] == 0
 
@@ -103,15 +92,11 @@ def test_a_flood_while_the_coordinator_is_stopped_loses_nothing(conn, any_redis)
     assert conn.xlen(keys.RESULTS_STREAM) == flood
     settings = make_settings(any_redis, reconcile_interval=0.2, stream_hard_cap=flood)
     coord = Coordinator(conn, settings, claim_idle_ms=60_000)
-    thread = run_coordinator(coord)
-    try:
+    with running(coord):
         # Every result is accounted for: each one's job is unknown, so each is dead-lettered.
         wait_for(lambda: coord.dead_lettered == flood, timeout=60, what="every result read")
         # Acknowledged entries go at the next sweep.
         wait_for(lambda: conn.xlen(keys.RESULTS_STREAM) == 0, what="the stream trimmed")
-    finally:
-        coord.stop_event.set()
-        thread.join(timeout=5)
     assert conn.xlen(keys.DEADLETTER_STREAM) == flood
     assert streams.lost_counts(conn)[keys.RESULTS_STREAM] == 0
 

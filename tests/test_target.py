@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 
 import msgpack
 import pytest
@@ -24,7 +23,7 @@ from schedulers.planning.choose import select_point
 from schedulers.planning.frontier_files import load_frontier
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.synthetic_profile import synthetic_profile
-from tests.helpers import drain, wait_first_task, wait_for
+from tests.helpers import coordinator_thread, drain, running, wait_first_task, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -46,9 +45,7 @@ def test_target_through_redis_switches_plan(r, redis_url, frontier_dir, source):
         redis_url=redis_url, scheduler="FrontierScheduler3D", scheduler_args=args
     )
     coord = Coordinator(r, settings)
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    try:
+    with running(coord):
         client = CoordinatorClient(redis_url, reply_timeout=5)
         job = JobInfo(pp_degree=2, dp_degree=2, tp_degree=1, world_size=4)
         job_id = client.register_job(job)
@@ -96,16 +93,11 @@ def test_target_through_redis_switches_plan(r, redis_url, frontier_dir, source):
         assert result.exit_code == 1 and f"job {job_id} is finished" in result.output
         sent = r.xrange(keys.CONTROL_STREAM)  # nothing after the first target (or trimmed)
         assert not sent or sent[-1][0] == r.xrange(keys.job_control(job_id))[-1][0]
-    finally:
-        coord.stop_event.set()
-        thread.join(timeout=5)
 
 
 def test_target_for_unknown_job_and_bad_value(r, redis_url):
     coord = Coordinator(r, PerseusSettings(redis_url=redis_url, scheduler=""))
-    coord_thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    coord_thread.start()
-    try:
+    with running(coord):
         result = CliRunner().invoke(main, ["target", "nope", "0", "--redis-url", redis_url])
         assert result.exit_code == 2 and "must be a positive number" in result.output
         # The command checks the job first; a target that reaches the stream anyway (the job
@@ -116,9 +108,6 @@ def test_target_for_unknown_job_and_bad_value(r, redis_url):
         wait_for(lambda: r.xlen(keys.DEADLETTER_STREAM), 10, "the dead letter")
         reason = r.xrange(keys.DEADLETTER_STREAM)[-1][1][b"reason"]
         assert b"unknown job id 'nope'" in reason
-    finally:
-        coord.stop_event.set()
-        coord_thread.join(timeout=5)
 
 
 @pytest.mark.parametrize("seconds", ["1e300", "1e-300", "inf", "nan", "86401", "-0.0"])
@@ -137,9 +126,7 @@ def test_an_impossible_target_is_refused_by_the_cli_and_the_client(r, redis_url,
 
 def test_a_raw_target_entry_out_of_range_is_dead_lettered_and_the_coordinator_goes_on(r, redis_url):
     coord = Coordinator(r, PerseusSettings(redis_url=redis_url, scheduler=""))
-    thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-    thread.start()
-    try:
+    with coordinator_thread(coord) as thread:
         for seconds in (1e300, 1e-300):  # what a client that checks nothing sends
             data = msgpack.packb(
                 {"kind": "set_target", "job_id": "nope", "iteration_time": seconds}
@@ -153,9 +140,6 @@ def test_a_raw_target_entry_out_of_range_is_dead_lettered_and_the_coordinator_go
         wait_for(lambda: r.xlen(keys.DEADLETTER_STREAM) == 3, 10, "the third dead letter")
         assert b"unknown job id 'nope'" in r.xrange(keys.DEADLETTER_STREAM)[-1][1][b"reason"]
         assert thread.is_alive()
-    finally:
-        coord.stop_event.set()
-        thread.join(timeout=5)
 
 
 def test_a_control_message_handled_after_a_newer_one_is_dead_lettered_not_dropped(r):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
-import threading
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,7 +21,16 @@ from protocol.models import FrequencySchedule
 from protocol.pipeline_schedules import stage_actions, stage_order
 from protocol.store import JobStore
 from schedulers.planning.plan_file import write_plan_file
-from tests.helpers import make_hook, make_settings, start_perseus, stop, wait_for
+from tests.helpers import (
+    free_ports,
+    join_ranks,
+    make_hook,
+    make_settings,
+    running,
+    start_perseus,
+    stop,
+    wait_for,
+)
 from tests.pipelining_ranks import PipelineRank, run_rank
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.gpu.nvml import SIMULATED_NVML
@@ -235,35 +243,27 @@ def plan_texts(kind: str, tmp_path: Path) -> list[list[list[tuple[str, int]]]]:
 def plan_service(r, redis_url, tmp_path, monkeypatch):
     """A coordinator serving two plans in turn (tests.toy_schedulers:PlanSequence), a worker."""
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))
-
-    def start(kind: str) -> list[list[list[tuple[str, int]]]]:
-        plans = plan_texts(kind, tmp_path)
-        texts = [(tmp_path / f"plan{o}.py").read_text() for o in (0, 40)]
-        settings = make_settings(
-            redis_url, "tests.toy_schedulers:PlanSequence", scheduler_args={"plans": texts}
-        )
-        coord = Coordinator(r, settings)
-        thread = threading.Thread(target=coord.run, kwargs={"block_ms": 50}, daemon=True)
-        thread.start()
-        started.append((coord, thread))
-        workers.append(
-            start_perseus(["worker", "--simple", "--redis-url", redis_url], tmp_path, "w.log")
-        )
-        return plans
-
-    started: list[tuple[Coordinator, threading.Thread]] = []
     workers: list[Any] = []
-    yield start
-    stop(workers)
-    for coord, thread in started:
-        coord.stop_event.set()
-        thread.join(timeout=5)
+    with ExitStack() as coordinators:
+
+        def start(kind: str) -> list[list[list[tuple[str, int]]]]:
+            plans = plan_texts(kind, tmp_path)
+            texts = [(tmp_path / f"plan{o}.py").read_text() for o in (0, 40)]
+            settings = make_settings(
+                redis_url, "tests.toy_schedulers:PlanSequence", scheduler_args={"plans": texts}
+            )
+            coordinators.enter_context(running(Coordinator(r, settings)))
+            workers.append(
+                start_perseus(["worker", "--simple", "--redis-url", redis_url], tmp_path, "w.log")
+            )
+            return plans
+
+        yield start
+        stop(workers)
 
 
 def launch(kind: str, redis_url: str, out: Path) -> list[dict[str, Any]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init = f"tcp://127.0.0.1:{free_ports()[0]}"
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(
@@ -274,8 +274,7 @@ def launch(kind: str, redis_url: str, out: Path) -> list[dict[str, Any]]:
     ]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=240)
+    join_ranks(procs)  # a rank stuck at 240 s is killed, not left behind
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(STAGES)]
     for rec in records:
         assert "error" not in rec, rec["error"]
