@@ -178,14 +178,3 @@ def redis7_port(tmp_path: Path) -> Iterator[int]:
 def redis7_port_acl6(tmp_path: Path) -> Iterator[int]:
     """A Redis 7 server whose users are `perseus acl --redis-major 6`'s (no FCALL); its port."""
     yield from acl_users.redis7_with_users(tmp_path, 6)
-
-
-@pytest.fixture
-def sim_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private state directory for the simulated GPUs."""
-    directory = tmp_path / "simgpu"
-    monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(directory))
-    monkeypatch.delenv("PERSEUS_SIM_GPU_DENY", raising=False)
-    monkeypatch.delenv("PERSEUS_SIM_GPU_COUNT", raising=False)
-    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
-    return directory
