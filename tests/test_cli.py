@@ -140,6 +140,16 @@ def test_dump_into_a_file_is_a_clear_error(redis_url, job, tmp_path):
     assert code == 2 and "exists and is not a folder" in out and "Traceback" not in out
 
 
+def test_acl_that_cannot_write_its_file_prints_no_password(tmp_path):
+    # The generated passwords were printed before the write failed: an operator who copied
+    # them had passwords that no ACL file held (the next run generates others).
+    code, out = perseus("acl", "--out", str(tmp_path))
+    assert code == 1 and f"cannot write {tmp_path}" in out
+    assert "password" not in out
+    code, out = perseus("acl", "--out", str(tmp_path / "users.acl"))
+    assert code == 0 and out.count("password: ") == 3
+
+
 def test_a_redis_url_with_a_bad_database_or_query_parameter_is_one_line(redis_url):
     # redis-py took /abc as database 0 (a shared server's data, silently), and passed a
     # misspelt query parameter to the connection: a TypeError traceback at the first command.
