@@ -349,15 +349,18 @@ def acl_command(out_path: str, redis_major: int) -> None:
     standard error. The file holds SHA-256 hashes only. Clients log in with
     redis://perseus-ROLE:PASSWORD@host:6379/0.
     """
-    passwords = {}
+    passwords, generated = {}, []
     for role in ROLES:
         given = os.environ.get(f"PERSEUS_ACL_{role.upper()}_PASSWORD")
         passwords[role] = given or secrets.token_urlsafe(24)
         if not given:
-            click.echo(f"{role_user(role)} password: {passwords[role]}", err=True)
-    if not write_out(out_path, acl_file(passwords, redis_major), private=True):
-        return
-    click.echo(f"wrote {out_path}: users {', '.join(role_user(r) for r in ROLES)}", err=True)
+            generated.append(role)
+    wrote = write_out(out_path, acl_file(passwords, redis_major), private=True)
+    # Only once the file holds them: passwords printed before a failed write were in no file.
+    for role in generated:
+        click.echo(f"{role_user(role)} password: {passwords[role]}", err=True)
+    if wrote:
+        click.echo(f"wrote {out_path}: users {', '.join(role_user(r) for r in ROLES)}", err=True)
 
 
 @main.command("redis")

@@ -68,7 +68,8 @@ def deadletter_replay(redis_url: str | None, entry_ids: tuple[str, ...], replay_
     An entry that fails again is dead-lettered again with the new reason: nothing is lost.
     """
     if bool(entry_ids) == replay_all:
-        raise click.UsageError("give dead-letter ids, or --all")
+        both = " or --all, not both" if replay_all else ", or --all"
+        raise click.UsageError(f"give dead-letter ids{both}")
     conn = connect_settings(redis_url)
     replayed = 0
     skipped: Counter[str] = Counter()  # why --all left dead letters alone
@@ -130,8 +131,11 @@ def deadletter_purge(
     redis_url: str | None, entry_ids: tuple[str, ...], older_than: float | None, purge_all: bool
 ) -> None:
     """Delete dead letters for good: ENTRY_IDS, those older than --older-than, or --all."""
-    if sum((bool(entry_ids), older_than is not None, purge_all)) != 1:
+    given = sum((bool(entry_ids), older_than is not None, purge_all))
+    if given == 0:
         raise click.UsageError("give dead-letter ids, --older-than SECONDS, or --all")
+    if given > 1:
+        raise click.UsageError("give one of dead-letter ids, --older-than SECONDS and --all")
     conn = connect_settings(redis_url)
     try:
         for entry_id in entry_ids:

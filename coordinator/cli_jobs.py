@@ -138,7 +138,7 @@ def jobs_delete(redis_url: str | None, job_ids: tuple[str, ...]) -> None:
     """
     store = JobStore(connect_settings(redis_url))
     missing = []
-    for job_id in job_ids:
+    for job_id in dict.fromkeys(job_ids):  # once each: a repeat was deleted, then "unknown"
         if not store.conn.exists(keys.job_info(job_id)):
             missing.append(job_id)
             continue
@@ -154,6 +154,7 @@ def jobs_delete(redis_url: str | None, job_ids: tuple[str, ...]) -> None:
 def jobs_finish(redis_url: str | None, job_ids: tuple[str, ...]) -> None:
     """Mark JOB_IDS finished, whatever their ranks did (deleted after finished_retention)."""
     lifecycle = JobLifecycle(JobStore(connect_settings(redis_url)))
+    job_ids = tuple(dict.fromkeys(job_ids))  # once each, as delete takes them
     missing = [job_id for job_id in job_ids if not lifecycle.finish_job(job_id)]
     for job_id in job_ids:
         if job_id not in missing:

@@ -29,6 +29,7 @@ from coordinator.cli_common import stop_signals_interrupt
 from coordinator.embedded import EmbeddedRedis
 from coordinator.service import Coordinator
 from coordinator.settings import PerseusSettings
+from protocol.exceptions import PerseusError
 from schedulers.planning.plan_file import write_plan_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,3 +140,5 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:
         sys.exit("interrupted: rq worker and private Redis stopped")
+    except PerseusError as exc:  # a URL it cannot use, say: the error names it, in one line
+        sys.exit(f"minimal_loop.py: error: {exc}")

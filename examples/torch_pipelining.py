@@ -28,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from coordinator.cli_common import stop_signals_interrupt
 from coordinator.demo import services
+from protocol.exceptions import PerseusError
 from protocol.pipeline_schedules import stage_order
 from schedulers.planning.plan_file import write_plan_file
 
@@ -130,3 +131,5 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:
         sys.exit("interrupted: ranks, rq worker and private Redis stopped")
+    except PerseusError as exc:  # a URL it cannot use, say: the error names it, in one line
+        sys.exit(f"torch_pipelining.py: error: {exc}")

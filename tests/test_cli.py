@@ -106,6 +106,16 @@ def test_dump_into_a_file_is_a_clear_error(redis_url, job, tmp_path):
     assert code == 2 and "exists and is not a folder" in out and "Traceback" not in out
 
 
+def test_acl_that_cannot_write_its_file_prints_no_password(tmp_path):
+    # The generated passwords were printed before the write failed: an operator who copied
+    # them had passwords that no ACL file held (the next run generates others).
+    code, out = invoke_perseus("acl", "--out", str(tmp_path))
+    assert code == 1 and f"cannot write {tmp_path}" in out
+    assert "password" not in out
+    code, out = invoke_perseus("acl", "--out", str(tmp_path / "users.acl"))
+    assert code == 0 and out.count("password: ") == 3
+
+
 # Run as `perseus ARGV`; at exit, print whether the schedulers' heavy modules were imported.
 _HEAVY_AT_EXIT = """
 import atexit, sys

@@ -87,6 +87,9 @@ def test_registrations_and_unknown_ids_are_refused_clearly(r, redis_url):
     assert code == 1 and "not a stream entry id" in out, out
     code, out = cli("deadletter", "replay", "--redis-url", redis_url)
     assert code == 2 and "give dead-letter ids, or --all" in out
+    # Both at once was told to give one of them, as if it had given neither.
+    code, out = cli("deadletter", "replay", "1-0", "--all", "--redis-url", redis_url)
+    assert code == 2 and "give dead-letter ids or --all, not both" in out
 
 
 def test_purge_by_id_by_age_and_all(r, redis_url):
@@ -98,6 +101,9 @@ def test_purge_by_id_by_age_and_all(r, redis_url):
     new = [r.xadd(keys.DEADLETTER_STREAM, {"reason": "y"}) for _ in range(2)]
     code, out = cli("deadletter", "purge", "--redis-url", redis_url)
     assert code == 2 and "give dead-letter ids, --older-than SECONDS, or --all" in out
+    code, out = cli("deadletter", "purge", "--all", "--older-than", "5", "--redis-url", redis_url)
+    assert code == 2 and "give one of dead-letter ids, --older-than SECONDS and --all" in out
+    assert r.xlen(keys.DEADLETTER_STREAM) == 5  # nothing deleted
     # A wrong id is an error, as replay's is, and nothing is deleted.
     code, out = cli("deadletter", "purge", old[0].decode(), "999-0", "--redis-url", redis_url)
     assert code == 1 and "no dead letter 999-0" in out

@@ -238,3 +238,36 @@ def test_power_limit_example_refuses_a_bad_option_in_one_line(tmp_path, args, sa
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     assert says in out.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("script", "url", "says"),
+    [
+        (
+            "minimal_loop.py",
+            "redis://127.0.0.1:notaport/0",
+            "minimal_loop.py: error: invalid Redis URL 'redis://127.0.0.1:notaport/0'",
+        ),
+        (
+            "torch_pipelining.py",
+            "unix:///nonexistent/redis.sock",
+            "torch_pipelining.py: error: cannot reach Redis at unix:///nonexistent/redis.sock",
+        ),
+    ],
+)
+def test_an_example_given_a_redis_url_it_cannot_use_says_so_in_one_line(
+    tmp_path, script, url, says
+):
+    # README: `python examples/minimal_loop.py --redis-url URL`. A mistyped URL was a traceback
+    # (torch's [rank0]: lines around it, for minimal_loop.py), as power_limit.py's options were.
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--redis-url", url],
+        env=subprocess_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert says in out.stderr.strip().splitlines()[-1]

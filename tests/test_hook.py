@@ -60,6 +60,13 @@ def test_wrong_instruction_and_schedule_length_errors(gloo, hook_service, redis_
             r"per step; does the training loop run that many microbatches",
         ):
             hook.on_instruction_begin("forward")
+        # A name that is no instruction was asked whether the loop runs that many microbatches.
+        with pytest.raises(
+            ScheduleError,
+            match=r"'fwd' is no instruction of schedule version 1 "
+            r"\(it has 'backward', 'forward'\)$",
+        ):
+            hook.on_instruction_begin("fwd")
         hook.on_step_begin()
         hook.order.restart(hook.schedule)
         # A RuntimeError as well, as Zeus raises: a loop written for Zeus still catches it.

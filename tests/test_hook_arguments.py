@@ -53,6 +53,12 @@ def _hook(redis_url: Any, **options: Any) -> PerseusOptimizer:
         # Truthy strings meant True.
         ({"raise_on_job_error": "no"}, "raise_on_job_error must be True or False, got 'no'"),
         ({"instruction_energy": "yes"}, "instruction_energy must be True, False or None"),
+        # A plain ValueError from the controller factory, after NVML was opened.
+        ({"controller": "nvm"}, "controller must be 'nvml', 'dry-run', 'simulated' or an"),
+        # Sent to the coordinator, which registered the job and then refused the rank.
+        ({"pp_rank": 1}, "pp_rank=1 is out of range: pp_degree is 1 (0 to 0)"),
+        ({"dp_rank": 2, "dp_degree": 2}, "dp_rank=2 is out of range: dp_degree is 2 (0 to 1)"),
+        ({"tp_rank": 1}, "tp_rank=1 is out of range: tp_degree is 1 (0 to 0)"),
     ],
 )
 def test_a_bad_argument_is_named_before_anything_starts(

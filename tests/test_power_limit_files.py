@@ -463,3 +463,12 @@ def test_a_stored_profile_in_milliwatts_is_refused_naming_the_workload(
         store.load("bert")
     result = CliRunner().invoke(power_limit_group, ["show", "bert", "--redis-url", redis_url])
     assert result.exit_code == 1 and "divide by 1000 (300 W)" in result.output, result.output
+
+
+def test_show_refuses_a_workload_and_a_file_together(tmp_path: Path) -> None:
+    # `show bert --file p.json` showed the file and ignored the workload without a word.
+    path = tmp_path / "p.json"
+    path.write_text('{"measurements": [{"power_limit": 300, "energy": 1, "time": 1}]}')
+    result = CliRunner().invoke(power_limit_group, ["show", "bert", "--file", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "give a WORKLOAD or --file, not both" in result.output

@@ -68,15 +68,17 @@ def test_a_rank_with_a_bad_argument_fails_every_rank_before_a_job_exists(
 
 
 def test_a_rank_the_coordinator_refuses_fails_every_rank_at_once(service, redis_url, tmp_path):
-    # Rank 1's dp_rank does not fit the job (a launcher that numbered it wrong): the
-    # coordinator refuses its registration. Rank 0 had registered and waited for a schedule
-    # that never came (all ranks must register first) and then blamed the workers; given a
-    # schedule, it would have trained into a collective rank 1 never joins.
+    # Rank 1's dp_rank does not fit the job (a launcher that numbered it wrong, with degrees
+    # that fit its own numbering, so the hook's own checks pass): the coordinator refuses its
+    # registration. Rank 0 had registered and waited for a schedule that never came (all
+    # ranks must register first) and then blamed the workers; given a schedule, it would have
+    # trained into a collective rank 1 never joins.
+    misnumbered = {"dp_rank": 1, "pp_rank": 0, "dp_degree": 2, "pp_degree": 1}
     errors = run_two_ranks(
         redis_url,
         tmp_path,
         "refused",
-        {0: {"schedule_timeout": 30}, 1: {"dp_rank": 1, "schedule_timeout": 30}},
+        {0: {"schedule_timeout": 30}, 1: misnumbered | {"schedule_timeout": 30}},
     )
     why = "ProtocolError: coordinator rejected register_rank: dp_rank=1 is out of range for job"
     assert why in errors[1]

@@ -41,3 +41,22 @@ def test_every_dotted_name_in_the_readme_resolves() -> None:
         except (ImportError, AttributeError) as exc:
             unresolved.append(f"{name}: {exc}")
     assert not unresolved, unresolved
+
+
+_TEST_REF_RE = re.compile(r"\b(tests/[A-Za-z0-9_/]+\.py)(?:::([A-Za-z_][A-Za-z0-9_]*))?")
+
+
+def test_every_test_file_and_test_the_readme_cites_exists() -> None:
+    # The README sent readers to tests/test_outage.py::test_a_rank_starting_rides_through_...
+    # after that test had moved to tests/test_outage_clients.py.
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    refs = sorted(set(_TEST_REF_RE.findall(text)))
+    assert refs, "the README cites no test"
+    missing = []
+    for path, test in refs:
+        file = ROOT / path
+        if not file.is_file():
+            missing.append(path)
+        elif test and not re.search(rf"^def {test}\(", file.read_text(encoding="utf-8"), re.M):
+            missing.append(f"{path}::{test}")
+    assert not missing, missing

@@ -71,6 +71,17 @@ def test_simulated_denied_writes(sim_dir: Path, monkeypatch: pytest.MonkeyPatch)
     nvml.shutdown()
 
 
+@pytest.mark.parametrize("count", ["abc", "2.5", "-1"])
+def test_a_simulated_gpu_count_that_is_no_count_is_named(
+    sim_dir: Path, monkeypatch: pytest.MonkeyPatch, count: str
+) -> None:
+    # "abc" was "invalid literal for int() with base 10: 'abc'", naming no variable; "-1" an
+    # NVML "Invalid Argument" for GPU 0.
+    monkeypatch.setenv("PERSEUS_SIM_GPU_COUNT", count)
+    with pytest.raises(ValueError, match=rf"PERSEUS_SIM_GPU_COUNT must be .* got '{count}'"):
+        sim.device_count()
+
+
 def test_controller_drives_simulated_gpu(sim_dir: Path) -> None:
     gpu = sim.SimulatedGPU(1)
     assert gpu.current_clock() == 1980

@@ -32,7 +32,7 @@ from types import FrameType, TracebackType
 from typing import IO, Any, Literal
 
 from protocol.constants import H100_GRAPHICS_CLOCKS
-from protocol.exceptions import GPUError
+from protocol.exceptions import ConfigError, GPUError
 from worker_client.gpu.nvml import NVML, REAL_NVML, SIMULATED_NVML
 
 logger = logging.getLogger(__name__)
@@ -482,4 +482,4 @@ def make_controller(
         return FrequencyController(device_index, SIMULATED_NVML, start_timeout=start_timeout)
     if kind == "dry-run":
         return DryRunFrequencyController(device_index, log_path=log_path)
-    raise ValueError(f"unknown controller kind {kind!r} (nvml, dry-run or simulated)")
+    raise ConfigError(f"unknown controller kind {kind!r} (nvml, dry-run or simulated)")

@@ -16,6 +16,9 @@ from worker_client.hook.clock_requests import Marker, cuda_marker
 #: milliseconds, say) made every rank's watcher send one per 1 ms read, flooding Redis.
 MIN_HEARTBEAT_INTERVAL_S = 0.1
 
+#: The controller names ``make_controller`` takes (an unknown one raised only once NVML was open).
+CONTROLLER_KINDS = ("nvml", "dry-run", "simulated")
+
 
 _P = ParamSpec("_P")
 
@@ -137,6 +140,14 @@ def check_identity(
     """
     for name, value in layout.items():
         whole_number(name, value, 1 if name.endswith(("_degree", "_size")) else 0)
+    # Out of range, these reached the coordinator, which registered the job, then refused it.
+    for axis in ("dp", "pp", "tp"):
+        index, degree = layout[f"{axis}_rank"], layout[f"{axis}_degree"]
+        if isinstance(index, int) and isinstance(degree, int) and index >= degree:
+            raise ConfigError(
+                f"{axis}_rank={index} is out of range: {axis}_degree is {degree} "
+                f"(0 to {degree - 1})"
+            )
     if not isinstance(redis_url, str):
         raise ConfigError(f"redis_url must be a string (redis://...), got {_shown(redis_url)}")
     for name, text in (("job_metadata", job_metadata), ("scheduler", scheduler)):
@@ -144,8 +155,12 @@ def check_identity(
             raise ConfigError(f"{name} must be a string or None, got {_shown(text)}")
     if not isinstance(nvml_module, str):
         raise ConfigError(f"nvml_module must be a module name, got {_shown(nvml_module)}")
-    if not isinstance(controller, str) and not all(
-        callable(getattr(controller, method, None)) for method in ("set_frequency", "stop")
+    if (
+        (controller not in CONTROLLER_KINDS)
+        if isinstance(controller, str)
+        else not all(
+            callable(getattr(controller, method, None)) for method in ("set_frequency", "stop")
+        )
     ):
         raise ConfigError(
             "controller must be 'nvml', 'dry-run', 'simulated' or an object with "

@@ -49,6 +49,12 @@ class StepOrder:
             )
         expected, frequency = schedule.frequencies[self._next]
         if expected != name:  # not consumed: the step still expects it (a caught error)
+            names = {n for n, _ in schedule.frequencies}  # only on this error path: no cost
+            if name not in names:  # misspelt: not a microbatch count problem, as others may be
+                raise ScheduleError(
+                    f"rank {self.rank}: {name!r} is no instruction of schedule version "
+                    f"{schedule.version} (it has {', '.join(repr(n) for n in sorted(names))})"
+                )
             raise ScheduleError(
                 f"rank {self.rank}: expected instruction {expected!r} but got {name!r} "
                 f"(schedule version {schedule.version}: {self._shape()})"

@@ -53,6 +53,8 @@ def power_limit_group() -> None:
 )
 def show(workload: str | None, redis_url: str | None, as_json: bool, path: Path | None) -> None:
     """List stored workloads, or show WORKLOAD's measurements (* marks the chosen limit)."""
+    if path is not None and workload is not None:
+        raise click.UsageError("give a WORKLOAD or --file, not both")
     if path is not None:
         try:
             from_file = load_profile_file(path)

@@ -104,8 +104,19 @@ def reset_state(directory: str | Path | None = None) -> None:
 
 
 def device_count() -> int:
-    """Return the number of simulated devices (``PERSEUS_SIM_GPU_COUNT``, default 8)."""
-    return int(os.environ.get("PERSEUS_SIM_GPU_COUNT", DEFAULT_DEVICE_COUNT))
+    """Return the number of simulated devices (``PERSEUS_SIM_GPU_COUNT``, default 8).
+
+    Raises:
+        ValueError: The variable is no whole number >= 0 (named, with what it holds).
+    """
+    raw = os.environ.get("PERSEUS_SIM_GPU_COUNT", str(DEFAULT_DEVICE_COUNT))
+    if not (
+        raw.strip().isascii() and raw.strip().isdigit()
+    ):  # int() said "invalid literal", naming no variable
+        raise ValueError(
+            f"PERSEUS_SIM_GPU_COUNT must be a whole number of simulated GPUs (>= 0), got {raw!r}"
+        )
+    return int(raw)
 
 
 def _default_state() -> dict[str, Any]:

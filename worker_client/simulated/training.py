@@ -53,7 +53,7 @@ from typing import Any, Literal
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule, stage_order
 from worker_client.gpu.frequency import make_controller
 from worker_client.gpu.nvml import SIMULATED_NVML
-from worker_client.simulated.gpu import SimulatedGPU
+from worker_client.simulated.gpu import SimulatedGPU, device_count
 from worker_client.simulated.instruction_table import InstructionTable
 from worker_client.simulated.step_account import SimClock, StepAccount, Timing
 
@@ -372,7 +372,7 @@ def launch_simulated_job(
     else:
         spec = list(table_rows)
     world = num_stages * dp
-    if world > int(os.environ.get("PERSEUS_SIM_GPU_COUNT", 8)):
+    if world > device_count():
         options.setdefault("sim_gpu_count", world)
     base = SimulatedRankConfig(
         rank=0,
