@@ -142,13 +142,17 @@ def write_out(out_path: str, data: str | bytes, private: bool = False) -> bool:
     if out_path == "-":
         click.echo(data if isinstance(data, str) else data.decode(), nl=False)
         return False
+    raw = data.encode() if isinstance(data, str) else data
     try:
-        if isinstance(data, str):
-            Path(out_path).write_text(data)
-        else:
-            Path(out_path).write_bytes(data)
         if private:
-            os.chmod(out_path, 0o600)
+            # Created 0600, and an existing file narrowed before the secrets go in: a chmod
+            # after the write left them readable by others in between (or for good, failed).
+            fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as file:
+                os.fchmod(fd, 0o600)
+                file.write(raw)
+        else:
+            Path(out_path).write_bytes(raw)
     except OSError as exc:
         raise click.ClickException(f"cannot write {out_path}: {exc}") from None
     return True

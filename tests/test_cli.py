@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import pytest
 import redis
 from rq import Queue
 
+from coordinator import cli_common
 from coordinator.cli import main
 from protocol import keys
 from protocol.models import JobInfo
@@ -114,6 +116,24 @@ def test_acl_that_cannot_write_its_file_prints_no_password(tmp_path):
     assert "password" not in out
     code, out = invoke_perseus("acl", "--out", str(tmp_path / "users.acl"))
     assert code == 0 and out.count("password: ") == 3
+
+
+def test_acl_file_is_never_readable_by_others(tmp_path, monkeypatch):
+    # The file was written with the umask's mode (0644: world-readable passwords) and only
+    # then chmodded: in between, or where the chmod failed, others could read it.
+    monkeypatch.setattr(cli_common.os, "chmod", lambda *args, **kw: None)
+    old = os.umask(0o022)
+    try:
+        code, out = invoke_perseus("acl", "--out", str(tmp_path / "users.acl"))
+        existing = tmp_path / "existing.acl"
+        existing.write_text("old")
+        existing.chmod(0o644)
+        code2, _ = invoke_perseus("acl", "--out", str(existing))
+    finally:
+        os.umask(old)
+    assert code == 0 and code2 == 0, out
+    assert stat.S_IMODE((tmp_path / "users.acl").stat().st_mode) == 0o600
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o600
 
 
 # Run as `perseus ARGV`; at exit, print whether the schedulers' heavy modules were imported.
