@@ -221,6 +221,11 @@ def _merge_breakdowns(
     return merged
 
 
+def is_3d_parallel(cls: type) -> bool:
+    """Whether ``cls`` was made by :func:`make_3d_parallel` (a rank runs its stage's line)."""
+    return issubclass(cls, _ThreeDParallel)
+
+
 def make_3d_parallel(sched_cls: type[S], name: str | None = None) -> type[S]:
     """Wrap a pure-pipeline scheduler so that it runs 3D-parallel jobs.
 

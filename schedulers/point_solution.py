@@ -7,13 +7,15 @@ stage that stage's line.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Generator
 from typing import Any
 
-from protocol.exceptions import ConfigError
+from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
 from protocol.scheduler import FrequencyScheduler
-from schedulers.parallel3d import check_rank_infos, make_3d_parallel
+from schedulers.parallel3d import check_rank_infos, is_3d_parallel, make_3d_parallel
 from schedulers.planning.plan_file import PlanFile, parse_plan_text, read_plan_file
 
 
@@ -62,6 +64,32 @@ def check_plan_fits(
                     f"{freq} MHz is not among the rank's available frequencies "
                     f"({max(available)}..{min(available)} MHz, {len(available)} values)"
                 )
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_text(text: str) -> PlanFile:
+    """A plan text parsed once for all of a job's registering ranks."""
+    return parse_plan_text(text, source="<plan_text>")
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_file(path: str, _mtime_ns: int, _size: int) -> PlanFile:
+    """A plan file read once while it stays unchanged (the key holds its mtime and size)."""
+    return read_plan_file(path)
+
+
+def _plan_of(args: dict[str, Any]) -> tuple[PlanFile, str] | None:
+    """The plan ``args`` name and where it is; None where it cannot be read (see __init__)."""
+    try:
+        if isinstance(args.get("plan_text"), str):
+            return _parsed_text(args["plan_text"]), "<plan_text>"
+        path = args.get("solution_path")
+        if isinstance(path, str):
+            found = os.stat(path)
+            return _parsed_file(path, found.st_mtime_ns, found.st_size), path
+    except (ConfigError, OSError):
+        pass
+    return None
 
 
 class PointSolution(FrequencyScheduler):
@@ -125,6 +153,28 @@ class PointSolution(FrequencyScheduler):
             )
         if isinstance(args.get("plan_text"), str):
             parse_plan_text(args["plan_text"], source="<plan_text>")
+
+    @classmethod
+    def check_rank(cls, args: dict[str, Any], rank: RankInfo) -> None:
+        """Every clock of the rank's plan line must be its GPU's.
+
+        Found by the constructor only, the job failed at its first schedule, after every
+        rank had registered. A rank runs line ``rank`` (the 3D variant: line ``pp_rank``);
+        a plan without that line is left to the constructor, which names the counts.
+        """
+        found = _plan_of(args)
+        line = rank.pp_rank if is_3d_parallel(cls) else rank.rank
+        if found is None or line >= found[0].num_stages:
+            return
+        plan, where = found
+        available = set(rank.available_frequencies)
+        for i, (inst, freq) in enumerate(plan.stages[line]):
+            if freq not in available:
+                raise ProtocolError(
+                    f"rank {rank.rank} (stage {line}): {where}, instruction {i} ({inst}): "
+                    f"frequency {freq} MHz is not among the rank's available frequencies "
+                    f"({max(available)}..{min(available)} MHz, {len(available)} values)"
+                )
 
     @classmethod
     def check_files(cls, args: dict[str, Any]) -> None:

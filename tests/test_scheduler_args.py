@@ -16,11 +16,12 @@ from coordinator.job_config import job_config
 from protocol import keys
 from protocol.constants import MAX_RANK_CLOCKS
 from protocol.exceptions import ConfigError, ProtocolError
-from protocol.models import JobInfo, RegisterJob
+from protocol.models import JobInfo, RankInfo, RegisterJob
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
+from protocol.store import JobStore
 from schedulers.planning.plan_file import write_plan_file
 from schedulers.planning.profile_writer import write_profile_rows
-from tests.helpers import make_settings
+from tests.helpers import FREQS, make_settings
 from worker_client.hook.session import CoordinatorClient
 
 PROFILE_ROWS = [
@@ -364,3 +365,27 @@ def test_profiler_outputs_in_folders_not_made_yet_are_fine(tmp_path: Path) -> No
     settings = make_settings("redis://localhost:1", "InstructionProfiler", scheduler_args=args)
     settings.check_scheduler()
     assert not (tmp_path / "new").exists()  # checked, not made
+
+
+@pytest.mark.parametrize(("name", "dp"), [("PointSolution", 1), ("PointSolution3D", 2)])
+def test_a_rank_whose_gpu_lacks_a_clock_of_the_plan_is_refused_when_it_registers(
+    service: Any, r: redis.Redis, redis_url: str, name: str, dp: int
+) -> None:
+    """Found by the constructor only, the job failed at its first schedule, after every rank
+    had registered (a `failed` job left in Redis, and a training run that had started)."""
+    client = CoordinatorClient(redis_url, reply_timeout=10)
+    assert 1600 not in FREQS
+    plan = "[[('forward', 1980), ('backward', 1965)], [('forward', 1600), ('backward', 1980)]]"
+    job = JobInfo(pp_degree=2, dp_degree=dp, tp_degree=1, world_size=2 * dp)
+    job_id = client.register_job(job, name, {"plan_text": plan})
+    for rank in range(dp):  # stage 0's ranks: every clock of its line is theirs
+        info = RankInfo(rank=rank, dp_rank=rank, pp_rank=0, tp_rank=0, available_frequencies=FREQS)
+        assert client.register_rank(job_id, info).ok
+    stage1 = RankInfo(rank=dp, dp_rank=0, pp_rank=1, tp_rank=0, available_frequencies=FREQS)
+    with pytest.raises(ProtocolError) as info:
+        client.register_rank(job_id, stage1)
+    words = str(info.value)
+    assert f"rank {dp} (stage 1)" in words and "1600 MHz" in words, words
+    assert "<plan_text>" in words and "instruction 0 (forward)" in words, words
+    assert b"1600 MHz" in r.xrange(keys.DEADLETTER_STREAM)[-1][1][b"reason"]
+    assert len(JobStore(r).ranks(job_id)) == dp
