@@ -10,6 +10,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import sys
@@ -237,7 +238,12 @@ def _scheduler_hint(name: str, has_args: bool) -> str:
 @click.option(
     "--simple", is_flag=True, hidden=True, help="The default now (kept for old command lines)."
 )
-@click.option("--name", default=None, help="Worker name (default: rq's).")
+@click.option(
+    "--name",
+    default=None,
+    callback=lambda _ctx, _param, value: _worker_name(value),
+    help="Worker name (default: rq's): letters, digits and . _ @ + -.",
+)
 @LOG_LEVEL_OPTION
 @click.option("--no-preload", is_flag=True, help="Skip importing the schedulers (slower jobs).")
 def worker(
@@ -280,6 +286,22 @@ def worker(
         )
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+# A worker's name is its record's key, rq:worker:NAME, typed into redis-cli and read in
+# `perseus status`: nothing that needs quoting there or reads as two names.
+_WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,199}")
+
+
+def _worker_name(value: str | None) -> str | None:
+    """``--name`` as given, or a usage error where it is no name a shell and redis-cli take."""
+    if value is not None and not _WORKER_NAME.fullmatch(value):
+        raise click.BadParameter(
+            f"{value!r}: use letters, digits and . _ @ + - (1-200 of them, the first a letter "
+            "or digit); the name is the key rq:worker:NAME in Redis",
+            param_hint="'--name'",
+        )
+    return value
 
 
 @main.command()

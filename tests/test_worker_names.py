@@ -11,7 +11,7 @@ from pathlib import Path
 from rq.worker import SimpleWorker
 
 from coordinator.worker_names import PROCESS_FIELD
-from tests.helpers import ROOT, start_perseus, stop, subprocess_env, wait_for
+from tests.helpers import ROOT, invoke_perseus, start_perseus, stop, subprocess_env, wait_for
 
 NAME = "w2"
 KEY = SimpleWorker.redis_worker_namespace_prefix + NAME
@@ -180,3 +180,21 @@ def test_a_killed_worker_not_yet_reaped_counts_as_dead():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_worker_name_redis_cli_could_not_quote_easily_is_refused(redis_url):
+    # 'a b:c' was taken as it was: its record rq:worker:a b:c needs quoting in the README's
+    # `redis-cli DEL rq:worker:N`, and `perseus status` showed a name that reads as two.
+    for bad in ("a b:c", "", "-x", "n" * 201):
+        code, out = invoke_perseus("worker", "--name", bad, "--burst", "--redis-url", redis_url)
+        assert code == 2 and "--name" in out and "letters, digits" in out, (bad, out)
+    code, out = invoke_perseus(
+        "worker",
+        "--name",
+        "host-1.gpu_0@rack+2",
+        "--burst",
+        "--no-preload",
+        "--redis-url",
+        redis_url,
+    )
+    assert code == 0, out
