@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -90,5 +90,11 @@ def check_writable(name: str, path: Path, folder: bool) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ConfigError(f"{name} {path}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{name} {path}: no permission to write in {parent}")
+    # A file made and removed, not os.access: that says yes to root where nothing can be
+    # made (/proc, a read-only bind mount under a writable folder's name).
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".perseus-write-check-"):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"{name} {path}: cannot write in {parent} ({reason})") from None

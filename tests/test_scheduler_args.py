@@ -21,6 +21,7 @@ from protocol.scheduler import check_scheduler_args, resolve_scheduler
 from protocol.store import JobStore
 from schedulers.planning.plan_file import write_plan_file
 from schedulers.planning.profile_writer import write_profile_rows
+from schedulers.profiler_args import check_writable
 from tests.helpers import FREQS, make_settings
 from worker_client.hook.session import CoordinatorClient
 
@@ -389,3 +390,11 @@ def test_a_rank_whose_gpu_lacks_a_clock_of_the_plan_is_refused_when_it_registers
     assert "<plan_text>" in words and "instruction 0 (forward)" in words, words
     assert b"1600 MHz" in r.xrange(keys.DEADLETTER_STREAM)[-1][1][b"reason"]
     assert len(JobStore(r).ranks(job_id)) == dp
+
+
+@pytest.mark.parametrize("folder", [False, True])
+def test_a_folder_that_takes_no_files_is_refused_even_where_access_says_yes(folder: bool) -> None:
+    # os.access said yes to root for /proc (no file can be made there): the coordinator
+    # started, and the sweep's CSV failed the job when the sweep ended.
+    with pytest.raises(ConfigError, match=r"out_path /proc/perseus-x\S*: cannot write in /proc"):
+        check_writable("out_path", Path("/proc/perseus-x" + ("" if folder else ".csv")), folder)
