@@ -306,6 +306,10 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
 
 #: The prefix of Zeus's server settings (``PFOServerSettings``), which perseus does not read.
 ZEUS_PREFIX = "ZEUS_PFO_"
+#: Zeus's server settings (``PFOServerSettings``' fields), each one of ours too.
+ZEUS_SETTINGS = frozenset(
+    {"SCHEDULER", "SCHEDULER_ARGS", "LOG_LEVEL", "DUMP_DATA", "DUMP_DIR", "MAX_JOB_IDLE_TIME"}
+)
 
 
 def zeus_variables(environ: Mapping[str, str]) -> list[str]:
@@ -321,11 +325,21 @@ def zeus_variables(environ: Mapping[str, str]) -> list[str]:
     for name in sorted(environ):
         if not name.upper().startswith(ZEUS_PREFIX):
             continue
-        note = f"{name} is Zeus's server variable, not read here"
         field = name[len(ZEUS_PREFIX) :].upper()
-        if field in fields:
-            ours = f"PERSEUS_{field}"
-            state = "set: that value is used" if ours in present else "not set"
-            note += f": set {ours} instead ({state})"
-        notes.append(note)
+        ours = f"PERSEUS_{field}"
+        state = "set: that value is used" if ours in present else "not set"
+        if field in ZEUS_SETTINGS:
+            notes.append(
+                f"{name} is Zeus's server variable, not read here: set {ours} instead ({state})"
+            )
+        elif field in fields:
+            notes.append(
+                f"{name} has the prefix of Zeus's server variables, but Zeus has no setting "
+                f"{field}; not read here: set {ours} instead ({state})"
+            )
+        else:
+            notes.append(
+                f"{name} has the prefix of Zeus's server variables, but neither Zeus nor "
+                f"perseus has a setting {field}; not read here"
+            )
     return notes

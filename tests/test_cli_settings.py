@@ -98,6 +98,7 @@ def test_zeus_server_variables_are_named_as_not_read(redis_url):
         "ZEUS_PFO_MAX_JOB_IDLE_TIME": "60",
         "PERSEUS_MAX_JOB_IDLE_TIME": "120",
         "ZEUS_PFO_FOO": "1",
+        "ZEUS_PFO_REDIS_URL": "redis://elsewhere:6379/0",
     }
     result = CliRunner().invoke(main, ["status", "--redis-url", redis_url], env=env)
     assert result.exit_code == 0, result.output
@@ -106,7 +107,15 @@ def test_zeus_server_variables_are_named_as_not_read(redis_url):
         "PERSEUS_SCHEDULER instead (not set)" in result.output
     )
     assert "PERSEUS_MAX_JOB_IDLE_TIME instead (set: that value is used)" in result.output
-    assert "note: ZEUS_PFO_FOO is Zeus's server variable, not read here" in result.output
+    # Zeus's server has no FOO setting either: not called one of its variables.
+    assert (
+        "note: ZEUS_PFO_FOO has the prefix of Zeus's server variables, but neither Zeus nor "
+        "perseus has a setting FOO; not read here" in result.output
+    )
+    assert (
+        "note: ZEUS_PFO_REDIS_URL has the prefix of Zeus's server variables, but Zeus has no "
+        "setting REDIS_URL; not read here: set PERSEUS_REDIS_URL instead (not set)" in result.output
+    )
 
 
 def test_an_invalid_setting_is_named_with_its_value_on_one_line(redis_url):
