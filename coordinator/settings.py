@@ -224,7 +224,16 @@ class PerseusSettings(BaseSettings):
         takes_plan = "solution_path" in inspect.signature(scheduler).parameters
         if self.plan and not self.scheduler_args and takes_plan:
             self.scheduler_args = {"solution_path": self.plan}
-        check_scheduler_args(self.scheduler, self.scheduler_args)
+        try:
+            check_scheduler_args(self.scheduler, self.scheduler_args)
+        except ConfigError as exc:
+            if self.plan and takes_plan and "solution_path" not in self.scheduler_args:
+                # The plan is set but was passed over: say so, or it reads as missing.
+                raise ConfigError(
+                    f"{exc} (plan={self.plan!r} is not used: it stands for solution_path only "
+                    "when scheduler_args are empty; add it to them)"
+                ) from None
+            raise
         self.scheduler_args = scheduler.absolute_paths(self.scheduler_args)
         scheduler.check_files(self.scheduler_args)
 

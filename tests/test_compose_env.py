@@ -21,6 +21,7 @@ import yaml
 
 from coordinator.cli_common import load_settings
 from coordinator.settings import unknown_variables
+from protocol.exceptions import ConfigError
 from tests.helpers import ROOT, TOY_SCHEDULER, make_settings, write_1f1b_plan
 from tests.pipes import piped
 
@@ -211,3 +212,16 @@ def test_the_plan_is_used_only_by_a_scheduler_that_takes_one_without_arguments(p
         settings = make_settings("redis://x", scheduler=scheduler, scheduler_args=args, plan=plan)
         settings.check_scheduler()
         assert settings.scheduler_args == expected, scheduler
+
+
+def test_a_plan_passed_over_for_other_arguments_is_named_in_the_error(project):
+    # PointSolution with arguments but neither plan: "got neither" alone read as if
+    # PERSEUS_PLAN were missing, though it was set (it fills empty arguments only).
+    plan = str(project / "plan.py")
+    settings = make_settings(
+        "redis://x", scheduler="PointSolution", scheduler_args={"plan_text": None}, plan=plan
+    )
+    with pytest.raises(ConfigError) as info:
+        settings.check_scheduler()
+    words = str(info.value)
+    assert "neither" in words and f"plan={plan!r} is not used" in words, words
