@@ -19,16 +19,22 @@ from tests.pipes import Output, piped
 from worker_client.gpu.nvml import NVML
 
 
-def test_minimal_loop_example_runs(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PERSEUS_SIM_GPU_DIR=str(tmp_path))
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "minimal_loop.py")],
-        env=env,
+def run_example(
+    tmp_path: Path, script: str, *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<script>`` to its end in ``tmp_path`` (simulated GPUs private to it)."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        env=subprocess_env(tmp_path),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         cwd=tmp_path,
     )
+
+
+def test_minimal_loop_example_runs(tmp_path):
+    out = run_example(tmp_path, "minimal_loop.py")
     assert out.returncode == 0, out.stderr
     assert "+dp1+pp1+tp1+PointSolution+example: ran schedule version" in out.stdout
     assert "clocks requested: [1410, 1410, 1980, 1980]" in out.stdout
@@ -41,14 +47,7 @@ def test_minimal_loop_joins_running_services(redis_url, tmp_path):
         start_perseus(["worker", "--simple", "--redis-url", redis_url], tmp_path, "worker.log"),
     ]
     try:
-        out = subprocess.run(
-            [sys.executable, str(ROOT / "examples" / "minimal_loop.py"), "--redis-url", redis_url],
-            env=subprocess_env(tmp_path),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=tmp_path,
-        )
+        out = run_example(tmp_path, "minimal_loop.py", "--redis-url", redis_url)
         assert out.returncode == 0, out.stderr
         assert "clocks requested: [1410, 1410, 1980, 1980]" in out.stdout
     finally:
@@ -57,15 +56,7 @@ def test_minimal_loop_joins_running_services(redis_url, tmp_path):
 
 
 def test_torch_pipelining_example_runs(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PERSEUS_SIM_GPU_DIR=str(tmp_path))
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "torch_pipelining.py"), "--schedule", "gpipe"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-    )
+    out = run_example(tmp_path, "torch_pipelining.py", "--schedule", "gpipe", timeout=240)
     assert out.returncode == 0, out.stderr
     assert "+dp1+pp4+tp1+PointSolution+example-pipelining, clocks requested" in out.stdout
     # GPipe: every stage runs its 8 forwards (1410 MHz) first.
@@ -198,14 +189,7 @@ def test_power_limit_example_without_a_driver_says_to_use_the_simulated_gpu(tmp_
         pass
     else:
         pytest.skip("an NVIDIA driver is here: the example would change a real power limit")
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "power_limit.py"), "--gpu", "0"],
-        env=subprocess_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    out = run_example(tmp_path, "power_limit.py", "--gpu", "0")
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     assert "--gpu 0: NVML nvmlInit failed" in out.stderr
@@ -227,14 +211,7 @@ def test_power_limit_example_without_a_driver_says_to_use_the_simulated_gpu(tmp_
 def test_power_limit_example_refuses_a_bad_option_in_one_line(tmp_path, args, says):
     # A refused option was a ConfigError traceback; --epoch-steps 0 looped for ever and
     # --after-steps 0 failed an assertion.
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "power_limit.py"), "--gpu", "simulated", *args],
-        env=subprocess_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
+    out = run_example(tmp_path, "power_limit.py", "--gpu", "simulated", *args, timeout=60)
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     assert says in out.stderr.strip().splitlines()[-1]
@@ -260,14 +237,7 @@ def test_an_example_given_a_redis_url_it_cannot_use_says_so_in_one_line(
 ):
     # README: `python examples/minimal_loop.py --redis-url URL`. A mistyped URL was a traceback
     # (torch's [rank0]: lines around it, for minimal_loop.py), as power_limit.py's options were.
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), "--redis-url", url],
-        env=subprocess_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    out = run_example(tmp_path, script, "--redis-url", url)
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     assert says in out.stderr.strip().splitlines()[-1]
