@@ -134,15 +134,20 @@ def launch_perseus(
     cwd: Path = ROOT,
     env: dict[str, str] | None = None,
     stderr: int | None = subprocess.PIPE,
+    python: bool = False,
     **popen: Any,
 ) -> subprocess.Popen[str]:
     """Start ``perseus ARGS`` with its output piped, as text, to read in the test.
 
     ``stderr``: ``subprocess.STDOUT`` merges it into stdout, ``None`` leaves it the test's;
-    ``env``: default :func:`subprocess_env`.
+    ``env``: default :func:`subprocess_env`; ``python``: ``args`` are the interpreter's own
+    (``-c CODE ...``), not ``perseus``'s.
     """
+    command = (
+        [sys.executable, *args] if python else [sys.executable, "-m", "coordinator.cli", *args]
+    )
     return subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", *args],
+        command,
         env=env or subprocess_env(),
         cwd=cwd,
         stdout=subprocess.PIPE,

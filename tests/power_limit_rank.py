@@ -105,6 +105,11 @@ EPOCH_STEPS = {
 }
 
 
+# close-early: past 300 W's all-reduce (steps 1-4, with the ranks' wait 0, warm-up 1, profile
+# 2 steps), in 250 W's profiling.
+CLOSE_AFTER_STEPS = 6
+
+
 def main() -> None:
     rank, init, profile_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     # A rank left waiting in a collective fails in seconds, not after gloo's 30 minutes.
@@ -151,6 +156,12 @@ def main() -> None:
         )
     except PerseusError as exc:  # its ConfigError or GPUError, or another rank's
         print(f"{type(exc).__name__}: {exc}", flush=True)
+        dist.destroy_process_group()
+        return
+    if option == "close-early":  # this rank stops training mid-profiling; the others go on
+        fake.run_steps(opt, training, CLOSE_AFTER_STEPS)
+        opt.close()
+        print("closed", fake.describe_state(opt.state), fake.STATE.gpus[0].limit_mw // 1000)
         dist.destroy_process_group()
         return
     try:

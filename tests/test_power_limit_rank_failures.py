@@ -154,3 +154,21 @@ def test_a_selector_that_fails_on_one_rank_stops_every_rank_naming_it(tmp_path: 
     ), outputs
     # Every limit measured is kept: rank 1 saved them without an optimum.
     assert load_profile_file(tmp_path / "profile1.json").optimal_power_limit is None
+
+
+def test_a_rank_that_closes_alone_returns_at_once_and_the_others_fail_in_their_collective(
+    tmp_path: Path,
+) -> None:
+    # close() takes no collective: rank 1, closing mid-profiling while rank 0 trains on,
+    # restores its maximum and returns. Rank 0's next all-reduce (250 W's) waits for rank 1,
+    # as any collective does, and fails once rank 1 leaves the group (here: exits), rather
+    # than waiting out the group's timeout (README: call close() on every rank).
+    outputs = run_two_ranks(
+        tmp_path,
+        [str(tmp_path / "profile0.json")],
+        [str(tmp_path / "profile1.json"), "300", "close-early"],
+    )
+    assert outputs[1] == "closed Ready(250,1) 300\n", outputs
+    first, *_, last = outputs[0].splitlines()
+    assert first.startswith(("DistBackendError", "RuntimeError")), outputs  # gloo's read error
+    assert last == "Ready(250,1) 1", outputs  # 300 W measured together; 250 W not reduced

@@ -45,6 +45,28 @@ from tests.silent_proxy import SilentProxy
 PASSWORD = "hang-test-secret"
 # Well under the 30 s that a stopped Redis held each of these before, with room for a busy CI.
 BOUND_S = 20
+# How long a command may run, counted from the end of its imports (see TIMED): one wait of
+# its command timeout, not two (a retry), nor the services' 30 s socket timeout.
+RAN_BOUND_S = 2 * COMMAND_TIMEOUT_S
+# Only a guard against a command that never ends: a loaded machine (load 8-10 on 2 cores)
+# took over 20 s to start a dozen commands at once, which a bound counted from their launch
+# failed. A command that waited the old 30 s still ends within it, and fails on RAN_BOUND_S.
+HANG_S = 2 * SOCKET_TIMEOUT_S
+RAN_VARIABLE = "HANG_TEST_RAN_S"  # not PERSEUS_*: perseus refuses variables it does not know
+IMPORTS_VARIABLE = "HANG_TEST_IMPORTS"
+# `perseus ARGS` as `python -c TIMED ARGS`: as it exits, it writes to the file that
+# $HANG_TEST_RAN_S names the seconds it ran once its modules were imported: the CLI's, and
+# those a command imports as it runs, named in $HANG_TEST_IMPORTS (the demo's took 12 s).
+TIMED = (
+    "import atexit, importlib, os, time\n"
+    "import coordinator.cli\n"
+    f"for name in filter(None, os.environ.get({IMPORTS_VARIABLE!r}, '').split(',')):\n"
+    "    importlib.import_module(name)\n"
+    "start = time.monotonic()\n"
+    f"path = os.environ[{RAN_VARIABLE!r}]\n"
+    "atexit.register(lambda: open(path, 'w').write(repr(time.monotonic() - start)))\n"
+    "coordinator.cli.main()\n"
+)
 
 
 @pytest.fixture
@@ -138,28 +160,74 @@ def test_entries_a_hanging_redis_held_stay_pending_and_are_processed_after_a_res
     assert entry_id.encode() in letter[1].values(), letter
 
 
+def launch_timed(
+    args: list[str], ran: Path, cwd: Path = ROOT, env: dict[str, str] | None = None, **launch: Any
+) -> subprocess.Popen[str]:
+    """``perseus ARGS`` (see :func:`launch_perseus`) that writes to ``ran`` as it exits how
+    long it ran once its modules were imported (read it with :func:`ran_s`)."""
+    env = {**(env or subprocess_env()), RAN_VARIABLE: str(ran)}
+    return launch_perseus(["-c", TIMED, *args], cwd, env, python=True, **launch)
+
+
+def ran_s(ran: Path) -> float:
+    """The seconds a :func:`launch_timed` command ran once imported (it must have exited)."""
+    assert ran.exists(), f"{ran} was not written: the command did not exit by itself"
+    return float(ran.read_text())
+
+
+def killed(procs: list[subprocess.Popen[str]]) -> None:
+    """Kill and reap each of ``procs`` (those that ended already are only reaped)."""
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def reaped() -> Iterator[list[subprocess.Popen[str]]]:
+    """A list to put each process started in; every one is killed and reaped after the block
+    (one that timed out or failed an assertion outlived the test before)."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        yield procs
+    finally:
+        killed(procs)
+
+
 def launch_each(
-    commands: list[list[str]], server: EmbeddedRedis, cwd: Path, **launch: Any
+    commands: list[list[str]], server: EmbeddedRedis, cwd: Path, ran: Path, **launch: Any
 ) -> list[subprocess.Popen[str]]:
-    """``perseus COMMAND --redis-url URL`` of ``server`` for each command, all at once."""
-    return [launch_perseus([*args, "--redis-url", server.url], cwd, **launch) for args in commands]
+    """``perseus COMMAND --redis-url URL`` of ``server`` for each command, all at once.
+
+    Each is timed (:func:`launch_timed`) into ``ran/<its index>``; if one fails to start, those
+    started are killed.
+    """
+    ran.mkdir(exist_ok=True)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for i, args in enumerate(commands):
+            args = [*args, "--redis-url", server.url]
+            procs.append(launch_timed(args, ran / str(i), cwd, **launch))
+    except BaseException:
+        killed(procs)
+        raise
+    return procs
 
 
 def outputs_of(
     procs: list[subprocess.Popen[str]], meanwhile: Callable[[], None] | None = None
 ) -> list[tuple[str, str]]:
-    """Each process's ``(stdout, stderr)`` within ``BOUND_S``; all are killed whatever happens.
+    """Each process's ``(stdout, stderr)`` within ``HANG_S`` in all; all are killed whatever
+    happens (a timeout, a failure of ``meanwhile``).
 
     ``meanwhile`` runs first, while they run (a fault to inject, say).
     """
     try:
         if meanwhile is not None:
             meanwhile()
-        return [proc.communicate(timeout=BOUND_S) for proc in procs]
+        deadline = time.monotonic() + HANG_S
+        return [proc.communicate(timeout=max(0.0, deadline - time.monotonic())) for proc in procs]
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        killed(procs)
 
 
 def fault(proxy: SilentProxy, kind: str, what: str) -> Callable[[], None]:
@@ -169,7 +237,7 @@ def fault(proxy: SilentProxy, kind: str, what: str) -> Callable[[], None]:
 
     def inject() -> None:
         if kind == "goes away":
-            wait_for(proxy.silent.is_set, BOUND_S, what)
+            wait_for(proxy.silent.is_set, HANG_S, what)  # the command's start is in it
             proxy.close()
 
     return inject
@@ -198,24 +266,33 @@ OPERATOR_COMMANDS = [
 def test_operator_commands_give_up_on_a_hanging_redis_with_one_line(private_redis, tmp_path):
     # Each waited its PING's 30 s socket timeout, then said "Timeout reading from socket".
     shown = f"redis://:***@127.0.0.1:{private_redis.port}/0"
-    with stopped(private_redis):
+    ran = tmp_path / "ran"
+    with stopped(private_redis), reaped() as procs:
         # In tmp_path: dump's ./dump folder.
-        procs = launch_each(OPERATOR_COMMANDS, private_redis, tmp_path, stderr=subprocess.STDOUT)
+        procs += launch_each(
+            OPERATOR_COMMANDS, private_redis, tmp_path, ran, stderr=subprocess.STDOUT
+        )
         # A longer wait is asked for in the URL, as the message says.
-        longer = perseus(["status", "--redis-url", f"{private_redis.url}?socket_timeout=1"])
+        url = f"{private_redis.url}?socket_timeout=1"
+        procs.append(launch_timed(["status", "--redis-url", url], ran / "longer", tmp_path))
         outputs = outputs_of(procs)
-    for args, proc, (output, _) in zip(OPERATOR_COMMANDS, procs, outputs, strict=True):
+    *each, (_, longer_err) = outputs
+    for i, (args, proc, (output, _)) in enumerate(
+        zip(OPERATOR_COMMANDS, procs[:-1], each, strict=True)
+    ):
         assert proc.returncode == 1, (args, output)
         assert output == (
             f"Error: Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s (Timeout "
             "reading from socket); to wait longer, add ?socket_timeout=SECONDS to the URL\n"
         ), args
-    assert longer.returncode == 1
-    assert longer.stderr == (
+        assert ran_s(ran / str(i)) < RAN_BOUND_S, args
+    assert ran_s(ran / "longer") < RAN_BOUND_S
+    assert procs[-1].returncode == 1
+    assert longer_err == (
         f"Error: Redis at {shown}?socket_timeout=1 did not answer within 1 s (Timeout reading "
         "from socket); to wait longer, raise the URL's ?socket_timeout=\n"
-    ), longer.stderr
-    assert PASSWORD not in longer.stderr
+    ), longer_err
+    assert PASSWORD not in longer_err
     assert not (tmp_path / "dump").exists()
 
 
@@ -224,16 +301,20 @@ SERVICES = [
     ["worker", "--no-preload"],
     ["demo", "--out", "demo-out"],
 ]
+SERVICE_IMPORTS = "coordinator.demo"  # imported as `perseus demo` runs (torch, matplotlib...)
 
 
 def test_a_service_started_against_a_hanging_redis_says_so_within_seconds(private_redis, tmp_path):
     # Their first PING waited the services' 30 s socket timeout (measured 30.5-31.2 s).
     shown = f"redis://:***@127.0.0.1:{private_redis.port}/0"
+    ran = tmp_path / "ran"
     with stopped(private_redis):
-        procs = launch_each(SERVICES, private_redis, tmp_path, env=subprocess_env(tmp_path))
+        env = subprocess_env(tmp_path, **{IMPORTS_VARIABLE: SERVICE_IMPORTS})
+        procs = launch_each(SERVICES, private_redis, tmp_path, ran, env=env)
         outputs = outputs_of(procs)
-    for args, proc, (_out, err) in zip(SERVICES, procs, outputs, strict=True):
+    for i, (args, proc, (_out, err)) in enumerate(zip(SERVICES, procs, outputs, strict=True)):
         assert proc.returncode == 1, (args, err)
+        assert ran_s(ran / str(i)) < RAN_BOUND_S, args
         assert err.endswith(
             f"Error: Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s (Timeout "
             "reading from socket)\n"
@@ -295,37 +376,45 @@ def test_a_sentinel_urls_command_timeout_is_set_as_the_hint_says(private_redis, 
             "the sentinel to know the master",
         )
         url = f"redis+sentinel://:{PASSWORD}@127.0.0.1:{port}/{SENTINEL_SERVICE}"
-        with stopped(private_redis):
-            default = launch_perseus(["status", "--redis-url", url], ROOT)
-            shorter = perseus(["status", "--redis-url", f"{url}?socket_timeout=1"])
-            ((_, err),) = outputs_of([default])
+        ran = tmp_path / "ran"
+        ran.mkdir()
+        with stopped(private_redis), reaped() as procs:
+            procs.append(launch_timed(["status", "--redis-url", url], ran / "default"))
+            args = ["status", "--redis-url", f"{url}?socket_timeout=1"]
+            procs.append(launch_timed(args, ran / "shorter"))
+            (_, err), (_, shorter_err) = outputs_of(procs)
     finally:
         sentinel.terminate()
         sentinel.wait(timeout=10)
     shown = url.replace(PASSWORD, "***")
     hint = "; to wait longer, add ?socket_timeout=SECONDS to the URL\n"
+    default, shorter = procs
     assert default.returncode == 1 and err == (
         f"Error: Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s (Timeout "
         f"reading from socket){hint}"
     ), err
-    assert shorter.returncode == 1 and shorter.stderr == (
+    assert shorter.returncode == 1 and shorter_err == (
         f"Error: Redis at {shown}?socket_timeout=1 did not answer within 1 s (Timeout "
         "reading from socket); to wait longer, raise the URL's ?socket_timeout=\n"
-    ), shorter.stderr
+    ), shorter_err
+    assert ran_s(ran / "default") < RAN_BOUND_S and ran_s(ran / "shorter") < RAN_BOUND_S
 
 
 @pytest.mark.parametrize("kind", ["hangs", "goes away"])
-def test_redis_that_hangs_or_goes_away_mid_command_is_one_line_not_a_traceback(private_redis, kind):
+def test_redis_that_hangs_or_goes_away_mid_command_is_one_line_not_a_traceback(
+    private_redis, tmp_path, kind
+):
     # After the command's PING succeeded: a traceback, after 30 s for a hang.
     with SilentProxy(private_redis.url) as proxy:
         url = proxy.url.replace("redis://", f"redis://:{PASSWORD}@")
         proxy.silence_from(b"XLEN")  # `perseus status` reads the streams' lengths
-        proc = launch_perseus(["status", "--redis-url", url], ROOT)
+        proc = launch_timed(["status", "--redis-url", url], tmp_path / "ran")
         what = "status to ask for a stream's length"
         ((out, err),) = outputs_of([proc], fault(proxy, kind, what))
     shown = proxy.url.replace("redis://", "redis://:***@")
     assert proc.returncode == 1, err
     assert out == ""
+    assert ran_s(tmp_path / "ran") < RAN_BOUND_S
     if kind == "hangs":
         said = f"Error: Redis at {shown} did not answer within {COMMAND_TIMEOUT_S:g} s ("
     else:
@@ -345,11 +434,13 @@ def test_a_dump_that_fails_part_way_says_its_folder_is_incomplete(private_redis,
     with SilentProxy(private_redis.url) as proxy:
         url = proxy.url.replace("redis://", f"redis://:{PASSWORD}@")
         proxy.silence_from(b"LRANGE")  # the journal, read after job.json and ranks.json
-        proc = launch_perseus(["dump", job_id, "--redis-url", url], tmp_path)  # into ./dump
+        args = ["dump", job_id, "--redis-url", url]
+        proc = launch_timed(args, tmp_path / "ran", tmp_path)  # into ./dump
         what = "the dump to read the journal"
         ((out, err),) = outputs_of([proc], fault(proxy, kind, what))
     shown = proxy.url.replace("redis://", "redis://:***@")
     assert proc.returncode == 1 and out == "", err
+    assert ran_s(tmp_path / "ran") < RAN_BOUND_S
     said = f"Error: the dump in dump/{job_id} is incomplete (it has no 'complete' file; run "
     said += "it again): "
     if kind == "hangs":

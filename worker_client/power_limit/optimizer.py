@@ -317,6 +317,10 @@ class GlobalPowerLimitOptimizer(Callback):
         Training may go on afterwards (e.g. Hugging Face ``train()`` called again): the next
         step begin re-applies the optimum (on every rank together: call it on every rank),
         or goes on profiling where it stopped.
+
+        It takes no collective, so it returns at once on a rank that closes alone. The ranks
+        that train on wait in their profiling's next all-reduce for it (until it leaves the
+        process group, or the group's timeout): call it on every rank, at the same step.
         """
         if self._closed:
             return
