@@ -11,6 +11,7 @@ import logging
 import numbers
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -113,33 +114,50 @@ class CoordinatorClient:
         """
         deadline = time.monotonic() + self.reply_timeout
         entry = encode_message(message, wait_s=self.reply_timeout)
+        key = keys.reply_key(message.request_id)
         retry = _Retry(self, f"registration ({message.kind})", deadline)
-        sent = False
-        # Waits of at most this long: a URL's ?socket_timeout= may be shorter than the wait.
-        longest = longest_block(self.conn, self.reply_timeout)
-        while True:
-            try:
-                if not sent:
-                    self.conn.xadd(keys.REGISTRATIONS_STREAM, entry)
-                    sent = True
-                wait = max(min(deadline - time.monotonic(), longest), 0.01)
-                answer = self.conn.blpop([keys.reply_key(message.request_id)], timeout=wait)
-                if answer is not None or time.monotonic() >= deadline:
-                    break
-            except redis.RedisError as exc:
-                retry.after(exc)
+        answer = self._read_reply(
+            key, deadline, retry, lambda: self.conn.xadd(keys.REGISTRATIONS_STREAM, entry)
+        )
         retry.done()
         if answer is None:
             raise CoordinatorUnavailableError(
                 f"no coordinator answered {message.kind} within {self.reply_timeout:.0f} s; "
                 f"is a `perseus coordinator` running on this Redis ({self.where})?"
             )
-        reply = unpack(Reply, answer[1])
+        reply = unpack(Reply, answer)
         if not reply.ok:
             if "unknown job id" in reply.error:
                 raise UnknownJobError(reply.error)
             raise ProtocolError(f"coordinator rejected {message.kind}: {reply.error}")
         return reply
+
+    def _read_reply(
+        self,
+        key: str,
+        deadline: float,
+        retry: _Retry,
+        send: Callable[[], object] | None = None,
+    ) -> bytes | None:
+        """Call ``send`` (until it succeeds), then wait for the reply at ``key`` until ``deadline``.
+
+        Redis errors are retried with ``retry``. Returns the reply, or None at the deadline.
+        """
+        # Waits of at most this long: a URL's ?socket_timeout= may be shorter than the wait.
+        longest = longest_block(self.conn, self.reply_timeout)
+        while True:
+            try:
+                if send is not None:
+                    send()
+                    send = None  # sent: never again (see _request)
+                wait = max(min(deadline - time.monotonic(), longest), 0.01)
+                answer = self.conn.blpop([key], timeout=wait)
+                if answer is not None:
+                    return answer[1]
+                if time.monotonic() >= deadline:
+                    return None
+            except redis.RedisError as exc:
+                retry.after(exc)
 
     def register_job(
         self,
