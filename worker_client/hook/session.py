@@ -125,6 +125,7 @@ class CoordinatorClient:
                 f"no coordinator answered {message.kind} within {self.reply_timeout:.0f} s; "
                 f"is a `perseus coordinator` running on this Redis ({self.where})?"
             )
+        self._discard_reply(key)
         reply = unpack(Reply, answer)
         if not reply.ok:
             if "unknown job id" in reply.error:
@@ -142,6 +143,12 @@ class CoordinatorClient:
         """Call ``send`` (until it succeeds), then wait for the reply at ``key`` until ``deadline``.
 
         Redis errors are retried with ``retry``. Returns the reply, or None at the deadline.
+
+        The reply is read without taking it (BRPOPLPUSH of the list onto itself), and
+        :meth:`_discard_reply` removes it once read. Redis drops the answers to the commands
+        it ran just before it shuts down (a restart's SIGTERM), and a connection may break
+        after Redis ran a command: a BLPOP had taken the reply for good, and the rank waited
+        out ``reply_timeout`` for a reply that was gone. Read again, it is still there.
         """
         # Waits of at most this long: a URL's ?socket_timeout= may be shorter than the wait.
         longest = longest_block(self.conn, self.reply_timeout)
@@ -151,13 +158,23 @@ class CoordinatorClient:
                     send()
                     send = None  # sent: never again (see _request)
                 wait = max(min(deadline - time.monotonic(), longest), 0.01)
-                answer = self.conn.blpop([key], timeout=wait)
+                answer = self.conn.brpoplpush(key, key, timeout=wait)
                 if answer is not None:
-                    return answer[1]
+                    return answer
                 if time.monotonic() >= deadline:
                     return None
             except redis.RedisError as exc:
                 retry.after(exc)
+
+    def _discard_reply(self, key: str) -> None:
+        """Remove a reply that was read (a rank's carries its token, which Redis keeps no more).
+
+        Best effort: on a Redis error the reply expires after the coordinator's ``reply_ttl``.
+        """
+        try:
+            self.conn.ltrim(key, 1, 0)  # empties the list, so deletes it; lists only (ACL)
+        except redis.RedisError as exc:
+            logger.debug("a registration reply was left to expire: %s", exc)
 
     def register_job(
         self,
