@@ -12,8 +12,9 @@ from typing import Any
 import redis
 
 from coordinator.embedded import EmbeddedRedis
+from coordinator.service import Coordinator
 from protocol import keys
-from tests.helpers import wait_for
+from tests.helpers import make_settings, register, running, wait_for
 from worker_client.hook.session import CoordinatorClient, _Retry
 
 
@@ -74,3 +75,17 @@ def test_a_reply_read_as_redis_shuts_down_is_read_again_after_the_restart():
         thread.join(timeout=30)
         assert got["reply"] == b"the reply"
         client.close()
+
+
+def test_the_replies_read_are_removed_by_the_next_request_and_at_close():
+    """Read without being taken, each reply (a rank's carries its token) is removed all the
+    same: the next request takes the earlier ones along, ``close()`` the last."""
+    with EmbeddedRedis() as server:
+        conn = redis.Redis.from_url(server.url)
+        client = CoordinatorClient(server.url, reply_timeout=10)
+        coord = Coordinator(redis.Redis.from_url(server.url), make_settings(server.url))
+        with running(coord):
+            register(client, pp=2)  # a job, then its two ranks
+            assert len(conn.keys(keys.reply_key("*"))) == 1  # the last rank's
+            client.close()
+        assert conn.keys(keys.reply_key("*")) == []

@@ -86,6 +86,9 @@ class CoordinatorClient:
         # (job, rank) -> the token its registration reply gave: results and heartbeats prove
         # it. Never logged, never sent as such (results carry a MAC, see protocol.tokens).
         self._tokens: dict[tuple[str, int], str] = {} if tokens is None else tokens
+        # Replies read and not yet removed: removed with the next request, or by
+        # release_idle() or close() (see _discard_reply).
+        self._replies_read: list[str] = []
 
     def background_client(self, socket_timeout: float = SOCKET_TIMEOUT_S) -> CoordinatorClient:
         """A client of the same Redis and tokens, on connections of its own, for a thread.
@@ -116,9 +119,7 @@ class CoordinatorClient:
         entry = encode_message(message, wait_s=self.reply_timeout)
         key = keys.reply_key(message.request_id)
         retry = _Retry(self, f"registration ({message.kind})", deadline)
-        answer = self._read_reply(
-            key, deadline, retry, lambda: self.conn.xadd(keys.REGISTRATIONS_STREAM, entry)
-        )
+        answer = self._read_reply(key, deadline, retry, lambda: self._send(entry))
         retry.done()
         if answer is None:
             raise CoordinatorUnavailableError(
@@ -166,15 +167,39 @@ class CoordinatorClient:
             except redis.RedisError as exc:
                 retry.after(exc)
 
-    def _discard_reply(self, key: str) -> None:
-        """Remove a reply that was read (a rank's carries its token, which Redis keeps no more).
+    def _send(self, entry: dict[str, Any]) -> None:
+        """XADD a registration, removing the replies read before it in the same round trip."""
+        with self.conn.pipeline(transaction=False) as pipe:
+            for key in self._replies_read:
+                pipe.ltrim(key, 1, 0)  # empties the list, so deletes it; lists only (ACL)
+            pipe.xadd(keys.REGISTRATIONS_STREAM, entry)
+            pipe.execute()
+        self._replies_read.clear()
 
-        Best effort: on a Redis error the reply expires after the coordinator's ``reply_ttl``.
+    def _discard_reply(self, key: str) -> None:
+        """Have a reply that was read removed: a rank's carries its token (Redis keeps digests).
+
+        Removed with the next request (no round trip of its own: a registration per rank is
+        what ``benchmarks/bench_coordinator.py`` measures against the raw limit), or by
+        :meth:`release_idle` or :meth:`close`; at the latest it expires after the
+        coordinator's ``reply_ttl``.
         """
+        self._replies_read.append(key)
+        if len(self._replies_read) >= _REPLIES_KEPT:
+            self._remove_replies()
+
+    def _remove_replies(self) -> None:
+        """Remove the replies read (best effort: otherwise they expire after ``reply_ttl``)."""
+        if not self._replies_read:
+            return
         try:
-            self.conn.ltrim(key, 1, 0)  # empties the list, so deletes it; lists only (ACL)
+            with self.conn.pipeline(transaction=False) as pipe:
+                for key in self._replies_read:
+                    pipe.ltrim(key, 1, 0)
+                pipe.execute()
         except redis.RedisError as exc:
-            logger.debug("a registration reply was left to expire: %s", exc)
+            logger.debug("registration replies left to expire: %s", exc)
+        self._replies_read.clear()
 
     def register_job(
         self,
@@ -347,12 +372,17 @@ class CoordinatorClient:
         A rank's hook joins over this client, then talks to Redis only from its threads,
         over connections of their own: kept open, this one would idle for the whole run.
         """
+        self._remove_replies()
         self.conn.connection_pool.disconnect(inuse_connections=False)
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool (after removing the replies read)."""
+        self._remove_replies()
         self.conn.close()
 
+
+# Replies read that a client removes in one round trip of their own, if no request took them.
+_REPLIES_KEPT = 1024
 
 # The hook's waits between tries on a Redis error (here and in its threads): doubling from
 # the first to the last.
