@@ -64,7 +64,8 @@ _RANK_WRITES = (
 )
 _RANK_COMMANDS = (
     "+xadd",  # registrations, results, targets
-    "+blpop",  # its registration's reply
+    "+blpop",  # its registration's reply (clients before the two below)
+    "+brpoplpush +ltrim",  # its registration's reply, read without taking it, then removed
     "+xread",  # a job's updates stream
     "+get +hget +hgetall +hlen +exists",  # version, schedules, info (error), liveness
     "+time +zadd",  # heartbeats (one script or function), the server's clock

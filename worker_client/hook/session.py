@@ -11,6 +11,7 @@ import logging
 import numbers
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -85,6 +86,9 @@ class CoordinatorClient:
         # (job, rank) -> the token its registration reply gave: results and heartbeats prove
         # it. Never logged, never sent as such (results carry a MAC, see protocol.tokens).
         self._tokens: dict[tuple[str, int], str] = {} if tokens is None else tokens
+        # Replies read and not yet removed: removed with the next request, or by
+        # release_idle() or close() (see _discard_reply).
+        self._replies_read: list[str] = []
 
     def background_client(self, socket_timeout: float = SOCKET_TIMEOUT_S) -> CoordinatorClient:
         """A client of the same Redis and tokens, on connections of its own, for a thread.
@@ -113,33 +117,89 @@ class CoordinatorClient:
         """
         deadline = time.monotonic() + self.reply_timeout
         entry = encode_message(message, wait_s=self.reply_timeout)
+        key = keys.reply_key(message.request_id)
         retry = _Retry(self, f"registration ({message.kind})", deadline)
-        sent = False
-        # Waits of at most this long: a URL's ?socket_timeout= may be shorter than the wait.
-        longest = longest_block(self.conn, self.reply_timeout)
-        while True:
-            try:
-                if not sent:
-                    self.conn.xadd(keys.REGISTRATIONS_STREAM, entry)
-                    sent = True
-                wait = max(min(deadline - time.monotonic(), longest), 0.01)
-                answer = self.conn.blpop([keys.reply_key(message.request_id)], timeout=wait)
-                if answer is not None or time.monotonic() >= deadline:
-                    break
-            except redis.RedisError as exc:
-                retry.after(exc)
+        answer = self._read_reply(key, deadline, retry, lambda: self._send(entry))
         retry.done()
         if answer is None:
             raise CoordinatorUnavailableError(
                 f"no coordinator answered {message.kind} within {self.reply_timeout:.0f} s; "
                 f"is a `perseus coordinator` running on this Redis ({self.where})?"
             )
-        reply = unpack(Reply, answer[1])
+        self._discard_reply(key)
+        reply = unpack(Reply, answer)
         if not reply.ok:
             if "unknown job id" in reply.error:
                 raise UnknownJobError(reply.error)
             raise ProtocolError(f"coordinator rejected {message.kind}: {reply.error}")
         return reply
+
+    def _read_reply(
+        self,
+        key: str,
+        deadline: float,
+        retry: _Retry,
+        send: Callable[[], object] | None = None,
+    ) -> bytes | None:
+        """Call ``send`` (until it succeeds), then wait for the reply at ``key`` until ``deadline``.
+
+        Redis errors are retried with ``retry``. Returns the reply, or None at the deadline.
+
+        The reply is read without taking it (BRPOPLPUSH of the list onto itself), and
+        :meth:`_discard_reply` removes it once read. Redis drops the answers to the commands
+        it ran just before it shuts down (a restart's SIGTERM), and a connection may break
+        after Redis ran a command: a BLPOP had taken the reply for good, and the rank waited
+        out ``reply_timeout`` for a reply that was gone. Read again, it is still there.
+        """
+        # Waits of at most this long: a URL's ?socket_timeout= may be shorter than the wait.
+        longest = longest_block(self.conn, self.reply_timeout)
+        while True:
+            try:
+                if send is not None:
+                    send()
+                    send = None  # sent: never again (see _request)
+                wait = max(min(deadline - time.monotonic(), longest), 0.01)
+                answer = self.conn.brpoplpush(key, key, timeout=wait)
+                if answer is not None:
+                    return answer
+                if time.monotonic() >= deadline:
+                    return None
+            except redis.RedisError as exc:
+                retry.after(exc)
+
+    def _send(self, entry: dict[str, Any]) -> None:
+        """XADD a registration, removing the replies read before it in the same round trip."""
+        with self.conn.pipeline(transaction=False) as pipe:
+            for key in self._replies_read:
+                pipe.ltrim(key, 1, 0)  # empties the list, so deletes it; lists only (ACL)
+            pipe.xadd(keys.REGISTRATIONS_STREAM, entry)
+            pipe.execute()
+        self._replies_read.clear()
+
+    def _discard_reply(self, key: str) -> None:
+        """Have a reply that was read removed: a rank's carries its token (Redis keeps digests).
+
+        Removed with the next request (no round trip of its own: a registration per rank is
+        what ``benchmarks/bench_coordinator.py`` measures against the raw limit), or by
+        :meth:`release_idle` or :meth:`close`; at the latest it expires after the
+        coordinator's ``reply_ttl``.
+        """
+        self._replies_read.append(key)
+        if len(self._replies_read) >= _REPLIES_KEPT:
+            self._remove_replies()
+
+    def _remove_replies(self) -> None:
+        """Remove the replies read (best effort: otherwise they expire after ``reply_ttl``)."""
+        if not self._replies_read:
+            return
+        try:
+            with self.conn.pipeline(transaction=False) as pipe:
+                for key in self._replies_read:
+                    pipe.ltrim(key, 1, 0)
+                pipe.execute()
+        except redis.RedisError as exc:
+            logger.debug("registration replies left to expire: %s", exc)
+        self._replies_read.clear()
 
     def register_job(
         self,
@@ -312,12 +372,17 @@ class CoordinatorClient:
         A rank's hook joins over this client, then talks to Redis only from its threads,
         over connections of their own: kept open, this one would idle for the whole run.
         """
+        self._remove_replies()
         self.conn.connection_pool.disconnect(inuse_connections=False)
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool (after removing the replies read)."""
+        self._remove_replies()
         self.conn.close()
 
+
+# Replies read that a client removes in one round trip of their own, if no request took them.
+_REPLIES_KEPT = 1024
 
 # The hook's waits between tries on a Redis error (here and in its threads): doubling from
 # the first to the last.

@@ -1,0 +1,91 @@
+"""A registration's reply survives Redis shutting down as the rank reads it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import redis
+
+from coordinator.embedded import EmbeddedRedis
+from coordinator.service import Coordinator
+from protocol import keys
+from tests.helpers import make_settings, register, running, wait_for
+from worker_client.hook.session import CoordinatorClient, _Retry
+
+
+def _reading(thread: threading.Thread) -> bool:
+    """Whether ``thread`` sent its command and waits for the answer (redis-py's read)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == "read_response":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _down(url: str) -> bool:
+    try:
+        redis.Redis.from_url(url).ping()
+    except redis.ConnectionError:
+        return True
+    return False
+
+
+def test_a_reply_read_as_redis_shuts_down_is_read_again_after_the_restart():
+    """Redis runs the rank's read, then shuts down before writing the answer back.
+
+    Redis drops the answers of the commands it ran in its last moment (a SHUTDOWN, or a
+    restart's SIGTERM, handled after the commands read with it). A BLPOP had taken the reply
+    for good (the append-only file kept the pop): the rank then waited its whole
+    ``reply_timeout`` for a reply that was gone, and its training failed with "no coordinator
+    answered register_rank", under load, in ``test_a_rank_starting_rides_through_redis_restarts``.
+    """
+    with EmbeddedRedis(appendonly=True) as server:
+        conn = redis.Redis.from_url(server.url)
+        key = keys.reply_key("read-at-shutdown")
+        conn.lpush(key, b"the reply")  # the coordinator answered before the rank read
+        conn.expire(key, 300)
+        client = CoordinatorClient(server.url, reply_timeout=10)
+        client.conn.ping()  # connected: Redis will answer nothing until it runs again
+        shutdown = redis.Redis.from_url(server.url, single_connection_client=True)
+        shutdown.ping()
+        got: dict[str, Any] = {}
+
+        def read() -> None:
+            deadline = time.monotonic() + client.reply_timeout
+            got["reply"] = client._read_reply(key, deadline, _Retry(client, "read", deadline))
+
+        # Frozen, Redis reads the rank's command and the SHUTDOWN together once resumed, in
+        # the order they came: it runs the read, then shuts down before answering it.
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            thread = threading.Thread(target=read, daemon=True)
+            thread.start()
+            wait_for(lambda: _reading(thread), 10, "the rank's read sent")
+            shutdown.connection.send_command("SHUTDOWN")
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        wait_for(lambda: _down(server.url), 10, "redis shut down")
+        server.restart()
+        thread.join(timeout=30)
+        assert got["reply"] == b"the reply"
+        client.close()
+
+
+def test_the_replies_read_are_removed_by_the_next_request_and_at_close():
+    """Read without being taken, each reply (a rank's carries its token) is removed all the
+    same: the next request takes the earlier ones along, ``close()`` the last."""
+    with EmbeddedRedis() as server:
+        conn = redis.Redis.from_url(server.url)
+        client = CoordinatorClient(server.url, reply_timeout=10)
+        coord = Coordinator(redis.Redis.from_url(server.url), make_settings(server.url))
+        with running(coord):
+            register(client, pp=2)  # a job, then its two ranks
+            assert len(conn.keys(keys.reply_key("*"))) == 1  # the last rank's
+            client.close()
+        assert conn.keys(keys.reply_key("*")) == []
