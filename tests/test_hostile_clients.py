@@ -107,24 +107,8 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
                 return xadd(name, fields, *args, **kw)
 
             genuine.conn.xadd = recording_xadd  # type: ignore[method-assign]
-            pipeline = genuine.conn.pipeline
-
-            def recording_pipeline(*args: Any, **kw: Any) -> Any:
-                # A registration goes in a pipeline that removes the replies read before it.
-                pipe = pipeline(*args, **kw)
-                pipe_xadd = pipe.xadd
-
-                def pipe_recording_xadd(
-                    name: str, fields: dict[Any, Any], *a: Any, **kwa: Any
-                ) -> Any:
-                    sent.append((name, {_bytes(k): _bytes(v) for k, v in fields.items()}))
-                    return pipe_xadd(name, fields, *a, **kwa)
-
-                pipe.xadd = pipe_recording_xadd
-                return pipe
-
-            genuine.conn.pipeline = recording_pipeline  # type: ignore[method-assign]
             job_id = register(genuine, pp=2)
+            genuine.release_idle()  # as the hook does: the replies read are removed
             hostile = CoordinatorClient(server.url, reply_timeout=20)
             hostile_job = register(hostile, pp=1)
             profiler_job = hostile.register_job(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -77,15 +78,47 @@ def test_a_reply_read_as_redis_shuts_down_is_read_again_after_the_restart():
         client.close()
 
 
-def test_the_replies_read_are_removed_by_the_next_request_and_at_close():
+def _replies(conn: redis.Redis) -> list[bytes]:
+    return list(conn.scan_iter(match=keys.reply_key("*")))
+
+
+def test_the_replies_read_are_removed_by_release_idle_and_at_close():
     """Read without being taken, each reply (a rank's carries its token) is removed all the
-    same: the next request takes the earlier ones along, ``close()`` the last."""
+    same, off the registration's path: by ``release_idle()`` (the hook's, once its first
+    schedule came) or ``close()``."""
     with EmbeddedRedis() as server:
         conn = redis.Redis.from_url(server.url)
         client = CoordinatorClient(server.url, reply_timeout=10)
         coord = Coordinator(redis.Redis.from_url(server.url), make_settings(server.url))
         with running(coord):
             register(client, pp=2)  # a job, then its two ranks
-            assert len(conn.keys(keys.reply_key("*"))) == 1  # the last rank's
+            assert len(_replies(conn)) == 3
+            client.release_idle()
+            assert _replies(conn) == []
+            register(client, pp=1)
+            assert len(_replies(conn)) == 2
             client.close()
-        assert conn.keys(keys.reply_key("*")) == []
+        assert _replies(conn) == []
+
+
+def test_a_registration_says_redis_is_back_when_it_answers_not_when_the_reply_comes(caplog):
+    # Logged once the reply came (or at the deadline): a coordinator that answered late, or
+    # not at all, made it read "redis ... is back after 30.0 s" though Redis had long been.
+    with EmbeddedRedis(appendonly=True) as server:
+        client = CoordinatorClient(server.url, reply_timeout=60)
+        got: dict[str, Any] = {}
+        thread = threading.Thread(
+            target=lambda: got.update(job=register(client, pp=1)), daemon=True
+        )
+        with caplog.at_level(logging.WARNING, logger="worker_client.hook.session"):
+            thread.start()
+            conn = redis.Redis.from_url(server.url)
+            wait_for(lambda: conn.xlen(keys.REGISTRATIONS_STREAM) == 1, 10, "the request")
+            server.restart(downtime=0.5)
+            # No coordinator runs yet: the client must say Redis is back all the same.
+            wait_for(lambda: "is back after" in caplog.text, 20, "the client's 'is back'")
+            coord = Coordinator(redis.Redis.from_url(server.url), make_settings(server.url))
+            with running(coord):
+                thread.join(timeout=30)
+        assert "job" in got and caplog.text.count("is back after") == 1, caplog.text
+        client.close()

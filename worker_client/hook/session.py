@@ -86,8 +86,7 @@ class CoordinatorClient:
         # (job, rank) -> the token its registration reply gave: results and heartbeats prove
         # it. Never logged, never sent as such (results carry a MAC, see protocol.tokens).
         self._tokens: dict[tuple[str, int], str] = {} if tokens is None else tokens
-        # Replies read and not yet removed: removed with the next request, or by
-        # release_idle() or close() (see _discard_reply).
+        # Replies read and not yet removed (see _discard_reply).
         self._replies_read: list[str] = []
 
     def background_client(self, socket_timeout: float = SOCKET_TIMEOUT_S) -> CoordinatorClient:
@@ -119,8 +118,9 @@ class CoordinatorClient:
         entry = encode_message(message, wait_s=self.reply_timeout)
         key = keys.reply_key(message.request_id)
         retry = _Retry(self, f"registration ({message.kind})", deadline)
-        answer = self._read_reply(key, deadline, retry, lambda: self._send(entry))
-        retry.done()
+        answer = self._read_reply(
+            key, deadline, retry, lambda: self.conn.xadd(keys.REGISTRATIONS_STREAM, entry)
+        )
         if answer is None:
             raise CoordinatorUnavailableError(
                 f"no coordinator answered {message.kind} within {self.reply_timeout:.0f} s; "
@@ -155,6 +155,11 @@ class CoordinatorClient:
         longest = longest_block(self.conn, self.reply_timeout)
         while True:
             try:
+                if retry.since is not None:
+                    # Back? Said when Redis answers, not once the reply came (seconds later,
+                    # or at the deadline, where it read as Redis back only then).
+                    self.conn.time()
+                    retry.done()
                 if send is not None:
                     send()
                     send = None  # sent: never again (see _request)
@@ -167,22 +172,14 @@ class CoordinatorClient:
             except redis.RedisError as exc:
                 retry.after(exc)
 
-    def _send(self, entry: dict[str, Any]) -> None:
-        """XADD a registration, removing the replies read before it in the same round trip."""
-        with self.conn.pipeline(transaction=False) as pipe:
-            for key in self._replies_read:
-                pipe.ltrim(key, 1, 0)  # empties the list, so deletes it; lists only (ACL)
-            pipe.xadd(keys.REGISTRATIONS_STREAM, entry)
-            pipe.execute()
-        self._replies_read.clear()
-
     def _discard_reply(self, key: str) -> None:
         """Have a reply that was read removed: a rank's carries its token (Redis keeps digests).
 
-        Removed with the next request (no round trip of its own: a registration per rank is
-        what ``benchmarks/bench_coordinator.py`` measures against the raw limit), or by
-        :meth:`release_idle` or :meth:`close`; at the latest it expires after the
-        coordinator's ``reply_ttl``.
+        Removed by :meth:`release_idle` (the hook calls it once its first schedule came) or
+        :meth:`close`, or with a thousand others read meanwhile: no round trip of its own
+        on the registration's path, whose rate ``benchmarks/bench_coordinator.py`` measures
+        against the raw limit (a pipelined delete per registration cost 5% of it). At the
+        latest it expires after the coordinator's ``reply_ttl``.
         """
         self._replies_read.append(key)
         if len(self._replies_read) >= _REPLIES_KEPT:
@@ -381,7 +378,7 @@ class CoordinatorClient:
         self.conn.close()
 
 
-# Replies read that a client removes in one round trip of their own, if no request took them.
+# Replies read that a client removes in one round trip, before release_idle() or close().
 _REPLIES_KEPT = 1024
 
 # The hook's waits between tries on a Redis error (here and in its threads): doubling from
@@ -436,7 +433,7 @@ class _Retry:
         self._delay = min(self._delay * 2, LAST_RETRY_S)
 
     def done(self) -> None:
-        """Log the end of an outage, if there was one."""
+        """Log the end of an outage, if there was one (a later error begins another)."""
         if self.since is not None:
             logger.warning(
                 "%s: redis at %s is back after %.1f s",
@@ -444,3 +441,4 @@ class _Retry:
                 self.client.where,
                 time.monotonic() - self.since,
             )
+            self.since = None
