@@ -52,7 +52,7 @@ from protocol.models import (
 )
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule, stage_order
 from protocol.scheduler import FrequencyScheduler
-from schedulers.parallel3d import check_rank_infos
+from schedulers.parallel3d import check_rank_infos, common_frequencies
 from schedulers.planning.choose import ChosenPlan
 from schedulers.planning.frontier_compute import p2p_unset_note
 from schedulers.planning.profile_writer import write_profile_csv
@@ -241,16 +241,7 @@ class InstructionProfiler(FrequencyScheduler):
 
     # --- setup -------------------------------------------------------------------------------
     def _common_clocks(self, stage: int) -> list[int]:
-        members = self.stage_ranks[stage]
-        common = set(members[0].available_frequencies)
-        for info in members[1:]:
-            common &= set(info.available_frequencies)
-        if not common:
-            raise ConfigError(
-                f"job {self.job_info.job_id}: the ranks of stage {stage} have no GPU clock in "
-                "common"
-            )
-        return sorted(common, reverse=True)
+        return common_frequencies(self.job_info.job_id, stage, self.stage_ranks[stage])
 
     def _sweep_clocks(self, stage: int, restrict: Sequence[int] | None) -> list[int]:
         common = self._common_clocks(stage)

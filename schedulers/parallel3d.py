@@ -59,6 +59,27 @@ def check_rank_infos(job_info: JobInfo, rank_infos: Sequence[RankInfo]) -> list[
     return ranks
 
 
+def common_frequencies(job_id: str, stage: int, members: Sequence[RankInfo]) -> list[int]:
+    """Frequencies every rank of pipeline stage ``stage`` (its ``members``) supports.
+
+    Returns:
+        The frequencies, highest first.
+
+    Raises:
+        ConfigError: The stage's ranks have no frequency in common.
+
+    """
+    common = set(members[0].available_frequencies)
+    for info in members[1:]:
+        common &= set(info.available_frequencies)
+    if not common:
+        raise ConfigError(
+            f"job {job_id}: the ranks of stage {stage} ({[info.rank for info in members]}) "
+            "have no GPU frequency in common"
+        )
+    return sorted(common, reverse=True)
+
+
 class _ThreeDParallel(FrequencyScheduler):
     """Mixin placed before the wrapped scheduler in the MRO by :func:`make_3d_parallel`.
 
@@ -99,15 +120,7 @@ class _ThreeDParallel(FrequencyScheduler):
     def _stage_frequencies(self, stage: int) -> list[int]:
         """Frequencies every rank of ``stage`` supports, highest first."""
         members = [self.real_rank_infos[r] for r in self._stage_ranks[stage]]
-        common = set(members[0].available_frequencies)
-        for info in members[1:]:
-            common &= set(info.available_frequencies)
-        if not common:
-            raise ConfigError(
-                f"job {self.real_job_info.job_id}: the ranks of stage {stage} "
-                f"({self._stage_ranks[stage]}) have no GPU frequency in common"
-            )
-        return sorted(common, reverse=True)
+        return common_frequencies(self.real_job_info.job_id, stage, members)
 
     def observe(self, profiling_results: list[ProfilingResult]) -> None:
         """Merge the results of each stage's ranks and pass one result per stage on."""

@@ -24,7 +24,7 @@ import redis
 import torch.distributed as dist
 
 from protocol import keys
-from tests.helpers import make_hook, run_step, step_until, write_1f1b_plan
+from tests.rank_helpers import make_hook, run_step, step_until, write_1f1b_plan
 from worker_client.gpu.frequency import DryRunFrequencyController, FrequencyController
 
 

@@ -19,15 +19,8 @@ from protocol.exceptions import CoordinatorUnavailableError
 from protocol.models import JobConfig, JobInfo
 from protocol.store import JobStore
 from tests.acl_users import refused, url_of
-from tests.helpers import (
-    TOY_SCHEDULER,
-    make_hook,
-    result,
-    start_perseus,
-    step_until,
-    stop,
-    wait_for,
-)
+from tests.helpers import TOY_SCHEDULER, result, start_perseus, stop, wait_for
+from tests.rank_helpers import make_hook, step_until
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.watchers import ResultReporter, ScheduleWatcher

@@ -22,8 +22,9 @@ import yaml
 from coordinator.cli_common import load_settings
 from coordinator.settings import unknown_variables
 from protocol.exceptions import ConfigError
-from tests.helpers import ROOT, TOY_SCHEDULER, make_settings, write_1f1b_plan
+from tests.helpers import ROOT, TOY_SCHEDULER, make_settings
 from tests.pipes import piped
+from tests.rank_helpers import write_1f1b_plan
 
 PASSWORD = "0123abcd"
 # docker-compose v1's interpolation: no nesting, and a default cannot hold "}".

@@ -10,15 +10,8 @@ import pytest
 
 from protocol import keys
 from protocol.store import JobStore
-from tests.helpers import (
-    collect_ranks,
-    join_ranks,
-    run_perseus,
-    spawn_ranks,
-    start_perseus,
-    subprocess_env,
-    write_1f1b_plan,
-)
+from tests.helpers import run_perseus, start_perseus, subprocess_env
+from tests.rank_helpers import collect_ranks, join_ranks, spawn_ranks, write_1f1b_plan
 
 PP, MICROBATCHES = 4, 4
 STAGE_CLOCKS = [(1980, 1980), (1830, 1905), (1710, 1800), (1605, 1710)]  # (forward, backward)

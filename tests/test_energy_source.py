@@ -9,7 +9,7 @@ import pytest
 from protocol.exceptions import ConfigError
 from protocol.store import JobStore
 from tests import fake_nvml_power as fake
-from tests.helpers import make_hook
+from tests.rank_helpers import make_hook
 from worker_client.gpu.energy import EnergyMonitor
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.gpu.nvml import NVML, SIMULATED_NVML

@@ -16,7 +16,8 @@ from protocol.exceptions import (
     ScheduleError,
 )
 from protocol.store import JobStore
-from tests.helpers import make_hook, run_step, step_until, wait_for
+from tests.helpers import wait_for
+from tests.rank_helpers import make_hook, run_step, step_until
 from worker_client.gpu.frequency import DryRunFrequencyController
 
 

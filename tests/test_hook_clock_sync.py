@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from protocol.exceptions import ConfigError, GPUError
-from tests.helpers import make_hook, run_step, wait_for, write_1f1b_plan
+from tests.helpers import wait_for
+from tests.rank_helpers import make_hook, run_step, write_1f1b_plan
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.hook.clock_requests import ClockRequester
 

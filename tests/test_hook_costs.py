@@ -6,7 +6,8 @@ import time
 
 from protocol.models import JobConfig, JobInfo
 from protocol.store import JobStore
-from tests.helpers import make_hook, run_step, wait_for
+from tests.helpers import wait_for
+from tests.rank_helpers import make_hook, run_step
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.gpu.nvml import NVML, SIMULATED_NVML
 from worker_client.hook.energy_source import (

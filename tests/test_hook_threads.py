@@ -19,16 +19,8 @@ from protocol.exceptions import CoordinatorUnavailableError, GPUError, ProtocolE
 from protocol.models import JobConfig, JobInfo, ProfilingResult
 from protocol.store import JobStore
 from tests.fake_nvml import read_log
-from tests.helpers import (
-    ROOT,
-    free_ports,
-    make_hook,
-    result,
-    run_step,
-    step_until,
-    subprocess_env,
-    wait_for,
-)
+from tests.helpers import ROOT, free_ports, result, subprocess_env, wait_for
+from tests.rank_helpers import make_hook, run_step, step_until
 from tests.silent_proxy import SilentProxy
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.hook.joining import FINISH_TIMEOUT_S

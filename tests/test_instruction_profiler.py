@@ -133,6 +133,16 @@ def test_a_result_without_an_instruction_is_refused_before_it_is_stored(tmp_path
             InstructionProfiler.check_result(bad)
 
 
+def test_a_stage_without_a_common_clock_names_its_ranks(tmp_path):
+    """The same check, and message, as a 3D-parallel wrapper's (schedulers.parallel3d)."""
+    job, ranks = make_job(pp=2, dp=2)
+    ranks[3] = ranks[3].model_copy(update={"available_frequencies": [300]})  # below every clock
+    with pytest.raises(
+        ConfigError, match=r"^job job: the ranks of stage 1 \(\[1, 3\]\) have no GPU frequency in"
+    ):
+        InstructionProfiler(job, ranks, out_path=str(tmp_path / "p.csv"), microbatches=2)
+
+
 def test_results_that_are_all_warmup_are_refused(tmp_path):
     job, ranks = make_job(pp=1, dp=1)
     profiler = InstructionProfiler(job, ranks, out_path=str(tmp_path / "p.csv"), microbatches=2)

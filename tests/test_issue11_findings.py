@@ -91,11 +91,11 @@ from tests.helpers import (
     register,
     result,
     running,
-    spawn_ranks,
     start_perseus,
     stop,
     wait_for,
 )
+from tests.rank_helpers import spawn_ranks
 from worker_client.hook import session
 from worker_client.hook.session import CoordinatorClient
 

@@ -21,16 +21,14 @@ from protocol.store import JobStore
 from tests.helpers import (
     FREQS,
     TOY_SCHEDULER,
-    make_hook,
     make_settings,
     result,
-    run_step,
     running,
     start_perseus,
-    step_until,
     stop,
     wait_for,
 )
+from tests.rank_helpers import make_hook, run_step, step_until
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.watchers import ScheduleWatcher

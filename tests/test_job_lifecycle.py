@@ -19,18 +19,8 @@ from protocol.job_lifecycle import JobLifecycle
 from protocol.models import JobConfig, JobInfo, JournalEntry, RankInfo
 from protocol.store import JobStore
 from protocol.tokens import new_token
-from tests.helpers import (
-    FREQS,
-    TOY_SCHEDULER,
-    collect_ranks,
-    make_settings,
-    result,
-    spawn_ranks,
-    start_perseus,
-    stop,
-    wait_for,
-    write_1f1b_plan,
-)
+from tests.helpers import FREQS, TOY_SCHEDULER, make_settings, result, start_perseus, stop, wait_for
+from tests.rank_helpers import collect_ranks, spawn_ranks, write_1f1b_plan
 
 
 def new_job(store: JobStore, job_id: str, world: int = 2, ranks: int | None = None) -> list[str]:

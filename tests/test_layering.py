@@ -231,7 +231,7 @@ def _test_module_imports(path: Path) -> set[str]:
 
 
 def test_tests_share_helpers_not_other_test_modules():
-    """Helpers live in conftest.py / tests/helpers.py: a test module imports no other one."""
+    """Tests share conftest.py and helper modules (tests/helpers.py, ...), never a test module."""
     offenders = {}
     for path in sorted((ROOT / "tests").glob("*.py")):
         bad = sorted(n for n in _test_module_imports(path) if n.startswith("tests.test_"))

@@ -22,17 +22,8 @@ from protocol import keys
 from protocol.exceptions import CoordinatorUnavailableError
 from protocol.models import JobInfo
 from protocol.store import JobStore
-from tests.helpers import (
-    FAST_RECOVERY,
-    make_hook,
-    register,
-    result,
-    run_step,
-    start_perseus,
-    step_until,
-    stop,
-    wait_for,
-)
+from tests.helpers import FAST_RECOVERY, register, result, start_perseus, stop, wait_for
+from tests.rank_helpers import make_hook, run_step, step_until
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.watchers import MAX_BLOCK_S

@@ -30,7 +30,6 @@ from tests.helpers import (
     FREQS,
     ROOT,
     free_ports,
-    make_hook,
     make_settings,
     register,
     running,
@@ -39,6 +38,7 @@ from tests.helpers import (
     subprocess_env,
     wait_for,
 )
+from tests.rank_helpers import make_hook
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.hook.session import CoordinatorClient
 from worker_client.hook.watchers import MAX_BLOCK_S, ResultReporter, ScheduleWatcher

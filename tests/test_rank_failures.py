@@ -15,8 +15,9 @@ from protocol.pipeline_schedules import stage_actions
 from protocol.store import JobStore
 from schedulers.planning.pipeline_dag import one_f_one_b_order
 from schedulers.planning.plan_file import write_plan_file
-from tests.helpers import free_ports, join_ranks, spawn_ranks, wait_for
+from tests.helpers import free_ports, wait_for
 from tests.pipelining_ranks import PipelineRank, start_rank
+from tests.rank_helpers import join_ranks, spawn_ranks
 from worker_client.simulated.gpu import synthetic_instruction_table
 from worker_client.simulated.training import launch_simulated_job
 

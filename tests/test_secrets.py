@@ -21,13 +21,12 @@ from tests.helpers import (
     TOY_SCHEDULER,
     free_ports,
     launch_perseus,
-    make_hook,
-    run_step,
     start_perseus,
     stop,
     subprocess_env,
     wait_for,
 )
+from tests.rank_helpers import make_hook, run_step
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.hook.session import CoordinatorClient
 from worker_client.power_limit.profile import save_profile_file

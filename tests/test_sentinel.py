@@ -19,16 +19,9 @@ import redis
 from coordinator.embedded import EmbeddedRedis
 from protocol.connection import connect, parse_sentinel_url, redact_url
 from protocol.exceptions import CoordinatorUnavailableError
-from tests.helpers import (
-    FAST_RECOVERY,
-    TOY_SCHEDULER,
-    free_ports,
-    make_hook,
-    start_perseus,
-    step_until,
-    wait_for,
-)
+from tests.helpers import FAST_RECOVERY, TOY_SCHEDULER, free_ports, start_perseus, wait_for
 from tests.helpers import stop as stop_procs
+from tests.rank_helpers import make_hook, step_until
 from tests.sentinel_server import SENTINEL_SERVICE, start_sentinel
 from worker_client.gpu.frequency import DryRunFrequencyController
 

@@ -12,14 +12,8 @@ from coordinator.cli import main
 from coordinator.embedded import EmbeddedRedis
 from protocol.connection import connect
 from protocol.exceptions import CoordinatorUnavailableError
-from tests.helpers import (
-    TOY_SCHEDULER,
-    free_ports,
-    make_hook,
-    start_perseus,
-    step_until,
-    stop,
-)
+from tests.helpers import TOY_SCHEDULER, free_ports, start_perseus, stop
+from tests.rank_helpers import make_hook, step_until
 from tests.tls_proxy import TLSProxy, self_signed_cert
 from worker_client.gpu.frequency import DryRunFrequencyController
 

@@ -21,17 +21,9 @@ from protocol.models import FrequencySchedule
 from protocol.pipeline_schedules import stage_actions, stage_order
 from protocol.store import JobStore
 from schedulers.planning.plan_file import write_plan_file
-from tests.helpers import (
-    free_ports,
-    join_ranks,
-    make_hook,
-    make_settings,
-    running,
-    start_perseus,
-    stop,
-    wait_for,
-)
+from tests.helpers import free_ports, make_settings, running, start_perseus, stop, wait_for
 from tests.pipelining_ranks import PipelineRank, run_rank
+from tests.rank_helpers import join_ranks, make_hook
 from worker_client.gpu.frequency import DryRunFrequencyController
 from worker_client.gpu.nvml import SIMULATED_NVML
 from worker_client.integrations.torch_pipelining import PerseusPipeline, schedule_kind

@@ -125,6 +125,35 @@ class CoreResult:
         """Frontier points."""
         return len(self.quant_times)
 
+    def add_point(
+        self,
+        quant_time: int,
+        model_cost: float,
+        figures: tuple[float, float, float],
+        moves: list[tuple[int, int]],
+    ) -> int:
+        """Append a point (the solvers' one way to grow the frontier).
+
+        Args:
+            quant_time: Its iteration time, in time units.
+            model_cost: The cost models' total, J.
+            figures: ``(energy J, sum of instruction times s, longest path s)`` of its clocks,
+                as :meth:`~schedulers.planning.plan_eval.PlanEvaluator.figures` gives them.
+            moves: Its ``(node, option)`` changes from the previous point.
+
+        Returns:
+            The new point's index.
+
+        """
+        energy, time_sum, makespan = figures
+        self.quant_times.append(quant_time)
+        self.model_costs.append(model_cost)
+        self.energies.append(energy)
+        self.time_sums.append(time_sum)
+        self.makespans.append(makespan)
+        self.deltas.append(moves)
+        return len(self.quant_times) - 1
+
     def options_at(self, index: int) -> list[int]:
         """Option index per node at point ``index`` (replays the changes)."""
         current = list(self.initial)

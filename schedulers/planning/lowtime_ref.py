@@ -74,15 +74,9 @@ def solve_lowtime(problem: CoreProblem, progress: CoreProgress | None = None) ->
 
     def record(quant_time: int, cost: float, moves: list[tuple[int, int]]) -> None:
         evaluator.change(moves)
-        energy, time_sum, makespan = evaluator.figures()
-        result.quant_times.append(quant_time)
-        result.model_costs.append(cost)
-        result.energies.append(energy)
-        result.time_sums.append(time_sum)
-        result.makespans.append(makespan)
-        result.deltas.append(moves)
+        point = result.add_point(quant_time, cost, evaluator.figures(), moves)
         if progress is not None:
-            progress(len(result.quant_times) - 1, quant_time)
+            progress(point, quant_time)
 
     slow = int(problem.shape.makespan([op.duration for op in ops]))
     record(slow, sum(float(op.get_cost()) for op in ops), [])

@@ -218,15 +218,9 @@ def solve(problem: CoreProblem, progress: CoreProgress | None = None) -> CoreRes
     result = CoreResult([], [], [], [], [], list(options), [])
 
     def record(moves: list[tuple[int, int]]) -> None:
-        energy, time_sum, makespan = evaluator.figures()
-        result.quant_times.append(solver.makespan)
-        result.model_costs.append(cost)
-        result.energies.append(energy)
-        result.time_sums.append(time_sum)
-        result.makespans.append(makespan)
-        result.deltas.append(moves)
+        point = result.add_point(solver.makespan, cost, evaluator.figures(), moves)
         if progress is not None:
-            progress(len(result.quant_times) - 1, solver.makespan)
+            progress(point, solver.makespan)
 
     record([])
     solver.refresh([])

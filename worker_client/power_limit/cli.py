@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -30,10 +32,23 @@ from worker_client.power_limit.store import PowerLimitProfileStore
 _redis_url_option = redis_url_option(default_help=f"Default: {DEFAULT_REDIS_URL}.")
 
 
-def _store(redis_url: str | None) -> PowerLimitProfileStore:
+@contextmanager
+def _opened_store(redis_url: str | None) -> Iterator[PowerLimitProfileStore]:
+    """The profile store at ``redis_url``, closed after the block.
+
+    Raises:
+        click.ClickException: Redis is out of reach, a name or setting is wrong, or a stored
+            profile is unreadable (the message only, not a traceback).
+    """
     if redis_url is None:
         note_default_url()
-    return PowerLimitProfileStore.from_url(redis_url or DEFAULT_REDIS_URL)
+    store = PowerLimitProfileStore.from_url(redis_url or DEFAULT_REDIS_URL)
+    try:
+        yield store
+    except (CoordinatorUnavailableError, ConfigError, ProtocolError) as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        store.client.close()
 
 
 @click.group("power-limit")
@@ -64,8 +79,7 @@ def show(workload: str | None, redis_url: str | None, as_json: bool, path: Path 
             from_file.model_dump_json(indent=2) if as_json else format_profile(str(path), from_file)
         )
         return
-    store = _store(redis_url)
-    try:
+    with _opened_store(redis_url) as store:
         if workload is None:
             summaries = store.list_profiles()
             if as_json:
@@ -92,10 +106,6 @@ def show(workload: str | None, redis_url: str | None, as_json: bool, path: Path 
             click.echo(profile.model_dump_json(indent=2))
             return
         click.echo(format_profile(workload, profile))
-    except (CoordinatorUnavailableError, ConfigError, ProtocolError) as exc:
-        raise click.ClickException(str(exc)) from None
-    finally:
-        store.client.close()
 
 
 @power_limit_group.command("delete")
@@ -103,14 +113,9 @@ def show(workload: str | None, redis_url: str | None, as_json: bool, path: Path 
 @_redis_url_option
 def delete(workload: str, redis_url: str | None) -> None:
     """Delete WORKLOAD's stored profile (the next run profiles again)."""
-    store = _store(redis_url)
-    try:
+    with _opened_store(redis_url) as store:
         if not store.delete(workload):
             raise click.ClickException(f"no power-limit profile stored for {workload!r}")
-    except (CoordinatorUnavailableError, ConfigError) as exc:
-        raise click.ClickException(str(exc)) from None
-    finally:
-        store.client.close()
     click.echo(f"deleted the power-limit profile of {workload!r}")
 
 
@@ -120,14 +125,9 @@ def delete(workload: str, redis_url: str | None) -> None:
 @_redis_url_option
 def import_profile(path: Path, workload: str, redis_url: str | None) -> None:
     """Store the profile file PATH (e.g. written by Zeus) as WORKLOAD's profile."""
-    store = _store(redis_url)
-    try:
+    with _opened_store(redis_url) as store:
         profile = load_profile_file(path)
         store.save(workload, profile)
-    except (CoordinatorUnavailableError, ConfigError) as exc:
-        raise click.ClickException(str(exc)) from None
-    finally:
-        store.client.close()
     click.echo(f"stored {len(profile.measurements)} measurements from {path} as {workload!r}")
 
 
@@ -137,13 +137,8 @@ def import_profile(path: Path, workload: str, redis_url: str | None) -> None:
 @_redis_url_option
 def export_profile(workload: str, path: Path, redis_url: str | None) -> None:
     """Write WORKLOAD's stored profile to PATH, a profile file Zeus can read."""
-    store = _store(redis_url)
-    try:
+    with _opened_store(redis_url) as store:
         profile = store.load(workload)
-    except (CoordinatorUnavailableError, ConfigError, ProtocolError) as exc:
-        raise click.ClickException(str(exc)) from None
-    finally:
-        store.client.close()
     if profile is None:
         raise click.ClickException(f"no power-limit profile stored for {workload!r}")
     try:
