@@ -100,13 +100,9 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
             # What the genuine client sends, kept for the replays: the coordinator trims
             # acknowledged entries from the streams.
             sent: list[tuple[str, dict[bytes, bytes]]] = []
-            xadd = genuine.conn.xadd
-
-            def recording_xadd(name: str, fields: dict[Any, Any], *args: Any, **kw: Any) -> Any:
-                sent.append((name, {_bytes(k): _bytes(v) for k, v in fields.items()}))
-                return xadd(name, fields, *args, **kw)
-
-            genuine.conn.xadd = recording_xadd  # type: ignore[method-assign]
+            # Registrations go over a connection the client keeps, results over its pool.
+            for conn_used in (genuine.conn, genuine._registrations()):
+                record_xadds(conn_used, sent)
             job_id = register(genuine, pp=2)
             genuine.release_idle()  # as the hook does: the replies read are removed
             hostile = CoordinatorClient(server.url, reply_timeout=20)
@@ -130,6 +126,17 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         finally:
             stop([proc])
             print((tmp / "coordinator.log").read_text()[-3000:])
+
+
+def record_xadds(conn: redis.Redis, sent: list[tuple[str, dict[bytes, bytes]]]) -> None:
+    """Have every XADD ``conn`` sends appended to ``sent`` (stream, fields) too."""
+    xadd = conn.xadd
+
+    def recording_xadd(name: str, fields: dict[Any, Any], *args: Any, **kw: Any) -> Any:
+        sent.append((name, {_bytes(k): _bytes(v) for k, v in fields.items()}))
+        return xadd(name, fields, *args, **kw)
+
+    conn.xadd = recording_xadd
 
 
 def _bytes(value: Any) -> bytes:

@@ -15,6 +15,7 @@ import redis
 from coordinator.embedded import EmbeddedRedis
 from coordinator.service import Coordinator
 from protocol import keys
+from protocol.models import JobInfo, RankInfo
 from tests.helpers import make_settings, register, running, wait_for
 from worker_client.hook.session import CoordinatorClient, _Retry
 
@@ -121,4 +122,44 @@ def test_a_registration_says_redis_is_back_when_it_answers_not_when_the_reply_co
             with running(coord):
                 thread.join(timeout=30)
         assert "job" in got and caplog.text.count("is back after") == 1, caplog.text
+        client.close()
+
+
+def test_registrations_keep_one_connection_and_release_idle_gives_it_back(monkeypatch):
+    """A registration's two commands skip redis-py's pool checkout (5-8% of one client's
+    registration rate); ``release_idle()`` still leaves that connection closed."""
+    with EmbeddedRedis() as server:
+        client = CoordinatorClient(server.url, reply_timeout=10)
+        coord = Coordinator(redis.Redis.from_url(server.url), make_settings(server.url))
+        pool = client.conn.connection_pool
+        checkouts = [0]
+        original = type(pool).get_connection
+
+        def counted(self: redis.ConnectionPool, *args: object, **kwargs: object) -> object:
+            if self is pool:
+                checkouts[0] += 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(type(pool), "get_connection", counted)
+        job = JobInfo(pp_degree=4, dp_degree=1, tp_degree=1, world_size=4)
+        with running(coord):
+            job_id = client.register_job(job)  # the first registration takes the connection
+            taken = checkouts[0]
+            for rank in range(4):  # four ranks: eight commands, no checkout
+                client.register_rank(
+                    job_id,
+                    RankInfo(
+                        rank=rank,
+                        dp_rank=0,
+                        pp_rank=rank,
+                        tp_rank=0,
+                        available_frequencies=[1980, 1965],
+                    ),
+                )
+            assert checkouts[0] == taken
+            kept = client._registrations().connection
+            assert kept is not None and kept.is_connected
+            client.release_idle()
+            assert not kept.is_connected
+            register(client, pp=1)  # connects again
         client.close()

@@ -23,6 +23,7 @@ from protocol import keys
 from protocol.acl import refused
 from protocol.codec import unpack, validation_text
 from protocol.connection import (
+    SENTINEL_SCHEMES,
     SOCKET_TIMEOUT_S,
     connect,
     longest_block,
@@ -88,6 +89,34 @@ class CoordinatorClient:
         self._tokens: dict[tuple[str, int], str] = {} if tokens is None else tokens
         # Replies read and not yet removed (see _discard_reply).
         self._replies_read: list[str] = []
+        self._kept: redis.Redis | None = None  # see _registrations
+
+    def _registrations(self) -> redis.Redis:
+        """The client a registration's XADD and read go over: one connection, kept.
+
+        redis-py's pool checkout, which every command on :attr:`conn` pays (a poll of the
+        socket, metrics), took 5-8% of one client's registration rate (two commands each;
+        ``benchmarks/bench_registration_ab.py --own-clients``). Made on the first
+        registration, not with the client: a client is made while Redis may be down, and a
+        registration rides through that (see :meth:`_request`). Threads registering over one
+        client at once take turns. A sentinel URL's registrations use :attr:`conn`: redis-py
+        finds a new master only for connections its pool hands out.
+        """
+        if self.redis_url.startswith(SENTINEL_SCHEMES):
+            return self.conn
+        if self._kept is None:
+            kept = redis.Redis(
+                connection_pool=self.conn.connection_pool, single_connection_client=True
+            )
+            kept.auto_close_connection_pool = False  # the pool is conn's to close
+            self._kept = kept
+        return self._kept
+
+    def _release_kept(self) -> None:
+        """Give the kept connection back to the pool (a later registration takes one again)."""
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
 
     def background_client(self, socket_timeout: float = SOCKET_TIMEOUT_S) -> CoordinatorClient:
         """A client of the same Redis and tokens, on connections of its own, for a thread.
@@ -119,7 +148,10 @@ class CoordinatorClient:
         key = keys.reply_key(message.request_id)
         retry = _Retry(self, f"registration ({message.kind})", deadline)
         answer = self._read_reply(
-            key, deadline, retry, lambda: self.conn.xadd(keys.REGISTRATIONS_STREAM, entry)
+            key,
+            deadline,
+            retry,
+            lambda: self._registrations().xadd(keys.REGISTRATIONS_STREAM, entry),
         )
         if answer is None:
             raise CoordinatorUnavailableError(
@@ -164,7 +196,7 @@ class CoordinatorClient:
                     send()
                     send = None  # sent: never again (see _request)
                 wait = max(min(deadline - time.monotonic(), longest), 0.01)
-                answer = self.conn.brpoplpush(key, key, timeout=wait)
+                answer = self._registrations().brpoplpush(key, key, timeout=wait)
                 if answer is not None:
                     return answer
                 if time.monotonic() >= deadline:
@@ -370,11 +402,13 @@ class CoordinatorClient:
         over connections of their own: kept open, this one would idle for the whole run.
         """
         self._remove_replies()
+        self._release_kept()
         self.conn.connection_pool.disconnect(inuse_connections=False)
 
     def close(self) -> None:
         """Close the connection pool (after removing the replies read)."""
         self._remove_replies()
+        self._release_kept()
         self.conn.close()
 
 
