@@ -189,6 +189,8 @@ def _probe(gpu: str, module: str, devices: tuple[int, int]) -> str:
         raise
     try:
         count = nvml.device_count()
+        if count == 0 and gpu == "simulated":  # its hint would be to use what was used
+            raise GPUError("the simulated NVML has no GPU: PERSEUS_SIM_GPU_COUNT=0")
         if count == 0:
             raise GPUError(f"NVML sees no GPU; {_NO_GPU_HINT}")
         bad = [d for d in devices if not 0 <= d < count]

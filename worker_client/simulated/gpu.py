@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.constants import H100_GRAPHICS_CLOCKS
+from protocol.exceptions import ConfigError
 
 # Also importable from here, where they used to live.
 from worker_client.simulated.instruction_table import InstructionTable, synthetic_instruction_table
@@ -107,13 +108,14 @@ def device_count() -> int:
     """Return the number of simulated devices (``PERSEUS_SIM_GPU_COUNT``, default 8).
 
     Raises:
-        ValueError: The variable is no whole number >= 0 (named, with what it holds).
+        ConfigError: The variable is no whole number >= 0 (named, with what it holds); a
+            ValueError, which a command's error handling turns into one line.
     """
     raw = os.environ.get("PERSEUS_SIM_GPU_COUNT", str(DEFAULT_DEVICE_COUNT))
     if not (
         raw.strip().isascii() and raw.strip().isdigit()
     ):  # int() said "invalid literal", naming no variable
-        raise ValueError(
+        raise ConfigError(
             f"PERSEUS_SIM_GPU_COUNT must be a whole number of simulated GPUs (>= 0), got {raw!r}"
         )
     return int(raw)
