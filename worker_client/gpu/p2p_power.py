@@ -181,6 +181,8 @@ def _check_args(gpu: str, seconds: float, repeats: int, sample_interval: float) 
 
 def _probe(gpu: str, module: str, devices: tuple[int, int]) -> str:
     """Check NVML and the devices in this process; return the receiver's product name."""
+    if gpu == "simulated":  # its state folder, before a rank's side thread fails in it
+        importlib.import_module(SIMULATED_NVML).check_state_dir()
     try:
         nvml = ReadOnlyNVML(module)
     except GPUError as exc:

@@ -99,6 +99,27 @@ def resolve_state_dir(explicit: str | Path | None = None) -> Path:
     return Path(explicit)
 
 
+def check_state_dir(directory: str | Path | None = None) -> Path:
+    """Make the state folder now, where a failure can still name it; return it.
+
+    A folder that cannot be made (``PERSEUS_SIM_GPU_DIR`` under a file, or under ``/proc``)
+    otherwise failed only in a side thread's first write, and what a user then read was that
+    the energy counter never moved.
+
+    Raises:
+        ConfigError: The folder cannot be made or is no folder (named, with the reason).
+    """
+    path = resolve_state_dir(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot make the simulated GPUs' state folder {path} (PERSEUS_SIM_GPU_DIR): "
+            f"{exc.strerror or exc}"
+        ) from None
+    return path
+
+
 def reset_state(directory: str | Path | None = None) -> None:
     """Forget every simulated device's clocks, limits and energy (delete the state files)."""
     shutil.rmtree(resolve_state_dir(directory), ignore_errors=True)
