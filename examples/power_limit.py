@@ -27,6 +27,7 @@ from typing import Literal
 from protocol.exceptions import ConfigError, GPUError
 from worker_client.gpu.energy import EnergyMonitor
 from worker_client.gpu.nvml import NVML, SIMULATED_NVML
+from worker_client.power_limit.arguments import check_arguments
 from worker_client.power_limit.optimizer import (
     Done,
     Energy,
@@ -112,6 +113,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     """Profile, choose, train a few steps at the chosen limit; print what happened."""
+    # The optimizer's own checks, before the GPU is opened and the header printed: a refused
+    # value read "every -5 W down" first, after seconds of waiting for the energy monitor.
+    selector = make_selector(args, gpus=1)
+    check_arguments(
+        selector,
+        1,
+        args.warmup_steps,
+        args.profile_steps,
+        args.pl_step,
+        args.profile_path,
+        None,
+        None,
+    )
     simulated = args.gpu == "simulated"
     index = 0 if simulated else int(args.gpu)
     nvml = NVML(SIMULATED_NVML) if simulated else NVML()
@@ -134,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         optimizer = GlobalPowerLimitOptimizer(
             mon,
-            make_selector(args, gpus=1),
+            selector,
             wait_steps=1,
             warmup_steps=args.warmup_steps,
             profile_steps=args.profile_steps,

@@ -53,6 +53,16 @@ from schedulers.point_solution import check_plan_fits
 logger = logging.getLogger(__name__)
 
 
+# FrontierScheduler's arguments that only planning from a profile reads, with their defaults.
+_PLANNING_DEFAULTS: dict[str, object] = {
+    "microbatches": None,
+    "unit_time": 0.001,
+    "p2p_power": None,
+    "solver": "auto",
+    "schedule": DEFAULT_SCHEDULE,
+}
+
+
 def _read_plan(frontier: Frontier, point: FrontierPoint) -> PlanFile:
     """A folder's plan: its file, else rebuilt from the folder's ``plans.delta``."""
     path = frontier.path(point)
@@ -157,6 +167,7 @@ class FrontierScheduler(FrequencyScheduler):
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
         if args.get("profile") is None:
+            cls._check_no_planning_args(args)
             return
         microbatches = args.get("microbatches")
         if microbatches is None:
@@ -173,6 +184,26 @@ class FrontierScheduler(FrequencyScheduler):
         solver = args.get("solver", "auto")
         if solver not in SOLVERS:
             raise ConfigError(f"{name}: unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
+
+    @classmethod
+    def _check_no_planning_args(cls, args: dict[str, Any]) -> None:
+        """Refuse planning arguments beside ``frontier_dir``, which were ignored.
+
+        The folder's plans were made by ``perseus optimize`` with its own arguments: a
+        ``schedule`` of ``gpipe`` beside a 1f1b folder served the 1f1b plans without a word.
+        A value equal to the default is let through (it changes nothing).
+        """
+        given = [
+            key for key, default in _PLANNING_DEFAULTS.items() if args.get(key, default) != default
+        ]
+        if given:
+            verb = "plans" if len(given) == 1 else "plan"
+            raise ConfigError(
+                f"{cls.__name__}: {', '.join(map(repr, given))} {verb} from a profile only; "
+                "with frontier_dir the folder's plans were made by `perseus optimize` with its "
+                "own --microbatches, --schedule, --unit-time, --p2p-power and --solver: leave "
+                "them out, or give profile instead of frontier_dir"
+            )
 
     @classmethod
     def check_files(cls, args: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ import pytest
 from protocol.connection import parse_sentinel_url
 from protocol.exceptions import ConfigError
 from protocol.numbers import ascii_float, ascii_int, is_ascii_digits
+from schedulers.planning.choose import parse_policy
 from schedulers.planning.frontier_files import load_frontier
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.synthetic_profile import synthetic_profile
@@ -91,3 +92,29 @@ def test_a_frontier_csv_plan_number_in_other_digits_names_the_file_and_line(
         with pytest.raises(ConfigError) as info:
             load_frontier(out)
         assert str(info.value).startswith(f"{path}:2: {words}"), info.value
+
+
+@pytest.mark.parametrize(
+    ("policy", "value", "says"),
+    [
+        # int()'s cousin float() read Arabic-Indic one as a deadline of 1 s.
+        (f"deadline {ARABIC_ONE}", None, f"policy 'deadline {ARABIC_ONE}': '{ARABIC_ONE}' is not"),
+        # The message showed '1-0': the policy's '_' -> '-' spelling was applied to the value.
+        ("deadline 1_0", None, "policy 'deadline 1_0': '1_0' is not a number"),
+        # A limit of inf s or nan s is none: 'deadline inf (limit inf s)' picked a plan.
+        ("deadline inf", None, "deadline SECONDS must be a finite number, got inf"),
+        ("max-slowdown infinity", None, "max-slowdown FACTOR must be a finite number, got inf"),
+        ("straggler", float("nan"), "straggler SECONDS must be a finite number, got nan"),
+    ],
+)
+def test_a_policy_value_is_a_finite_number_in_ascii_shown_as_typed(
+    policy: str, value: float | None, says: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_policy(policy, value)
+    assert says in str(info.value)
+
+
+def test_policies_still_read_their_spellings() -> None:
+    assert parse_policy("Max_Slowdown=1.5") == ("max-slowdown", 1.5)
+    assert parse_policy(" deadline  2e-1 ") == ("deadline", 0.2)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from click.testing import CliRunner
 from rq import Queue
 
 from coordinator import cli_common
@@ -293,3 +294,12 @@ def test_status_shows_rq_suspended_until_resumed(r, redis_url):
         resume(r)
     code, out = invoke_perseus("status", "--redis-url", redis_url)
     assert code == 0 and "SUSPENDED" not in out
+
+
+def test_perseus_redis_appendonly_says_its_file_goes_at_stop_too():
+    # "Turn on append-only persistence", then "the data is deleted": a Redis user read that the
+    # data would outlive the command; the append-only file lives in the folder deleted at stop.
+    result = CliRunner().invoke(main, ["redis", "--help"])
+    assert result.exit_code == 0
+    said = " ".join(result.output.split())
+    assert "deleted with it when the command stops" in said, said

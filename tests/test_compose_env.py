@@ -226,3 +226,17 @@ def test_a_plan_passed_over_for_other_arguments_is_named_in_the_error(project):
         settings.check_scheduler()
     words = str(info.value)
     assert "neither" in words and f"plan={plan!r} is not used" in words, words
+
+
+def test_a_plan_a_scheduler_cannot_take_is_named_in_its_error(project):
+    # PERSEUS_SCHEDULER=FrontierScheduler beside a PERSEUS_PLAN read "got neither" only,
+    # as if the plan had not been set: the scheduler takes no solution_path.
+    plan = str(project / "plan.py")
+    settings = make_settings(
+        "redis://x", scheduler="FrontierScheduler", scheduler_args={}, plan=plan
+    )
+    with pytest.raises(ConfigError) as info:
+        settings.check_scheduler()
+    words = str(info.value)
+    assert "got neither" in words, words
+    assert f"plan={plan!r} is not used: FrontierScheduler takes no solution_path" in words, words

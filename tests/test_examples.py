@@ -205,8 +205,9 @@ def test_power_limit_example_without_a_driver_says_to_use_the_simulated_gpu(tmp_
         (["--gpu", "first"], "argument --gpu: 'simulated' or a CUDA index, got 'first'"),
         (["--epoch-steps", "0"], "argument --epoch-steps: a whole number >= 1, got '0'"),
         (["--after-steps", "0"], "argument --after-steps: a whole number >= 1, got '0'"),
+        (["--pl-step", "-5"], "power_limit.py: error: pl_step must be an integer >= 1, got -5"),
     ],
-    ids=["warmup-steps", "eta", "profile-path", "gpu", "epoch-steps", "after-steps"],
+    ids=["warmup-steps", "eta", "profile-path", "gpu", "epoch-steps", "after-steps", "pl-step"],
 )
 def test_power_limit_example_refuses_a_bad_option_in_one_line(tmp_path, args, says):
     # A refused option was a ConfigError traceback; --epoch-steps 0 looped for ever and
@@ -215,6 +216,9 @@ def test_power_limit_example_refuses_a_bad_option_in_one_line(tmp_path, args, sa
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     assert says in out.stderr.strip().splitlines()[-1]
+    # Refused before anything starts: no plan of limits printed with the refused value in it
+    # ("every -5 W down"), no GPU opened, no steps run waiting for the monitor's samples.
+    assert "power limits" not in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize(

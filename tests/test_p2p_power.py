@@ -122,6 +122,41 @@ def test_device_out_of_range(sim_dir: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert "--devices 0,0" in result.output
 
 
+def test_a_bad_simulated_gpu_count_is_one_line_naming_the_variable(
+    sim_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 'abc' ended the command with a traceback (a ValueError out of the simulated NVML).
+    monkeypatch.setenv("PERSEUS_SIM_GPU_COUNT", "abc")
+    result = CliRunner().invoke(profile_p2p_command, ["--gpu", "simulated"])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "PERSEUS_SIM_GPU_COUNT must be a whole number" in result.output
+    assert "got 'abc'" in result.output
+    # 0 simulated GPUs was told to "use --gpu simulated", which it had used.
+    monkeypatch.setenv("PERSEUS_SIM_GPU_COUNT", "0")
+    result = _invoke("--gpu", "simulated")
+    assert result.exit_code == 1, result.output
+    assert "PERSEUS_SIM_GPU_COUNT=0" in result.output
+    assert "use --gpu simulated" not in result.output
+
+
+def test_a_simulated_gpu_folder_that_cannot_be_written_is_named(
+    sim_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A folder under a file ended in the sender's "Connection closed by peer" (the receiver
+    # had died of a NotADirectoryError); one under /proc in "its energy counter has not
+    # changed since sampling started". Both are found before any rank starts.
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path / "file" / "sim", Path("/proc/perseus-sim")):
+        monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(bad))
+        result = _invoke("--gpu", "simulated", "--seconds", "0.05", "--repeats", "1")
+        assert result.exit_code == 1, result.output
+        assert f"cannot make the simulated GPUs' state folder {bad} (PERSEUS_SIM_GPU_DIR)" in (
+            result.output
+        )
+        assert "rank" not in result.output  # no rank was started
+
+
 def test_no_nvml_hints_at_simulated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
     result = _invoke("--gpu", "nvml")

@@ -136,6 +136,14 @@ def test_a_job_naming_no_scheduler_where_there_is_no_default_is_told_how_to_name
         ({"profile": ..., "microbatches": 4, "p2p_power": -1}, "p2p_power must be >= 0 W, got -1"),
         ({"profile": ..., "microbatches": 4, "schedule": "zb"}, "unsupported pipeline schedule"),
         ({"frontier_dir": "d", "policy": "fastest"}, "unknown policy 'fastest'"),
+        # Planning arguments go with profile: a frontier folder was planned with its own, and
+        # a schedule of gpipe beside a 1f1b folder was ignored, the 1f1b plans served.
+        ({"frontier_dir": "d", "schedule": "gpipe"}, "'schedule' plans from a profile only"),
+        (
+            {"frontier_dir": "d", "microbatches": 8, "p2p_power": 70},
+            "'microbatches', 'p2p_power' plan from a profile only",
+        ),
+        ({"frontier_dir": "d", "solver": "python"}, "the folder's plans were made by"),
     ],
 )
 def test_frontier_scheduler_start_check_catches_what_every_job_would_fail_on(

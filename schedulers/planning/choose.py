@@ -23,10 +23,12 @@ Ties in energy go to the faster plan.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.exceptions import ConfigError
+from protocol.numbers import ascii_float
 from schedulers.planning.frontier_files import (
     FRONTIER_CSV,
     Frontier,
@@ -88,14 +90,15 @@ def parse_policy(policy: str, value: float | None = None) -> tuple[str, float | 
             range.
 
     """
-    text = policy.strip().lower().replace("_", "-")
-    name, _, rest = text.replace("=", " ").partition(" ")
+    # The name is normalised, the value is read as typed: its '_' was shown as '-'.
+    name, _, rest = policy.strip().replace("=", " ").partition(" ")
+    name = name.lower().replace("_", "-")
     rest = rest.strip()
     if rest:
         if value is not None:
             raise ConfigError(f"policy {policy!r} has a value and --value {value} was given too")
         try:
-            value = float(rest)
+            value = ascii_float(rest)  # float() read Arabic-Indic digits
         except ValueError:
             raise ConfigError(f"policy {policy!r}: {rest!r} is not a number") from None
     if name not in POLICIES:
@@ -103,6 +106,8 @@ def parse_policy(policy: str, value: float | None = None) -> tuple[str, float | 
     if name in _NEEDS_VALUE:
         if value is None:
             raise ConfigError(f"policy {name} needs a value: {name} {_NEEDS_VALUE[name]}")
+        if not math.isfinite(value):  # a limit of inf s (or nan) is none
+            raise ConfigError(f"{name} {_NEEDS_VALUE[name]} must be a finite number, got {value}")
         if name == "max-slowdown" and not value >= 1.0:
             raise ConfigError(f"max-slowdown FACTOR must be >= 1 (1.1 = 10% slower), got {value}")
         if name != "max-slowdown" and not value > 0:

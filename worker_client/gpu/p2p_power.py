@@ -181,6 +181,8 @@ def _check_args(gpu: str, seconds: float, repeats: int, sample_interval: float) 
 
 def _probe(gpu: str, module: str, devices: tuple[int, int]) -> str:
     """Check NVML and the devices in this process; return the receiver's product name."""
+    if gpu == "simulated":  # its state folder, before a rank's side thread fails in it
+        importlib.import_module(SIMULATED_NVML).check_state_dir()
     try:
         nvml = ReadOnlyNVML(module)
     except GPUError as exc:
@@ -189,6 +191,8 @@ def _probe(gpu: str, module: str, devices: tuple[int, int]) -> str:
         raise
     try:
         count = nvml.device_count()
+        if count == 0 and gpu == "simulated":  # its hint would be to use what was used
+            raise GPUError("the simulated NVML has no GPU: PERSEUS_SIM_GPU_COUNT=0")
         if count == 0:
             raise GPUError(f"NVML sees no GPU; {_NO_GPU_HINT}")
         bad = [d for d in devices if not 0 <= d < count]

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.constants import H100_GRAPHICS_CLOCKS
+from protocol.exceptions import ConfigError
 
 # Also importable from here, where they used to live.
 from worker_client.simulated.instruction_table import InstructionTable, synthetic_instruction_table
@@ -98,6 +99,27 @@ def resolve_state_dir(explicit: str | Path | None = None) -> Path:
     return Path(explicit)
 
 
+def check_state_dir(directory: str | Path | None = None) -> Path:
+    """Make the state folder now, where a failure can still name it; return it.
+
+    A folder that cannot be made (``PERSEUS_SIM_GPU_DIR`` under a file, or under ``/proc``)
+    otherwise failed only in a side thread's first write, and what a user then read was that
+    the energy counter never moved.
+
+    Raises:
+        ConfigError: The folder cannot be made or is no folder (named, with the reason).
+    """
+    path = resolve_state_dir(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot make the simulated GPUs' state folder {path} (PERSEUS_SIM_GPU_DIR): "
+            f"{exc.strerror or exc}"
+        ) from None
+    return path
+
+
 def reset_state(directory: str | Path | None = None) -> None:
     """Forget every simulated device's clocks, limits and energy (delete the state files)."""
     shutil.rmtree(resolve_state_dir(directory), ignore_errors=True)
@@ -107,13 +129,14 @@ def device_count() -> int:
     """Return the number of simulated devices (``PERSEUS_SIM_GPU_COUNT``, default 8).
 
     Raises:
-        ValueError: The variable is no whole number >= 0 (named, with what it holds).
+        ConfigError: The variable is no whole number >= 0 (named, with what it holds); a
+            ValueError, which a command's error handling turns into one line.
     """
     raw = os.environ.get("PERSEUS_SIM_GPU_COUNT", str(DEFAULT_DEVICE_COUNT))
     if not (
         raw.strip().isascii() and raw.strip().isdigit()
     ):  # int() said "invalid literal", naming no variable
-        raise ValueError(
+        raise ConfigError(
             f"PERSEUS_SIM_GPU_COUNT must be a whole number of simulated GPUs (>= 0), got {raw!r}"
         )
     return int(raw)
