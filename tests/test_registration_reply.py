@@ -163,3 +163,28 @@ def test_registrations_keep_one_connection_and_release_idle_gives_it_back(monkey
             assert not kept.is_connected
             register(client, pp=1)  # connects again
         client.close()
+
+
+def test_threads_registering_at_once_share_one_kept_connection(monkeypatch):
+    """Two threads' first registrations on one client made two kept connections: one was
+    lost, checked out of the pool, and stayed open past ``release_idle()``."""
+
+    class SlowRedis(redis.Redis):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if kwargs.get("single_connection_client"):
+                time.sleep(0.05)  # widens the gap between "none yet" and "made"
+            super().__init__(*args, **kwargs)
+
+    with EmbeddedRedis() as server:
+        client = CoordinatorClient(server.url, reply_timeout=10)
+        monkeypatch.setattr(redis, "Redis", SlowRedis)
+        made: list[redis.Redis] = []
+        threads = [
+            threading.Thread(target=lambda: made.append(client._registrations())) for _ in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert len(made) == 4 and all(kept is made[0] for kept in made), made
+        client.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -90,6 +91,7 @@ class CoordinatorClient:
         # Replies read and not yet removed (see _discard_reply).
         self._replies_read: list[str] = []
         self._kept: redis.Redis | None = None  # see _registrations
+        self._kept_lock = threading.Lock()  # threads' first registrations make one
 
     def _registrations(self) -> redis.Redis:
         """The client a registration's XADD and read go over: one connection, kept.
@@ -104,19 +106,24 @@ class CoordinatorClient:
         """
         if self.redis_url.startswith(SENTINEL_SCHEMES):
             return self.conn
-        if self._kept is None:
-            kept = redis.Redis(
-                connection_pool=self.conn.connection_pool, single_connection_client=True
-            )
-            kept.auto_close_connection_pool = False  # the pool is conn's to close
-            self._kept = kept
-        return self._kept
+        kept = self._kept
+        if kept is not None:
+            return kept
+        with self._kept_lock:
+            if self._kept is None:
+                kept = redis.Redis(
+                    connection_pool=self.conn.connection_pool, single_connection_client=True
+                )
+                kept.auto_close_connection_pool = False  # the pool is conn's to close
+                self._kept = kept
+            return self._kept
 
     def _release_kept(self) -> None:
         """Give the kept connection back to the pool (a later registration takes one again)."""
-        if self._kept is not None:
-            self._kept.close()
-            self._kept = None
+        with self._kept_lock:
+            if self._kept is not None:
+                self._kept.close()
+                self._kept = None
 
     def background_client(self, socket_timeout: float = SOCKET_TIMEOUT_S) -> CoordinatorClient:
         """A client of the same Redis and tokens, on connections of its own, for a thread.
