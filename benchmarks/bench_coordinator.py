@@ -293,7 +293,10 @@ def registrations(raw: Stack, ours: Stack, ranks: int, jobs: int) -> tuple[Turns
     first version: that is waited for, until the worker is idle, outside both timings.
     """
     client = CoordinatorClient(ours.url)
-    # Connected as CoordinatorClient connects (its reply wait, its socket time-out).
+    # Connected as CoordinatorClient connects (its reply wait, its socket time-out), through
+    # redis-py's pool: a kept connection, as CoordinatorClient registers over, took less CPU
+    # but more wall time per request for this raw client (h7, pinned), so the pool is the
+    # stronger yardstick.
     conn = connect(raw.url, socket_timeout=client.reply_timeout + SOCKET_TIMEOUT_S)
     request = raw_request(conn, ours.job_id, FREQS)  # an id as long as a real one
     # Client, coordinator (raw server) and Redis of each side.
