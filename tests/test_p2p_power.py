@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import queue
 import re
 import sys
 from pathlib import Path
@@ -22,6 +23,8 @@ from worker_client.gpu.nvml_readonly import (
 from worker_client.gpu.p2p_power import (
     BlockedWindow,
     P2PPowerResult,
+    _cause,
+    _more_errors,
     cuda_ordinal,
     measure_p2p_power,
     parse_devices,
@@ -275,3 +278,20 @@ def test_registered_read_only_module_serves_name_based_callers(
         register_read_only_module("no_such_nvml")
     calls = [call for call, _ in fake_nvml.read_log(log)]
     assert calls and all(is_read_function(c) for c in calls), calls
+
+
+def test_a_lost_peer_does_not_hide_the_error_that_killed_it():
+    # The receiver failed; its sender's "Connection closed by peer" arrived first and was
+    # the one reported, which said nothing of why.
+    lost = (1, "error", "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:29500")
+    why = (0, "error", "OSError: [Errno 28] No space left on device: '/sim/gpu0'")
+    out: queue.Queue = queue.Queue()
+    out.put(why)
+    errors = [lost, *_more_errors(out, first=1, wait=1.0)]
+    assert _cause(errors) == why
+    assert _cause([lost]) == lost  # alone, the only one there is
+    assert _cause([lost, (0, "gpu-error", "GPUError: NVML gone")])[1] == "gpu-error"
+    assert _more_errors(queue.Queue(), first=1, wait=0.01) == []  # the other never reports
+    done: queue.Queue = queue.Queue()
+    done.put((0, "done", None))
+    assert _more_errors(done, first=1, wait=0.01) == []

@@ -33,6 +33,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import re
 import socket
 import statistics
 import time
@@ -389,8 +390,38 @@ def measure_p2p_power(
     )
 
 
+# A rank whose peer died fails with this (gloo's words): the peer's own error says why.
+_PEER_LOST = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
+CAUSE_WAIT_S = 2.0  # how long a rank's error waits for the other rank's
+
+
+def _more_errors(out: Any, first: int, wait: float = CAUSE_WAIT_S) -> list[tuple[int, str, str]]:
+    """The other rank's error, if it reports one within ``wait`` seconds of ``first``'s."""
+    try:
+        rank, kind, data = out.get(timeout=wait)
+    except queue.Empty:
+        return []
+    return [(rank, kind, data)] if rank != first and kind in ("gpu-error", "error") else []
+
+
+def _cause(errors: list[tuple[int, str, str]]) -> tuple[int, str, str]:
+    """The error to raise: a GPU error, else one that is not a lost peer, else the first.
+
+    A receiver that fails kills its sender's gloo connection; that "Connection closed by
+    peer" often arrives first, and hid the receiver's reason.
+    """
+    for wanted in (
+        lambda e: e[1] == "gpu-error",
+        lambda e: not _PEER_LOST.search(e[2]),
+    ):
+        for error in errors:
+            if wanted(error):
+                return error
+    return errors[0]
+
+
 def _launch(cfg: _RankConfig, deadline: float) -> dict[str, Any]:
-    """Run both ranks; return the receiver's payload or raise the first rank error."""
+    """Run both ranks; return the receiver's payload or raise the error that says why."""
     ctx = mp.get_context("spawn")
     out: Any = ctx.Queue()
     procs = [
@@ -417,9 +448,10 @@ def _launch(cfg: _RankConfig, deadline: float) -> dict[str, Any]:
                         f"the P2P ranks did not finish within {deadline:.0f} s"
                     ) from None
                 continue
-            if kind == "gpu-error":
-                raise GPUError(f"rank {rank}: {data}")
-            if kind == "error":
+            if kind in ("gpu-error", "error"):
+                rank, kind, data = _cause([(rank, kind, data), *_more_errors(out, rank)])
+                if kind == "gpu-error":
+                    raise GPUError(f"rank {rank}: {data}")
                 raise PerseusError(f"rank {rank} failed: {data}")
             if kind == "result":
                 payload = data
