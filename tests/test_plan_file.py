@@ -174,7 +174,14 @@ GOOD_STAGE = '[("forward", 1980), ("backward", 1980)]'
 
 # (file body, line the error must name, text the message must contain)
 MALFORMED: list[tuple[str, int, str]] = [
-    ('# only\n[\n    [("forward" 1980)],\n]\n', 3, "syntax error"),
+    ('# only\n[\n    [("forward" 1980)],\n]\n', 3, "syntax error: "),
+    # A CSV given as a plan (frontier.csv, a profile): say what a plan file is instead.
+    (
+        "# a profile\nstage,instruction,frequency,time_s\n0,forward,1980,0.01\n",
+        3,  # Python's line: the header parses as a tuple
+        "a plan file is one list of stage lists (as `perseus optimize` writes), this one "
+        "starts with 'stage,instruction,frequency,time_s'",
+    ),
     ("# a dict\n{'forward': 1}\n", 2, "expected a list of stage lists"),
     ("# code\n__import__('os').system('true')\n", 2, "expected a list of stage lists"),
     ("[\n    " + GOOD_STAGE + ",\n    1980,\n]\n", 3, "stage 1: expected a list, got 1980"),

@@ -165,6 +165,20 @@ def _parse(text: str, source: str) -> ast.Expression:
             return ast.parse(text, filename=source, mode="eval")
 
 
+def _not_a_plan(text: str) -> str:
+    """A hint where the code does not start as a plan does (a CSV or a log given instead)."""
+    for line in _LINE_BREAK_RE.split(text):
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            if stripped.startswith("["):
+                return ""  # a plan with a slip in it: the line number says where
+            return (
+                f"; a plan file is one list of stage lists (as `perseus optimize` writes), "
+                f"this one starts with {stripped[:40]!r}"
+            )
+    return ""
+
+
 def parse_plan_text(text: str, source: str = "<string>") -> PlanFile:
     """Parse the text of a plan file without executing it.
 
@@ -182,7 +196,9 @@ def parse_plan_text(text: str, source: str = "<string>") -> PlanFile:
     try:
         tree = _parse(text, source)
     except SyntaxError as exc:
-        raise ConfigError(f"{source}:{exc.lineno or '?'}: syntax error: {exc.msg}") from None
+        raise ConfigError(
+            f"{source}:{exc.lineno or '?'}: syntax error: {exc.msg}{_not_a_plan(text)}"
+        ) from None
     except (ValueError, MemoryError, RecursionError) as exc:  # e.g. NUL bytes, absurd nesting
         raise ConfigError(f"{source}: cannot parse plan: {exc}") from None
     schedule = header.get(SCHEDULE_HEADER)
