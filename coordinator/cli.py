@@ -162,6 +162,12 @@ def coordinator(
     where = redact_url(settings.redis_url)
     chosen = settings.scheduler or "none (each job names its own; --scheduler sets a default)"
     click.echo(f"perseus coordinator: scheduler={chosen} redis={where}")
+    if settings.plan and not settings.scheduler:
+        # Compose always sets PERSEUS_PLAN: not refused, but said, or it reads as served.
+        click.echo(
+            f"perseus coordinator: plan={settings.plan} is not used: with no default "
+            "scheduler each job names its own scheduler and arguments"
+        )
     try:
         service.run()
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, leaving what a stop would tidy

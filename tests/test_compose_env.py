@@ -157,6 +157,8 @@ def test_an_empty_scheduler_in_dot_env_is_no_default_scheduler(project, redis_ur
     assert env["PERSEUS_SCHEDULER"] == ""
     out = start_coordinator(env, redis_url, project)
     assert out.startswith("perseus coordinator: scheduler=none (each job"), out
+    # The compose file's PERSEUS_PLAN is still set: said to be unused, not silently dropped.
+    assert "plan=/plans/plan.py is not used: with no default scheduler" in out, out
 
 
 def test_scheduler_args_in_dot_env_are_not_overridden(project, redis_url):
