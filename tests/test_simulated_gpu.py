@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.exceptions import GPUError
+from protocol.exceptions import ConfigError, GPUError
 from tests.helpers import wait_for
 from worker_client.gpu.frequency import FrequencyController
 from worker_client.gpu.nvml import NVML
@@ -68,6 +68,26 @@ def test_simulated_denied_writes(sim_dir: Path, monkeypatch: pytest.MonkeyPatch)
     assert nvml.graphics_clocks(0)[0] == 1980  # reads still work
     with pytest.raises(GPUError, match="no permission"):
         nvml.lock_gpu_clocks(0, 1500)
+    nvml.shutdown()
+
+
+@pytest.mark.parametrize("deny", ["true", "yes", "", " 1"])
+def test_a_simulated_gpu_deny_that_is_no_0_or_1_is_named(
+    sim_dir: Path, monkeypatch: pytest.MonkeyPatch, deny: str
+) -> None:
+    # "true" was ignored without a word: every write went through.
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DENY", deny)
+    with pytest.raises(ConfigError, match=rf"PERSEUS_SIM_GPU_DENY must be 1 .* got '{deny}'"):
+        NVML(SIM)
+    with pytest.raises(ConfigError, match="PERSEUS_SIM_GPU_DENY"):
+        sim.writes_denied()
+
+
+def test_simulated_deny_0_allows_writes(sim_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PERSEUS_SIM_GPU_DENY", "0")
+    nvml = NVML(SIM)
+    nvml.lock_gpu_clocks(0, 1500)
+    assert sim.SimulatedGPU(0).current_clock() == 1500
     nvml.shutdown()
 
 

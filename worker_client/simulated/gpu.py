@@ -18,7 +18,8 @@ Environment:
         workers, spawned side processes) see the same GPUs while unrelated runs do not.
         Set it explicitly when processes live in different process groups.
     ``PERSEUS_SIM_GPU_COUNT``: number of devices (default 8).
-    ``PERSEUS_SIM_GPU_DENY``: ``1`` makes every NVML write fail with NO_PERMISSION.
+    ``PERSEUS_SIM_GPU_DENY``: ``1`` makes every NVML write fail with NO_PERMISSION; ``0`` or
+        unset allows them (any other value is a :class:`ConfigError`).
 
 The training side uses :class:`SimulatedGPU`, which replays an
 :class:`~worker_client.simulated.instruction_table.InstructionTable` (time and energy per stage,
@@ -142,6 +143,19 @@ def device_count() -> int:
     return int(raw)
 
 
+def writes_denied() -> bool:
+    """Return whether ``PERSEUS_SIM_GPU_DENY`` makes NVML writes fail (``1``; ``0``/unset: no).
+
+    Raises:
+        ConfigError: The variable holds anything else (named, with what it holds): ``true``
+            used to allow every write without a word.
+    """
+    raw = os.environ.get("PERSEUS_SIM_GPU_DENY", "0")
+    if raw not in ("0", "1"):
+        raise ConfigError(f"PERSEUS_SIM_GPU_DENY must be 1 (deny NVML writes) or 0, got {raw!r}")
+    return raw == "1"
+
+
 def _default_state() -> dict[str, Any]:
     return {
         "gpu_locked": None,  # [min, max] MHz, or None when unlocked
@@ -196,7 +210,7 @@ def _require_init() -> None:
 
 def _writable(handle: _Handle) -> Path:
     _require_init()
-    if os.environ.get("PERSEUS_SIM_GPU_DENY") == "1":
+    if writes_denied():
         raise NVMLError(NVML_ERROR_NO_PERMISSION)
     return resolve_state_dir()
 
@@ -204,6 +218,7 @@ def _writable(handle: _Handle) -> Path:
 def nvmlInit() -> None:
     """Initialize (reference-counted, like the real library)."""
     global _init_count
+    writes_denied()  # a wrong value fails here, not first in a side thread's write
     _init_count += 1
 
 
