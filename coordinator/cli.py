@@ -364,10 +364,11 @@ def status(
 @out_option("-", "ACL file to write (- for standard output); load it with redis-server --aclfile.")
 @click.option(
     "--redis-major",
-    type=click.IntRange(min=6),
+    # Only the majors whose ACL grammar is known: 99 was taken for a 7.
+    type=click.IntRange(min=6, max=8),
     default=7,
     show_default=True,
-    help="Server major version: 7 makes job keys read-only for ranks; 6 cannot.",
+    help="Server major version (6, 7 or 8): 7 and 8 make job keys read-only for ranks; 6 cannot.",
 )
 def acl_command(out_path: str, redis_major: int) -> None:
     """Write Redis ACL users for ranks, services and operators (README "Who may do what").

@@ -119,6 +119,26 @@ def test_acl_that_cannot_write_its_file_prints_no_password(tmp_path):
     assert code == 0 and out.count("password: ") == 3
 
 
+@pytest.mark.parametrize("major", ["5", "9", "99"])
+def test_acl_refuses_a_redis_major_it_does_not_know(tmp_path, major):
+    # 99 was accepted and written with Redis 7's rules, for a server nobody has seen.
+    out_file = tmp_path / "users.acl"
+    code, out = invoke_perseus("acl", "--out", str(out_file), "--redis-major", major)
+    assert code == 2 and "--redis-major" in out and f"{major} is not in the range 6<=x<=8" in out
+    assert not out_file.exists() and "password" not in out
+
+
+def test_acl_for_redis_8_has_redis_7s_rules(tmp_path, monkeypatch):
+    for role in ("RANK", "SERVICE", "OPERATOR"):
+        monkeypatch.setenv(f"PERSEUS_ACL_{role}_PASSWORD", "same")
+    written = {}
+    for major in ("7", "8"):
+        code, _ = invoke_perseus("acl", "--out", str(tmp_path / major), "--redis-major", major)
+        assert code == 0
+        written[major] = (tmp_path / major).read_text()
+    assert written["8"] == written["7"] and "%R~" in written["8"]
+
+
 def test_acl_file_is_never_readable_by_others(tmp_path, monkeypatch):
     # The file was written with the umask's mode (0644: world-readable passwords) and only
     # then chmodded: in between, or where the chmod failed, others could read it.
