@@ -97,4 +97,10 @@ def check_writable(name: str, path: Path, folder: bool) -> None:
             pass
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise ConfigError(f"{name} {path}: cannot write in {parent} ({reason})") from None
+        if parent == path:
+            raise ConfigError(f"{name} {path}: cannot write in this folder ({reason})") from None
+        # Name what was given first: "cannot write in /proc" for /proc/x read as a wrong path.
+        made = "folder" if folder else "file"
+        raise ConfigError(
+            f"{name} {path}: cannot make this {made}, as nothing can be made in {parent} ({reason})"
+        ) from None

@@ -404,5 +404,16 @@ def test_a_rank_whose_gpu_lacks_a_clock_of_the_plan_is_refused_when_it_registers
 def test_a_folder_that_takes_no_files_is_refused_even_where_access_says_yes(folder: bool) -> None:
     # os.access said yes to root for /proc (no file can be made there): the coordinator
     # started, and the sweep's CSV failed the job when the sweep ended.
-    with pytest.raises(ConfigError, match=r"out_path /proc/perseus-x\S*: cannot write in /proc"):
-        check_writable("out_path", Path("/proc/perseus-x" + ("" if folder else ".csv")), folder)
+    # It said "cannot write in /proc (No such file or directory)", naming /proc, not the path.
+    path = Path("/proc/perseus-x" + ("" if folder else ".csv"))
+    made = "folder" if folder else "file"
+    with pytest.raises(ConfigError) as info:
+        check_writable("out_path", path, folder)
+    assert str(info.value).startswith(
+        f"out_path {path}: cannot make this {made}, as nothing can be made in /proc ("
+    ), info.value
+
+
+def test_an_existing_folder_that_takes_no_files_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"^dump /proc: cannot write in this folder \("):
+        check_writable("dump", Path("/proc"), folder=True)
