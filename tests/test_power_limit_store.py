@@ -213,7 +213,8 @@ def test_cli_import_export_zeus_files(r: redis.Redis, redis_url: str, tmp_path: 
     assert stored.measurements == MEASUREMENTS
     assert stored.optimal_power_limit is None
     result = runner.invoke(power_limit_group, ["show", *url])
-    assert result.output.splitlines()[2].split()[:3] == ["resnet", "?", "4"]
+    # The list said "?" where `show resnet` says "no limit chosen".
+    assert result.output.splitlines()[2].split()[:4] == ["resnet", "none", "chosen", "4"]
 
     out = tmp_path / "out" / "back.json"
     result = runner.invoke(power_limit_group, ["export", "resnet", str(out), *url])

@@ -91,7 +91,8 @@ def show(workload: str | None, redis_url: str | None, as_json: bool, path: Path 
             rows = [
                 [
                     s.workload,
-                    "?" if s.optimal_power_limit is None else str(s.optimal_power_limit),
+                    # As `show WORKLOAD` says "no limit chosen"; a "?" read as an unknown value.
+                    "none chosen" if s.optimal_power_limit is None else str(s.optimal_power_limit),
                     str(s.num_measurements),
                     format_time(s.updated_at),
                 ]
