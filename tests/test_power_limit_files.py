@@ -102,6 +102,22 @@ def test_the_profile_file_gets_the_permissions_the_umask_gives(
     assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]  # no temporary file left
 
 
+def test_a_profile_file_that_cannot_be_written_is_named_not_its_temporary_file(
+    tmp_path: Path,
+) -> None:
+    # The error named /proc/.profile.json.<pid>.<hex>.tmp, a file the user never named.
+    profile = PowerLimitProfile(measurements=MEASURED)
+    with pytest.raises(OSError) as info:
+        save_profile_file(profile, "/proc/profile.json")
+    assert info.value.filename == "/proc/profile.json", info.value
+    missing = tmp_path / "no" / "profile.json"
+    with pytest.raises(OSError) as info:
+        save_profile_file(profile, missing, make_folders=False)
+    assert info.value.filename == str(missing) and not missing.parent.exists()
+    save_profile_file(profile, missing)  # a rank's default: the folders are made
+    assert load_profile_file(missing).measurements == MEASURED
+
+
 def test_selector_arguments_of_the_wrong_type_are_config_errors_naming_them() -> None:
     # A NaN world size made every cost NaN: ZeusCost then kept the first (maximum) limit.
     for bad in (float("nan"), 1.5, 2.0, True, "2", None):

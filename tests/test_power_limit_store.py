@@ -217,6 +217,17 @@ def test_cli_import_export_zeus_files(r: redis.Redis, redis_url: str, tmp_path: 
     assert result.output.splitlines()[2].split()[:4] == ["resnet", "none", "chosen", "4"]
 
     out = tmp_path / "out" / "back.json"
+    # A missing folder was made without a word, as no cp or shell redirection does.
+    result = runner.invoke(power_limit_group, ["export", "resnet", str(out), *url])
+    assert result.exit_code == 1
+    assert f"cannot write {out}: no folder {out.parent}" in result.output
+    assert not out.parent.exists()
+    # It named the hidden temporary file (/proc/.back.json.<pid>.<hex>.tmp).
+    result = runner.invoke(power_limit_group, ["export", "resnet", "/proc/back.json", *url])
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: cannot write /proc/back.json: "), result.output
+    assert ".tmp" not in result.output
+    out.parent.mkdir()
     result = runner.invoke(power_limit_group, ["export", "resnet", str(out), *url])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["measurements"] == rows

@@ -142,8 +142,10 @@ def export_profile(workload: str, path: Path, redis_url: str | None) -> None:
         profile = store.load(workload)
     if profile is None:
         raise click.ClickException(f"no power-limit profile stored for {workload!r}")
+    if not path.parent.is_dir():  # as cp: a mistyped folder is no folder to make
+        raise click.ClickException(f"cannot write {path}: no folder {path.parent}")
     try:
-        save_profile_file(profile, path)
-    except OSError as exc:  # e.g. a folder that cannot be made, no permission
-        raise click.ClickException(f"cannot write {path}: {exc}") from None
+        save_profile_file(profile, path, make_folders=False)
+    except OSError as exc:  # e.g. no permission, /proc
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
     click.echo(f"wrote the power-limit profile of {workload!r} to {path}")

@@ -169,15 +169,29 @@ def describe_reuse(profile: PowerLimitProfile, optimal_mw: int, selector: object
     return line
 
 
-def save_profile_file(profile: PowerLimitProfile, path: str | Path) -> None:
+def save_profile_file(
+    profile: PowerLimitProfile, path: str | Path, make_folders: bool = True
+) -> None:
     """Write ``profile`` in Zeus's layout plus perseus-mq's keys, atomically.
 
     Ranks sharing a path never see half a file (temporary file + rename). The file gets the
     permissions any new file gets under the umask (e.g. 0644), as Zeus's ``open()`` gives it:
     another user (``perseus power-limit show --file``, a Zeus run) can read what root wrote.
+
+    Args:
+        profile: What to write.
+        path: The file.
+        make_folders: Make missing folders above ``path`` (a rank, at the end of its
+            profiling, rather than lose the measurements); a command refuses them, as ``cp``
+            does a mistyped folder.
+
+    Raises:
+        OSError: The file cannot be written; its ``filename`` is ``path``, not the hidden
+            temporary file that failed.
     """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if make_folders:
+        target.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "measurements": [m.model_dump() for m in profile.measurements],
         "optimal_power_limit": profile.optimal_power_limit,
@@ -186,11 +200,17 @@ def save_profile_file(profile: PowerLimitProfile, path: str | Path) -> None:
     }
     # Not mkstemp: its files are 0600 whatever the umask. A name of this process's own.
     tmp = str(target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    except OSError as exc:  # it named the temporary file, which the user never heard of
+        raise OSError(exc.errno, exc.strerror, str(target)) from None
     try:
         with os.fdopen(fd, "w") as out:
             json.dump(document, out, indent=4)  # Zeus indents its files by 4 too
         os.replace(tmp, target)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(target)) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
