@@ -154,7 +154,8 @@ def write_out(out_path: str, data: str | bytes, private: bool = False) -> bool:
         else:
             Path(out_path).write_bytes(raw)
     except OSError as exc:
-        raise click.ClickException(f"cannot write {out_path}: {exc}") from None
+        # The reason alone: str(exc) names the path again ("[Errno 21] Is a directory: 'X'").
+        raise click.ClickException(f"cannot write {out_path}: {exc.strerror or exc}") from None
     return True
 
 
