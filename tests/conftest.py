@@ -34,6 +34,20 @@ from tests.helpers import (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Children the tests start do not inherit SIGINT or SIGHUP ignored.
+
+    A suite started in the background of a non-interactive shell (``cmd &``, as some CI
+    runners do) has SIGINT ignored, and under ``nohup`` SIGHUP: an ignored signal stays
+    ignored across exec, so the tests of what Ctrl-C and SIGHUP do to ``perseus`` commands
+    failed there (five of them, in a CI run started with ``nohup ... &``).
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 @pytest.fixture(autouse=True)
 def _signal_handlers_put_back() -> Iterator[None]:
     """Put back the SIGINT and SIGTERM handlers a test changed in the pytest process.
