@@ -28,6 +28,7 @@ jobs use it, which holds for planner output (written once).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -53,14 +54,8 @@ from schedulers.point_solution import check_plan_fits
 logger = logging.getLogger(__name__)
 
 
-# FrontierScheduler's arguments that only planning from a profile reads, with their defaults.
-_PLANNING_DEFAULTS: dict[str, object] = {
-    "microbatches": None,
-    "unit_time": 0.001,
-    "p2p_power": None,
-    "solver": "auto",
-    "schedule": DEFAULT_SCHEDULE,
-}
+# FrontierScheduler's arguments that only planning from a profile reads.
+_PLANNING_ARGS = ("microbatches", "unit_time", "p2p_power", "solver", "schedule")
 
 
 def _read_plan(frontier: Frontier, point: FrontierPoint) -> PlanFile:
@@ -193,8 +188,13 @@ class FrontierScheduler(FrequencyScheduler):
         ``schedule`` of ``gpipe`` beside a 1f1b folder served the 1f1b plans without a word.
         A value equal to the default is let through (it changes nothing).
         """
+        # The defaults are __init__'s own, one place to change them (FrontierScheduler's:
+        # cls may be its 3D wrapper, whose __init__ takes **kwargs).
+        params = inspect.signature(FrontierScheduler.__init__).parameters
         given = [
-            key for key, default in _PLANNING_DEFAULTS.items() if args.get(key, default) != default
+            key
+            for key in _PLANNING_ARGS
+            if args.get(key, params[key].default) != params[key].default
         ]
         if given:
             verb = "plans" if len(given) == 1 else "plan"
