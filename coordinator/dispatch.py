@@ -10,7 +10,7 @@ from coordinator.envelope import Message, check_envelope
 from coordinator.job_config import check_job_limits, job_config
 from coordinator.outcome import Outcome
 from coordinator.records import RecordCache
-from coordinator.registration import RankRegistrar, check_still_awaited
+from coordinator.registration import RankRegistrar, check_still_awaited, job_answer
 from coordinator.settings import PerseusSettings
 from coordinator.trust import ResultKeys
 from protocol.exceptions import UnknownJobError
@@ -73,7 +73,8 @@ class MessageHandler:
             name = config.scheduler.rpartition(":")[2] or config.scheduler
             job = job.model_copy(update={"job_id": make_job_id(job, name, entry_id)})
             message.job = job
-            batch.create_job(job, config, entry_id, now, request_id=message.request_id)
+            answer = job_answer(settings, message, job.job_id, stream, entry_id)
+            batch.create_job(job, config, entry_id, now, message.request_id, answer)
             # Cached once stored (settle): the job's first rank then reads nothing.
             jobs[job.job_id] = JobRecord(info=job, config=config, fields={})
             return
@@ -113,6 +114,7 @@ class MessageHandler:
                 logger.info("registered job %s", message.job.job_id)
                 if record := jobs.get(message.job.job_id):
                     self._records.add(record)
+                return  # The script that created it answered it (see job_answer).
             outcome.reply(message.request_id, Reply(ok=True, job_id=message.job.job_id))
             return
         record = jobs[message.job_id]

@@ -1,4 +1,4 @@
-"""A rank's registration, answered in the round trip that stores it; the rank waits meanwhile."""
+"""Registrations, answered in the round trip that stores them; their senders wait meanwhile."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 from coordinator.job_config import check_rank_limits
 from coordinator.settings import PerseusSettings
 from protocol import keys
-from protocol.codec import pack_rank_reply
+from protocol.codec import pack, pack_rank_reply
 from protocol.exceptions import ProtocolError
 from protocol.job_record import JobRecord
-from protocol.models import RegisterJob, RegisterRank
+from protocol.models import RegisterJob, RegisterRank, Reply
 from protocol.store_batch import Answer, StoreBatch
 from protocol.tokens import TokenSupply
 
@@ -52,6 +52,31 @@ def check_still_awaited(
             f"waited for the reply for wait_s={wait_s:g} s only: not read in time, and nobody "
             "would use it"
         )
+
+
+def job_answer(
+    settings: PerseusSettings, message: RegisterJob, job_id: str, stream: str, entry_id: str
+) -> Answer:
+    """How the script that creates a job answers its registration and acknowledges its entry.
+
+    Used only if it creates the job: a request seen before gets the job it made, from
+    :class:`~coordinator.outcome.Outcome`, once the script said which.
+
+    Args:
+        settings: The coordinator's settings (reply TTL).
+        message: The job's registration.
+        job_id: The id the coordinator gave the job.
+        stream: The stream the registration was read from.
+        entry_id: Its entry there.
+    """
+    return Answer(
+        reply_key=keys.reply_key(message.request_id),
+        reply=pack(Reply(ok=True, job_id=job_id)),
+        ttl=settings.reply_ttl,
+        stream=stream,
+        group=keys.COORDINATOR_GROUP,
+        entry_id=entry_id,
+    )
 
 
 class RankRegistrar:

@@ -354,8 +354,10 @@ class Coordinator:
                 reason = str(result) or type(result).__name__
                 outcome.dead(stream, entry_id, fields, reason, reply=first)
                 continue
-            if isinstance(message, RegisterRank):
-                outcome.answered(stream, entry_id)
+            if isinstance(message, RegisterRank) or (
+                isinstance(message, RegisterJob) and result is True
+            ):
+                outcome.answered(stream, entry_id)  # by the script that stored it
             self.messages.settle(message, result, jobs, outcome, now)
         self._finish(outcome)
         return sum(len(ids) for ids in outcome.acks.values()) + outcome.self_acked

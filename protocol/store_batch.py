@@ -86,12 +86,24 @@ class StoreBatch:
         entry_id: str,
         now: float,
         request_id: str | None = None,
+        answer: Answer | None = None,
     ) -> None:
         """Queue :meth:`JobStore.create_job`.
 
         With ``request_id``, a request seen before whose job still exists creates nothing: its
         outcome is that job's id (a str) instead of True/False.
+
+        Args:
+            job: The job, its ``job_id`` set.
+            config: Its scheduler and arguments.
+            entry_id: Its registration's stream entry (the job's owner).
+            now: Unix time of the registration.
+            request_id: The registration request.
+            answer: A job created now is also answered and its entry acknowledged by the
+                same script (needs ``request_id``); a job that existed is not.
         """
+        if answer is not None and not request_id:
+            raise ValueError("answer needs request_id: the script reads its keys after it")
         fields: dict[str, str] = {
             "job_id": job.job_id,
             "pp_degree": str(job.pp_degree),
@@ -112,11 +124,17 @@ class StoreBatch:
             "results_floor": "1",
         }
         flat = [x for pair in fields.items() for x in pair]
-        request = [keys.request_job(request_id)] if request_id else []
+        names = [keys.job_info(job.job_id), keys.JOBS_INDEX, keys.STARTING_JOBS]
+        if request_id:
+            names.append(keys.request_job(request_id))
+        replied: list[Any] = ["", "", "", ""]
+        if answer is not None:
+            names += [answer.reply_key, answer.stream]
+            replied = [answer.reply, answer.ttl, answer.group, answer.entry_id]
         command = (
             self.scripts.create_job,
-            [keys.job_info(job.job_id), keys.JOBS_INDEX, keys.STARTING_JOBS, *request],
-            [job.job_id, now, entry_id, REQUEST_TTL_S, *flat],
+            names,
+            [job.job_id, now, entry_id, REQUEST_TTL_S, *replied, *flat],
         )
 
         def finish(reply: Any) -> bool | str:

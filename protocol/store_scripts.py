@@ -10,9 +10,15 @@ import redis
 from redis.commands.core import Script
 
 # KEYS[1] job info, KEYS[2] jobs index, KEYS[3] starting jobs (collected sooner if no version
-# comes), optionally KEYS[4] the request's key (-> job id).
+# comes); optionally KEYS[4] the request's key (-> job id), and with it optionally KEYS[5] reply
+# list, KEYS[6] the registration's source stream.
 # ARGV[1] job id, ARGV[2] now, ARGV[3] registration entry id, ARGV[4] request key TTL (s),
-# ARGV[5..] info field, value pairs.
+# ARGV[5] msgpack reply, ARGV[6] reply TTL, ARGV[7] consumer group, ARGV[8] source entry id
+# (ARGV[5..8] are read with KEYS[5..6] only, and are '' without them), ARGV[9..] info field,
+# value pairs.
+# With KEYS[5..6], a job created is also answered (its reply pushed) and its entry
+# acknowledged, so a registration is answered in the same round trip; other outcomes leave
+# both to the caller.
 # Returns {1, entry id} when created, {0, owner entry id} when the job exists, {2, job id}
 # when the same request created that job before and it still exists (a client's retry).
 CREATE_JOB = """
@@ -22,10 +28,15 @@ if KEYS[4] then
 end
 local existing = redis.call('HGET', KEYS[1], 'entry_id')
 if existing then return {0, existing} end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('HSET', KEYS[1], unpack(ARGV, 9))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
 if KEYS[4] then redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[4]) end
+if KEYS[6] then
+  redis.call('LPUSH', KEYS[5], ARGV[5])
+  redis.call('EXPIRE', KEYS[5], ARGV[6])
+  redis.call('XACK', KEYS[6], ARGV[7], ARGV[8])
+end
 return {1, ARGV[3]}
 """
 

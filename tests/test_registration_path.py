@@ -240,3 +240,42 @@ def registered_while_serving(coord: Coordinator, client: CoordinatorClient) -> s
 def test_a_reply_timeout_that_is_not_positive_is_refused_naming_it(redis_url):
     with pytest.raises(ValueError, match="reply_timeout must be > 0"):
         CoordinatorClient(redis_url, reply_timeout=0)
+
+
+def _calls(r, command: str) -> int:
+    """How many times Redis ran ``command`` (INFO commandstats; 0 if never)."""
+    return int(r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_a_job_is_answered_and_acknowledged_by_the_script_that_creates_it(r, redis_url):
+    coord = Coordinator(r, make_settings(redis_url), consumer="one")
+    ensure_groups(r)
+    job = RegisterJob(
+        request_id=uuid.uuid4().hex,
+        job=JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2),
+    )
+    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))
+    before = _calls(r, "exec")
+    coord.step(block_ms=None)
+    assert _calls(r, "exec") == before  # no transaction of its own for the reply and the ack
+    reply = unpack(Reply, r.lindex(keys.reply_key(job.request_id), 0))
+    assert reply.ok and r.exists(keys.job_info(reply.job_id))
+    assert r.xpending(keys.REGISTRATIONS_STREAM, keys.COORDINATOR_GROUP)["pending"] == 0
+    assert coord.processed == 1
+
+
+def test_a_job_registration_delivered_again_gets_the_same_job_as_its_reply(r, redis_url):
+    coord = Coordinator(r, make_settings(redis_url), consumer="one")
+    ensure_groups(r)
+    job = RegisterJob(
+        request_id=uuid.uuid4().hex,
+        job=JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2),
+    )
+    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))
+    coord.step(block_ms=None)
+    first = unpack(Reply, r.lpop(keys.reply_key(job.request_id)))
+    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))  # a client's retry of its send
+    coord.step(block_ms=None)
+    again = unpack(Reply, r.lpop(keys.reply_key(job.request_id)))
+    assert again.ok and again.job_id == first.job_id
+    assert r.xpending(keys.REGISTRATIONS_STREAM, keys.COORDINATOR_GROUP)["pending"] == 0
