@@ -155,7 +155,10 @@ if current ~= tonumber(ARGV[3]) then return {0, current} end
 if ARGV[7] ~= '' and redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[7]) then
   return {0, current}
 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 11))
+-- A thousand values at a time: Lua's unpack takes at most about 8000 (4000 ranks).
+for i = 11, #ARGV, 1000 do
+  redis.call('HSET', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
 redis.call('SET', KEYS[1], ARGV[4])
 redis.call('RPUSH', KEYS[3], ARGV[5])
 local failed = redis.call('HGET', KEYS[6], 'error')
@@ -205,7 +208,7 @@ if tonumber(redis.call('HGET', KEYS[3], 'snapshot_len') or '0') >= tonumber(ARGV
 end
 redis.call('SET', KEYS[1], ARGV[2])
 redis.call('HSET', KEYS[3], 'snapshot_len', ARGV[1], 'results_floor', ARGV[3])
-if #KEYS > 3 then redis.call('DEL', unpack(KEYS, 4)) end
+for i = 4, #KEYS, 1000 do redis.call('DEL', unpack(KEYS, i, math.min(i + 999, #KEYS))) end
 return 1
 """
 
