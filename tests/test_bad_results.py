@@ -24,6 +24,7 @@ from protocol.models import ProfilingResult, ReportResult, encode_message
 from protocol.store import JobStore
 from protocol.tokens import sign
 from tests.helpers import (
+    RANKS,
     TOY_SCHEDULER,
     drain_until,
     make_settings,
@@ -157,3 +158,38 @@ def test_a_different_second_result_of_a_rank_is_refused_and_the_first_stays(r):
     with pytest.raises(ProtocolError, match="already reported a different result for schedule"):
         store.add_result(info, other)
     assert [res.iter_time for res in store.results("twice", 1)] == [[1.0]]
+
+
+def test_one_batch_keeps_each_ranks_first_result_and_names_each_refusal(r):
+    """The results of one batch are stored by one script call: a rank twice in it keeps its
+    first result (the same bytes again: a no-op; others refused), an unregistered rank is
+    refused, and the rest are stored."""
+    store = JobStore(r)
+    new_job(store, "batched", TOY_SCHEDULER)
+    advance_job("batched", conn=r)  # version 1
+    job = store.get_job("batched").info
+    # A rank the job does not know (the coordinator refuses its entry before, by its MAC).
+    r.hdel(keys.job_ranks("batched"), str(RANKS - 1))
+    first = result(0, 1)
+    batch = store.batch()
+    for res in (
+        first,
+        result(1, 1),
+        first,
+        first.model_copy(update={"iter_time": [1.5]}),
+        result(RANKS - 1, 1),
+    ):
+        batch.add_result(job, res, now=1.0)
+    outcomes = batch.execute()
+    assert [o[0] if isinstance(o, tuple) else str(o) for o in outcomes] == [
+        True,
+        True,
+        False,
+        "rank 0 already reported a different result for schedule version 1 of job batched; "
+        "the first one stays",
+        f"rank {RANKS - 1} is not registered with job batched",
+    ]
+    assert {res.rank: res.iter_time for res in store.results("batched", 1)} == {
+        0: [1.0],
+        1: [1.0],
+    }
