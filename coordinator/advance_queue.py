@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from redis.client import Pipeline
 from rq import Queue
 from rq.job import Job
@@ -22,6 +24,7 @@ def enqueue(
     job_id: str,
     pipeline: Pipeline | None = None,
     record: bool = True,
+    task_id: str | None = None,
 ) -> Job:
     """Enqueue the rq task that computes ``job_id``'s next schedule version.
 
@@ -34,7 +37,9 @@ def enqueue(
         pipeline: A transaction in explicit MULTI mode: the enqueue happens when the caller
             executes it (default: now, in a transaction of its own).
         record: Also note the rq task and the time on the job (what the sweep checks);
-            otherwise the caller does, with :func:`record_enqueued`.
+            otherwise the caller does, with :func:`record_enqueued` (or the results script,
+            see :meth:`protocol.store_batch.StoreBatch.note_task`).
+        task_id: The rq task's id (default: a new one, :func:`new_task_id`).
     """
     lease_ms = max(1000, int(settings.stall_timeout * 1000))
     pipe = pipeline
@@ -50,6 +55,7 @@ def enqueue(
         result_ttl=RESULT_TTL_S,
         failure_ttl=24 * 3600,
         pipeline=pipe,
+        job_id=task_id or new_task_id(),
     )
     if record:
         record_enqueued(store, job_id, job.id, pipe)
@@ -57,6 +63,11 @@ def enqueue(
         pipe.execute()
         pipe.reset()
     return job
+
+
+def new_task_id() -> str:
+    """A fresh rq task id, of the kind rq makes itself (a UUID4)."""
+    return str(uuid.uuid4())
 
 
 def record_enqueued(store: JobStore, job_id: str, rq_job: str, pipe: Pipeline) -> None:

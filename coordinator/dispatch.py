@@ -13,12 +13,13 @@ from coordinator.records import RecordCache
 from coordinator.registration import RankRegistrar, check_still_awaited, job_answer
 from coordinator.settings import PerseusSettings
 from coordinator.trust import ResultKeys
+from protocol import keys
 from protocol.exceptions import UnknownJobError
 from protocol.job_record import make_job_id
 from protocol.models import RegisterJob, RegisterRank, Reply, ReportResult
 from protocol.scheduler import resolve_scheduler
 from protocol.store import JobRecord
-from protocol.store_batch import StoreBatch
+from protocol.store_batch import Source, StoreBatch
 
 # The coordinator's logger: what it says of messages keeps the name it had before this split off.
 logger = logging.getLogger("coordinator.service")
@@ -90,7 +91,8 @@ class MessageHandler:
             scheduler = resolve_scheduler(record.config.scheduler)
             scheduler.check_job_result(message.result, record.config.scheduler_args)
             # Stored as it arrived (validated above): packing it again costs more than the rest.
-            batch.add_result(info, message.result, now, data=fields[b"data"])
+            source = Source(stream, keys.COORDINATOR_GROUP, entry_id)  # acked by the script
+            batch.add_result(info, message.result, now, data=fields[b"data"], source=source)
         else:
             resolve_scheduler(record.config.scheduler).check_target(
                 info.job_id, message.iteration_time
@@ -137,5 +139,6 @@ class MessageHandler:
                 self._guess.record(info.job_id, latest, count)
                 if count >= info.world_size:
                     outcome.advance.add(info.job_id)
+                    outcome.completed.add(info.job_id)  # its task recorded by the script
         else:
             outcome.advance.add(info.job_id)

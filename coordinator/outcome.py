@@ -56,6 +56,9 @@ class Outcome:
     reasons: list[str] = field(default_factory=list)
     advance: set[str] = field(default_factory=set)  # job ids
     enqueued: dict[str, str] = field(default_factory=dict)  # job id -> rq job enqueued already
+    # Jobs whose latest version results of this batch completed: the script that stored them
+    # recorded the task enqueued with them (see StoreBatch.note_task).
+    completed: set[str] = field(default_factory=set)
     acks: dict[str, list[str]] = field(default_factory=dict)  # stream -> entry ids
     lost: dict[str, list[str]] = field(default_factory=dict)  # stream -> ids gone unread
     self_acked: int = 0  # entries a store script acknowledged

@@ -23,7 +23,7 @@ from redis.client import Pipeline
 from rq import Queue
 from rq.job import Job
 
-from coordinator.advance_queue import enqueue, record_enqueued
+from coordinator.advance_queue import enqueue, new_task_id, record_enqueued
 from coordinator.completion import CompletionGuess
 from coordinator.dispatch import MessageHandler
 from coordinator.envelope import Message
@@ -330,13 +330,15 @@ class Coordinator:
                 reports.append((record.info, message.result))
         guessed = self._guess.completed(reports)
 
-        rq_jobs: dict[str, str] = {}
+        # The script storing a job's results records the task if they complete its version
+        # (a write to the info hash of a job that is gone would leave a partial one).
+        rq_jobs = {job_id: new_task_id() for job_id in guessed}
+        for job_id, task_id in rq_jobs.items():
+            batch.note_task(job_id, task_id)
 
         def enqueue_guessed(pipe: Pipeline) -> None:
-            for job_id in guessed:
-                # Not recorded on the job yet: the job may be gone (a write to its info hash
-                # would leave a partial one). _finish records it once the store replied.
-                rq_jobs[job_id] = self.enqueue_advance(job_id, pipeline=pipe, record=False).id
+            for job_id, task_id in rq_jobs.items():
+                self.enqueue_advance(job_id, pipeline=pipe, record=False, task_id=task_id)
 
         carry = None
         if read_ahead is not None and not guessed and not self.reader.read_pending:
@@ -354,7 +356,7 @@ class Coordinator:
                 reason = str(result) or type(result).__name__
                 outcome.dead(stream, entry_id, fields, reason, reply=first)
                 continue
-            if isinstance(message, RegisterRank) or (
+            if isinstance(message, RegisterRank | ReportResult) or (
                 isinstance(message, RegisterJob) and result is True
             ):
                 outcome.answered(stream, entry_id)  # by the script that stored it
@@ -379,7 +381,13 @@ class Coordinator:
         """Replies, dead letters, rq enqueues and acknowledgements: one transaction."""
         ttl = self.settings.reply_ttl
         self.processed += outcome.self_acked
-        if not (outcome.replies or outcome.dead_letters or outcome.advance) and not any(
+        # A task enqueued with the results that completed its version is recorded already.
+        advance = [
+            job_id
+            for job_id in sorted(outcome.advance)
+            if not (job_id in outcome.enqueued and job_id in outcome.completed)
+        ]
+        if not (outcome.replies or outcome.dead_letters or advance) and not any(
             outcome.acks.values()
         ):
             return
@@ -391,7 +399,7 @@ class Coordinator:
             for entry in outcome.dead_letters:
                 # Kept until replayed or purged; the sweep caps the stream, counting what it cuts.
                 pipe.xadd(keys.DEADLETTER_STREAM, entry)
-            for job_id in sorted(outcome.advance):
+            for job_id in advance:
                 if job_id in outcome.enqueued:
                     record_enqueued(self.store, job_id, outcome.enqueued[job_id], pipe)
                 else:
@@ -415,10 +423,14 @@ class Coordinator:
 
     # --- scheduler work --------------------------------------------------------------------
     def enqueue_advance(
-        self, job_id: str, pipeline: Pipeline | None = None, record: bool = True
+        self,
+        job_id: str,
+        pipeline: Pipeline | None = None,
+        record: bool = True,
+        task_id: str | None = None,
     ) -> Job:
         """Enqueue the rq task that computes ``job_id``'s next version (see :func:`enqueue`)."""
-        return enqueue(self.queue, self.store, self.settings, job_id, pipeline, record)
+        return enqueue(self.queue, self.store, self.settings, job_id, pipeline, record, task_id)
 
     def sweep(self) -> None:
         """Re-enqueue due work nobody is doing, and delete jobs idle too long (see Sweeper)."""

@@ -41,6 +41,14 @@ class Answer(NamedTuple):
     entry_id: str
 
 
+class Source(NamedTuple):
+    """The stream entry a write came in, which its script acknowledges once it succeeded."""
+
+    stream: str
+    group: str
+    entry_id: str
+
+
 @lru_cache(maxsize=1024)
 def _rank_keys(job_id: str) -> tuple[str, ...]:
     # Every rank of a job registers: its key names are built once.
@@ -67,7 +75,9 @@ class StoreBatch:
         # Per write: the index of the command carrying it (None: refused before sending) and
         # how to turn that command's reply into the write's outcome.
         self._ops: list[tuple[int | None, Callable[[Any], Any]]] = []
-        self._result_groups: dict[tuple[str, int], int] = {}  # (job, version) -> command
+        # (job, version, source stream and group) -> the command storing those results
+        self._result_groups: dict[tuple[str, int, tuple[str, str] | None], int] = {}
+        self._tasks: dict[str, list[int]] = {}  # job -> its results' commands
         self.then_ok = False  # whether execute's ``then`` commands all succeeded
 
     def _add(
@@ -78,6 +88,16 @@ class StoreBatch:
 
     def __len__(self) -> int:
         return len(self._ops)
+
+    def note_task(self, job_id: str, task_id: str) -> None:
+        """Have the results queued for ``job_id`` record ``task_id`` as the rq task advancing it.
+
+        Recorded by the script that stores them only if they complete the job's latest
+        version ('rq_job' and 'enqueued_at' of the job info, what the sweep checks): the
+        caller enqueues that task in the same transaction, on a guess.
+        """
+        for index in self._tasks.get(job_id, []):
+            self._commands[index][2][5] = task_id
 
     def create_job(
         self,
@@ -210,7 +230,12 @@ class StoreBatch:
         self._add(command, finish)
 
     def add_result(
-        self, job: JobInfo, result: ProfilingResult, now: float, data: bytes | None = None
+        self,
+        job: JobInfo,
+        result: ProfilingResult,
+        now: float,
+        data: bytes | None = None,
+        source: Source | None = None,
     ) -> None:
         """Queue :meth:`JobStore.add_result` (results of one version share one script call).
 
@@ -220,12 +245,16 @@ class StoreBatch:
             now: Unix time of the activity.
             data: msgpack that holds it as is, stored instead of packing ``result`` again:
                 the ``report_result`` message it arrived in (see :func:`stored_result`).
+            source: The stream entry it came in: acknowledged by the same script if the
+                result is stored (or was already), so the caller acknowledges only refused
+                ones (which it dead-letters first).
         """
         if result.rank >= job.world_size:
             self._fail(ProtocolError(f"rank {result.rank} is out of range for job {job.job_id}"))
             return
         version = result.schedule_version
-        index = self._result_groups.get((job.job_id, version))
+        where = (source.stream, source.group) if source is not None else None
+        index = self._result_groups.get((job.job_id, version, where))
         if index is None:
             names = [
                 keys.job_info(job.job_id),
@@ -235,13 +264,22 @@ class StoreBatch:
                 keys.JOBS_INDEX,
                 keys.DUE_JOBS,
             ]
+            if source is not None:
+                names.append(source.stream)
+            group = source.group if source is not None else ""
             self._commands.append(
-                (self.scripts.add_results, names, [job.job_id, now, version, job.world_size])
+                (
+                    self.scripts.add_results,
+                    names,
+                    [job.job_id, now, version, job.world_size, group, ""],
+                )
             )
-            index = self._result_groups[(job.job_id, version)] = len(self._commands) - 1
+            index = self._result_groups[(job.job_id, version, where)] = len(self._commands) - 1
+            self._tasks.setdefault(job.job_id, []).append(index)
         args = self._commands[index][2]
-        position = (len(args) - 4) // 2
-        args += [result.rank, data if data is not None else pack_plain(result)]
+        position = (len(args) - 6) // 3
+        stored = data if data is not None else pack_plain(result)
+        args += [result.rank, stored, source.entry_id if source is not None else ""]
 
         def finish(reply: Any) -> tuple[bool, int, int]:
             status, latest, count = (int(x) for x in reply[:3])
@@ -321,7 +359,7 @@ class StoreBatch:
                 every write is idempotent, so the caller retries them all).
         """
         ops, commands = self._ops, self._commands
-        self._ops, self._commands, self._result_groups = [], [], {}
+        self._ops, self._commands, self._result_groups, self._tasks = [], [], {}, {}
         self.then_ok = False
         replies = self._send(commands, then, carry) if commands else []
         if then is not None and commands:

@@ -81,11 +81,16 @@ return {1, count}
 
 # Several ranks' results of one version of one job (a batch of stream entries).
 # KEYS[1] job info, KEYS[2] job ranks, KEYS[3] job version, KEYS[4] results of the version,
-# KEYS[5] jobs index, KEYS[6] due set.
-# ARGV[1] job id, ARGV[2] now, ARGV[3] the version, ARGV[4] world size, ARGV[5..] rank,
-# msgpack ProfilingResult pairs.
-# Stamps the job's activity (jobs index, 'active_at' of the job info).
-# Returns {status, latest version, results of the version, then per pair: 1 added, 0 already
+# KEYS[5] jobs index, KEYS[6] due set; optionally KEYS[7] the results' source stream.
+# ARGV[1] job id, ARGV[2] now, ARGV[3] the version, ARGV[4] world size, ARGV[5] consumer group
+# (with KEYS[7]; else ''), ARGV[6] the rq task enqueued to advance the job ('' none),
+# ARGV[7..] rank, msgpack ProfilingResult, source entry id ('' none) triples.
+# Stamps the job's activity (jobs index, 'active_at' of the job info). With KEYS[7], the source
+# entries of results stored (1) or there already (0) are acknowledged, so a batch needs no
+# transaction of its own for that; refused ones are left to the caller (dead letters). A version
+# completed by these results is recorded as due, with ARGV[6] as the task that advances it
+# ('rq_job', 'enqueued_at' of the job info).
+# Returns {status, latest version, results of the version, then per triple: 1 added, 0 already
 # there (the same bytes: a redelivered entry), -8 a different result of the rank is there (the
 # first one stays), -3 rank not registered}; status 1 ok, -1 unknown job, -4 version not
 # published, -5 version already consumed (its results expired after a snapshot).
@@ -100,9 +105,9 @@ local out = {1, latest, 0}
 -- Two HMGETs and one HSET for the whole batch, not a call or two per result: a quarter less
 -- Redis time (64 results of 1.8 kB: 110-136 us, not 148-168). A thousand ranks at a time:
 -- Lua's unpack takes at most about 8000 values.
-local n = (#ARGV - 4) / 2
+local n = (#ARGV - 6) / 3
 local ranks, registered, stored = {}, {}, {}
-for j = 1, n do ranks[j] = ARGV[3 + 2 * j] end
+for j = 1, n do ranks[j] = ARGV[4 + 3 * j] end
 for first = 1, n, 1000 do
   local last = math.min(first + 999, n)
   local known = redis.call('HMGET', KEYS[2], unpack(ranks, first, last))
@@ -112,25 +117,31 @@ for first = 1, n, 1000 do
     stored[first + k - 1] = there[k]
   end
 end
-local new, taken = {}, {}
+local new, taken, acked = {}, {}, {}
 for j = 1, n do
-  local rank, data = ranks[j], ARGV[4 + 2 * j]
+  local rank, data, entry = ranks[j], ARGV[5 + 3 * j], ARGV[6 + 3 * j]
   local current = taken[rank] or stored[j]  -- a rank twice in one batch: the first stays
+  local added = -8
   if not registered[j] then
-    out[#out + 1] = -3
+    added = -3
   elseif not current then
     taken[rank] = data
     new[#new + 1] = rank
     new[#new + 1] = data
-    out[#out + 1] = 1
+    added = 1
   elseif current == data then
-    out[#out + 1] = 0
-  else
-    out[#out + 1] = -8
+    added = 0
   end
+  out[#out + 1] = added
+  if added >= 0 and entry ~= '' then acked[#acked + 1] = entry end
 end
 for first = 1, #new, 1000 do
   redis.call('HSET', KEYS[4], unpack(new, first, math.min(first + 999, #new)))
+end
+if KEYS[7] then
+  for first = 1, #acked, 1000 do
+    redis.call('XACK', KEYS[7], ARGV[5], unpack(acked, first, math.min(first + 999, #acked)))
+  end
 end
 redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
 redis.call('HSET', KEYS[1], 'active_at', ARGV[2])
@@ -139,6 +150,9 @@ out[3] = count
 if version == latest and count >= tonumber(ARGV[4]) then
   redis.call('HSET', KEYS[1], 'complete', ARGV[3])
   redis.call('ZADD', KEYS[6], ARGV[2], ARGV[1])
+  if ARGV[6] ~= '' then
+    redis.call('HSET', KEYS[1], 'enqueued_at', string.format('%.3f', ARGV[2]), 'rq_job', ARGV[6])
+  end
 end
 return out
 """

@@ -29,7 +29,7 @@ from protocol.models import (
     encode_message,
 )
 from protocol.store import JobStore
-from protocol.store_scripts import ADD_RANK
+from protocol.store_scripts import ADD_RANK, ADD_RESULTS
 from protocol.tokens import credentials, new_token
 from tests.helpers import (
     FREQS,
@@ -440,3 +440,26 @@ def test_a_burst_of_a_full_batch_of_results_or_more_is_handled(r, redis_url):
         handled += step
     assert r.xlen(keys.DEADLETTER_STREAM) == 250  # unknown job: each dead-lettered, none lost
     assert r.xpending(keys.RESULTS_STREAM, keys.COORDINATOR_GROUP)["pending"] == 0
+
+
+def test_results_completing_a_version_are_stored_acked_and_its_task_enqueued_at_once(r, redis_url):
+    """One transaction: the results script acknowledges its entries and records the task
+    enqueued with it. A second one (XACK and the record) followed every batch."""
+    coord = Coordinator(r, make_settings(redis_url))
+    client = CoordinatorClient(redis_url, reply_timeout=5)
+    with running(coord):
+        job_id = register(client)
+    drain(r)  # version 1
+    for rank in range(2):
+        client.report(job_id, result(rank, 1))
+    r.script_load(ADD_RESULTS)  # as after a coordinator's first batch (no NOSCRIPT retry)
+    # Only the read and its batch: no claim, heartbeat or sweep in this step.
+    coord._last_claim = coord._last_beat = coord._last_sweep = float("inf")
+    exec_calls = r.info("commandstats").get("cmdstat_exec", {}).get("calls", 0)
+    assert coord.step(block_ms=None) == 2
+    assert r.info("commandstats")["cmdstat_exec"]["calls"] == exec_calls + 1
+    assert r.xpending(keys.RESULTS_STREAM, keys.COORDINATOR_GROUP)["pending"] == 0
+    task = r.hget(keys.job_info(job_id), "rq_job").decode()
+    assert Queue(keys.RQ_QUEUE, connection=r).job_ids == [task]
+    drain(r)
+    assert JobStore(r).version(job_id) == 2
