@@ -170,17 +170,24 @@ def stop_signals_interrupt() -> Iterator[None]:
     stays ignored. The handlers found are restored on the way out (a caller's own, when the
     command runs in-process).
     """
+    caught: list[int] = []
+
+    def interrupt(signum: int, frame: Any) -> None:
+        caught.append(signum)
+        raise KeyboardInterrupt
+
     found: dict[signal.Signals, Any] = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if sig is signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
             continue
-        found[sig] = signal.signal(sig, _interrupt)
+        found[sig] = signal.signal(sig, interrupt)
     try:
         yield
     finally:
         for sig, handler in found.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+    if caught:
+        # The block ended as if nothing came: the signal's KeyboardInterrupt was raised where
+        # Python drops exceptions (a __del__, a weakref callback run by the garbage collector),
+        # and a SIGTERM during clean-up ended the process with status 0.
+        raise KeyboardInterrupt
