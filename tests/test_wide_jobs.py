@@ -93,3 +93,13 @@ def test_a_scheduler_that_loses_one_of_thousands_of_ranks_fails_the_job_in_a_lin
         advance_job("lossy", conn=r)
     error = store.job_error("lossy")
     assert error.endswith("5000 ranks: missing ranks [4999]") and len(error) < 500, error[:500]
+
+
+def test_a_scheduler_saves_thousands_of_artifacts(r):
+    """A scheduler may leave one artifact per rank (its API takes any number): over about
+    4000 the script that saves them failed ('too many results to unpack'), every time."""
+    store = JobStore(r)
+    new_job(store, "many", TOY_SCHEDULER)
+    artifacts = {f"stage-{rank}.csv": b"x" for rank in range(WORLD)}
+    store.save_artifacts("many", artifacts)
+    assert store.artifacts("many") == artifacts
