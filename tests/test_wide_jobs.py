@@ -8,6 +8,7 @@ import pytest
 
 from coordinator.status import snapshot
 from coordinator.tasks import advance_job
+from coordinator.trust import ResultKeys
 from protocol import keys
 from protocol.exceptions import ProtocolError
 from protocol.job_lifecycle import JobLifecycle
@@ -103,3 +104,19 @@ def test_a_scheduler_saves_thousands_of_artifacts(r):
     artifacts = {f"stage-{rank}.csv": b"x" for rank in range(WORLD)}
     store.save_artifacts("many", artifacts)
     assert store.artifacts("many") == artifacts
+
+
+def test_a_result_of_an_unregistered_rank_does_not_read_every_ranks_key_again(r):
+    """The coordinator caches a job's result keys; a rank it lacks was looked up by reading
+    the keys of every rank of the job again (HGETALL), at each batch with such a result:
+    55 ms a batch at 50,000 ranks (13.5 at 10,000), against 0.3 for a valid result."""
+    store = JobStore(r)
+    _wide_job(store, "wide")
+    cache = ResultKeys(store)
+    cache.load([("wide", 0)])
+    r.config_resetstat()
+    for _ in range(3):
+        cache.load([("wide", WORLD + 5), ("wide", 1)])
+    stats = r.info("commandstats")
+    assert "cmdstat_hgetall" not in stats, stats["cmdstat_hgetall"]
+    assert cache._jobs["wide"][1] and WORLD + 5 not in cache._jobs["wide"]
