@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from coordinator.dump import dump_job
 from coordinator.status import snapshot
 from coordinator.tasks import advance_job
 from coordinator.trust import ResultKeys
@@ -15,7 +16,7 @@ from protocol.job_lifecycle import JobLifecycle
 from protocol.models import JobConfig, JobInfo, RankInfo
 from protocol.store import JobStore
 from protocol.tokens import credentials
-from tests.helpers import TOY_SCHEDULER, new_job, result
+from tests.helpers import TOY_SCHEDULER, new_job, report_all, result
 
 # Lua's unpack takes about 8000 values: a version's schedules are two per rank.
 WORLD = 4500
@@ -120,3 +121,27 @@ def test_a_result_of_an_unregistered_rank_does_not_read_every_ranks_key_again(r)
     stats = r.info("commandstats")
     assert "cmdstat_hgetall" not in stats, stats["cmdstat_hgetall"]
     assert cache._jobs["wide"][1] and WORLD + 5 not in cache._jobs["wide"]
+
+
+class _RanksCounted(JobStore):
+    """A store that counts its reads of a job's ranks."""
+
+    ranks_read = 0
+
+    def ranks(self, job_id: str) -> list[RankInfo]:
+        self.ranks_read += 1
+        return super().ranks(job_id)
+
+
+def test_a_dump_reads_and_writes_the_ranks_once_whatever_the_versions(r, tmp_path):
+    """perseus dump wrote ranks.json again with each version (V + 1 times): 5,000 ranks of
+    120 clocks, 8 versions: 5.2 s (2 versions: 1.4 s); now 2.6 s (0.8 s)."""
+    store = _RanksCounted(r)
+    new_job(store, "long", TOY_SCHEDULER)
+    for version in range(1, 6):
+        assert advance_job("long", conn=r) == [version]
+        report_all(store, "long")
+    dump = dump_job(store, "long", str(tmp_path))
+    assert store.ranks_read == 1
+    assert len(list(dump.folder.glob("*.sched.json"))) == 4  # the oldest is not kept
+    assert len(list(dump.folder.glob("*.prof.json"))) == 5
