@@ -1,4 +1,4 @@
-"""Thousands of ranks or versions: no script hands Lua's unpack more values than it takes."""
+"""Thousands of ranks or versions: nothing breaks (Lua's unpack limit), nor costs ranks x ranks."""
 
 from __future__ import annotations
 
