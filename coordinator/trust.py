@@ -42,7 +42,7 @@ class ResultKeys:
                 self._jobs.move_to_end(job_id)
             if ranks is None or rank not in ranks:
                 missing.append((job_id, rank))
-        for (job_id, rank), key in self.store.result_keys(missing).items():
+        for (job_id, rank), key in self.store.result_keys(missing, self._jobs).items():
             if key is None:
                 self._gone.add(job_id)
                 self._jobs.pop(job_id, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import msgpack
@@ -353,25 +353,37 @@ class JobStore(WorkerStore):
         )
         return int(single(batch))
 
-    def result_keys(self, wanted: Iterable[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
+    def result_keys(
+        self, wanted: Iterable[tuple[str, int]], cached: Collection[str] = ()
+    ) -> dict[tuple[str, int], str | None]:
         """The results' HMAC keys of (job, rank) pairs, in one round trip.
 
         Every registered rank of each job named comes back too, so that a cache holds a job's
-        keys after its first batch. '' for a rank not registered, None for a job that does
+        keys after its first batch; but of the jobs in ``cached`` (whose keys the caller
+        holds), only the ranks named: reading them all again for a rank not registered cost
+        55 ms a batch at 50,000 ranks. '' for a rank not registered, None for a job that does
         not exist.
         """
         pairs = list(dict.fromkeys(wanted))
         if not pairs:
             return {}
         jobs = list(dict.fromkeys(job_id for job_id, _ in pairs))
+        named: dict[str, list[int]] = {job_id: [] for job_id in jobs}
+        for job_id, rank in pairs:
+            named[job_id].append(rank)
         with self.conn.pipeline(transaction=False) as pipe:
             for job_id in jobs:
                 pipe.exists(keys.job_info(job_id))
-                pipe.hgetall(keys.job_tokens(job_id))
+                if job_id in cached:
+                    pipe.hmget(keys.job_tokens(job_id), named[job_id])
+                else:
+                    pipe.hgetall(keys.job_tokens(job_id))
             replies = pipe.execute()
         exists = dict(zip(jobs, replies[::2], strict=True))
         out: dict[tuple[str, int], str | None] = {}
         for job_id, tokens in zip(jobs, replies[1::2], strict=True):
+            if isinstance(tokens, list):  # HMGET of the ranks named
+                tokens = {r: t for r, t in zip(named[job_id], tokens, strict=True) if t}
             for rank, raw in tokens.items():
                 out[(job_id, int(rank))] = raw[:64].decode()
         for job_id, rank in pairs:

@@ -389,9 +389,13 @@ return {1, count, world}
 # EVAL (short, and usable inside a caller's transaction with no NOSCRIPT to handle).
 # KEYS[1] job info, KEYS[2] the hash written (KEYS[1] itself, or another of the job's hashes).
 # ARGV field, value pairs. Returns 1 written, 0 the job does not exist.
+# A thousand values at a time: Lua's unpack takes at most about 8000 (a scheduler's artifacts
+# are as many as it likes).
 HSET_IF_JOB = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[2], unpack(ARGV))
+for i = 1, #ARGV, 1000 do
+  redis.call('HSET', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
 return 1
 """
 

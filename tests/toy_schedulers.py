@@ -74,6 +74,13 @@ class WrongRank(FrequencyScheduler):
         return [FrequencySchedule(rank=0, frequencies=[("forward", freq)])]
 
 
+class DropsLastRank(StepDown):
+    """StepDown's schedules but the last rank's (a scheduler that lost one)."""
+
+    def next_schedule(self) -> list[FrequencySchedule]:
+        return super().next_schedule()[:-1]
+
+
 class WithArtifact(StepDown):
     """StepDown that also leaves a small artifact."""
 
