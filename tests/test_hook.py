@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -19,14 +22,61 @@ from protocol.store import JobStore
 from tests.helpers import wait_for
 from tests.rank_helpers import make_hook, run_step, step_until
 from worker_client.gpu.frequency import DryRunFrequencyController
+from worker_client.hook.optimizer import PerseusOptimizer
+
+
+@contextmanager
+def _worker_and_hook(
+    hook_service: tuple[Any, Callable[[], None]],
+    redis_url: str,
+    controller: Any = None,
+    **kw: Any,
+) -> Iterator[PerseusOptimizer]:
+    """Start a `perseus worker` and a one-rank hook; close the hook at the end, whatever happens.
+
+    Args:
+        hook_service: The ``hook_service`` fixture (coordinator, worker starter).
+        redis_url: Where the hook connects.
+        controller: The hook's controller; a dry-run one for GPU 0 if not given.
+        **kw: More :class:`PerseusOptimizer` arguments (``report_every``, ...).
+    """
+    _coord, start_worker = hook_service
+    start_worker()
+    if controller is None:
+        controller = DryRunFrequencyController(0)
+    hook = make_hook(redis_url, controller, **kw)
+    try:
+        yield hook
+    finally:
+        hook.close()
+
+
+def _announce_then_reach_version_2(
+    hook: PerseusOptimizer, r: Any, caplog: pytest.LogCaptureFixture, *versions: str
+) -> None:
+    """Add ``versions`` to the job's updates stream; the watcher skips them, training goes on.
+
+    Each entry is read (the watcher warns about it) while the hook still runs version 1, then
+    version 1 is reported and version 2 arrives as usual; the watcher never fails.
+    """
+    assert hook.schedule.version == 1
+    with caplog.at_level(logging.WARNING, logger="worker_client.hook.watchers"):
+        for version in versions:
+            r.xadd(keys.job_updates(hook.job_id), {"version": version})
+        wait_for(
+            lambda: all(v in caplog.text for v in versions) or hook.watcher.error is not None,
+            10,
+            "the entries to be read",
+        )
+        assert hook.watcher.error is None
+        run_step(hook)  # reports version 1: version 2 follows
+        step_until(hook, lambda: hook.schedule.version >= 2, 30, "version 2")
+    assert hook.watcher.error is None
 
 
 def test_swaps_only_between_steps(gloo, hook_service, redis_url):
-    _coord, start_worker = hook_service
-    start_worker()
     controller = DryRunFrequencyController(0)
-    hook = make_hook(redis_url, controller, report_every=1)
-    try:
+    with _worker_and_hook(hook_service, redis_url, controller, report_every=1) as hook:
         assert hook.schedule.version == 1
         run_step(hook)  # reports version 1's result at its end
 
@@ -43,15 +93,10 @@ def test_swaps_only_between_steps(gloo, hook_service, redis_url):
         freqs = [f for _, f in controller.records]
         assert freqs[:8] == [1980] * 8
         assert freqs[8:12] == [1965] * 4
-    finally:
-        hook.close()
 
 
 def test_wrong_instruction_and_schedule_length_errors(gloo, hook_service, redis_url):
-    _coord, start_worker = hook_service
-    start_worker()
-    hook = make_hook(redis_url, DryRunFrequencyController(0))
-    try:
+    with _worker_and_hook(hook_service, redis_url) as hook:
         hook.on_step_begin()
         hook.on_instruction_begin("forward")
         hook.on_instruction_end("forward")
@@ -77,8 +122,6 @@ def test_wrong_instruction_and_schedule_length_errors(gloo, hook_service, redis_
         hook.order.restart(hook.schedule)
         with pytest.raises(ScheduleError, match="has only 4 instructions"):
             run_step(hook, names=("forward", "backward") * 3)
-    finally:
-        hook.close()
 
 
 def test_a_refused_instruction_leaves_the_step_where_it_was(gloo, hook_service, redis_url):
@@ -87,10 +130,7 @@ def test_a_refused_instruction_leaves_the_step_where_it_was(gloo, hook_service, 
     A loop that caught the ScheduleError and ran the right instruction was then refused its
     step's last one (or, one short, ended the step without it unsaid).
     """
-    _coord, start_worker = hook_service
-    start_worker()
-    hook = make_hook(redis_url, DryRunFrequencyController(0))
-    try:
+    with _worker_and_hook(hook_service, redis_url) as hook:
         hook.on_step_begin()  # the schedule: forward, backward, forward, backward
         hook.on_instruction_begin("forward")
         hook.on_instruction_end("forward")
@@ -101,16 +141,11 @@ def test_a_refused_instruction_leaves_the_step_where_it_was(gloo, hook_service, 
             hook.on_instruction_end(name)
         hook.on_step_end()
         assert hook.steps == 1
-    finally:
-        hook.close()
 
 
 def test_hooks_called_out_of_order_say_what_was_expected(gloo, hook_service, redis_url):
     """A forgotten on_step_begin or on_instruction_end measured nothing, or failed the job."""
-    _coord, start_worker = hook_service
-    start_worker()
-    hook = make_hook(redis_url, DryRunFrequencyController(0))
-    try:
+    with _worker_and_hook(hook_service, redis_url) as hook:
         with pytest.raises(ScheduleError, match=r"no step is open: call on_step_begin\(\) first"):
             hook.on_instruction_begin("forward")
         hook.on_step_begin()
@@ -130,8 +165,6 @@ def test_hooks_called_out_of_order_say_what_was_expected(gloo, hook_service, red
         hook.abandon_step()
         run_step(hook)  # a step in order still runs
         assert hook.steps == 1
-    finally:
-        hook.close()
     with pytest.raises(ScheduleError, match=r"on_step_begin\(\) after close\(\)"):
         hook.on_step_begin()
 
@@ -142,10 +175,7 @@ def test_a_step_begun_again_starts_at_the_first_instruction(gloo, hook_service, 
     The step went on from where the abandoned one stopped: its first instruction was refused
     as if the training loop ran too few microbatches.
     """
-    _coord, start_worker = hook_service
-    start_worker()
-    hook = make_hook(redis_url, DryRunFrequencyController(0))
-    try:
+    with _worker_and_hook(hook_service, redis_url) as hook:
         hook.on_step_begin()
         hook.on_instruction_begin("forward")
         hook.on_instruction_end("forward")
@@ -153,24 +183,17 @@ def test_a_step_begun_again_starts_at_the_first_instruction(gloo, hook_service, 
         assert hook.steps == 1
         run_step(hook)
         assert hook.steps == 2
-    finally:
-        hook.close()
 
 
 def test_a_step_ended_without_being_begun_says_so(gloo, hook_service, redis_url):
     """It said the schedule still expected the step's first instruction."""
-    _coord, start_worker = hook_service
-    start_worker()
-    hook = make_hook(redis_url, DryRunFrequencyController(0))
-    try:
+    with _worker_and_hook(hook_service, redis_url) as hook:
         run_step(hook)
         message = r"on_step_end\(\), but no step is open: call on_step_begin\(\) first"
         with pytest.raises(ScheduleError, match=message):
             hook.on_step_end()
         run_step(hook)  # the next step runs as usual
         assert hook.steps == 2
-    finally:
-        hook.close()
 
 
 def test_first_schedule_timeout_is_clear(gloo, hook_service, redis_url):
@@ -206,22 +229,18 @@ def test_rank_and_world_size_must_fit_the_process_group(gloo, r, redis_url):
 
 
 def test_heartbeats_keep_a_quiet_job_from_idle_deletion(gloo, hook_service, r, redis_url):
-    coord, start_worker = hook_service
-    start_worker()
+    coord, _start_worker = hook_service
     # Nothing is ever reported (report_every is huge): only heartbeats show the job is alive.
-    hook = make_hook(
-        redis_url, DryRunFrequencyController(0), report_every=10**6, heartbeat_interval=0.2
-    )
-    coord.settings = coord.settings.model_copy(
-        update={"max_job_idle_time": 2, "reconcile_interval": 0.1}
-    )
-    try:
+    with _worker_and_hook(
+        hook_service, redis_url, report_every=10**6, heartbeat_interval=0.2
+    ) as hook:
+        coord.settings = coord.settings.model_copy(
+            update={"max_job_idle_time": 2, "reconcile_interval": 0.1}
+        )
         # Over twice the idle time, with room for a heartbeat that a loaded machine delays.
         end = time.monotonic() + 5.0
         step_until(hook, lambda: time.monotonic() > end, 15, "5 s of training")
         assert r.exists(keys.job_info(hook.job_id)) and not hook.watcher.job_lost
-    finally:
-        hook.close()
     # Training ended: no more heartbeats, and the idle job is deleted.
     deadline = time.monotonic() + 10
     while r.zscore(keys.JOBS_INDEX, hook.job_id) is not None:
@@ -231,10 +250,7 @@ def test_heartbeats_keep_a_quiet_job_from_idle_deletion(gloo, hook_service, r, r
 
 
 def test_heartbeat_notices_a_deleted_job_and_training_goes_on(gloo, hook_service, r, redis_url):
-    _coord, start_worker = hook_service
-    start_worker()
-    hook = make_hook(redis_url, DryRunFrequencyController(0), heartbeat_interval=0.2)
-    try:
+    with _worker_and_hook(hook_service, redis_url, heartbeat_interval=0.2) as hook:
         run_step(hook)
         assert JobStore(r).delete_job(hook.job_id)
         step_until(hook, lambda: hook.watcher.job_lost, 10, "the watcher to notice")
@@ -242,8 +258,6 @@ def test_heartbeat_notices_a_deleted_job_and_training_goes_on(gloo, hook_service
         # The heartbeat never brings a deleted job back into the index.
         assert r.zscore(keys.JOBS_INDEX, hook.job_id) is None
         run_step(hook)
-    finally:
-        hook.close()
 
 
 def test_a_malformed_update_is_skipped_and_the_watcher_goes_on(
@@ -251,21 +265,10 @@ def test_a_malformed_update_is_skipped_and_the_watcher_goes_on(
 ):
     # On Redis 6.2 a rank's ACL user can write any job's updates stream: garbage there ended
     # the watcher with a bare ValueError, raised at the next step end.
-    _coord, start_worker = hook_service
-    start_worker()
-    hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
-    try:
-        assert hook.schedule.version == 1
-        with caplog.at_level(logging.WARNING, logger="worker_client.hook.watchers"):
-            r.xadd(keys.job_updates(hook.job_id), {"version": "not-a-number"})
-            r.xadd(keys.job_updates(hook.job_id), {"version": "-3"})
-            run_step(hook)  # reports version 1: version 2 follows
-            step_until(hook, lambda: hook.schedule.version >= 2, 30, "version 2")
-        assert hook.watcher.error is None
-        assert "'version' is b'not-a-number', not a positive integer" in caplog.text
-        assert "'version' is b'-3'" in caplog.text
-    finally:
-        hook.close()
+    with _worker_and_hook(hook_service, redis_url, report_every=1) as hook:
+        _announce_then_reach_version_2(hook, r, caplog, "not-a-number", "-3")
+    assert "'version' is b'not-a-number', not a positive integer" in caplog.text
+    assert "'version' is b'-3'" in caplog.text
 
 
 def test_an_update_announcing_a_version_never_published_is_skipped(
@@ -274,25 +277,9 @@ def test_an_update_announcing_a_version_never_published_is_skipped(
     # A version beyond the job's version key was never published (a publish sets the key and
     # announces in one script): the watcher fetched it, found no schedule and ended with a
     # ProtocolError, which ended training at the next step end.
-    _coord, start_worker = hook_service
-    start_worker()
-    hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
-    try:
-        assert hook.schedule.version == 1
-        with caplog.at_level(logging.WARNING, logger="worker_client.hook.watchers"):
-            r.xadd(keys.job_updates(hook.job_id), {"version": "999999"})
-            wait_for(
-                lambda: "999999" in caplog.text or hook.watcher.error is not None,
-                10,
-                "the entry to be read",
-            )
-            assert hook.watcher.error is None
-            run_step(hook)  # reports version 1: version 2 follows
-            step_until(hook, lambda: hook.schedule.version >= 2, 30, "version 2")
-        assert hook.watcher.error is None
-        assert "announces version 999999, never published" in caplog.text, caplog.text
-    finally:
-        hook.close()
+    with _worker_and_hook(hook_service, redis_url, report_every=1) as hook:
+        _announce_then_reach_version_2(hook, r, caplog, "999999")
+    assert "announces version 999999, never published" in caplog.text, caplog.text
 
 
 def test_heartbeat_interval_must_be_positive(gloo, redis_url):
@@ -301,11 +288,9 @@ def test_heartbeat_interval_must_be_positive(gloo, redis_url):
 
 
 def test_result_is_sent_again_when_redis_lost_its_version(gloo, hook_service, r, redis_url):
-    coord, start_worker = hook_service
-    start_worker()
-    hook = make_hook(redis_url, DryRunFrequencyController(0), report_every=1)
-    job = hook.job_id
-    try:
+    coord, _start_worker = hook_service
+    with _worker_and_hook(hook_service, redis_url, report_every=1) as hook:
+        job = hook.job_id
         step_until(hook, lambda: hook.schedule.version == 2, 20, "version 2")
         # The worker publishes, then snapshots and settles the job: let it finish first.
         store = JobStore(r)
@@ -333,8 +318,6 @@ def test_result_is_sent_again_when_redis_lost_its_version(gloo, hook_service, r,
         step_until(hook, lambda: hook.schedule.version == 3, 30, "version 3")
         assert hook.reporter.sent == 3  # version 1, version 2 refused, version 2 again
         assert [e.observed_version for e in JobStore(r).journal(job)] == [None, 1, 2]
-    finally:
-        hook.close()
 
 
 def test_a_rank_that_fails_to_start_leaves_no_controller_process(gloo, hook_service, redis_url):
@@ -381,13 +364,10 @@ def test_a_result_that_fails_to_build_after_the_last_step_is_not_lost_silently(
 ):
     # The last step's report is built while close() waits: no step end follows to raise its
     # error, so close must say that the result was never sent, and why.
-    _coord, start_worker = hook_service
-    start_worker()
-    hook = make_hook(
-        redis_url, DryRunFrequencyController(0), report_every=1, energy_source=_FailingEnergy()
-    )
     with caplog.at_level(logging.WARNING, logger="worker_client.hook.optimizer"):
-        run_step(hook)
-        hook.close()
+        with _worker_and_hook(
+            hook_service, redis_url, report_every=1, energy_source=_FailingEnergy()
+        ) as hook:
+            run_step(hook)
     assert hook.reporter.sent == 0
     assert "energy sensor gone" in caplog.text and "version 1" in caplog.text, caplog.text

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 import rq.utils
+from rq import Queue
 
 from coordinator.service import Coordinator
 from coordinator.tasks import advance_job
@@ -53,6 +58,42 @@ def new_job(
 def activity(store: JobStore, job_id: str) -> float:
     (score,) = [s for j, s in store.list_jobs() if j == job_id]
     return score
+
+
+@contextmanager
+def _a_task_running(r: Any, redis_url: str, tmp_path: Path) -> Iterator[Queue]:
+    """A job whose version takes 8 s to compute, its task started by a `perseus worker`.
+
+    Yields the queue once the task runs. At the end, the task must go on to publish
+    version 1 and no task may have failed; the worker is stopped whatever happens.
+    """
+    store = JobStore(r)
+    new_job(store, "slow", delay=8.0)
+    coordinator = Coordinator(r, make_settings(redis_url))
+    coordinator.enqueue_advance("slow")
+    worker = start_perseus(["worker", "--redis-url", redis_url], tmp_path, "worker.log")
+    try:
+        queue = coordinator.queue
+        started = queue.started_job_registry
+        wait_for(lambda: started.get_job_ids(cleanup=False), 30, "the task to start")
+        yield queue
+        wait_for(lambda: store.version("slow") == 1, 30, "version 1")
+    finally:
+        stop([worker])
+    assert queue.failed_job_registry.get_job_ids() == []
+
+
+@contextmanager
+def _clocks_ahead(monkeypatch: pytest.MonkeyPatch, seconds: float) -> Iterator[None]:
+    """This process's clocks (``time.time`` and rq's ``now``) run ``seconds`` ahead inside."""
+    real_time, real_now = time.time, rq.utils.now
+    monkeypatch.setattr(time, "time", lambda: real_time() + seconds)
+    monkeypatch.setattr(rq.utils, "now", lambda: real_now() + timedelta(seconds=seconds))
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(time, "time", real_time)
+        monkeypatch.setattr(rq.utils, "now", real_now)
 
 
 def test_a_coordinator_8_days_ahead_keeps_live_jobs_and_stamps_the_servers_time(
@@ -144,28 +185,11 @@ def test_a_coordinator_minutes_ahead_does_not_fail_a_task_its_worker_still_runs(
     on. A coordinator whose clock runs 5 minutes ahead must not call it abandoned (rq's own
     cleanup, on the local clock, moved it to the failed tasks while it ran).
     """
-    store = JobStore(r)
-    new_job(store, "slow", delay=8.0)
-    right = Coordinator(r, make_settings(redis_url))
-    right.enqueue_advance("slow")
-    worker = start_perseus(["worker", "--redis-url", redis_url], tmp_path, "worker.log")
-    try:
-        queue = right.queue
-        started = queue.started_job_registry
-        wait_for(lambda: started.get_job_ids(cleanup=False), 30, "the task to start")
-        real_time, real_now = time.time, rq.utils.now
-        monkeypatch.setattr(time, "time", lambda: real_time() + 300)
-        monkeypatch.setattr(rq.utils, "now", lambda: real_now() + timedelta(seconds=300))
+    with _a_task_running(r, redis_url, tmp_path) as queue, _clocks_ahead(monkeypatch, 300):
         ahead = Coordinator(r, make_settings(redis_url))
         ahead.sweep()
         assert queue.failed_job_registry.get_job_ids() == []
-        assert started.get_job_ids(cleanup=False)  # still running, as it is
-        monkeypatch.setattr(time, "time", real_time)
-        monkeypatch.setattr(rq.utils, "now", real_now)
-        wait_for(lambda: store.version("slow") == 1, 30, "version 1")
-    finally:
-        stop([worker])
-    assert queue.failed_job_registry.get_job_ids() == []
+        assert queue.started_job_registry.get_job_ids(cleanup=False)  # still running, as it is
 
 
 def test_a_task_that_ends_while_the_registry_is_read_is_not_called_abandoned(r):
@@ -210,39 +234,23 @@ def test_a_worker_minutes_ahead_does_not_fail_another_workers_running_task(
     """
     from rq.executions import Execution
 
-    store = JobStore(r)
-    new_job(store, "slow", delay=8.0)
-    coordinator = Coordinator(r, make_settings(redis_url))
-    coordinator.enqueue_advance("slow")
-    worker = start_perseus(["worker", "--redis-url", redis_url], tmp_path, "worker.log")
-    try:
-        queue = coordinator.queue
+    with _a_task_running(r, redis_url, tmp_path) as queue:
         started = queue.started_job_registry
-        wait_for(lambda: started.get_job_ids(cleanup=False), 30, "the task to start")
         # A task whose worker died: listed as started, its execution gone from Redis.
         dead = Execution("e-dead", "task-dead", r)
         r.zadd(started.key, {"task-dead:e-dead": time.time() + 60})
-        real_time, real_now = time.time, rq.utils.now
-        monkeypatch.setattr(time, "time", lambda: real_time() + 300)
-        monkeypatch.setattr(rq.utils, "now", lambda: real_now() + timedelta(seconds=300))
-        ahead = worker_class([queue], connection=r, name="ahead")
-        ahead.clean_registries()
-        assert queue.failed_job_registry.get_job_ids() == []
-        running = started.get_job_ids(cleanup=False)
-        assert len(running) == 1 and running[0] != "task-dead"  # the live one, as it is
-        assert not r.exists(dead.key)
-        monkeypatch.setattr(time, "time", real_time)
-        monkeypatch.setattr(rq.utils, "now", real_now)
-        wait_for(lambda: store.version("slow") == 1, 30, "version 1")
-    finally:
-        stop([worker])
-    assert queue.failed_job_registry.get_job_ids() == []
+        with _clocks_ahead(monkeypatch, 300):
+            ahead = worker_class([queue], connection=r, name="ahead")
+            ahead.clean_registries()
+            assert queue.failed_job_registry.get_job_ids() == []
+            running = started.get_job_ids(cleanup=False)
+            assert len(running) == 1 and running[0] != "task-dead"  # the live one, as it is
+            assert not r.exists(dead.key)
 
 
 def test_abandoned_tasks_are_found_on_the_queue_cleaned(r):
     # fail_abandoned and the workers' cleanup take any queue; the expired executions were
     # looked up on perseus's queue whatever the queue, so another queue's stayed listed.
-    from rq import Queue
     from rq.registry import StartedJobRegistry
 
     from coordinator.abandoned import fail_abandoned

@@ -143,6 +143,13 @@ def _write(tmp_path: Path, text: str, name: str = "bad.csv") -> Path:
     return path
 
 
+def _refusal(path: Path) -> str:
+    """The message of the :class:`ConfigError` that reading ``path`` raises."""
+    with pytest.raises(ConfigError) as info:
+        read_profile_csv(path)
+    return str(info.value)
+
+
 HEADER = "stage,instruction,frequency,time,energy\n"
 FULL_HEADER = ",".join(FULL_COLUMNS) + "\n"
 
@@ -188,9 +195,7 @@ def test_bad_input_names_file_line_and_field(
     tmp_path: Path, text: str, line: int, field: str, words: str
 ) -> None:
     path = _write(tmp_path, text)
-    with pytest.raises(ConfigError) as info:
-        read_profile_csv(path)
-    message = str(info.value)
+    message = _refusal(path)
     assert f"{path}:{line}:" in message
     assert f"'{field}'" in message
     assert words in message
@@ -299,9 +304,7 @@ def test_full_form_replicas_must_agree(
     tmp_path: Path, text: str, line: int, field: str, words: str
 ) -> None:
     path = _write(tmp_path, text)
-    with pytest.raises(ConfigError) as info:
-        read_profile_csv(path)
-    message = str(info.value)
+    message = _refusal(path)
     assert message.startswith(f"{path}:{line}: field '{field}': ")
     assert words in message
 
@@ -322,19 +325,17 @@ def test_utf8_byte_order_mark_is_read(tmp_path: Path) -> None:
 def test_not_utf8_names_the_file(tmp_path: Path, data: bytes, words: str) -> None:
     path = tmp_path / "wide.csv"
     path.write_bytes(data)
-    with pytest.raises(ConfigError) as info:
-        read_profile_csv(path)
-    assert str(info.value).startswith(f"{path}: profile ")
-    assert words in str(info.value)
+    message = _refusal(path)
+    assert message.startswith(f"{path}: profile ")
+    assert words in message
 
 
 def test_a_quoted_value_over_several_lines_is_refused_not_glued(tmp_path: Path) -> None:
     # Read line by line, the pieces of "0.01<newline>5" were glued into a time of 0.015 s.
     path = _write(tmp_path, HEADER + "0,forward,1980,0.1,1\n" + '0,backward,1980,"0.01\n5",3\n')
-    with pytest.raises(ConfigError) as info:
-        read_profile_csv(path)
-    assert str(info.value).startswith(f"{path}:3: field 'time': ")
-    assert "runs over several lines" in str(info.value)
+    message = _refusal(path)
+    assert message.startswith(f"{path}:3: field 'time': ")
+    assert "runs over several lines" in message
 
 
 def test_lines_are_counted_in_the_file_past_a_multiline_note(tmp_path: Path) -> None:
@@ -346,8 +347,6 @@ def test_lines_are_counted_in_the_file_past_a_multiline_note(tmp_path: Path) -> 
         "0,backward,1980,-0.2,2,\n"
     )
     path = _write(tmp_path, text)
-    with pytest.raises(ConfigError) as info:
-        read_profile_csv(path)
-    assert str(info.value).startswith(f"{path}:5: field 'time': ")
+    assert _refusal(path).startswith(f"{path}:5: field 'time': ")
     rows = read_profile_csv(_write(tmp_path, text.replace("-0.2", "0.2"))).rows
     assert [r.line for r in rows] == [2, 5]
