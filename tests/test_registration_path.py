@@ -247,7 +247,8 @@ def _calls(r, command: str) -> int:
     return int(r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
-def test_a_job_is_answered_and_acknowledged_by_the_script_that_creates_it(r, redis_url):
+def _job_sent(r, redis_url: str) -> tuple[Coordinator, RegisterJob]:
+    """A coordinator (not stepped yet) and a two-stage job's registration sent to it."""
     coord = Coordinator(r, make_settings(redis_url), consumer="one")
     ensure_groups(r)
     job = RegisterJob(
@@ -255,6 +256,11 @@ def test_a_job_is_answered_and_acknowledged_by_the_script_that_creates_it(r, red
         job=JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2),
     )
     r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))
+    return coord, job
+
+
+def test_a_job_is_answered_and_acknowledged_by_the_script_that_creates_it(r, redis_url):
+    coord, job = _job_sent(r, redis_url)
     before = _calls(r, "exec")
     coord.step(block_ms=None)
     assert _calls(r, "exec") == before  # no transaction of its own for the reply and the ack
@@ -265,13 +271,7 @@ def test_a_job_is_answered_and_acknowledged_by_the_script_that_creates_it(r, red
 
 
 def test_a_job_registration_delivered_again_gets_the_same_job_as_its_reply(r, redis_url):
-    coord = Coordinator(r, make_settings(redis_url), consumer="one")
-    ensure_groups(r)
-    job = RegisterJob(
-        request_id=uuid.uuid4().hex,
-        job=JobInfo(pp_degree=2, dp_degree=1, tp_degree=1, world_size=2),
-    )
-    r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))
+    coord, job = _job_sent(r, redis_url)
     coord.step(block_ms=None)
     first = unpack(Reply, r.lpop(keys.reply_key(job.request_id)))
     r.xadd(keys.REGISTRATIONS_STREAM, encode_message(job))  # a client's retry of its send
