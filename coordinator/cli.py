@@ -312,7 +312,13 @@ def _worker_name(value: str | None) -> str | None:
 
 @main.command()
 @redis_url_option
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON instead of tables, with every rank a job waits on (the tables name 10 "
+    "of each kind).",
+)
 @click.option("--watch", is_flag=True, help="Refresh the tables until Ctrl-C (a live view).")
 @click.option(
     "--silent-after",

@@ -6,15 +6,7 @@ from collections import Counter
 
 from protocol.exceptions import ProtocolError
 from protocol.models import FrequencySchedule, RankInfo
-
-_NAMED = 10  # ranks a wrong set of schedules names of each kind (missing, extra, twice)
-
-
-def _few(ranks: list[int]) -> str:
-    """``ranks`` (sorted) as a list, the first ``_NAMED`` of them if more."""
-    if len(ranks) <= _NAMED:
-        return str(ranks)
-    return f"{str(ranks[:_NAMED])[:-1]}, ... ({len(ranks)} in all)]"
+from protocol.rank_lists import NAMED, few_ranks
 
 
 def _wrong_ranks(scheduler: str, got: list[int], expected: set[int]) -> str:
@@ -27,7 +19,7 @@ def _wrong_ranks(scheduler: str, got: list[int], expected: set[int]) -> str:
     seen = set(counts)
     twice = sorted(r for r, n in counts.items() if n > 1)
     parts = [
-        f"{what} {_few(found)}"
+        f"{what} [{few_ranks(found)}]"
         for what, found in (
             ("missing ranks", sorted(expected - seen)),
             ("unexpected ranks", sorted(seen - expected)),
@@ -35,7 +27,7 @@ def _wrong_ranks(scheduler: str, got: list[int], expected: set[int]) -> str:
         )
         if found
     ]
-    if len(got) <= _NAMED and len(expected) <= _NAMED:
+    if len(got) <= NAMED and len(expected) <= NAMED:
         parts.insert(0, f"expected one for each of {sorted(expected)}, got ranks {sorted(got)}")
     return f"scheduler {scheduler} returned {len(got)} schedules for {len(expected)} ranks: " + (
         "; ".join(parts)

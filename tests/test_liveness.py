@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from coordinator.status import format_snapshot, snapshot
 from protocol import keys
 from protocol.job_lifecycle import JobLifecycle
 from protocol.store import JobStore
-from tests.helpers import drain, register, result, wait_for
+from tests.helpers import drain, invoke_perseus, register, result, wait_for
 from worker_client.hook.session import CoordinatorClient
 
 
@@ -101,3 +102,18 @@ def test_a_rank_never_heard_from_goes_silent_and_stalls_its_job(service, r, redi
     time.sleep(1.2)
     (job,) = snapshot(r, silent_after=1.0)["jobs"]
     assert job["alive"] == 0 and job["state"] == "stalled" and job["waiting_on"] == [0]
+
+
+def test_status_names_a_few_waited_on_ranks_and_its_json_every_one(service, r, redis_url):
+    """The tables bound the list (a 100,000-rank job's line was 600 kB); scripts get it whole."""
+    job_at_version_1(r, redis_url, pp=13)
+    time.sleep(1.5)  # none of the 13 ranks ever beat: all silent after --silent-after 1
+    args = ("status", "--redis-url", redis_url, "--silent-after", "1")
+    code, out = invoke_perseus(*args)
+    assert code == 0, out
+    named = "silent ranks 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ... and 3 more (13 in all)"
+    assert f"stalled: waiting on {named}" in out, out
+    code, out = invoke_perseus(*args, "--json")
+    assert code == 0, out
+    (listed,) = json.loads(out)["jobs"]
+    assert listed["waiting_on"] == list(range(13)) and listed["silent_ranks"] == list(range(13))

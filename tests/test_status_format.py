@@ -52,3 +52,26 @@ def test_status_says_when_rq_is_suspended():
     held["rq"]["suspended"] = True
     assert "SUSPENDED (`rq suspend`): no new versions until `rq resume`" in format_snapshot(held)
     assert "SUSPENDED" not in format_snapshot(snap())
+
+
+def test_a_stalled_job_names_a_few_of_the_ranks_it_waits_on_and_counts_the_rest():
+    """Every rank was named: 100,000 silent ranks made a status line of about 600 kB."""
+    stalled = job("wide", "stalled", world_size=5000, waiting_on=list(range(3, 5000)))
+    text = format_snapshot(snap(stalled))
+    assert (
+        "stalled: waiting on silent ranks 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, ... and 4,987 more "
+        "(4,997 in all)" in text
+    ), text[:600]
+    assert len(text) < 600, len(text)
+
+
+def test_a_stalled_job_counts_silent_ranks_and_closed_ones_apart():
+    waiting = [*range(20), 40, 41]
+    stalled = job("wide", "stalled", world_size=50, waiting_on=waiting, closed_ranks=[40, 41])
+    text = format_snapshot(snap(stalled))
+    assert (
+        "stalled: waiting on silent ranks 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ... and 10 more "
+        "(20 in all) and ranks 40, 41 whose hook closed" in text
+    ), text[:600]
+    ten = job("ten", "stalled", world_size=10, waiting_on=list(range(10)))
+    assert "silent ranks 0, 1, 2, 3, 4, 5, 6, 7, 8, 9\n" in format_snapshot(snap(ten)) + "\n"
