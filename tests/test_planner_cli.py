@@ -169,3 +169,37 @@ def test_enqueue_runs_on_rq_worker(tmp_path: Path, redis_url: str) -> None:
     SimpleWorker([queue], connection=conn).work(burst=True)
     assert conn.hget(keys.plan_key(bad), "state") == b"failed"
     assert conn.hget(keys.plan_key(bad), "message")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["here", "--enqueue"])
+def test_optimize_refuses_a_pipeline_too_large_to_plan_before_building_it(
+    tmp_path: Path, where: str
+) -> None:
+    """``-m 640000`` (a typo for 64) built a DAG of millions of instructions: hung, or OOM."""
+    profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
+    out = tmp_path / "out"
+    args = ["optimize", str(profile), "-s", "2", "-m", "640000", "--out", str(out), "--no-plot"]
+    if where == "--enqueue":  # refused before Redis is asked (none listens on port 1)
+        args += ["--enqueue", "--redis-url", "redis://127.0.0.1:1/0"]
+    res = CliRunner().invoke(planner_cli(), args)
+    assert res.exit_code == 2, res.output
+    assert (
+        "--stages 2 x --microbatches 640000 make 2,560,000 instructions (2 per stage and "
+        "microbatch); the planner takes at most 100,000" in res.output
+    ), res.output
+    assert "--max-instructions" in res.output and not out.exists(), res.output
+
+
+def test_max_instructions_lets_a_larger_pipeline_be_planned(tmp_path: Path) -> None:
+    profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
+    args = ["optimize", str(profile), "-s", "2", "-m", "2", "--no-plot", "--plans", "chosen"]
+    res = CliRunner().invoke(
+        planner_cli(), [*args, "--out", str(tmp_path / "a"), "--max-instructions", "7"]
+    )
+    assert res.exit_code == 2 and "make 8 instructions" in res.output, res.output
+    assert "the planner takes at most 7" in res.output, res.output
+    res = CliRunner().invoke(
+        planner_cli(), [*args, "--out", str(tmp_path / "b"), "--max-instructions", "8"]
+    )
+    assert res.exit_code == 0, res.output

@@ -32,6 +32,7 @@ from schedulers.planning.frontier_compute import p2p_unset_note
 from schedulers.planning.frontier_files import FRONTIER_PNG, load_frontier, timeline_png_name
 from schedulers.planning.frontier_plans import ensure_plan_file
 from schedulers.planning.job import enqueue_planning
+from schedulers.planning.pipeline_dag import MAX_INSTRUCTIONS, instruction_count
 from schedulers.planning.plan_file import read_plan_file
 from schedulers.planning.planner import PLAN_FILES, SOLVERS, plan_frontier
 from schedulers.planning.profile_csv import profile_warnings, read_profile_csv
@@ -72,6 +73,22 @@ def _fail(exc: Exception) -> click.ClickException:
         # A read-only or missing folder: one line naming the path, no traceback.
         return click.ClickException(f"{exc.filename}: {exc.strerror or exc}")
     return click.ClickException(str(exc))
+
+
+def _check_size(stages: int, microbatches: int, limit: int) -> None:
+    """Raise a usage error for a pipeline of more than ``limit`` instructions, before any work.
+
+    Checked before the profile is read or Redis asked: ``-m 640000`` (a typo for 64) built a
+    DAG of millions of instructions, and the planner hung or ran out of memory.
+    """
+    count = instruction_count(stages, microbatches)
+    if count > limit:
+        raise click.UsageError(
+            f"--stages {stages} x --microbatches {microbatches} make {count:,} instructions (2 "
+            f"per stage and microbatch); the planner takes at most {limit:,}, since its time "
+            "grows about with the square of the count; check both numbers, or give "
+            "--max-instructions N to plan more"
+        )
 
 
 def _redis_watch_hint(url: str, key: str) -> str:
@@ -141,6 +158,14 @@ def _redis_watch_hint(url: str, key: str) -> str:
 )
 @click.option("--plot/--no-plot", default=True, show_default=True, help="Draw PNGs too.")
 @click.option(
+    "--max-instructions",
+    type=click.IntRange(min=1),
+    default=MAX_INSTRUCTIONS,
+    show_default=True,
+    help="Refuse a pipeline of more instructions (2 x stages x microbatches): planning time "
+    "grows about with their square (a typo such as -m 640000 would run for weeks).",
+)
+@click.option(
     "--enqueue",
     is_flag=True,
     help="Run on an rq worker (queue 'perseus') instead of here; DIR must be reachable by it.",
@@ -157,6 +182,7 @@ def optimize_command(
     solver: str,
     plans: str,
     plot: bool,
+    max_instructions: int,
     enqueue: bool,
     redis_url: str | None,
 ) -> None:
@@ -166,6 +192,7 @@ def optimize_command(
     rank,dp_rank,pp_rank,tp_rank in front; other columns are ignored). Then pick a plan with
     `perseus choose DIR`.
     """
+    _check_size(stages, microbatches, max_instructions)
     try:
         prof = read_profile_csv(profile, num_stages=stages)
     except PerseusError as exc:
