@@ -12,6 +12,7 @@ import click
 from coordinator.cli_common import connect_settings
 from protocol.cli_options import redis_url_option
 from protocol.cli_types import FiniteFloatRange
+from protocol.constants import MAX_ENTRY_FIELDS
 from protocol.deadletter import (
     DeadLetter,
     get_dead_letter,
@@ -109,6 +110,8 @@ def _why_not_replayable(letter: DeadLetter) -> str:
     """Why ``replay --all`` leaves ``letter`` alone, as :func:`replay` would refuse it."""
     if letter.size is not None:
         return "over max_entry_bytes (only their heads were kept)"
+    if letter.too_many_fields:
+        return f"with more than {MAX_ENTRY_FIELDS} fields (they would be refused again)"
     if not letter.original:
         return "without original fields"
     return (

@@ -26,3 +26,9 @@ MAX_TARGET_ITERATION_S: float = 24 * 60 * 60.0
 MAX_UNIX_TIME: float = 253402300799.0
 """The last second of the year 9999 (UTC), as a unix time: a later time (1e300) is a typo that
 datetime cannot show."""
+
+MAX_ENTRY_FIELDS: int = 64
+"""Most fields an input stream entry may have: a message has at most five (``kind``, ``data``,
+``job_id``, ``mac``, ``wait_s``). The coordinator dead-letters an entry with more, its fields
+packed into one (see :mod:`protocol.deadletter`). Keep it under about 3,990: replaying a dead
+letter passes every field through Lua's ``unpack``, which takes at most about 8,000 values."""

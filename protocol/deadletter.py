@@ -10,6 +10,14 @@ for failed jobs).
 
 Registrations are never replayed: their client already got the error as its reply and is no
 longer waiting, and a replayed ``register_job`` would create a job nobody runs.
+
+An entry of more than :data:`~protocol.constants.MAX_ENTRY_FIELDS` fields (64; a message has
+at most five) is refused for that, and its dead letter keeps every field, byte for byte and in
+order, packed as one msgpack map (name -> value) in ``orig_packed``, with their number in
+``fields``: thousands of ``orig:`` fields would make every ``XRANGE`` of the stream list them.
+It is not replayed (the coordinator would refuse it again), nor is an ``orig:`` dead letter of
+that many fields (an older coordinator wrote them so): the replay script passes each field
+through Lua's ``unpack``, which takes at most about 8,000 values.
 """
 
 from __future__ import annotations
@@ -19,10 +27,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import redis
 
 from protocol import keys
-from protocol.constants import MAX_UNIX_TIME
+from protocol.constants import MAX_ENTRY_FIELDS, MAX_UNIX_TIME
 from protocol.exceptions import ConfigError
 from protocol.numbers import is_ascii_digits
 from protocol.server_clock import ServerClock
@@ -32,7 +41,8 @@ REPLAYABLE_STREAMS = (keys.RESULTS_STREAM, keys.CONTROL_STREAM)
 # Re-add and delete only if the dead letter is still there: two replays of one entry (say, by
 # two operators at once) add it to its source stream once. No MAXLEN: the coordinator trims
 # input streams by acknowledgement (protocol/streams.py).
-# KEYS[1] dead-letter stream, KEYS[2] source stream; ARGV[1] dead letter id, ARGV[2..] fields.
+# KEYS[1] dead-letter stream, KEYS[2] source stream; ARGV[1] dead letter id, ARGV[2..] fields
+# (at most MAX_ENTRY_FIELDS of them: Lua's unpack takes at most about 8,000 values).
 _REPLAY = """
 if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return false end
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
@@ -41,6 +51,7 @@ return id
 """
 
 _ORIG = b"orig:"
+_PACKED = b"orig_packed"
 
 
 HEAD_BYTES = 256
@@ -68,7 +79,9 @@ def entry_fields(
     :func:`replay` can send the entry back unchanged. An ``oversize`` entry keeps only the
     first :data:`HEAD_BYTES` of its first :data:`HEAD_FIELDS` fields, its total size
     (``size``) and field count (``fields``): copying it whole would let one client fill Redis
-    with dead letters. It cannot be replayed.
+    with dead letters. It cannot be replayed. An entry of more than
+    :data:`~protocol.constants.MAX_ENTRY_FIELDS` fields keeps them all as one msgpack map in
+    ``orig_packed``, and their number in ``fields``.
     """
     entry: dict[Any, Any] = {
         "reason": reason,
@@ -81,6 +94,9 @@ def entry_fields(
         entry["fields"] = str(len(fields))
         head = list(fields.items())[:HEAD_FIELDS]
         entry.update({_ORIG + name[:HEAD_BYTES]: v[:HEAD_BYTES] for name, v in head})
+    elif len(fields) > MAX_ENTRY_FIELDS:
+        entry["fields"] = str(len(fields))
+        entry[_PACKED] = msgpack.packb(fields, use_bin_type=True)
     else:
         entry.update({_ORIG + name: value for name, value in fields.items()})
     return entry
@@ -109,10 +125,18 @@ class DeadLetter:
         return self.original.get(b"job_id", b"").decode(errors="replace")
 
     @property
+    def too_many_fields(self) -> bool:
+        """Whether the entry had more fields than an entry may have (it would be refused again)."""
+        return len(self.original) > MAX_ENTRY_FIELDS
+
+    @property
     def replayable(self) -> bool:
         """Whether :func:`replay` accepts it (results and control messages, kept whole)."""
         return (
-            self.source_stream in REPLAYABLE_STREAMS and self.size is None and bool(self.original)
+            self.source_stream in REPLAYABLE_STREAMS
+            and self.size is None
+            and bool(self.original)
+            and not self.too_many_fields
         )
 
     def summary(self) -> dict[str, Any]:
@@ -145,9 +169,24 @@ def _parse(entry_id: bytes | str, fields: dict[bytes, bytes]) -> DeadLetter:
         source_stream=text(b"source_stream"),
         source_id=text(b"source_id"),
         dead_at=dead_at,
-        original={k[len(_ORIG) :]: v for k, v in fields.items() if k.startswith(_ORIG)},
+        original=_unpacked(fields[_PACKED])
+        if _PACKED in fields
+        else {k[len(_ORIG) :]: v for k, v in fields.items() if k.startswith(_ORIG)},
         size=int(text(b"size")) if is_ascii_digits(text(b"size")) else None,
     )
+
+
+def _unpacked(packed: bytes) -> dict[bytes, bytes]:
+    """The original fields packed in ``orig_packed`` (none if it is no map of bytes)."""
+    try:
+        original = msgpack.unpackb(packed, raw=True)
+    except Exception:  # written by hand: no map (or no msgpack) means no original fields
+        return {}
+    if not isinstance(original, dict) or not all(
+        isinstance(k, bytes) and isinstance(v, bytes) for k, v in original.items()
+    ):
+        return {}
+    return original
 
 
 def list_dead_letters(conn: redis.Redis, count: int = 100) -> list[DeadLetter]:
@@ -206,6 +245,12 @@ def replay(conn: redis.Redis, letter: DeadLetter) -> str | None:
         raise ConfigError(
             f"dead letter {letter.entry_id} was an entry of {letter.size} bytes, over "
             "max_entry_bytes: only its head was kept, so it cannot be replayed"
+        )
+    if letter.too_many_fields:
+        raise ConfigError(
+            f"dead letter {letter.entry_id} was an entry of {len(letter.original)} fields; at "
+            f"most {MAX_ENTRY_FIELDS}, so the coordinator would refuse it again (its fields are "
+            "all kept; `perseus deadletter purge` deletes it)"
         )
     if not letter.original:  # one added by hand: --all skips it (not replayable)
         raise ConfigError(f"dead letter {letter.entry_id} has no original fields to replay")

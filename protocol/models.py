@@ -25,6 +25,7 @@ from protocol.codec import validate as validate
 from protocol.codec import validation_text as validation_text
 from protocol.constants import (
     MAX_CLOCK_MHZ,
+    MAX_ENTRY_FIELDS,
     MAX_RANK_CLOCKS,
     MAX_TARGET_ITERATION_S,
     MAX_UNIX_TIME,
@@ -432,6 +433,11 @@ def decode_message(
     fields: dict[bytes, bytes],
 ) -> RegisterJob | RegisterRank | ReportResult | SetTarget:
     """Decode a stream entry's fields; raise ProtocolError with a reason on any problem."""
+    if len(fields) > MAX_ENTRY_FIELDS:
+        raise ProtocolError(
+            f"entry has {len(fields)} fields; at most {MAX_ENTRY_FIELDS} (a message has kind, "
+            "data and, by kind, job_id, mac and wait_s)"
+        )
     data = fields.get(b"data")
     if data is None:
         names = sorted(k.decode("utf-8", "replace") for k in fields)

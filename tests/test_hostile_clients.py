@@ -168,6 +168,12 @@ def _result_dict(s: Stack, **changes: Any) -> bytes:
     return msgpack.packb({"kind": "report_result", "job_id": s.job_id, "result": res})
 
 
+def _signed_result(s: Stack) -> dict[str, Any]:
+    """Genuine rank 0's result for the current version, signed with its token."""
+    message = ReportResult(job_id=s.job_id, result=result(0, s.version))
+    return encode_message(message, s.genuine.token(s.job_id, 0))
+
+
 def _foreign(s: Stack, token: str | None) -> Entries:
     forged = result(0, s.version).model_copy(update={"iter_time": [99.0]})
     return [
@@ -195,6 +201,11 @@ CASES: dict[str, tuple[Callable[[Stack], Entries], str]] = {
     "200,000 tiny fields": (
         lambda s: [(R, {f"f{i}": b"" for i in range(200_000)})],
         "over max_entry_bytes",
+    ),
+    # Stored as a genuine result; dead-lettered, its replay failed in Lua (unpack's limit).
+    "a genuine result with 5,000 more fields": (
+        lambda s: [(R, _signed_result(s) | {f"f{i}": b"" for i in range(5_000)})],
+        "entry has 5004 fields; at most 64",
     ),
     "deep nesting": (
         lambda s: _raw(R, "report_result", b"\x91" * 100_000 + b"\xc0"),
