@@ -103,6 +103,15 @@ def job_schedule(job_id: str, version: int) -> str:
     return job_key(job_id, "schedule", version)
 
 
+def job_schedule_draft(job_id: str, version: int, nonce: str) -> str:
+    """Hash: a wide version's schedules while a worker writes them, in chunks.
+
+    The publish script renames it to :func:`job_schedule` (or deletes it, if another worker
+    published first); it expires a minute after its last chunk should its worker die first.
+    """
+    return job_key(job_id, "schedule", version, "draft", nonce)
+
+
 def job_results(job_id: str, version: int) -> str:
     """Hash: rank -> ProfilingResult measured while running ``version``.
 

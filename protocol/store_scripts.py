@@ -184,16 +184,28 @@ return 1
 # ARGV[1] job id, ARGV[2] now, ARGV[3] expected current version, ARGV[4] new version,
 # ARGV[5] msgpack JournalEntry, ARGV[6] updates MAXLEN, ARGV[7] expected journal length ('':
 # any), ARGV[8] summary field ('' none), ARGV[9] summary, ARGV[10] '1' deletes KEYS[8],
-# ARGV[11..] rank, msgpack FrequencySchedule pairs.
-# Returns {1, new version}, {0, current version}, or {-1, 0}: the job is gone (deleted while
-# its version was computed; writing would leave a partial job behind). A failure recorded
-# before is over: cleared, and the announcement says so (error='') to the ranks' watchers.
+# ARGV[11..] rank, msgpack FrequencySchedule pairs; or, for a wide version, none of them and
+# KEYS[9], the draft hash that holds them (written in chunks before: one call with 100,000
+# ranks' schedules blocked Redis for 316 ms), renamed to KEYS[2] or deleted.
+# Returns {1, new version}, {0, current version}, {-1, 0}: the job is gone (deleted while its
+# version was computed; writing would leave a partial job behind), or {-2, current version}:
+# the draft is gone (it expired). A failure recorded before is over: cleared, and the
+# announcement says so (error='') to the ranks' watchers.
 PUBLISH = """
-if redis.call('EXISTS', KEYS[6]) == 0 then return {-1, 0} end
+local function drop(status, current)
+  if KEYS[9] then redis.call('DEL', KEYS[9]) end
+  return {status, current}
+end
+if redis.call('EXISTS', KEYS[6]) == 0 then return drop(-1, 0) end
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
-if current ~= tonumber(ARGV[3]) then return {0, current} end
+if current ~= tonumber(ARGV[3]) then return drop(0, current) end
 if ARGV[7] ~= '' and redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[7]) then
-  return {0, current}
+  return drop(0, current)
+end
+if KEYS[9] then
+  if redis.call('EXISTS', KEYS[9]) == 0 then return {-2, current} end
+  redis.call('RENAME', KEYS[9], KEYS[2])
+  redis.call('PERSIST', KEYS[2])
 end
 -- A thousand values at a time: Lua's unpack takes at most about 8000 (4000 ranks).
 for i = 11, #ARGV, 1000 do

@@ -6,6 +6,8 @@ its own module so that each stays readable; callers use ``JobStore``.
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Any
 
 import msgpack
@@ -19,6 +21,16 @@ from protocol.models import FrequencySchedule, JournalEntry
 from protocol.server_clock import ServerClock
 from protocol.store_batch import StoreBatch
 from protocol.store_scripts import HSET_IF_JOB, Scripts
+
+INLINE_SCHEDULES = 1000
+"""Most ranks whose schedules go to the publish script as its arguments; a wider version's are
+written to a draft first, :data:`DRAFT_CHUNK` ranks a command, so that Redis serves other
+clients between them (100,000 ranks in one script call blocked it for 316 ms)."""
+DRAFT_CHUNK = 1000
+DRAFT_TTL_MS = 60_000  # a draft whose worker died before its script expires
+
+
+logger = logging.getLogger(__name__)
 
 
 def _glob_escape(text: str) -> str:
@@ -160,33 +172,56 @@ class WorkerStore:
             stamped = dict(schedule.__dict__, version=entry.version)
             flat += [str(schedule.rank), msgpack.packb(stamped, use_bin_type=True)]
         old = entry.version - self.keep_schedules
-        status, _current = self.scripts.publish(
-            keys=[
-                keys.job_version(job_id),
-                keys.job_schedule(job_id, entry.version),
-                keys.job_journal(job_id),
-                keys.job_updates(job_id),
-                keys.JOBS_INDEX,
-                keys.job_info(job_id),
-                keys.job_summaries(job_id),
-                keys.job_schedule(job_id, max(old, 0)),
-            ],
-            args=[
-                job_id,
-                now,
-                entry.version - 1,
-                entry.version,
-                pack(entry),
-                self.stream_maxlen,
-                "" if journal_length is None else journal_length,
-                *_summary_args(entry, summary),
-                "1" if old >= 1 else "0",
-                *flat,
-            ],
-        )
+        names = [
+            keys.job_version(job_id),
+            keys.job_schedule(job_id, entry.version),
+            keys.job_journal(job_id),
+            keys.job_updates(job_id),
+            keys.JOBS_INDEX,
+            keys.job_info(job_id),
+            keys.job_summaries(job_id),
+            keys.job_schedule(job_id, max(old, 0)),
+        ]
+        args = [
+            job_id,
+            now,
+            entry.version - 1,
+            entry.version,
+            pack(entry),
+            self.stream_maxlen,
+            "" if journal_length is None else journal_length,
+            *_summary_args(entry, summary),
+            "1" if old >= 1 else "0",
+        ]
+        if len(schedules) <= INLINE_SCHEDULES:
+            status, _current = self.scripts.publish(keys=names, args=[*args, *flat])
+        else:
+            status = self._publish_drafted(job_id, entry.version, names, args, flat)
         if status == -1:
             raise unknown_job(job_id)
-        return bool(status)
+        return status == 1
+
+    def _publish_drafted(
+        self, job_id: str, version: int, names: list[str], args: list[Any], flat: list[Any]
+    ) -> int:
+        """Write a wide version's schedules to a draft in chunks, then publish it (one pipeline).
+
+        Returns the publish script's status; -2 (its draft expired before the script ran) is
+        logged and publishes nothing, like a version another worker published first.
+        """
+        draft = keys.job_schedule_draft(job_id, version, uuid.uuid4().hex)
+        with self.conn.pipeline(transaction=False) as pipe:
+            step = 2 * DRAFT_CHUNK
+            for i in range(0, len(flat), step):
+                pipe.execute_command("HSET", draft, *flat[i : i + step])
+                pipe.pexpire(draft, DRAFT_TTL_MS)
+            self.scripts.publish(keys=[*names, draft], args=args, client=pipe)
+            status, _current = pipe.execute()[-1]
+        if status == -2:
+            logger.warning(
+                "job %s: the draft of version %d expired before it was published", job_id, version
+            )
+        return int(status)
 
     def record_unpublished(
         self,

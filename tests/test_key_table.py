@@ -16,6 +16,7 @@ PLACEHOLDERS = {
     "version": "<v>",
     "request_id": "<request_id>",
     "workload": "<workload>",
+    "nonce": "<nonce>",
 }
 # Prefixes that name a family of keys, not a key.
 BASES = {"job_key"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from coordinator.dump import dump_job
@@ -11,8 +13,9 @@ from coordinator.trust import ResultKeys
 from protocol import keys
 from protocol.exceptions import ProtocolError
 from protocol.job_lifecycle import JobLifecycle
-from protocol.models import JobConfig, JobInfo, RankInfo
+from protocol.models import JobConfig, JobInfo, JournalEntry, RankInfo
 from protocol.store import JobStore
+from protocol.store_worker import DRAFT_CHUNK
 from protocol.tokens import credentials
 from tests.helpers import TOY_SCHEDULER, new_job, report_all, result
 
@@ -143,3 +146,67 @@ def test_a_dump_reads_and_writes_the_ranks_once_whatever_the_versions(r, tmp_pat
     assert store.ranks_read == 1
     assert len(list(dump.folder.glob("*.sched.json"))) == 4  # the oldest is not kept
     assert len(list(dump.folder.glob("*.prof.json"))) == 5
+
+
+def _longest_command(r, name: bytes) -> int:
+    """Most arguments of a ``name`` command in the slow log (it keeps 32, counts the rest)."""
+    longest = 0
+    # Raw entries: [id, time, duration, [arguments...], ...] (no parsing into one string).
+    for entry in r.execute_command("SLOWLOG", "GET", 100_000, NEVER_DECODE=True):
+        words = entry[3]
+        if words[0].upper() != name:
+            continue
+        more = re.fullmatch(rb"\.\.\. \((\d+) more arguments\)", words[-1])
+        longest = max(longest, len(words) - 1 + int(more.group(1)) if more else len(words))
+    return longest
+
+
+def test_thousands_of_schedules_are_written_in_chunks_not_one_script_call(r):
+    """The publish script took every rank's schedule as its arguments: one call blocked Redis
+    for 316 ms at 100,000 ranks (every other client waited). A wide version is drafted in
+    chunks first and the script only renames the draft: the same schedules, no draft left."""
+    store = JobStore(r)
+    _wide_job(store, "wide")
+    r.config_set("slowlog-max-len", 100_000)
+    r.config_set("slowlog-log-slower-than", 0)
+    try:
+        r.slowlog_reset()
+        assert advance_job("wide", conn=r) == [1]
+        assert 0 < _longest_command(r, b"EVALSHA") < 64
+        assert 0 < _longest_command(r, b"HSET") <= 2 + 2 * DRAFT_CHUNK
+    finally:
+        r.config_set("slowlog-log-slower-than", 10_000)
+    schedules = store.schedules("wide", 1)
+    assert [s.rank for s in schedules] == list(range(WORLD))
+    assert all(s.version == 1 for s in schedules)
+    assert not list(r.scan_iter(match="*draft*"))
+
+
+def test_a_draft_that_lost_the_race_or_expired_publishes_nothing(r):
+    """A worker whose version another published first leaves no draft behind; one whose
+    draft is gone (expired) publishes nothing and says so (the job stays due)."""
+    store = JobStore(r)
+    _wide_job(store, "race")
+    assert advance_job("race", conn=r) == [1]
+    schedules = store.schedules("race", 1)
+    entry = JournalEntry(version=1)  # version 1 again: another worker published it first
+    assert not store.publish("race", schedules, entry)
+    assert store.version("race") == 1
+    assert not list(r.scan_iter(match="*draft*"))
+    gone = keys.job_schedule_draft("race", 2, "expired")
+    status, current = store.scripts.publish(
+        keys=[
+            keys.job_version("race"),
+            keys.job_schedule("race", 2),
+            keys.job_journal("race"),
+            keys.job_updates("race"),
+            keys.JOBS_INDEX,
+            keys.job_info("race"),
+            keys.job_summaries("race"),
+            keys.job_schedule("race", 0),
+            gone,
+        ],
+        args=["race", 2.0, 1, 2, b"", 100, "", "", "", "0"],
+    )
+    assert (status, current) == (-2, 1)
+    assert store.version("race") == 1 and not r.exists(keys.job_schedule("race", 2))
