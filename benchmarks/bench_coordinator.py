@@ -23,6 +23,10 @@
    planner and scipy.optimize, its fit): forking worker with the scheduler modules preloaded
    (the default) against `--no-preload`.
 
+First it prints this hour's speed of the machine, to compare runs of different days: the
+median round trip of a PING to a private Redis, and a pure-Python loop's time (the raw limit
+has taken 2.7 to 12.3 ms; the round trip moves with it, the loop much less).
+
     python benchmarks/bench_coordinator.py [--versions 200] [--ranks 64]
 """
 
@@ -260,6 +264,22 @@ class Stack:
         self.server.stop()
 
 
+def machine_speed(url: str) -> tuple[float, float]:
+    """This hour's speed: median PING round trip (µs) to ``url``, a pure-Python loop (ms)."""
+    conn = redis.Redis.from_url(url)
+    trips = []
+    for _ in range(2000):
+        start = time.perf_counter()
+        conn.ping()
+        trips.append(time.perf_counter() - start)
+    start, total = time.perf_counter(), 0
+    for i in range(1_000_000):
+        total += i * i
+    loop = time.perf_counter() - start
+    conn.close()
+    return statistics.median(trips) * 1e6, loop * 1000
+
+
 def register(client: CoordinatorClient, ranks: int) -> str:
     job_id = client.register_job(
         JobInfo(pp_degree=ranks, dp_degree=1, tp_degree=1, world_size=ranks)
@@ -417,6 +437,11 @@ def main() -> None:
             ("perseus worker --fork", "fork"),
         ):
             stacks.append(Stack(name, args.ranks, kind))
+        ping_us, loop_ms = machine_speed(stacks[0].url)
+        print(
+            f"this hour's machine: PING round trip {ping_us:.0f} us (median of 2000), "
+            f"a pure-Python loop of 1e6 steps {loop_ms:.0f} ms"
+        )
         for version in range(1, args.versions + 1):
             for stack in stacks:
                 stack.round(version)
