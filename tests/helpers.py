@@ -32,6 +32,7 @@ from protocol.models import (
     unpack,
 )
 from protocol.store import JobStore
+from protocol.tokens import credentials
 from worker_client.hook.session import CoordinatorClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -337,6 +338,20 @@ def new_job(store: JobStore, job_id: str, scheduler: str) -> None:
             RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=CLOCKS),
             token=f"token-{rank}",
         )
+
+
+def wide_job(store: JobStore, job_id: str, world: int, scheduler: str) -> JobInfo:
+    """A ``world``-rank job, every rank registered in one round trip (rank r's token: ``t<r>``)."""
+    job = JobInfo(job_id=job_id, pp_degree=world, dp_degree=1, tp_degree=1, world_size=world)
+    store.create_job(job, JobConfig(scheduler=scheduler), "1-0")
+    batch = store.batch()
+    for rank in range(world):
+        info = RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=[1980])
+        batch.add_rank(
+            job, info, now=1.0, credentials=credentials(f"t{rank}"), request_id=str(rank)
+        )
+    assert batch.execute() == list(range(1, world + 1))
+    return job
 
 
 def report_all(store: JobStore, job_id: str) -> None:

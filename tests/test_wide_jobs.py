@@ -13,11 +13,10 @@ from coordinator.trust import ResultKeys
 from protocol import keys
 from protocol.exceptions import ProtocolError
 from protocol.job_lifecycle import JobLifecycle
-from protocol.models import JobConfig, JobInfo, JournalEntry, RankInfo
+from protocol.models import JobInfo, JournalEntry, RankInfo
 from protocol.store import JobStore
 from protocol.store_worker import DRAFT_CHUNK
-from protocol.tokens import credentials
-from tests.helpers import TOY_SCHEDULER, new_job, report_all, result
+from tests.helpers import TOY_SCHEDULER, new_job, report_all, result, wide_job
 
 # Lua's unpack takes about 8000 values: a version's schedules are two per rank.
 WORLD = 4500
@@ -26,20 +25,8 @@ WORLD = 4500
 def _wide_job(
     store: JobStore, job_id: str, world: int = WORLD, scheduler: str = TOY_SCHEDULER
 ) -> JobInfo:
-    """A ``world``-rank job, every rank registered (one script call each, one round trip).
-
-    Rank r's token is ``t<r>``.
-    """
-    job = JobInfo(job_id=job_id, pp_degree=world, dp_degree=1, tp_degree=1, world_size=world)
-    store.create_job(job, JobConfig(scheduler=scheduler), "1-0")
-    batch = store.batch()
-    for rank in range(world):
-        info = RankInfo(rank=rank, dp_rank=0, pp_rank=rank, tp_rank=0, available_frequencies=[1980])
-        batch.add_rank(
-            job, info, now=1.0, credentials=credentials(f"t{rank}"), request_id=str(rank)
-        )
-    assert batch.execute() == list(range(1, world + 1))
-    return job
+    """A ``world``-rank job, every rank registered (rank r's token is ``t<r>``)."""
+    return wide_job(store, job_id, world, scheduler)
 
 
 def test_a_job_of_thousands_of_ranks_publishes_and_stores_a_batch_of_all_their_results(r):
@@ -148,13 +135,14 @@ def test_a_dump_reads_and_writes_the_ranks_once_whatever_the_versions(r, tmp_pat
     assert len(list(dump.folder.glob("*.prof.json"))) == 5
 
 
-def _longest_command(r, name: bytes) -> int:
-    """Most arguments of a ``name`` command in the slow log (it keeps 32, counts the rest)."""
+def _longest_command(r, name: bytes, key: str | None = None) -> int:
+    """Most arguments of a ``name`` command (on ``key``) in the slow log (it keeps 32, counts
+    the rest); 0 if none ran."""
     longest = 0
     # Raw entries: [id, time, duration, [arguments...], ...] (no parsing into one string).
     for entry in r.execute_command("SLOWLOG", "GET", 100_000, NEVER_DECODE=True):
         words = entry[3]
-        if words[0].upper() != name:
+        if words[0].upper() != name or (key is not None and words[1] != key.encode()):
             continue
         more = re.fullmatch(rb"\.\.\. \((\d+) more arguments\)", words[-1])
         longest = max(longest, len(words) - 1 + int(more.group(1)) if more else len(words))
@@ -174,6 +162,9 @@ def test_thousands_of_schedules_are_written_in_chunks_not_one_script_call(r):
         assert advance_job("wide", conn=r) == [1]
         assert 0 < _longest_command(r, b"EVALSHA") < 64
         assert 0 < _longest_command(r, b"HSET") <= 2 + 2 * DRAFT_CHUNK
+        # Nor one read of every rank's info (HVALS: 50-96 ms at 100,000 ranks).
+        ranks = keys.job_ranks("wide")
+        assert not _longest_command(r, b"HVALS", ranks) and _longest_command(r, b"HSCAN", ranks)
     finally:
         r.config_set("slowlog-log-slower-than", 10_000)
     schedules = store.schedules("wide", 1)
