@@ -60,6 +60,7 @@ from schedulers.profile_then import (
     MEASURED_PROFILE,
     ThenArgs,
     check_then,
+    check_then_size,
     plan_in_folder,
     write_if_changed,
 )
@@ -97,9 +98,13 @@ class InstructionProfiler(FrequencyScheduler):
         frequencies: Sweep only these clocks (MHz; each must be supported by every GPU).
             Default: each stage's clocks common to its ranks.
         then: Plan and serve a plan once profiled: ``{"out_dir": DIR, "p2p_power": W,
-            "unit_time": s, "policy": "no-slowdown", "policy_arg": None}`` (only
-            ``out_dir`` is required; defaults 0 W, 1 ms, no-slowdown; a planner run with
-            ``p2p_power`` left out logs a warning that waiting counts as free). Each job
+            "unit_time": s, "policy": "no-slowdown", "policy_arg": None,
+            "max_instructions": 100_000}`` (only ``out_dir`` is required; defaults 0 W,
+            1 ms, no-slowdown, 100,000; a planner run with ``p2p_power`` left out logs a
+            warning that waiting counts as free). ``max_instructions`` bounds the planned
+            pipeline, ``2 * pp_degree * microbatches``: checked when the coordinator starts
+            (for one stage), when a job registers and when the profiler is built, not
+            after the sweep. Each job
             plans in its own folder, ``<out_dir>/<job id>/``, from the profile it measured
             (``measured_profile.csv`` there): jobs never share planner files.
         out_path: Also write the profile CSV (full form, one row group per rank) here. The
@@ -152,14 +157,20 @@ class InstructionProfiler(FrequencyScheduler):
     @classmethod
     def check_args(cls, args: dict[str, Any]) -> None:
         """The counts, the schedule and ``then`` (at coordinator start and registration)."""
-        check_counts(
-            args.get("microbatches", 1),
-            args.get("warmup_iters", 1),
-            args.get("stop_after_rises", 5),
-        )
+        microbatches = args.get("microbatches", 1)
+        check_counts(microbatches, args.get("warmup_iters", 1), args.get("stop_after_rises", 5))
         check_schedule(args.get("schedule", DEFAULT_SCHEDULE))
-        check_then(args.get("then"))
+        then = check_then(args.get("then"))
+        if then is not None:
+            check_then_size(then, None, microbatches)
         check_frequencies(args.get("frequencies"))
+
+    @classmethod
+    def check_job(cls, args: dict[str, Any], job: JobInfo) -> None:
+        """With ``then``: the job's stages times ``microbatches`` within the planner's bound."""
+        then = check_then(args.get("then"))
+        if then is not None:
+            check_then_size(then, job.pp_degree, args.get("microbatches", 1))
 
     @classmethod
     def check_files(cls, args: dict[str, Any]) -> None:
@@ -211,6 +222,8 @@ class InstructionProfiler(FrequencyScheduler):
         self.warmup_iters = warmup_iters
         self.stop_after_rises = stop_after_rises
         self.then = check_then(then)
+        if self.then is not None:  # Not found after the sweep, when the planner starts.
+            check_then_size(self.then, job_info.pp_degree, microbatches)
         self._p2p_unset = then is not None and "p2p_power" not in then
         self.out_path = Path(out_path) if out_path is not None else None
         # A folder per job: two jobs of one coordinator plan side by side, each from its own
