@@ -51,6 +51,7 @@ from protocol.models import (
     RankInfo,
 )
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule, stage_order
+from protocol.rank_lists import few_ranks
 from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos, common_frequencies
 from schedulers.planning.choose import ChosenPlan
@@ -300,7 +301,7 @@ class InstructionProfiler(FrequencyScheduler):
             by_rank[res.rank] = res
         missing = sorted(set(self.rank_data) - set(by_rank))
         if missing:
-            raise ProtocolError(f"no profiling results from ranks {missing}")
+            raise ProtocolError(f"no profiling results from ranks [{few_ranks(missing)}]")
         for (stage, inst), freq in measuring.items():
             figures = []
             for info in self.stage_ranks[stage]:
@@ -357,8 +358,8 @@ class InstructionProfiler(FrequencyScheduler):
             sweep.rises, sweep.stopped = int(rises), bool(stopped)
         ranks = {int(rank): rows for rank, rows in state["rank_data"]}
         if set(ranks) != set(self.rank_data):
-            expected = sorted(self.rank_data)
-            raise ValueError(f"snapshot has ranks {sorted(ranks)}, expected {expected}")
+            have, expected = few_ranks(sorted(ranks)), few_ranks(sorted(self.rank_data))
+            raise ValueError(f"snapshot has ranks [{have}], expected [{expected}]")
         self.rank_data = {
             rank: {(str(i), int(f)): (float(t), float(e)) for i, f, t, e in ranks[rank]}
             for rank in self.rank_data
