@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coordinator.settings import PerseusSettings
-from protocol.exceptions import ProtocolError
+from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import JobConfig, JobInfo, RankInfo, RegisterJob
 from protocol.scheduler import (
     BUILTIN,
@@ -14,15 +14,28 @@ from protocol.scheduler import (
 
 
 def job_config(settings: PerseusSettings, message: RegisterJob) -> JobConfig:
-    """The scheduler, arguments and dump folder a registering job gets.
+    """The scheduler, arguments and dump folder a registering job gets, checked for the job.
 
     A job may name a built-in scheduler and send data arguments; a ``module:Class`` scheduler
     and arguments that name server paths come from the coordinator's settings only.
 
     Raises:
         ProtocolError: The job asks for what a client may not choose (the reason says what).
-        ConfigError: Its scheduler does not accept its arguments.
+        ConfigError: Its scheduler does not accept its arguments, or not for a job of its
+            degrees (:meth:`~protocol.scheduler.FrequencyScheduler.check_job`).
     """
+    config = _chosen(settings, message)
+    scheduler = resolve_scheduler(config.scheduler)
+    try:
+        scheduler.check_job(config.scheduler_args, message.job)
+    except ConfigError as exc:
+        which = "its" if message.scheduler is not None else "the coordinator's"
+        raise ConfigError(f"{exc} ({which} scheduler_args)") from None
+    return config
+
+
+def _chosen(settings: PerseusSettings, message: RegisterJob) -> JobConfig:
+    """The scheduler and arguments the job gets, checked, before its degrees are."""
     dump_dir = settings.dump_dir if settings.dump_data else ""
     if message.scheduler is None:
         # Arguments go with the scheduler a job names: without one they were dropped unsaid

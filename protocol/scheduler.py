@@ -104,6 +104,16 @@ class FrequencyScheduler:
         """
 
     @classmethod
+    def check_job(cls, args: dict[str, Any], job: JobInfo) -> None:
+        """Raise ConfigError if a job of ``job``'s degrees cannot run under ``args``.
+
+        Called when a job registers (after :meth:`check_args`), with the arguments it gets,
+        its own or the coordinator's: what depends on the job's shape (a planner's size, its
+        stages times the microbatches) then refuses the registration instead of failing the
+        job, or running for hours, once its ranks have joined.
+        """
+
+    @classmethod
     def absolute_paths(cls, args: dict[str, Any]) -> dict[str, Any]:
         """Return ``args`` with each relative path in :attr:`server_path_args` made absolute.
 

@@ -47,6 +47,7 @@ from schedulers.planning.frontier_compute import (
 )
 from schedulers.planning.frontier_files import Frontier, FrontierPoint, load_frontier
 from schedulers.planning.frontier_plans import plan_from_log
+from schedulers.planning.pipeline_dag import MAX_INSTRUCTIONS, check_instructions
 from schedulers.planning.plan_file import PlanFile, read_plan_file
 from schedulers.planning.profile_csv import read_profile_csv
 from schedulers.point_solution import check_plan_fits
@@ -55,7 +56,14 @@ logger = logging.getLogger(__name__)
 
 
 # FrontierScheduler's arguments that only planning from a profile reads.
-_PLANNING_ARGS = ("microbatches", "unit_time", "p2p_power", "solver", "schedule")
+_PLANNING_ARGS = (
+    "microbatches",
+    "unit_time",
+    "p2p_power",
+    "solver",
+    "schedule",
+    "max_instructions",
+)
 
 
 def _read_plan(frontier: Frontier, point: FrontierPoint) -> PlanFile:
@@ -84,10 +92,15 @@ class FrontierScheduler(FrequencyScheduler):
         solver: The planner's solver (with ``profile``; see ``perseus optimize --solver``).
         schedule: The pipeline schedule the training runs, ``"1f1b"`` or ``"gpipe"`` (with
             ``profile``).
+        max_instructions: Refuse a pipeline of more instructions, ``2 * pp_degree *
+            microbatches`` (with ``profile``): the planner's time grows about with their
+            square. Checked when the coordinator starts (for one stage) and when a job
+            registers (for its stages).
 
     Raises:
         ConfigError: Neither or both of ``frontier_dir`` and ``profile``; a missing or malformed
-            frontier or profile; bad policy; a plan whose number of stages is not the job's, or
+            frontier or profile; a pipeline of more than ``max_instructions`` instructions;
+            bad policy; a plan whose number of stages is not the job's, or
             a frequency some rank's GPU does not support.
 
     """
@@ -106,11 +119,15 @@ class FrontierScheduler(FrequencyScheduler):
         p2p_power: float | None = None,
         solver: str = "auto",
         schedule: str = DEFAULT_SCHEDULE,
+        max_instructions: int = MAX_INSTRUCTIONS,
     ) -> None:
         super().__init__(job_info, rank_infos)
         args = {"frontier_dir": frontier_dir, "policy": policy, "policy_arg": policy_arg}
         args |= {"profile": profile, "microbatches": microbatches, "unit_time": unit_time}
-        self.check_args(args | {"p2p_power": p2p_power, "solver": solver, "schedule": schedule})
+        args |= {"p2p_power": p2p_power, "solver": solver, "schedule": schedule}
+        args |= {"max_instructions": max_instructions}
+        self.check_args(args)
+        self.check_job(args, job_info)  # Before the profile is read.
         self.frontier_dir = frontier_dir
         self.policy, self.policy_arg = parse_policy(policy, policy_arg)
         self._ranks = check_rank_infos(job_info, rank_infos)
@@ -128,6 +145,7 @@ class FrontierScheduler(FrequencyScheduler):
                 unit_time=float(unit_time),
                 solver=solver,
                 schedule=schedule,
+                max_instructions=max_instructions,
             )
             self.frontier = self._computed.frontier(Path(profile), self._computed.base_meta())
         else:
@@ -146,8 +164,10 @@ class FrontierScheduler(FrequencyScheduler):
         """Check what needs no file: one source, the policy, the planning arguments.
 
         With ``profile``: ``microbatches`` given and >= 1, a known solver and schedule,
-        ``unit_time`` > 0, ``p2p_power`` >= 0. The types were checked against the constructor's
-        annotations before (:func:`protocol.scheduler.check_scheduler_args`).
+        ``unit_time`` > 0, ``p2p_power`` >= 0, and ``max_instructions`` >= 1 and at least
+        the instructions of one stage (:meth:`check_job` checks the job's stages). The types
+        were checked against the constructor's annotations before
+        (:func:`protocol.scheduler.check_scheduler_args`).
         """
         name = cls.__name__
         given = [k for k in ("frontier_dir", "profile") if args.get(k) is not None]
@@ -179,6 +199,33 @@ class FrontierScheduler(FrequencyScheduler):
         solver = args.get("solver", "auto")
         if solver not in SOLVERS:
             raise ConfigError(f"{name}: unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
+        cls._check_size(args, None)
+
+    @classmethod
+    def check_job(cls, args: dict[str, Any], job: JobInfo) -> None:
+        """Planning from a profile: the job's stages times ``microbatches`` within the bound."""
+        if args.get("profile") is not None:
+            cls._check_size(args, job.pp_degree)
+
+    @classmethod
+    def _check_size(cls, args: dict[str, Any], stages: int | None) -> None:
+        """Raise ConfigError for a pipeline over ``max_instructions`` (None: 1 stage, unsaid)."""
+        microbatches = int(args["microbatches"])
+        shape = (
+            f"microbatches {microbatches}, even on 1 stage,"
+            if stages is None
+            else f"pp_degree {stages} x microbatches {microbatches}"
+        )
+        try:
+            check_instructions(
+                stages or 1,
+                microbatches,
+                args.get("max_instructions", MAX_INSTRUCTIONS),
+                shape=shape,
+                raise_with=f"set {cls.__name__}'s scheduler argument max_instructions",
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{cls.__name__}: {exc}") from None
 
     @classmethod
     def _check_no_planning_args(cls, args: dict[str, Any]) -> None:

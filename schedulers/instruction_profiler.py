@@ -51,6 +51,7 @@ from protocol.models import (
     RankInfo,
 )
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, check_schedule, stage_order
+from protocol.rank_lists import few_ranks
 from protocol.scheduler import FrequencyScheduler
 from schedulers.parallel3d import check_rank_infos, common_frequencies
 from schedulers.planning.choose import ChosenPlan
@@ -60,6 +61,7 @@ from schedulers.profile_then import (
     MEASURED_PROFILE,
     ThenArgs,
     check_then,
+    check_then_size,
     plan_in_folder,
     write_if_changed,
 )
@@ -97,9 +99,13 @@ class InstructionProfiler(FrequencyScheduler):
         frequencies: Sweep only these clocks (MHz; each must be supported by every GPU).
             Default: each stage's clocks common to its ranks.
         then: Plan and serve a plan once profiled: ``{"out_dir": DIR, "p2p_power": W,
-            "unit_time": s, "policy": "no-slowdown", "policy_arg": None}`` (only
-            ``out_dir`` is required; defaults 0 W, 1 ms, no-slowdown; a planner run with
-            ``p2p_power`` left out logs a warning that waiting counts as free). Each job
+            "unit_time": s, "policy": "no-slowdown", "policy_arg": None,
+            "max_instructions": 100_000}`` (only ``out_dir`` is required; defaults 0 W,
+            1 ms, no-slowdown, 100,000; a planner run with ``p2p_power`` left out logs a
+            warning that waiting counts as free). ``max_instructions`` bounds the planned
+            pipeline, ``2 * pp_degree * microbatches``: checked when the coordinator starts
+            (for one stage), when a job registers and when the profiler is built, not
+            after the sweep. Each job
             plans in its own folder, ``<out_dir>/<job id>/``, from the profile it measured
             (``measured_profile.csv`` there): jobs never share planner files.
         out_path: Also write the profile CSV (full form, one row group per rank) here. The
@@ -152,14 +158,20 @@ class InstructionProfiler(FrequencyScheduler):
     @classmethod
     def check_args(cls, args: dict[str, Any]) -> None:
         """The counts, the schedule and ``then`` (at coordinator start and registration)."""
-        check_counts(
-            args.get("microbatches", 1),
-            args.get("warmup_iters", 1),
-            args.get("stop_after_rises", 5),
-        )
+        microbatches = args.get("microbatches", 1)
+        check_counts(microbatches, args.get("warmup_iters", 1), args.get("stop_after_rises", 5))
         check_schedule(args.get("schedule", DEFAULT_SCHEDULE))
-        check_then(args.get("then"))
+        then = check_then(args.get("then"))
+        if then is not None:
+            check_then_size(then, None, microbatches)
         check_frequencies(args.get("frequencies"))
+
+    @classmethod
+    def check_job(cls, args: dict[str, Any], job: JobInfo) -> None:
+        """With ``then``: the job's stages times ``microbatches`` within the planner's bound."""
+        then = check_then(args.get("then"))
+        if then is not None:
+            check_then_size(then, job.pp_degree, args.get("microbatches", 1))
 
     @classmethod
     def check_files(cls, args: dict[str, Any]) -> None:
@@ -211,6 +223,8 @@ class InstructionProfiler(FrequencyScheduler):
         self.warmup_iters = warmup_iters
         self.stop_after_rises = stop_after_rises
         self.then = check_then(then)
+        if self.then is not None:  # Not found after the sweep, when the planner starts.
+            check_then_size(self.then, job_info.pp_degree, microbatches)
         self._p2p_unset = then is not None and "p2p_power" not in then
         self.out_path = Path(out_path) if out_path is not None else None
         # A folder per job: two jobs of one coordinator plan side by side, each from its own
@@ -287,7 +301,7 @@ class InstructionProfiler(FrequencyScheduler):
             by_rank[res.rank] = res
         missing = sorted(set(self.rank_data) - set(by_rank))
         if missing:
-            raise ProtocolError(f"no profiling results from ranks {missing}")
+            raise ProtocolError(f"no profiling results from ranks [{few_ranks(missing)}]")
         for (stage, inst), freq in measuring.items():
             figures = []
             for info in self.stage_ranks[stage]:
@@ -344,8 +358,8 @@ class InstructionProfiler(FrequencyScheduler):
             sweep.rises, sweep.stopped = int(rises), bool(stopped)
         ranks = {int(rank): rows for rank, rows in state["rank_data"]}
         if set(ranks) != set(self.rank_data):
-            expected = sorted(self.rank_data)
-            raise ValueError(f"snapshot has ranks {sorted(ranks)}, expected {expected}")
+            have, expected = few_ranks(sorted(ranks)), few_ranks(sorted(self.rank_data))
+            raise ValueError(f"snapshot has ranks [{have}], expected [{expected}]")
         self.rank_data = {
             rank: {(str(i), int(f)): (float(t), float(e)) for i, f, t, e in ranks[rank]}
             for rank in self.rank_data

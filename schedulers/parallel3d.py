@@ -10,12 +10,14 @@ each of its ranks.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from protocol.rank_lists import NAMED, few_ranks
 from protocol.scheduler import FrequencyScheduler, constructor_signature
 
 S = TypeVar("S", bound=FrequencyScheduler)
@@ -37,10 +39,14 @@ def check_rank_infos(job_info: JobInfo, rank_infos: Sequence[RankInfo]) -> list[
     # Counted once: a count per rank took minutes for a job of 100,000 (the default limit).
     duplicates = sorted(r for r, n in Counter(seen).items() if n > 1)
     if duplicates:
-        raise ProtocolError(f"job {job_info.job_id}: ranks {duplicates} registered twice")
+        raise ProtocolError(
+            f"job {job_info.job_id}: ranks [{few_ranks(duplicates)}] registered twice"
+        )
     missing = sorted(set(range(job_info.world_size)) - set(seen))
     if missing:
-        raise ProtocolError(f"job {job_info.job_id}: ranks {missing} have not registered")
+        raise ProtocolError(
+            f"job {job_info.job_id}: ranks [{few_ranks(missing)}] have not registered"
+        )
     holder: dict[tuple[int, int, int], int] = {}
     for info in ranks:
         try:
@@ -74,7 +80,7 @@ def common_frequencies(job_id: str, stage: int, members: Sequence[RankInfo]) -> 
         common &= set(info.available_frequencies)
     if not common:
         raise ConfigError(
-            f"job {job_id}: the ranks of stage {stage} ({[info.rank for info in members]}) "
+            f"job {job_id}: the ranks of stage {stage} ([{few_ranks([i.rank for i in members])}]) "
             "have no GPU frequency in common"
         )
     return sorted(common, reverse=True)
@@ -141,7 +147,8 @@ class _ThreeDParallel(FrequencyScheduler):
         missing = sorted(set(self._stage_of) - seen)
         if missing:
             raise ProtocolError(
-                f"job {self.real_job_info.job_id}: no profiling results from ranks {missing}"
+                f"job {self.real_job_info.job_id}: no profiling results from ranks "
+                f"[{few_ranks(missing)}]"
             )
         merged = [merge_stage_results(s, by_stage[s]) for s in sorted(by_stage)]
         super().observe(merged)
@@ -154,7 +161,7 @@ class _ThreeDParallel(FrequencyScheduler):
         if len(per_stage) != pp or set(by_stage) != set(range(pp)):
             raise ProtocolError(
                 f"{type(self).__name__}: expected one schedule for each of {pp} stages, got "
-                f"ranks {sorted(sched.rank for sched in per_stage)}"
+                f"ranks [{few_ranks(sorted(sched.rank for sched in per_stage))}]"
             )
         return [
             FrequencySchedule(
@@ -186,11 +193,11 @@ def merge_stage_results(stage: int, results: Sequence[ProfilingResult]) -> Profi
     ranks = [r.rank for r in results]
     versions = {r.schedule_version for r in results}
     if len(versions) > 1:
-        detail = ", ".join(f"rank {r.rank}: {r.schedule_version}" for r in results)
+        detail = _grouped((r.rank, r.schedule_version) for r in results)
         raise ProtocolError(f"stage {stage}: ranks report different schedule versions ({detail})")
     lengths = {len(r.iter_time) for r in results}
     if len(lengths) > 1:
-        detail = ", ".join(f"rank {r.rank}: {len(r.iter_time)}" for r in results)
+        detail = _grouped((r.rank, len(r.iter_time)) for r in results)
         raise ProtocolError(
             f"stage {stage}: ranks report different numbers of iterations ({detail})"
         )
@@ -218,20 +225,39 @@ def _merge_breakdowns(
     """Combine ``breakdown[instruction][iteration][index]`` across ranks with ``combine``."""
     keys = {frozenset(b) for b in breakdowns}
     if len(keys) > 1:
-        detail = ", ".join(f"rank {r}: {sorted(b)}" for r, b in zip(ranks, breakdowns, strict=True))
+        detail = _grouped((r, sorted(b)) for r, b in zip(ranks, breakdowns, strict=True))
         raise ProtocolError(f"stage {stage}: {what} covers different instructions ({detail})")
     merged: dict[str, list[list[float]]] = {}
     for name in breakdowns[0]:
         shapes = {tuple(len(it) for it in b[name]) for b in breakdowns}
         if len(shapes) > 1:
             raise ProtocolError(
-                f"stage {stage}: {what}[{name!r}] has different shapes across ranks {ranks}"
+                f"stage {stage}: {what}[{name!r}] has different shapes across ranks "
+                f"[{few_ranks(ranks)}]"
             )
         merged[name] = [
             [combine(values) for values in zip(*iterations, strict=True)]
             for iterations in zip(*(b[name] for b in breakdowns), strict=True)
         ]
     return merged
+
+
+def _grouped(pairs: Iterable[tuple[int, Any]]) -> str:
+    """``(rank, value)`` pairs as each value and a few of its ranks: ``1: ranks [0, 2]; 2: rank 1``.
+
+    At most :data:`~protocol.rank_lists.NAMED` values, each with a few ranks, so that a stage
+    of thousands of ranks does not make a message of kilobytes.
+    """
+    by_value: dict[str, list[int]] = {}
+    for rank, value in pairs:
+        by_value.setdefault(str(value), []).append(rank)
+    parts = [
+        f"{value}: ranks [{few_ranks(ranks)}]" if len(ranks) > 1 else f"{value}: rank {ranks[0]}"
+        for value, ranks in itertools.islice(by_value.items(), NAMED)
+    ]
+    if len(by_value) > NAMED:
+        parts.append(f"... and {len(by_value) - NAMED:,} more values")
+    return "; ".join(parts)
 
 
 def is_3d_parallel(cls: type) -> bool:

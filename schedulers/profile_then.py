@@ -19,6 +19,7 @@ from typing_extensions import Required, TypedDict
 from protocol.exceptions import ConfigError
 from schedulers.planning.choose import ChosenPlan, choose_plan, parse_policy
 from schedulers.planning.frontier_files import FRONTIER_CSV
+from schedulers.planning.pipeline_dag import MAX_INSTRUCTIONS, check_instructions
 from schedulers.planning.plan_file import PlanFile, read_plan_file
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.profile_csv import read_profile_csv
@@ -27,7 +28,7 @@ from schedulers.planning.profile_csv import read_profile_csv
 PLAN_MARKER = ".instruction_profiler.json"
 #: The measured profile (full form) a job's planner folder is planned from.
 MEASURED_PROFILE = "measured_profile.csv"
-_THEN_KEYS = {"p2p_power", "unit_time", "policy", "policy_arg", "out_dir"}
+_THEN_KEYS = {"p2p_power", "unit_time", "policy", "policy_arg", "out_dir", "max_instructions"}
 
 
 class ThenArgs(TypedDict, total=False):
@@ -38,6 +39,7 @@ class ThenArgs(TypedDict, total=False):
     unit_time: float
     policy: str
     policy_arg: float | None
+    max_instructions: int
 
 
 def plan_in_folder(
@@ -82,6 +84,7 @@ def plan_in_folder(
             p2p_power=then["p2p_power"],
             unit_time=then["unit_time"],
             schedule=schedule,
+            max_instructions=then["max_instructions"],
         )
         marker.write_text(
             json.dumps({"key": key, "profile": str(measured), **params}, indent=1) + "\n"
@@ -111,6 +114,31 @@ def _marker_key(marker: Path) -> str | None:
         return None
 
 
+def check_then_size(then: dict[str, Any], stages: int | None, microbatches: int) -> None:
+    """Raise ConfigError unless planning ``stages`` x ``microbatches`` is within the bound.
+
+    Args:
+        then: The checked ``then`` (:func:`check_then`), whose ``max_instructions`` bounds it.
+        stages: The job's stages; None where no job is known yet (checked for 1 stage).
+        microbatches: Microbatches per iteration.
+    """
+    shape = (
+        f"microbatches {microbatches}, even on 1 stage,"
+        if stages is None
+        else f"pp_degree {stages} x microbatches {microbatches}"
+    )
+    try:
+        check_instructions(
+            stages or 1,
+            microbatches,
+            then["max_instructions"],
+            shape=shape,
+            raise_with="set then's max_instructions",
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"then: {exc}") from None
+
+
 def check_then(then: ThenArgs | dict[str, Any] | None) -> dict[str, Any] | None:
     """Validate ``then`` and fill in its defaults."""
     if then is None:
@@ -126,6 +154,9 @@ def check_then(then: ThenArgs | dict[str, Any] | None) -> dict[str, Any] | None:
         raise ConfigError(f"then: p2p_power must be >= 0 W, got {p2p_power}")
     if not unit_time > 0:
         raise ConfigError(f"then: unit_time must be positive, got {unit_time}")
+    max_instructions = int(then.get("max_instructions", MAX_INSTRUCTIONS))
+    if max_instructions < 1:
+        raise ConfigError(f"then: max_instructions must be >= 1, got {max_instructions}")
     raw_arg = then.get("policy_arg")
     policy, policy_arg = parse_policy(
         str(then.get("policy", "no-slowdown")), None if raw_arg is None else float(raw_arg)
@@ -136,4 +167,5 @@ def check_then(then: ThenArgs | dict[str, Any] | None) -> dict[str, Any] | None:
         "unit_time": unit_time,
         "policy": policy,
         "policy_arg": policy_arg,
+        "max_instructions": max_instructions,
     }

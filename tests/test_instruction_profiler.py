@@ -302,3 +302,20 @@ def test_simulated_training_wall_clock_waits_for_the_slow_stage(
         assert makespan * 0.97 <= measured <= makespan * 1.12
         assert measured < compute[0][0] + compute[1][0]
         assert measured > compute[0][0] * 1.5
+
+
+def test_a_5000_rank_job_missing_results_names_a_few_ranks() -> None:
+    job, ranks = make_job(pp=1, dp=5_000)
+    profiler = InstructionProfiler(job, ranks, microbatches=1, frequencies=[1980])
+    first = profiler.next_schedule()
+    profiler.observe(fake_results(first[:1], job, synthetic_instruction_table(1), version=1))
+    with pytest.raises(ProtocolError) as info:
+        profiler.next_schedule()  # The sweep takes the results in.
+    assert str(info.value) == (
+        "no profiling results from ranks [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ... and 4,989 more "
+        "(4,999 in all)]"
+    )
+    state = profiler.snapshot()
+    state["rank_data"] = state["rank_data"][:1]
+    with pytest.raises(ValueError, match=r"snapshot has ranks \[0\], expected \[0, 1, .*\(5,000"):
+        InstructionProfiler(job, ranks, microbatches=1, frequencies=[1980]).restore(state)

@@ -299,3 +299,34 @@ def test_a_job_at_the_default_world_size_limit_is_checked_at_once() -> None:
     assert len(check_rank_infos(job(1, dp=size), infos)) == size
     with pytest.raises(ProtocolError, match=r"ranks \[7\] registered twice"):
         check_rank_infos(job(1, dp=size), [*infos, infos[7]])
+
+
+def test_messages_about_a_5000_rank_job_name_a_few_ranks_and_count_them_all() -> None:
+    # Every rank was listed: a job's error (stored, sent to every rank's watcher) and the
+    # dead letters grew by kilobytes per thousand ranks.
+    size = 5_000
+    big, infos = job(1, dp=size), ranks(1, dp=size)
+    short = "[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ... and 4,989 more (4,999 in all)]"
+    with pytest.raises(ProtocolError) as info:
+        check_rank_infos(big, infos[:1])
+    assert str(info.value) == f"job j: ranks {short} have not registered"
+    with pytest.raises(ProtocolError) as info:
+        check_rank_infos(big, infos + infos)
+    assert "... and 4,990 more (5,000 in all)] registered twice" in str(info.value)
+    assert len(str(info.value)) < 200
+
+    sched = Recorder3D(big, infos)
+    with pytest.raises(ProtocolError) as info:
+        sched.observe([res(0, [1.0], [1.0])])
+    assert str(info.value) == f"job j: no profiling results from ranks {short}"
+    results = [res(r, [1.0], [1.0], version=1 + r % 2) for r in range(size)]
+    with pytest.raises(ProtocolError) as info:
+        merge_stage_results(0, results)
+    said = str(info.value)
+    assert said.startswith("stage 0: ranks report different schedule versions (1: ranks ["), said
+    assert "(2,500 in all)]" in said and len(said) < 400, said
+    lonely = [r.model_copy(update={"available_frequencies": [r.rank + 1]}) for r in infos]
+    with pytest.raises(ConfigError) as refused:
+        Recorder3D(big, lonely)
+    assert "(5,000 in all)]) have no GPU frequency in common" in str(refused.value)
+    assert len(str(refused.value)) < 200

@@ -25,14 +25,14 @@ from protocol.cli_options import (
 )
 from protocol.cli_types import FiniteFloatRange
 from protocol.connection import DEFAULT_REDIS_URL
-from protocol.exceptions import PerseusError
+from protocol.exceptions import ConfigError, PerseusError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
 from schedulers.planning.choose import choose_plan
 from schedulers.planning.frontier_compute import p2p_unset_note
 from schedulers.planning.frontier_files import FRONTIER_PNG, load_frontier, timeline_png_name
 from schedulers.planning.frontier_plans import ensure_plan_file
 from schedulers.planning.job import enqueue_planning
-from schedulers.planning.pipeline_dag import MAX_INSTRUCTIONS, instruction_count
+from schedulers.planning.pipeline_dag import MAX_INSTRUCTIONS, check_instructions
 from schedulers.planning.plan_file import read_plan_file
 from schedulers.planning.planner import PLAN_FILES, SOLVERS, plan_frontier
 from schedulers.planning.profile_csv import profile_warnings, read_profile_csv
@@ -79,16 +79,19 @@ def _check_size(stages: int, microbatches: int, limit: int) -> None:
     """Raise a usage error for a pipeline of more than ``limit`` instructions, before any work.
 
     Checked before the profile is read or Redis asked: ``-m 640000`` (a typo for 64) built a
-    DAG of millions of instructions, and the planner hung or ran out of memory.
+    DAG of millions of instructions, and the planner hung or ran out of memory. The planner
+    checks again, with the same function (every path to it does).
     """
-    count = instruction_count(stages, microbatches)
-    if count > limit:
-        raise click.UsageError(
-            f"--stages {stages} x --microbatches {microbatches} make {count:,} instructions (2 "
-            f"per stage and microbatch); the planner takes at most {limit:,}, since its time "
-            "grows about with the square of the count; check both numbers, or give "
-            "--max-instructions N to plan more"
+    try:
+        check_instructions(
+            stages,
+            microbatches,
+            limit,
+            shape=f"--stages {stages} x --microbatches {microbatches}",
+            raise_with="give --max-instructions N",
         )
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _redis_watch_hint(url: str, key: str) -> str:
@@ -213,6 +216,7 @@ def optimize_command(
             plot,
             redis_url,
             {"solver": solver, "plans": plans, "schedule": schedule},
+            max_instructions,
         )
         return
 
@@ -229,6 +233,7 @@ def optimize_command(
             schedule=schedule,
             solver=solver,
             plans=plans,
+            max_instructions=max_instructions,
         )
     except (PerseusError, OSError) as exc:
         raise _fail(exc) from None
@@ -283,6 +288,7 @@ def _enqueue(
     plot: bool,
     redis_url: str | None,
     options: dict[str, str],
+    max_instructions: int,
 ) -> None:
     conn = connect_or_fail(redis_url)
     try:
@@ -295,6 +301,7 @@ def _enqueue(
             p2p_power=p2p_power,
             unit_time=unit_time,
             plot=plot,
+            max_instructions=max_instructions,
             **options,
         )
     except (redis.TimeoutError, redis.ConnectionError) as exc:

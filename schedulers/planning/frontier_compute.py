@@ -34,7 +34,7 @@ from schedulers.planning.frontier_files import (
     plan_id,
 )
 from schedulers.planning.frontier_plans import PlanWriter, plan_header, plan_note
-from schedulers.planning.pipeline_dag import PipelineShape
+from schedulers.planning.pipeline_dag import MAX_INSTRUCTIONS, PipelineShape, check_instructions
 from schedulers.planning.plan_file import PlanFile
 from schedulers.planning.profile_csv import InstructionProfile
 
@@ -195,14 +195,19 @@ def compute_frontier(
     solver: str = "auto",
     progress: ProgressCallback | None = None,
     schedule: str = DEFAULT_SCHEDULE,
+    max_instructions: int = MAX_INSTRUCTIONS,
 ) -> ComputedFrontier:
     """Fit the cost models and compute every frontier point (progress from 0 to 0.9).
 
+    ``max_instructions`` bounds ``2 * num_stages * num_microbatches``, checked first
+    (:func:`~schedulers.planning.pipeline_dag.check_instructions`).
+
     Raises:
-        ConfigError: Bad arguments, a profile that does not cover the pipeline, or a solver
-            failure.
+        ConfigError: Bad arguments, a pipeline of more than ``max_instructions``
+            instructions, a profile that does not cover the pipeline, or a solver failure.
 
     """
+    check_instructions(num_stages, num_microbatches, max_instructions)
     if not unit_time > 0:
         raise ConfigError(f"unit time must be positive, got {unit_time}")
     if not p2p_power >= 0:

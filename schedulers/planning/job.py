@@ -18,7 +18,7 @@ from protocol import keys
 from protocol.connection import connect
 from protocol.exceptions import ConfigError
 from protocol.pipeline_schedules import DEFAULT_SCHEDULE
-from schedulers.planning.pipeline_dag import PipelineShape
+from schedulers.planning.pipeline_dag import MAX_INSTRUCTIONS, PipelineShape, check_instructions
 from schedulers.planning.plan_runs import PLAN_KEY_TTL
 from schedulers.planning.planner import PLAN_FILES, SOLVERS, plan_frontier
 from schedulers.planning.profile_csv import InstructionProfile, ProfileRow, build_profile
@@ -50,6 +50,7 @@ def enqueue_planning(
     schedule: str = DEFAULT_SCHEDULE,
     solver: str = "auto",
     plans: str = "all",
+    max_instructions: int = MAX_INSTRUCTIONS,
 ) -> str:
     """Enqueue :func:`run_planning_job` on the perseus rq queue and return the plan id.
 
@@ -63,14 +64,19 @@ def enqueue_planning(
     ``keys.PLANS_ACTIVE`` (score: enqueue time). The record and the rq job are written in one
     transaction, so a reader never sees the one without the other.
 
+    ``max_instructions`` bounds the pipeline's instructions (``2 * S * M``): a larger one is
+    refused here, before anything is built or queued, and the job checks it again.
+
     Raises:
-        ConfigError: Bad arguments or a profile that does not cover the pipeline.
+        ConfigError: Bad arguments, a pipeline of more than ``max_instructions``
+            instructions, or a profile that does not cover the pipeline.
 
     """
     import time
 
     from rq import Callback, Queue
 
+    check_instructions(num_stages, num_microbatches, max_instructions)
     if not unit_time > 0 or not p2p_power >= 0:
         raise ConfigError(f"need unit_time > 0 and p2p_power >= 0, got {unit_time}, {p2p_power}")
     if solver not in SOLVERS or plans not in PLAN_FILES:
@@ -118,6 +124,7 @@ def enqueue_planning(
             "schedule": schedule,
             "solver": solver,
             "plans": plans,
+            "max_instructions": max_instructions,
         },
         job_timeout=PLAN_JOB_TIMEOUT,
         job_id=keys.plan_rq_job(pid),
@@ -148,6 +155,7 @@ def run_planning_job(
     schedule: str = DEFAULT_SCHEDULE,
     solver: str = "auto",
     plans: str = "all",
+    max_instructions: int = MAX_INSTRUCTIONS,
 ) -> dict[str, Any]:
     """Run :func:`~schedulers.planning.planner.plan_frontier` as an rq job; progress goes to Redis.
 
@@ -203,6 +211,7 @@ def run_planning_job(
             schedule=schedule,
             solver=solver,
             plans=plans,
+            max_instructions=max_instructions,
         )
         if plot:
             from schedulers.planning.plots import plot_run  # matplotlib: only when plotting

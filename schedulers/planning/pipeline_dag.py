@@ -35,11 +35,13 @@ __all__ = [
     "MAX_INSTRUCTIONS",
     "PipelineShape",
     "build_lowtime_dag",
+    "check_instructions",
     "instruction_count",
     "one_f_one_b_order",
 ]
 
-#: Most instructions ``perseus optimize`` plans unless ``--max-instructions`` says more. The
+#: Most instructions the planner takes unless told more (``perseus optimize --max-instructions``,
+#: a ``max_instructions`` argument: :func:`check_instructions`). The
 #: planner's time grows about with the square of the count (compiled core, synthetic profile,
 #: 2-core machine: 16x64 = 2,048 in 2.4 s, 32x256 = 16,384 in 75 s; the pure-Python core took
 #: 52 s for 2,048), so this many take about an hour with the compiled core and days without;
@@ -50,6 +52,44 @@ MAX_INSTRUCTIONS = 100_000
 def instruction_count(num_stages: int, num_microbatches: int) -> int:
     """Instructions (DAG nodes) of a pipeline: a forward and a backward per stage and microbatch."""
     return 2 * num_stages * num_microbatches
+
+
+def check_instructions(
+    num_stages: int,
+    num_microbatches: int,
+    limit: int = MAX_INSTRUCTIONS,
+    *,
+    shape: str | None = None,
+    raise_with: str = "pass max_instructions=N",
+) -> None:
+    """Raise ConfigError for a pipeline of more than ``limit`` instructions, before any work.
+
+    Every path to the planner checks with this (``perseus optimize``, the rq planning job,
+    the schedulers that plan): ``-m 640000``, a typo for 64, built a DAG of millions of
+    instructions, and the planner hung or ran out of memory.
+
+    Args:
+        num_stages: Pipeline stages.
+        num_microbatches: Microbatches per iteration.
+        limit: The most instructions allowed (>= 1).
+        shape: How the message names the two numbers (default ``stages S x microbatches M``);
+            it is followed by ``make N instructions``.
+        raise_with: How the caller raises ``limit``, as in "..., or {raise_with} to plan more".
+
+    Raises:
+        ConfigError: ``limit`` is below 1, or the pipeline has more instructions.
+    """
+    if limit < 1:
+        raise ConfigError(f"max_instructions must be >= 1, got {limit}")
+    count = instruction_count(num_stages, num_microbatches)
+    if count <= limit:
+        return
+    shape = shape or f"stages {num_stages} x microbatches {num_microbatches}"
+    raise ConfigError(
+        f"{shape} make {count:,} instructions (2 per stage and microbatch); the planner takes "
+        f"at most {limit:,}, since its time grows about with the square of the count; check "
+        f"both numbers, or {raise_with} to plan more"
+    )
 
 
 if TYPE_CHECKING:

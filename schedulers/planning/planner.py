@@ -69,6 +69,7 @@ from schedulers.planning.frontier_plans import (
     plan_note,
     write_plan_log,
 )
+from schedulers.planning.pipeline_dag import MAX_INSTRUCTIONS
 from schedulers.planning.profile_csv import InstructionProfile
 from schedulers.planning.profile_writer import write_profile_rows
 
@@ -93,6 +94,7 @@ def plan_frontier(
     solver: str = "auto",
     plans: str = "all",
     schedule: str = DEFAULT_SCHEDULE,
+    max_instructions: int = MAX_INSTRUCTIONS,
 ) -> Frontier:
     """Compute the iteration time-energy frontier and write it (and plan files) to a folder.
 
@@ -111,13 +113,15 @@ def plan_frontier(
         schedule: The pipeline schedule the training runs, ``"1f1b"`` or ``"gpipe"``
             (:mod:`protocol.pipeline_schedules`); recorded in every plan's
             ``pipeline_schedule`` header and in ``frontier.json``.
+        max_instructions: Refuse a pipeline of more instructions (``2 * S * M``), before
+            anything is built or written: the planner's time grows about with their square.
 
     Returns:
         The frontier, also written to ``out_dir``.
 
     Raises:
-        ConfigError: Bad arguments, a profile that does not cover the pipeline, or a solver
-            failure.
+        ConfigError: Bad arguments, a pipeline of more than ``max_instructions``
+            instructions, a profile that does not cover the pipeline, or a solver failure.
 
     """
     if plans not in PLAN_FILES:
@@ -132,6 +136,7 @@ def plan_frontier(
         solver=solver,
         progress=progress,
         schedule=schedule,
+        max_instructions=max_instructions,
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
