@@ -54,7 +54,7 @@ from protocol.cli_types import FiniteFloatRange
 from protocol.connection import SOCKET_TIMEOUT_S
 from protocol.exceptions import ConfigError, PerseusError
 from protocol.json_text import DuplicateKeyError, loads_unique
-from protocol.scheduler import BUILTIN, resolve_scheduler
+from protocol.scheduler import BUILTIN, describe_arguments, resolve_scheduler
 from schedulers.planning.cli import choose_command, optimize_command
 from worker_client.gpu.cli import profile_p2p_command
 from worker_client.power_limit.cli import power_limit_group
@@ -143,10 +143,14 @@ def coordinator(
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Without arguments, the plan (PERSEUS_PLAN, the compose stack's) becomes solution_path in
+    # check_scheduler: a refusal then names the variable, not --scheduler-args.
+    env_plan = settings.plan if not settings.scheduler_args else ""
+    has_args = bool(settings.scheduler_args)
     try:
         settings.check_scheduler()
     except PerseusError as exc:
-        hint = _scheduler_hint(settings.scheduler, bool(settings.scheduler_args))
+        hint = _scheduler_hint(settings.scheduler, has_args, env_plan)
         raise click.UsageError(f"{exc}\n{hint}") from None
     try:
         settings.check_dump_dir(
@@ -202,13 +206,15 @@ def _on_command_line(param: str) -> bool:
     return source is ParameterSource.COMMANDLINE
 
 
-def _scheduler_hint(name: str, has_args: bool) -> str:
+def _scheduler_hint(name: str, has_args: bool, env_plan: str = "") -> str:
     """The exact options that start a coordinator with ``name`` or without a default.
 
     Args:
         name: The scheduler it was started with.
         has_args: Scheduler arguments are set; without a scheduler they must go too (they
             may come from ``PERSEUS_SCHEDULER_ARGS``, which ``--scheduler ''`` leaves set).
+        env_plan: The plan file from ``PERSEUS_PLAN`` that stood for the arguments (the
+            compose stack's ``/plans/plan.py``), or empty.
     """
     try:
         params = [
@@ -218,6 +224,17 @@ def _scheduler_hint(name: str, has_args: bool) -> str:
         ]
     except PerseusError:
         params = []
+    if env_plan and "solution_path" in params:
+        no_default = "perseus coordinator --scheduler ''"
+        return "\n".join(
+            [
+                f"The plan {env_plan} comes from PERSEUS_PLAN: set PERSEUS_PLAN to an existing "
+                "plan file\n(under docker compose: put it at ./plans/plan.py, e.g. with "
+                "`perseus choose DIR --copy-to plans/plan.py`),\nor start with no default:",
+                f"  {no_default}   (no default: each job names one; under docker compose: "
+                "PERSEUS_SCHEDULER= in .env)",
+            ]
+        )
     lines = ["Start it with, for example:"]
     if name in ("PointSolution", "PointSolution3D"):
         lines.append(
@@ -431,17 +448,19 @@ def redis_command(appendonly: bool) -> None:
 
 @main.command()
 def schedulers() -> None:
-    """List the built-in scheduler names usable as PERSEUS_SCHEDULER."""
+    """List the built-in scheduler names usable as PERSEUS_SCHEDULER, with their arguments.
+
+    Each argument with its type and default (``(required)`` where it has none).
+    """
     for name in sorted(BUILTIN):
         try:
-            params = [
-                p
-                for p in inspect.signature(resolve_scheduler(name)).parameters
-                if p not in ("job_info", "rank_infos")
-            ]
-            click.echo(f"{name:<22} args: {', '.join(params) or '-'}")
+            arguments = describe_arguments(resolve_scheduler(name))
         except PerseusError as exc:
             click.echo(f"{name:<22} unavailable: {exc}")
+            continue
+        click.echo(name if arguments else f"{name:<22} no arguments")
+        for line in arguments:
+            click.echo(f"    {line}")
 
 
 # Commands that live next to what they drive (one concept per module).

@@ -11,6 +11,7 @@ from protocol.scheduler import (
     check_scheduler_args,
     resolve_scheduler,
 )
+from protocol.suggest import did_you_mean
 
 
 def job_config(settings: PerseusSettings, message: RegisterJob) -> JobConfig:
@@ -64,7 +65,8 @@ def _chosen(settings: PerseusSettings, message: RegisterJob) -> JobConfig:
     # any rank make the workers import arbitrary code.
     if message.scheduler not in BUILTIN:
         raise ProtocolError(
-            f"job asked for scheduler {message.scheduler!r}; a job may choose one of "
+            f"job asked for scheduler {message.scheduler!r}"
+            f"{did_you_mean(message.scheduler, BUILTIN)}; a job may choose one of "
             f"{', '.join(sorted(BUILTIN))} (others only through the coordinator's settings)"
         )
     given = {k for k, v in message.scheduler_args.items() if v is not None}

@@ -6,7 +6,6 @@ values directly: ``PerseusSettings(redis_url=..., scheduler="PointSolution3D")``
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
 import os
@@ -21,6 +20,7 @@ from protocol.constants import MAX_CLOCK_MHZ, MAX_RANK_CLOCKS
 from protocol.exceptions import ConfigError
 from protocol.json_text import DuplicateKeyError, loads_unique
 from protocol.scheduler import check_scheduler_args, resolve_scheduler
+from protocol.suggest import did_you_mean
 from schedulers.profiler_args import check_writable
 
 # The longest time a setting may name: Redis refuses an EXPIRE past about 2**63 ms, and a
@@ -310,8 +310,7 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
             continue
         # Compared without the prefix, which every name shares: PERSEUS_FOO is not
         # close to PERSEUS_PLAN.
-        close = difflib.get_close_matches(upper[prefix:], sorted(k[prefix:] for k in known), n=1)
-        hint = f" (did you mean PERSEUS_{close[0]}?)" if close else ""
+        hint = did_you_mean(upper[prefix:], (k[prefix:] for k in known), prefix="PERSEUS_")
         messages.append(f"unknown environment variable {name}{hint}")
     for names in spellings.values():
         if len(names) > 1:

@@ -32,6 +32,7 @@ from pydantic import PydanticUserError, TypeAdapter, ValidationError
 
 from protocol.exceptions import ConfigError, ProtocolError
 from protocol.models import FrequencySchedule, JobInfo, ProfilingResult, RankInfo
+from protocol.suggest import did_you_mean
 
 
 class FrequencyScheduler:
@@ -288,7 +289,10 @@ def resolve_scheduler(name: str) -> type[FrequencyScheduler]:
     module_name, sep, attr = target.partition(":")
     if not sep:
         known = ", ".join(sorted(BUILTIN))
-        raise ConfigError(f"unknown scheduler {name!r}; use one of {known} or 'module:Class'")
+        raise ConfigError(
+            f"unknown scheduler {name!r}{did_you_mean(name, BUILTIN)}; use one of {known} "
+            "or 'module:Class'"
+        )
     try:
         module = importlib.import_module(module_name)
         cls = getattr(module, attr)
@@ -395,6 +399,26 @@ def constructor_signature(cls: type[FrequencyScheduler]) -> inspect.Signature:
                 pass
         params.append(param.replace(annotation=annotation))
     return signature.replace(parameters=params)
+
+
+def describe_arguments(cls: type[FrequencyScheduler]) -> list[str]:
+    """The scheduler's arguments as ``name: type = default`` (``(required)`` without one).
+
+    Keyword arguments of its constructor, as ``perseus schedulers`` lists them; a parameter
+    without an annotation shows no type.
+    """
+    lines = []
+    for param in constructor_signature(cls).parameters.values():
+        if param.name in ("job_info", "rank_infos") or param.kind in (
+            param.VAR_POSITIONAL,
+            param.VAR_KEYWORD,
+        ):
+            continue
+        annotation = param.annotation
+        kind = "" if annotation is param.empty else f": {_type_name(annotation)}"
+        default = " (required)" if param.default is param.empty else f" = {param.default!r}"
+        lines.append(f"{param.name}{kind}{default}")
+    return lines
 
 
 @functools.lru_cache(maxsize=256)

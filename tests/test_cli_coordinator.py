@@ -102,6 +102,41 @@ def test_the_no_default_start_a_refusal_offers_starts_with_the_same_variables(
     assert first.startswith("perseus coordinator: scheduler=none (each job"), first + rest
 
 
+def test_a_missing_plan_from_perseus_plan_is_told_to_fix_perseus_plan(redis_url):
+    # The compose stack's default: PointSolution3D with PERSEUS_PLAN=/plans/plan.py. The advice
+    # was the CLI's --scheduler-args, which has no place in a compose file.
+    env = {"PERSEUS_SCHEDULER": "PointSolution3D", "PERSEUS_PLAN": "/no/plans/plan.py"}
+    code, out = invoke_perseus("coordinator", "--redis-url", redis_url, env=env)
+    assert code == 2, out
+    assert "/no/plans/plan.py: plan file not found" in out
+    assert (
+        "set PERSEUS_PLAN to an existing plan file (under docker compose: put it at "
+        "./plans/plan.py" in " ".join(out.split())
+    ), out
+    assert '--scheduler-args \'{"solution_path"' not in out, out
+    # With no default the plan is not used: no --scheduler-args to clear.
+    assert "perseus coordinator --scheduler ''   (no default" in out, out
+
+
+def test_an_unknown_scheduler_name_is_answered_with_the_nearest(redis_url):
+    code, out = invoke_perseus(
+        "coordinator", "--redis-url", redis_url, "--scheduler", "PointSoluton"
+    )
+    assert code == 2, out
+    assert "unknown scheduler 'PointSoluton' (did you mean PointSolution?)" in out, out
+
+
+def test_schedulers_lists_each_argument_with_its_type_and_default():
+    code, out = invoke_perseus("schedulers")
+    assert code == 0, out
+    lines = [line.strip() for line in out.splitlines()]
+    profiler = lines[lines.index("InstructionProfiler") :]
+    assert "microbatches: int (required)" in profiler, out
+    assert "stop_after_rises: int = 5" in profiler, out
+    assert "frequencies: list[int] | None = None" in profiler, out
+    assert "policy: str = 'no-slowdown'" in lines, out
+
+
 class _Seen:
     """Stands in for the coordinator's loop: records the settings a start built, runs nothing."""
 

@@ -14,8 +14,10 @@ what runs between them.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,12 +26,15 @@ from typing import Any
 
 import pytest
 import redis
+from click.testing import CliRunner
 from rq import Worker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
 from protocol import keys
 from protocol.store import JobStore
+from schedulers.planning.plan_file import read_plan_file
+from schedulers.planning.synthetic_profile import write_synthetic_profile
 from tests.compose_stack import (
     COMPOSE_COMMANDS,
     Stack,
@@ -38,11 +43,10 @@ from tests.compose_stack import (
     publish_redis_on_loopback,
     readme_commands,
 )
-from tests.helpers import free_ports, wait_for
-from tests.rank_helpers import collect_ranks, spawn_ranks, write_1f1b_plan
+from tests.helpers import free_ports, planner_cli, wait_for
+from tests.rank_helpers import collect_ranks, spawn_ranks
 
 PP, MICROBATCHES = 4, 4
-STAGE_CLOCKS = [(1980, 1950), (1905, 1890), (1830, 1815), (1755, 1740)]  # (forward, backward)
 PLAN_STEPS = 6
 # The fault job: the InstructionProfiler sweeps these clocks, one version per clock, and never
 # stops early, so versions keep coming while the faults happen.
@@ -116,17 +120,28 @@ def version_of_step(record: dict, step: int) -> int:
 class SmokeRun:
     """What runs between the README's commands: jobs from the host, checks, faults."""
 
-    def __init__(self, stack: Stack, plan_dir: Path, out: Path) -> None:
+    def __init__(self, stack: Stack, out: Path) -> None:
         self.stack = stack
         self.out = out
-        # The plan the README's `cp DIR/freqs_pipeline_00042.py plans/plan.py` copies.
-        plan = plan_dir / "freqs_pipeline_00042.py"
-        self.plan_stages = write_1f1b_plan(plan, PP, MICROBATCHES, STAGE_CLOCKS)
+        # What `perseus demo` leaves in the folder, for this test's pipeline: the frontier the
+        # README's `perseus choose perseus-demo/frontier ... --copy-to plans/plan.py` reads.
+        profile = write_synthetic_profile(out / "profile.csv", PP, stride=12)
+        frontier = stack.project / "perseus-demo" / "frontier"
+        argv = ["optimize", str(profile), "-s", str(PP), "-m", str(MICROBATCHES)]
+        res = CliRunner().invoke(planner_cli(), [*argv, "--out", str(frontier)])
+        assert res.exit_code == 0, res.output
+        self.plan_stages: list[list[tuple[str, int]]] = []
         self.url = ""
         self.plan_job = ""
         self.done: list[str] = []
 
     # --- after the README's commands ------------------------------------------------------------
+    def after_plan_choice(self) -> None:
+        plan = read_plan_file(self.stack.project / "plans" / "plan.py")
+        assert (plan.num_stages, plan.num_microbatches) == (PP, MICROBATCHES), plan.source
+        self.plan_stages = plan.stages
+        self.stack.note(f"plans/plan.py: {plan.header.get('plan', '?')} of the frontier")
+
     def after_env_file(self) -> None:
         env_file = self.stack.project / ".env"
         values = dict(line.split("=", 1) for line in env_file.read_text().split())
@@ -158,6 +173,10 @@ class SmokeRun:
     def after_status(self, output: str) -> None:
         assert self.plan_job in output, output
         assert "workers=1" in output, output
+
+    def after_rq_info(self, output: str) -> None:
+        # rq's own view, through the URL the container has (rq reads no PERSEUS_REDIS_URL).
+        assert "1 workers, " in output and keys.RQ_QUEUE in output, output
 
     def after_xinfo(self, output: str) -> None:
         words = output.split()
@@ -349,6 +368,7 @@ STEPS = {
     "up -d --build": "after_up",
     "ps": "after_ps",
     "exec coordinator perseus status": "after_status",
+    """exec worker sh -c 'rq info --url "$PERSEUS_REDIS_URL"'""": "after_rq_info",
     "exec redis redis-cli XINFO GROUPS perseus:stream:results": "after_xinfo",
     "up -d --scale worker=3": "after_scale",
     "down -v": "after_down",
@@ -369,21 +389,23 @@ def test_compose_stack_end_to_end(compose, tmp_path, monkeypatch):
     project = tmp_path / "perseus-mq"
     copy_repository(project)
     publish_redis_on_loopback(project / "docker-compose.yml")
-    plan_dir, out = tmp_path / "plan-src", tmp_path / "out"
-    plan_dir.mkdir()
+    out = tmp_path / "out"
     out.mkdir()
     monkeypatch.setenv("PERSEUS_SIM_GPU_DIR", str(tmp_path / "simgpu"))  # the ranks' GPUs
     transcript = tmp_path / "transcript.txt"
     stack = Stack(compose, project, f"perseus-smoke-{int(time.time())}", transcript)
-    smoke = SmokeRun(stack, plan_dir, out)
+    # The README's `perseus` on the host: this interpreter's (the venv's).
+    stack.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{stack.env.get('PATH', '')}"
+    smoke = SmokeRun(stack, out)
     went_down = False
     try:
         for command in readme_commands():
-            command = command.replace("DIR/", f"{plan_dir}/")
             if not command.startswith("docker compose "):
                 stack.shell(command)
                 if ".env" in command:
                     smoke.after_env_file()
+                if "plans/plan.py" in command:
+                    smoke.after_plan_choice()
                 continue
             args = shlex.split(command.removeprefix("docker compose "))
             if args[0] == "exec":

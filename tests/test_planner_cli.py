@@ -203,3 +203,22 @@ def test_max_instructions_lets_a_larger_pipeline_be_planned(tmp_path: Path) -> N
         planner_cli(), [*args, "--out", str(tmp_path / "b"), "--max-instructions", "8"]
     )
     assert res.exit_code == 0, res.output
+
+
+def test_choose_copy_to_puts_the_chosen_plan_where_the_stack_reads_it(tmp_path: Path) -> None:
+    # README (docker compose): the stack serves ./plans/plan.py; a first user had to find the
+    # chosen plan's number in the output and copy it by hand.
+    profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
+    out = tmp_path / "frontier"
+    runner = CliRunner()
+    res = runner.invoke(
+        planner_cli(),
+        ["optimize", str(profile), "-s", "2", "-m", "2", "--out", str(out), "--unit-time", "0.002"],
+    )
+    assert res.exit_code == 0, res.output
+    target = tmp_path / "plans" / "plan.py"
+    res = runner.invoke(planner_cli(), ["choose", str(out), "--copy-to", str(target)])
+    assert res.exit_code == 0, res.output
+    chosen = choose_plan(out, "no-slowdown").file
+    assert target.read_bytes() == chosen.read_bytes()
+    assert f"copied to:      {target}" in res.output

@@ -125,6 +125,22 @@ def test_a_job_naming_no_scheduler_where_there_is_no_default_is_told_how_to_name
     assert "--scheduler NAME --scheduler-args JSON" in said
 
 
+def test_a_job_naming_a_misspelt_scheduler_is_told_the_nearest_name() -> None:
+    settings = make_settings("redis://localhost:1", "")
+    message = RegisterJob(
+        request_id="r1",
+        job=JobInfo(pp_degree=1, dp_degree=1, tp_degree=1, world_size=1),
+        scheduler="InstructionProfilr",
+        scheduler_args={"microbatches": 8},
+    )
+    with pytest.raises(ProtocolError, match=r"\(did you mean InstructionProfiler\?\)"):
+        job_config(settings, message)
+    # Nothing near: no guess.
+    with pytest.raises(ConfigError) as caught:
+        resolve_scheduler("Zzz")
+    assert "did you mean" not in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [

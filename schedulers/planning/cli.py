@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -344,9 +345,21 @@ _POLICY_HELP = (
 @click.option(
     "--plot", is_flag=True, help="Draw the frontier with the plan marked, and its timeline."
 )
+@click.option(
+    "--copy-to",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also copy the chosen plan file to this file (folders made), e.g. plans/plan.py, "
+    "the plan the docker compose stack serves.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the choice as JSON.")
 def choose_command(
-    frontier_dir: str, policy: str, value: float | None, plot: bool, as_json: bool
+    frontier_dir: str,
+    policy: str,
+    value: float | None,
+    plot: bool,
+    copy_to: Path | None,
+    as_json: bool,
 ) -> None:
     """Pick a frequency plan from a `perseus optimize` output folder DIR."""
     try:
@@ -354,6 +367,9 @@ def choose_command(
         chosen = choose_plan(frontier, policy, value)
         # --plans chosen: written now; read either way, so a broken file is not named as the plan.
         read_plan_file(ensure_plan_file(frontier, frontier.point(chosen.plan)))
+        if copy_to is not None:
+            copy_to.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(chosen.file, copy_to)
         paths: dict[str, Path] = {}
         if plot:
             # matplotlib: only when plotting.
@@ -369,6 +385,8 @@ def choose_command(
     if as_json:
         data = asdict(chosen)
         data["file"] = str(chosen.file)
+        if copy_to is not None:
+            data["copied_to"] = str(copy_to)
         data.update({f"{k}_png": str(v) for k, v in paths.items()})
         click.echo(json.dumps(data, indent=2))
         return
@@ -377,6 +395,8 @@ def choose_command(
     click.echo(f"policy:         {spec}{limit}")
     click.echo(f"plan:           {chosen.plan}")
     click.echo(f"file:           {chosen.file}")
+    if copy_to is not None:
+        click.echo(f"copied to:      {copy_to}")
     click.echo(
         f"iteration time: {chosen.iteration_time:.4f} s (all-max {chosen.allmax_time:.4f} s, "
         f"{chosen.slowdown_pct:+.2f}%)"
