@@ -47,7 +47,7 @@ from schedulers.planning.frontier_compute import (
 )
 from schedulers.planning.frontier_files import Frontier, FrontierPoint, load_frontier
 from schedulers.planning.frontier_plans import plan_from_log
-from schedulers.planning.pipeline_dag import MAX_INSTRUCTIONS, check_instructions
+from schedulers.planning.pipeline_dag import MAX_INSTRUCTIONS, check_job_instructions
 from schedulers.planning.plan_file import PlanFile, read_plan_file
 from schedulers.planning.profile_csv import read_profile_csv
 from schedulers.point_solution import check_plan_fits
@@ -210,22 +210,13 @@ class FrontierScheduler(FrequencyScheduler):
     @classmethod
     def _check_size(cls, args: dict[str, Any], stages: int | None) -> None:
         """Raise ConfigError for a pipeline over ``max_instructions`` (None: 1 stage, unsaid)."""
-        microbatches = int(args["microbatches"])
-        shape = (
-            f"microbatches {microbatches}, even on 1 stage,"
-            if stages is None
-            else f"pp_degree {stages} x microbatches {microbatches}"
+        check_job_instructions(
+            cls.__name__,
+            stages,
+            int(args["microbatches"]),
+            args.get("max_instructions", MAX_INSTRUCTIONS),
+            raise_with=f"set {cls.__name__}'s scheduler argument max_instructions",
         )
-        try:
-            check_instructions(
-                stages or 1,
-                microbatches,
-                args.get("max_instructions", MAX_INSTRUCTIONS),
-                shape=shape,
-                raise_with=f"set {cls.__name__}'s scheduler argument max_instructions",
-            )
-        except ConfigError as exc:
-            raise ConfigError(f"{cls.__name__}: {exc}") from None
 
     @classmethod
     def _check_no_planning_args(cls, args: dict[str, Any]) -> None:

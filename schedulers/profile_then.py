@@ -19,7 +19,7 @@ from typing_extensions import Required, TypedDict
 from protocol.exceptions import ConfigError
 from schedulers.planning.choose import ChosenPlan, choose_plan, parse_policy
 from schedulers.planning.frontier_files import FRONTIER_CSV
-from schedulers.planning.pipeline_dag import MAX_INSTRUCTIONS, check_instructions
+from schedulers.planning.pipeline_dag import MAX_INSTRUCTIONS, check_job_instructions
 from schedulers.planning.plan_file import PlanFile, read_plan_file
 from schedulers.planning.planner import plan_frontier
 from schedulers.planning.profile_csv import read_profile_csv
@@ -122,21 +122,9 @@ def check_then_size(then: dict[str, Any], stages: int | None, microbatches: int)
         stages: The job's stages; None where no job is known yet (checked for 1 stage).
         microbatches: Microbatches per iteration.
     """
-    shape = (
-        f"microbatches {microbatches}, even on 1 stage,"
-        if stages is None
-        else f"pp_degree {stages} x microbatches {microbatches}"
+    check_job_instructions(
+        "then", stages, microbatches, then["max_instructions"], "set then's max_instructions"
     )
-    try:
-        check_instructions(
-            stages or 1,
-            microbatches,
-            then["max_instructions"],
-            shape=shape,
-            raise_with="set then's max_instructions",
-        )
-    except ConfigError as exc:
-        raise ConfigError(f"then: {exc}") from None
 
 
 def check_then(then: ThenArgs | dict[str, Any] | None) -> dict[str, Any] | None:

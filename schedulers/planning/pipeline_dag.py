@@ -36,6 +36,7 @@ __all__ = [
     "PipelineShape",
     "build_lowtime_dag",
     "check_instructions",
+    "check_job_instructions",
     "instruction_count",
     "one_f_one_b_order",
 ]
@@ -90,6 +91,33 @@ def check_instructions(
         f"at most {limit:,}, since its time grows about with the square of the count; check "
         f"both numbers, or {raise_with} to plan more"
     )
+
+
+def check_job_instructions(
+    owner: str, stages: int | None, microbatches: int, limit: int, raise_with: str
+) -> None:
+    """:func:`check_instructions` for a scheduler's arguments, named after ``owner``.
+
+    Args:
+        owner: What the message starts with (``FrontierScheduler``, ``then``).
+        stages: The job's stages (``pp_degree``); None where no job is known yet (the
+            coordinator's start): checked for one stage.
+        microbatches: Microbatches per iteration.
+        limit: The most instructions allowed.
+        raise_with: How the user raises ``limit``.
+
+    Raises:
+        ConfigError: Over the limit, the reason led by ``owner``.
+    """
+    shape = (
+        f"microbatches {microbatches}, even on 1 stage,"
+        if stages is None
+        else f"pp_degree {stages} x microbatches {microbatches}"
+    )
+    try:
+        check_instructions(stages or 1, microbatches, limit, shape=shape, raise_with=raise_with)
+    except ConfigError as exc:
+        raise ConfigError(f"{owner}: {exc}") from None
 
 
 if TYPE_CHECKING:
