@@ -94,7 +94,9 @@ def test_killed_worker_fails_its_planner_run_which_then_expires(tmp_path, redis_
         assert record(r, plan_id)["message"] == "its worker died (rq: abandoned)"
         assert 0 < r.ttl(keys.plan_key(plan_id)) <= PLAN_KEY_TTL
         assert r.zscore(keys.PLANS_ACTIVE, plan_id) is None
-        assert Job.fetch(rq_id, connection=r).get_status() == "failed"
+        # rq runs the failure callback first, then marks its job failed.
+        rq_failed = lambda: Job.fetch(rq_id, connection=r).get_status() == "failed"  # noqa: E731
+        wait_for(rq_failed, 60, "rq to mark its job failed")
         shown = status_runs(redis_url, tmp_path)[plan_id]
         assert (shown["state"], shown["message"]) == ("failed", "its worker died (rq: abandoned)")
     finally:
