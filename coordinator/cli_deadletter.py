@@ -1,17 +1,20 @@
-"""``perseus deadletter``: list, replay and purge what the coordinator could not process."""
+"""``perseus deadletter``: list, show, replay and purge what the coordinator could not process."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
+from typing import Any
 
 import click
 
 from coordinator.cli_common import connect_settings
 from protocol.cli_options import redis_url_option
 from protocol.cli_types import FiniteFloatRange
+from protocol.codec import unpack_raw
 from protocol.constants import MAX_ENTRY_FIELDS
 from protocol.deadletter import (
     DeadLetter,
@@ -21,7 +24,7 @@ from protocol.deadletter import (
     purge,
     replay,
 )
-from protocol.exceptions import PerseusError
+from protocol.exceptions import PerseusError, ProtocolError
 
 
 @click.group("deadletter")
@@ -48,15 +51,80 @@ def deadletter_list(redis_url: str | None, count: int, as_json: bool) -> None:
     if not letters:
         click.echo("no dead letters")
     for d in letters:
-        when = (
-            datetime.fromtimestamp(d.dead_at, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-            if d.dead_at
-            else "?"  # not recorded, or no time (an entry added by hand)
-        )
-        mark = "" if d.replayable else "  (not replayable)"
-        source = f"{d.source_stream or '?'} {d.source_id or '?'}"
-        click.echo(f"{d.entry_id}  {when}  {source}  {d.kind or '?'}  {d.job_id or '-'}{mark}")
-        click.echo(f"    {d.reason}")
+        click.echo(_heading(d))
+
+
+def _heading(d: DeadLetter) -> str:
+    """A dead letter's line (id, time, source, kind, job) and its reason's, as ``list`` shows."""
+    when = (
+        datetime.fromtimestamp(d.dead_at, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        if d.dead_at
+        else "?"  # not recorded, or no time (an entry added by hand)
+    )
+    mark = "" if d.replayable else "  (not replayable)"
+    source = f"{d.source_stream or '?'} {d.source_id or '?'}"
+    return (
+        f"{d.entry_id}  {when}  {source}  {d.kind or '?'}  {d.job_id or '-'}{mark}\n    {d.reason}"
+    )
+
+
+@deadletter_group.command("show")
+@redis_url_option
+@click.argument("entry_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
+def deadletter_show(redis_url: str | None, entry_id: str, as_json: bool) -> None:
+    """Show one dead letter whole: its reason and every field the client sent.
+
+    ``data`` is decoded from msgpack (shown as JSON); other values as text, or as hex where
+    they are not UTF-8. An entry of more than 64 fields, kept packed in one, is shown field
+    by field too.
+    """
+    try:
+        letter = get_dead_letter(connect_settings(redis_url), entry_id)
+    except PerseusError as exc:
+        raise click.ClickException(str(exc)) from None
+    fields = {
+        name.decode(errors="replace"): _readable(name, value)
+        for name, value in letter.original.items()
+    }
+    if as_json:
+        click.echo(json.dumps(letter.summary() | {"size": letter.size, "fields": fields}, indent=1))
+        return
+    click.echo(_heading(letter))
+    if letter.size is not None:
+        click.echo(f"  an entry of {letter.size} bytes: only the head of its fields was kept")
+    click.echo(f"  fields ({len(fields)}):")
+    for name, value in fields.items():
+        shown = f"(hex) {value['hex']}" if isinstance(value, dict) and "hex" in value else value
+        if name == "data" and not isinstance(shown, str):
+            shown = json.dumps(value)
+        click.echo(f"    {name}: {shown}")
+
+
+def _readable(name: bytes, value: bytes) -> Any:
+    """A field's value for people: ``data`` unpacked, text as text, other bytes as hex."""
+    if name == b"data":
+        try:
+            return _json_safe(unpack_raw(value))
+        except ProtocolError as exc:
+            return {"hex": value.hex(), "error": str(exc)}
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return {"hex": value.hex()}
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` (unpacked msgpack) with bytes as ``{"hex": ...}`` and every key as text."""
+    if isinstance(value, bytes):
+        return {"hex": value.hex()}
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # JSON has no NaN or infinity
+    return value
 
 
 @deadletter_group.command("replay")

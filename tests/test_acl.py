@@ -62,10 +62,12 @@ def test_each_role_works_within_its_permissions_and_is_refused_outside(
 
         # Operators read everything a command shows, and change nothing.
         operator = url_of(port, "operator")
+        letter = redis.Redis.from_url(service_url).xadd(keys.DEADLETTER_STREAM, {"reason": "x"})
         for args in (
             ["status"],
             ["dump", job_id, "--out", str(tmp_path / "d")],
             ["deadletter", "list"],
+            ["deadletter", "show", letter.decode()],
         ):
             result = CliRunner().invoke(main, [*args, "--redis-url", operator])
             assert result.exit_code == 0, (args, result.output)

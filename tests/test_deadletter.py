@@ -221,3 +221,29 @@ def test_replay_all_passes_over_a_dead_letter_without_original_fields(r, redis_u
     assert [i.decode() for i, _ in r.xrange(keys.DEADLETTER_STREAM)] == [empty]
     code, out = cli("deadletter", "replay", empty, "--redis-url", redis_url)
     assert code == 1 and f"dead letter {empty} has no original fields to replay" in out, out
+
+
+def test_show_prints_one_dead_letter_whole_with_its_data_decoded(r, redis_url):
+    """`list` names a dead letter and its reason; what the client sent was readable only as
+    raw msgpack (`redis-cli XRANGE`), and not at all for an entry of thousands of fields (one
+    packed blob): `show` decodes it, as text or as JSON."""
+    result = {"rank": 3, "iter_time": [0.5], "iter_energy": [float("nan")]}
+    data = msgpack.packb({"kind": "report_result", "result": result})
+    sent = {b"kind": b"report_result", b"data": data, b"job_id": b"j1", b"mac": b"\xff\x00"}
+    many = {**sent, **{f"junk{i}".encode(): b"x" for i in range(5000)}}
+    ids = []
+    for fields in (sent, many):
+        letter = deadletter.entry_fields(keys.RESULTS_STREAM, "1-1", fields, "bad rank", 1.0)
+        ids.append(r.xadd(keys.DEADLETTER_STREAM, letter).decode())
+    code, out = cli("deadletter", "show", ids[0], "--redis-url", redis_url)
+    assert code == 0, out
+    assert ids[0] in out and "bad rank" in out and f"{keys.RESULTS_STREAM} 1-1" in out
+    assert '"iter_time": [0.5]' in out and "job_id: j1" in out and "mac: (hex) ff00" in out
+    code, out = cli("deadletter", "show", ids[1], "--json", "--redis-url", redis_url)
+    assert code == 0, out
+    shown = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} is no JSON"))
+    assert shown["id"] == ids[1] and not shown["replayable"] and len(shown["fields"]) == 5004
+    assert shown["fields"]["data"]["result"] == {**result, "iter_energy": ["nan"]}
+    assert shown["fields"]["junk4999"] == "x" and shown["fields"]["mac"] == {"hex": "ff00"}
+    code, out = cli("deadletter", "show", "9-9", "--redis-url", redis_url)
+    assert code == 1 and "no dead letter 9-9" in out, out
