@@ -258,6 +258,7 @@ OPERATOR_COMMANDS = [
     ["profile", "some-job"],
     ["target", "some-job", "1.5"],
     ["deadletter", "list"],
+    ["deadletter", "show", "1-1"],
     ["deadletter", "replay", "--all"],
     ["deadletter", "purge", "--all"],
 ]

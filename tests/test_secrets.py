@@ -59,6 +59,7 @@ COMMAND_ARGS: dict[str, list[list[str]]] = {
     "profile": [["no-such-job"]],
     "target": [["no-such-job", "1.0"]],
     "deadletter list": [[]],
+    "deadletter show": [["9-9"]],
     "deadletter replay": [["--all"]],
     "deadletter purge": [["--all"]],
     "optimize": [["profile.csv", "-s", "2", "-m", "2", "--out", "plans", "--enqueue"]],
