@@ -23,16 +23,22 @@ from schedulers.planning.synthetic_profile import (
 from tests.helpers import planner_cli
 
 
-def test_cli_optimize_and_choose(tmp_path: Path) -> None:
+def _optimized(tmp_path: Path, runner: CliRunner, out: Path) -> tuple[Path, str]:
+    """`perseus optimize` of a 2-stage synthetic profile into ``out``: the profile, output."""
     profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
-    out = tmp_path / "out"
-    runner = CliRunner()
     res = runner.invoke(
         planner_cli(),
         ["optimize", str(profile), "-s", "2", "-m", "2", "--out", str(out), "--unit-time", "0.002"],
     )
     assert res.exit_code == 0, res.output
-    assert "no slowdown:" in res.output and "rounding:" in res.output
+    return profile, res.output
+
+
+def test_cli_optimize_and_choose(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    runner = CliRunner()
+    profile, output = _optimized(tmp_path, runner, out)
+    assert "no slowdown:" in output and "rounding:" in output
     assert (out / "frontier.png").is_file()
     res = runner.invoke(
         planner_cli(), ["choose", str(out), "--policy", "max-slowdown 1.1", "--plot"]
@@ -208,14 +214,9 @@ def test_max_instructions_lets_a_larger_pipeline_be_planned(tmp_path: Path) -> N
 def test_choose_copy_to_puts_the_chosen_plan_where_the_stack_reads_it(tmp_path: Path) -> None:
     # README (docker compose): the stack serves ./plans/plan.py; a first user had to find the
     # chosen plan's number in the output and copy it by hand.
-    profile = write_synthetic_profile(tmp_path / "p.csv", 2, stride=12)
     out = tmp_path / "frontier"
     runner = CliRunner()
-    res = runner.invoke(
-        planner_cli(),
-        ["optimize", str(profile), "-s", "2", "-m", "2", "--out", str(out), "--unit-time", "0.002"],
-    )
-    assert res.exit_code == 0, res.output
+    _optimized(tmp_path, runner, out)
     target = tmp_path / "plans" / "plan.py"
     res = runner.invoke(planner_cli(), ["choose", str(out), "--copy-to", str(target)])
     assert res.exit_code == 0, res.output
