@@ -95,10 +95,15 @@ def deadletter_show(redis_url: str | None, entry_id: str, as_json: bool) -> None
         click.echo(f"  an entry of {letter.size} bytes: only the head of its fields was kept")
     click.echo(f"  fields ({len(fields)}):")
     for name, value in fields.items():
-        shown = f"(hex) {value['hex']}" if isinstance(value, dict) and "hex" in value else value
-        if name == "data" and not isinstance(shown, str):
-            shown = json.dumps(value)
-        click.echo(f"    {name}: {shown}")
+        click.echo(f"    {name}: {_as_text(name, value)}")
+
+
+def _as_text(name: str, value: Any) -> str:
+    """A field as ``show`` prints it: decoded ``data`` as JSON, bytes as ``(hex) ...``."""
+    if isinstance(value, dict) and "hex" in value and (name != "data" or "error" in value):
+        error = f", {value['error']}" if "error" in value else ""
+        return f"(hex{error}) {value['hex']}"
+    return json.dumps(value) if name == "data" else str(value)
 
 
 def _readable(name: bytes, value: bytes) -> Any:

@@ -245,5 +245,10 @@ def test_show_prints_one_dead_letter_whole_with_its_data_decoded(r, redis_url):
     assert shown["id"] == ids[1] and not shown["replayable"] and len(shown["fields"]) == 5004
     assert shown["fields"]["data"]["result"] == {**result, "iter_energy": ["nan"]}
     assert shown["fields"]["junk4999"] == "x" and shown["fields"]["mac"] == {"hex": "ff00"}
+    broken = {b"kind": b"report_result", b"data": b"\xc1"}
+    letter = deadletter.entry_fields(keys.RESULTS_STREAM, "1-2", broken, "not msgpack", 1.0)
+    broken_id = r.xadd(keys.DEADLETTER_STREAM, letter).decode()
+    code, out = cli("deadletter", "show", broken_id, "--redis-url", redis_url)
+    assert code == 0 and "data: (hex, not valid msgpack" in out and ") c1" in out, out
     code, out = cli("deadletter", "show", "9-9", "--redis-url", redis_url)
     assert code == 1 and "no dead letter 9-9" in out, out
